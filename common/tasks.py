@@ -1,0 +1,82 @@
+"""Synthetic prompt sets with verifiable answers (`fleetrl init-data`).
+
+``arithmetic``: addition of two numbers in ``[0, max_operand]``, zero-padded so every prompt has the
+same length (``07+58=`` -> ``65``). Equal-length prompts keep position ids identical between
+generation and training without any left-padding bookkeeping. The held-out split is drawn first and
+the training split never contains one of its problems.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Callable, Iterator
+
+TASKS: dict[str, Callable[..., Iterator[tuple[str, str]]]] = {}
+
+
+def _task(name: str):
+    def wrap(fn):
+        if name in TASKS:
+            raise ValueError(f"task {name!r} is registered twice")
+        TASKS[name] = fn
+        return fn
+
+    return wrap
+
+
+@_task("arithmetic")
+def arithmetic_problems(max_operand: int = 99) -> Iterator[tuple[str, str]]:
+    """Every (prompt, answer) pair ``a+b=`` with zero-padded operands, in a fixed order."""
+    width = len(str(max_operand))
+    for a in range(max_operand + 1):
+        for b in range(max_operand + 1):
+            yield f"{a:0{width}d}+{b:0{width}d}=", str(a + b)
+
+
+def make_splits(task: str, n: int, eval_n: int, seed: int, **kwargs) -> tuple[list[dict], list[dict]]:
+    """Train rows (sampled with replacement from the non-held-out problems) and held-out eval rows."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(sorted(TASKS))}")
+    problems = list(TASKS[task](**kwargs))
+    if eval_n >= len(problems):
+        raise ValueError(f"eval_n={eval_n} leaves no training problems (the task has {len(problems)}); lower --eval-n")
+    rng = random.Random(seed)
+    rng.shuffle(problems)
+    held_out, pool = problems[:eval_n], problems[eval_n:]
+    if n <= len(pool):
+        train = rng.sample(pool, n)
+    else:
+        train = [pool[i % len(pool)] for i in range(n)]
+        rng.shuffle(train)
+    to_rows = lambda items, split: [  # noqa: E731
+        {"id": f"{split}-{i}", "prompt": p, "answer": a} for i, (p, a) in enumerate(items)
+    ]
+    return to_rows(train, "train"), to_rows(held_out, "eval")
+
+
+def eval_path(train_path: str | Path) -> Path:
+    """Where the held-out split of ``data/x.jsonl`` goes: ``data/x.eval.jsonl``."""
+    p = Path(train_path)
+    return p.with_name(p.stem + ".eval" + (p.suffix or ".jsonl"))
+
+
+def write_jsonl(rows: list[dict], path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with p.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return p
+
+
+def init_data(task: str, out: str, n: int, eval_n: int, seed: int, max_operand: int) -> tuple[Path, Path]:
+    train, held_out = make_splits(task, n, eval_n, seed, max_operand=max_operand)
+    return write_jsonl(train, out), write_jsonl(held_out, eval_path(out))
+
+
+def main(args) -> int:
+    train, held_out = init_data(args.task, args.out, args.n, args.eval_n, args.seed, args.max_operand)
+    print(f"wrote {args.n} training prompts to {train} and {args.eval_n} held-out prompts to {held_out}")
+    return 0

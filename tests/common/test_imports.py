@@ -1,0 +1,34 @@
+"""`common/` must import without torch, deepspeed, vllm or transformers (the CLI too)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+HEAVY = ("torch", "deepspeed", "vllm", "transformers")
+
+
+def _loaded_after(code: str) -> list[str]:
+    probe = f"{code}\nimport sys\nprint(','.join(m for m in {HEAVY!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return [m for m in out.stdout.strip().split(",") if m]
+
+
+def test_config_and_messages_import_light():
+    assert _loaded_after("import fleetrl.common.config, fleetrl.common.messages, fleetrl.common.tasks") == []
+
+
+def test_cli_help_imports_light():
+    code = "from fleetrl.common.cli import build_parser\nbuild_parser().format_help()"
+    assert _loaded_after(code) == []
+
+
+def test_every_command_has_help():
+    from fleetrl.common.cli import COMMANDS
+
+    top = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "--help"], capture_output=True, text=True, check=True)
+    for name in COMMANDS:
+        assert name in top.stdout
+        out = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", name, "--help"], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert "usage: fleetrl " + name in out.stdout

@@ -1,0 +1,155 @@
+"""Wire messages: round trip of every type, and one typed error for every kind of bad frame."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import msgspec
+import numpy as np
+import pytest
+
+from fleetrl.common import messages as m
+
+
+def make_group(n: int = 4, t: int = 16, gid: str = "g1", version: int = 3) -> m.SampleGroup:
+    rng = np.random.default_rng(0)
+    return m.SampleGroup(
+        group_id=gid, prompt_id="0:7", policy_version=version, prompt_tokens=m.pack_tokens([5, 6, 7]),
+        responses=[
+            m.Response(
+                tokens=m.pack_tokens(rng.integers(0, 100, t)), logprobs=m.pack_logprobs(-rng.random(t)),
+                reward=float(i), finish_reason="length" if i else "stop", reward_parts={"exact": float(i)},
+            )
+            for i in range(n)
+        ],
+        trace={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+        created_at=1.5, metadata={"answer": "12"},
+    )
+
+
+def examples() -> list[msgspec.Struct]:
+    weights = m.WeightsInfo(
+        transport="gloo", master_addr="127.0.0.1", master_port=29500, round_id=2,
+        buckets=[[m.ParamSpec(name="w", shape=[2, 3], dtype="float32")]],
+    )
+    return [
+        m.Register(req_id=1, client_id="r0", role="rollout", rank=2, info={"host": "h"}),
+        m.Heartbeat(req_id=2, client_id="r0", policy_version=4, stats={"tokens_per_s": 10.5}),
+        m.LeasePrompts(req_id=3, client_id="r0", n=8, policy_version=1),
+        m.PushGroup(req_id=4, client_id="r0", group=make_group()),
+        m.ReturnPrompts(req_id=5, client_id="r0", lease_id="L1", prompt_ids=["0:1"]),
+        m.LeaseBatch(req_id=6, client_id="l0", n=16, wait_s=2.0, min_groups=4),
+        m.AckBatch(req_id=7, client_id="l0", lease_id="B1", step=3, group_ids=["g1"]),
+        m.Commit(req_id=8, client_id="l0", step=10),
+        m.Rewind(req_id=9, client_id="l0", step=10),
+        m.PublishVersion(req_id=10, client_id="l0", version=5, step=5, weights=weights),
+        m.Control(req_id=11, client_id="l0", action="discard", reason="rollback", min_version=3, max_version=6),
+        m.GetStatus(req_id=12),
+        m.GetVersion(req_id=13, client_id="r0"),
+    ]
+
+
+def reply_examples() -> list[msgspec.Struct]:
+    return [
+        m.Ack(req_id=1, ref="g1", count=2, duplicate=True),
+        m.Error(req_id=2, code="invalid_group", reason="bad"),
+        m.Throttle(req_id=3, retry_after_s=0.5, reason="queue full"),
+        m.Registered(req_id=4, broker_id="b", policy_version=2, vocab_size=263, paused=True),
+        m.PromptLease(req_id=5, lease_id="L", prompts=[m.Prompt(prompt_id="0:1", prompt="1+1=", answer="2"),
+                                                       m.Prompt(prompt_id="0:2", prompt=[{"role": "user", "content": "hi"}])],
+                      expires_in_s=30.0, policy_version=2),
+        m.BatchLease(req_id=6, lease_id="B", groups=[make_group()], expires_in_s=60.0, dropped_stale=1),
+        m.CurrentVersion(req_id=7, version=3, step=3, weights=m.WeightsInfo(transport="filesystem", path="/w/3")),
+        m.Status(req_id=8, broker_id="b", uptime_s=1.0, policy_version=1, queue_depth=2, groups_in_flight=1,
+                 prompts_leased=3, groups_in=4, groups_out=5, groups_in_per_s=1.0, groups_out_per_s=2.0,
+                 dropped_stale=1, duplicates=1, rejected={"invalid_group": 2}, staleness_hist={"0": 3},
+                 clients=[m.ClientInfo(client_id="r0", role="rollout", stats={"a": 1.0})]),
+    ]
+
+
+@pytest.mark.parametrize("msg", examples(), ids=lambda x: type(x).__name__)
+def test_request_round_trip(msg):
+    assert m.decode_request(m.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", reply_examples(), ids=lambda x: type(x).__name__)
+def test_reply_round_trip(msg):
+    assert m.decode_reply(m.encode(msg)) == msg
+
+
+def test_announcement_round_trip():
+    for msg in (m.VersionAnnouncement(version=3, step=3, weights=m.WeightsInfo(transport="filesystem", path="/x")),
+                m.ControlAnnouncement(action="pause", reason="rollback")):
+        assert m.decode_announcement(m.encode(msg)) == msg
+
+
+def test_arrays_are_raw_little_endian_bytes():
+    g = make_group(n=1, t=3)
+    assert g.responses[0].tokens == np.asarray(m.unpack_tokens(g.responses[0].tokens), dtype="<i4").tobytes()
+    assert m.pack_tokens([1, 258]) == b"\x01\x00\x00\x00\x02\x01\x00\x00"
+    assert m.unpack_logprobs(m.pack_logprobs([-0.5])).tolist() == [-0.5]
+    # 8 responses x 512 tokens x (4 + 4) bytes = 32 KiB of payload, little framing on top
+    big = make_group(n=8, t=512)
+    assert 32768 < len(m.encode(m.PushGroup(req_id=1, client_id="r", group=big))) < 33500
+
+
+def test_requests_and_replies_do_not_cross():
+    with pytest.raises(m.ProtocolError, match="unknown message tag 20"):
+        m.decode_request(m.encode(m.Ack(req_id=1)))
+    with pytest.raises(m.ProtocolError):
+        m.decode_reply(m.encode(m.GetStatus(req_id=1)))
+
+
+def _raw_push() -> list:
+    return msgspec.msgpack.decode(m.encode(m.PushGroup(req_id=1, client_id="r", group=make_group())))
+
+
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda raw: raw[3][4][0].__setitem__(2, math.nan), "reward is nan"),
+        (lambda raw: raw[3][4][0].__setitem__(2, math.inf), "reward is inf"),
+        (lambda raw: raw[3][4][0].__setitem__(1, raw[3][4][0][1][:-4]), "16 tokens but 15 log-probs"),
+        (lambda raw: raw[3][4][0].__setitem__(0, raw[3][4][0][0][:-1]), "not a whole number of int32"),
+        (lambda raw: raw[3].__setitem__(4, []), "has no responses"),
+        (lambda raw: raw[3].__setitem__(3, b""), "prompt_tokens is 0 bytes"),
+        (lambda raw: raw[3].__setitem__(2, "three"), "Expected `int`, got `str`"),
+        (lambda raw: raw.__setitem__(3, "not a group"), "Expected `array`, got `str`"),
+        (lambda raw: raw[3].__setitem__(2, -1), "negative policy_version"),
+    ],
+)
+def test_bad_groups_raise_protocol_error_with_reason(mutate, reason):
+    raw = _raw_push()
+    mutate(raw)
+    with pytest.raises(m.ProtocolError) as e:
+        m.decode_request(msgspec.msgpack.encode(raw))
+    assert reason in e.value.reason
+
+
+def test_random_and_truncated_frames_only_raise_protocol_error():
+    rng = random.Random(0)
+    good = m.encode(m.PushGroup(req_id=1, client_id="r", group=make_group()))
+    frames = [rng.randbytes(rng.randint(0, 300)) for _ in range(1000)]
+    frames += [good[:k] for k in range(0, len(good), 97)]
+    frames += [bytes(b ^ 0xFF if rng.random() < 0.01 else b for b in good) for _ in range(50)]
+    errors = 0
+    for frame in frames:
+        for decode in (m.decode_request, m.decode_reply, m.decode_announcement):
+            try:
+                decode(frame)
+            except m.ProtocolError as e:
+                assert e.reason
+                errors += 1
+    assert errors > 2900  # almost every frame is rejected; none raised anything else
+
+
+def test_check_group_finds_vocab_and_logprob_problems():
+    g = make_group(t=4)
+    assert m.check_group(g, vocab_size=100) is None
+    assert "outside the vocabulary of 50" in m.check_group(g, vocab_size=50)
+    bad = msgspec.structs.replace(g.responses[0], logprobs=m.pack_logprobs([0.0, -1.0, math.nan, -2.0]))
+    g2 = msgspec.structs.replace(g, responses=[bad])
+    assert "log-probs" in m.check_group(g2)
+    g3 = msgspec.structs.replace(g, prompt_tokens=m.pack_tokens([-3]))
+    assert "negative token id" in m.check_group(g3)
