@@ -277,8 +277,12 @@ class AlgorithmConfig(Section):
     loss_agg_norm_len: Annotated[
         int | None, doc("Fixed length of seq-mean-token-sum-norm (null = rollout.max_new_tokens).")
     ] = None
-    clip_low: Annotated[float, doc("PPO clip epsilon below 1 (ratio >= 1 - clip_low).", ge=0)] = 0.2
-    clip_high: Annotated[float, doc("PPO clip epsilon above 1; DAPO's clip-higher uses 0.28.", ge=0)] = 0.2
+    clip_low: Annotated[
+        float | None, doc("Clip epsilon below 1 (ratio >= 1 - clip_low); null = the loss's default (ppo_clip/dapo 0.2, gspo 3e-4).")
+    ] = None
+    clip_high: Annotated[
+        float | None, doc("Clip epsilon above 1; null = the loss's default (ppo_clip 0.2, dapo 0.28, gspo 4e-4).")
+    ] = None
     dual_clip: Annotated[float | None, doc("Dual-clip constant c > 1 for negative advantages (null = off).")] = None
     norm_by_std: Annotated[bool, doc("GRPO: divide the group-centred reward by the group std.")] = True
     gamma: Annotated[float, doc("Discount factor.", ge=0, le=1)] = 1.0
