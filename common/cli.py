@@ -71,8 +71,27 @@ def _init_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-operand", type=int, default=99, help="operands are drawn from 0..max-operand")
 
 
+def _status_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--broker", required=True, metavar="ADDR", help="broker request address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--config", "-c", metavar="FILE", help="job YAML, for CURVE client keys (broker.curve)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+    p.add_argument("--json", action="store_true", help="print the status and its metrics as one JSON line")
+    p.add_argument("--watch", type=float, default=0.0, metavar="S", help="refresh every S seconds (0 = once)")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds to wait for the broker")
+
+
+def _keys_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["generate"], help="generate: write CURVE keypairs")
+    p.add_argument("dir", metavar="DIR", help="directory for NAME.key (public) and NAME.key_secret files")
+    p.add_argument("--clients", nargs="*", default=["client"], metavar="NAME",
+                   help="client keypairs to write besides the broker's `server` pair (default: client)")
+
+
 # name -> (implementation "module:function", one-line help, argument builder)
 COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = {
+    "broker": ("fleetrl.broker.server:main", "run the broker (queue, leases, staleness, spool)", _broker_args),
+    "status": ("fleetrl.broker.status:main", "print a broker's queue, leases, rates and clients", _status_args),
+    "keys": ("fleetrl.broker.keys:main", "generate CURVE keypairs for the broker and its clients", _keys_args),
     "config": ("fleetrl.common.config_cli:main", "show, validate or document a job config", _config_args),
     "init-model": ("fleetrl.learner.init_model:main", "write a tiny HF model + tokenizer built locally", _init_model_args),
     "init-data": ("fleetrl.common.tasks:main", "write a synthetic prompt set with answers (train + held-out)", _init_data_args),

@@ -279,6 +279,8 @@ class Registered(Message, tag=23):  # Broker -> client
     heartbeat_s: float = 2.0
     weights: WeightsInfo = msgspec.field(default_factory=WeightsInfo)
     paused: bool = False
+    pub_port: int = 0  # announcements: SUB-connect to the broker's host on this port
+    max_message_bytes: int = 0  # larger frames are refused; clients check before sending
 
 
 class PromptLease(Message, tag=24):  # Broker -> Rollout
@@ -396,6 +398,48 @@ def decode_announcement(buf: bytes) -> Announcement:
 def decode_group(buf: bytes) -> SampleGroup:
     """Decode one bare SampleGroup (spool records); raises ProtocolError."""
     return _decode(_group_decoder, buf, "sample group")
+
+
+def peek_header(buf: bytes) -> tuple[int, int] | None:
+    """(tag, req_id) read from the first bytes of a frame without decoding the rest, or None.
+
+    Lets the broker answer an oversized or invalid frame with a typed error the client can match.
+    """
+    try:
+        off = 1 if 0x90 <= buf[0] <= 0x9F else 3 if buf[0] == 0xDC else 5 if buf[0] == 0xDD else 0
+        if not off:
+            return None
+        values = []
+        for _ in range(2):
+            b = buf[off]
+            if b < 0x80:
+                values.append(b)
+                off += 1
+            elif 0xCC <= b <= 0xCF:
+                size = 1 << (b - 0xCC)
+                values.append(int.from_bytes(buf[off + 1 : off + 1 + size], "big"))
+                off += 1 + size
+            else:
+                return None
+        return values[0], values[1]
+    except IndexError:
+        return None
+
+
+def to_dict(value: Any) -> Any:
+    """A message as plain dicts/lists (``to_builtins`` would give arrays for array-like structs)."""
+    if isinstance(value, msgspec.Struct):
+        return {f: to_dict(getattr(value, f)) for f in value.__struct_fields__}
+    if isinstance(value, (list, tuple)):
+        return [to_dict(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_dict(v) for k, v in value.items()}
+    if isinstance(value, bytes):
+        return f"<{len(value)} bytes>"
+    return value
+
+
+PUSH_GROUP_TAG = PushGroup.__struct_config__.tag
 
 
 # ---------------------------------------------------------------------------- array helpers

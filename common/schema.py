@@ -226,13 +226,19 @@ class OffPolicyConfig(Section):
         Literal["none", "tis", "decoupled"],
         doc("Off-policy correction: none, truncated IS (min(pi_old/mu, C)), or AReaL's decoupled PPO."),
     ] = "tis"
-    level: Annotated[Literal["token", "sequence"], doc("Importance weights per token or per sequence.")] = "token"
-    cap: Annotated[float, doc("Truncation C of the importance weights.", gt=0)] = 2.0
+    level: Annotated[
+        Literal["token", "sequence"], doc("Importance weights per token or per sequence (gspo always uses sequence).")
+    ] = "token"
+    cap: Annotated[
+        float, doc("Cap C of the importance weights: tis truncates them at C, decoupled drops tokens above C.", gt=0)
+    ] = 2.0
 
 
 class AdaptiveKlConfig(Section):
     target: Annotated[float, doc("KL the adaptive controller steers towards.", gt=0)] = 0.01
-    horizon: Annotated[int, doc("Steps over which the controller reacts (larger = slower).", ge=1)] = 10000
+    horizon: Annotated[
+        int, doc("Samples over which the coefficient may move by 20% (Ziegler et al.; larger = slower).", ge=1)
+    ] = 10000
 
 
 class KlConfig(Section):

@@ -1,0 +1,386 @@
+"""Client side of the broker protocol, used by rollout servers, learners and `fleetrl status`.
+
+``AsyncBrokerClient`` (asyncio) owns one DEALER socket with many requests in flight, matched to
+replies by ``req_id``. ``BrokerClient`` is the thin synchronous wrapper (its event loop runs in a
+daemon thread, which also sends heartbeats while the caller computes). Both raise
+``BrokerUnavailable`` when no reply comes in time — the message names the setting to raise — and
+``BrokerError`` for a typed error reply. Every request is safe to retry: group pushes are
+de-duplicated by ``group_id``, and leases lost with a reply expire and are re-issued.
+
+``fleetrl.broker.inproc.InprocBrokerClient`` has the same methods without sockets (unit tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from typing import Any, Awaitable, Callable, TypeVar
+
+import zmq
+import zmq.asyncio
+import zmq.auth
+from zmq.utils.monitor import recv_monitor_message
+
+from fleetrl.common import messages as m
+from fleetrl.common.schema import CurveConfig
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class BrokerUnavailable(ConnectionError):
+    """The broker did not answer in time (down, unreachable, or refusing this client)."""
+
+
+class BrokerUnauthorized(BrokerUnavailable):
+    """The broker refused this client's CURVE key."""
+
+
+class BrokerError(RuntimeError):
+    """A typed error reply; ``code`` is one of ``messages.ErrorCode``."""
+
+    def __init__(self, code: str, reason: str):
+        super().__init__(f"{code}: {reason}")
+        self.code, self.reason = code, reason
+
+
+def default_client_id(role: str, index: int = 0) -> str:
+    return f"{role}-{index}-{socket.gethostname()}-{os.getpid()}"
+
+
+class AsyncBrokerClient:
+    def __init__(self, address: str, client_id: str, role: str, rank: int = 0, *, timeout_s: float = 30.0,
+                 curve: CurveConfig | None = None, info: dict[str, str] | None = None,
+                 ctx: zmq.asyncio.Context | None = None):
+        self.address, self.client_id, self.role, self.rank = address, client_id, role, rank
+        self.timeout_s, self.curve, self.info = timeout_s, curve, info or {}
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self.sock: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self.registered: m.Registered | None = None
+        self.bad_replies = 0
+
+    # ------------------------------------------------------------- lifecycle
+    def _secure(self, sock: zmq.Socket) -> None:
+        if not (self.curve.client_secret_key and self.curve.server_public_key):
+            raise ValueError("broker.curve is set, so this client needs broker.curve.client_secret_key "
+                             "(from `fleetrl keys generate`) and broker.curve.server_public_key")
+        public, secret = zmq.auth.load_certificate(self.curve.client_secret_key)
+        server_public, _ = zmq.auth.load_certificate(self.curve.server_public_key)
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, server_public
+
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(kind)
+        sock.linger = 0
+        if self.curve is not None:
+            self._secure(sock)
+        return sock
+
+    async def connect(self, timeout_s: float | None = None) -> m.Registered:
+        """Connect and register (the ready handshake); raises BrokerUnavailable/Unauthorized."""
+        try:
+            self.sock = self._socket(zmq.DEALER)
+            if self.curve is not None:
+                self._monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+            self.sock.connect(self.address)
+            self._reader = asyncio.create_task(self._read())
+            register = self.request(lambda rid: m.Register(req_id=rid, client_id=self.client_id, role=self.role,
+                                                           rank=self.rank, info=self.info),
+                                    timeout_s=timeout_s or self.timeout_s, retries=0)
+            reply = await (self._race_auth(register) if self._monitor is not None else register)
+        except BaseException:
+            await self.close()
+            raise
+        self.registered = reply
+        return reply
+
+    async def _race_auth(self, register: Awaitable[T]) -> T:
+        task = asyncio.ensure_future(register)
+        monitor = asyncio.ensure_future(recv_monitor_message(self._monitor))
+        done, _ = await asyncio.wait({task, monitor}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            monitor.cancel()
+            return task.result()
+        task.cancel()
+        raise BrokerUnauthorized(f"the broker at {self.address} refused this client's CURVE key "
+                                 f"({self.curve.client_secret_key}); add its public key to the broker's "
+                                 "broker.curve.authorized_keys_dir")
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(BrokerUnavailable("client closed"))
+        self._pending.clear()
+        for sock in (self._monitor, self.sock):
+            if sock is not None:
+                sock.close(linger=0)
+        self.sock = self._monitor = None
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            try:
+                reply = m.decode_reply(frames[-1])
+            except m.ProtocolError as e:
+                self.bad_replies += 1
+                log.warning("ignored an undecodable reply from the broker: %s", e.reason)
+                continue
+            fut = self._pending.pop(reply.req_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+
+    # --------------------------------------------------------------- requests
+    async def request(self, make: Callable[[int], m.Message], *, timeout_s: float | None = None, retries: int = 2,
+                      raise_errors: bool = True) -> Any:
+        """Send ``make(req_id)``; wait for its reply, retrying with backoff on timeouts."""
+        timeout = timeout_s or self.timeout_s
+        for attempt in range(retries + 1):
+            req_id = next(self._ids)
+            fut = asyncio.get_running_loop().create_future()
+            self._pending[req_id] = fut
+            await self.sock.send(m.encode(make(req_id)))
+            try:
+                reply = await asyncio.wait_for(fut, timeout)
+            except asyncio.TimeoutError:
+                self._pending.pop(req_id, None)
+                if attempt < retries:
+                    await asyncio.sleep(min(5.0, 0.2 * 2**attempt) * (0.5 + random.random()))
+                continue
+            if raise_errors and isinstance(reply, m.Error):
+                raise BrokerError(reply.code, reply.reason)
+            return reply
+        raise BrokerUnavailable(
+            f"no reply from the broker at {self.address} within {timeout:g} s ({retries + 1} attempt(s)); check that it "
+            "runs and that broker.address (or --broker) points to it, or raise broker.request_timeout_s")
+
+    async def lease_prompts(self, n: int, policy_version: int) -> m.PromptLease | m.Throttle:
+        return await self.request(lambda r: m.LeasePrompts(req_id=r, client_id=self.client_id, n=n, policy_version=policy_version))
+
+    async def push_group(self, group: m.SampleGroup, deadline_s: float = 600.0) -> m.Ack:
+        """Push until acknowledged (the broker de-duplicates retries); BrokerError for an invalid group."""
+        limit = self.registered.max_message_bytes if self.registered else 0
+        size = len(m.encode(group))
+        if limit and size > limit:
+            raise BrokerError("too_large", f"group {group.group_id} is {size} bytes, over broker.max_message_bytes={limit}; "
+                                           "generate shorter responses or raise that setting on the broker")
+        give_up = time.monotonic() + deadline_s
+        while True:
+            try:
+                return await self.request(lambda r: m.PushGroup(req_id=r, client_id=self.client_id, group=group))
+            except BrokerUnavailable:
+                if time.monotonic() > give_up:
+                    raise
+                log.warning("broker did not ack group %s; retrying", group.group_id)
+
+    async def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None) -> m.Ack:
+        return await self.request(lambda r: m.ReturnPrompts(req_id=r, client_id=self.client_id, lease_id=lease_id,
+                                                            prompt_ids=list(prompt_ids or [])))
+
+    async def lease_batch(self, n: int, wait_s: float = 0.0, min_groups: int = 1) -> m.BatchLease | m.Throttle:
+        return await self.request(
+            lambda r: m.LeaseBatch(req_id=r, client_id=self.client_id, n=n, wait_s=wait_s, min_groups=min_groups),
+            timeout_s=self.timeout_s + wait_s)
+
+    async def ack_batch(self, lease_id: str, group_ids: list[str], step: int) -> m.Ack:
+        return await self.request(lambda r: m.AckBatch(req_id=r, client_id=self.client_id, lease_id=lease_id, step=step,
+                                                       group_ids=list(group_ids)))
+
+    async def commit(self, step: int) -> m.Ack:
+        return await self.request(lambda r: m.Commit(req_id=r, client_id=self.client_id, step=step))
+
+    async def rewind(self, step: int) -> m.Ack:
+        return await self.request(lambda r: m.Rewind(req_id=r, client_id=self.client_id, step=step))
+
+    async def publish_version(self, version: int, step: int, weights: m.WeightsInfo) -> m.Ack:
+        return await self.request(lambda r: m.PublishVersion(req_id=r, client_id=self.client_id, version=version,
+                                                             step=step, weights=weights))
+
+    async def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1) -> m.Ack:
+        return await self.request(lambda r: m.Control(req_id=r, client_id=self.client_id, action=action, reason=reason,
+                                                      min_version=min_version, max_version=max_version))
+
+    async def heartbeat(self, policy_version: int, stats: dict[str, float] | None = None) -> m.Ack:
+        return await self.request(lambda r: m.Heartbeat(req_id=r, client_id=self.client_id, policy_version=policy_version,
+                                                        stats=stats or {}), retries=0)
+
+    async def current_version(self) -> m.CurrentVersion:
+        return await self.request(lambda r: m.GetVersion(req_id=r, client_id=self.client_id))
+
+    async def status(self) -> m.Status:
+        return await self.request(lambda r: m.GetStatus(req_id=r, client_id=self.client_id))
+
+    def pub_address(self) -> str | None:
+        """The broker's announcement endpoint (same host as the request endpoint)."""
+        if self.registered is None or not self.registered.pub_port:
+            return None
+        host = self.address.rsplit(":", 1)[0]
+        return f"{host}:{self.registered.pub_port}"
+
+    def subscribe(self) -> "AsyncSubscription":
+        address = self.pub_address()
+        if address is None:
+            raise BrokerUnavailable("the broker announced no PUB port; connect() first")
+        sock = self._socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(address)
+        return AsyncSubscription(sock)
+
+
+class AsyncSubscription:
+    """Version and control announcements from the broker's PUB socket."""
+
+    def __init__(self, sock: zmq.asyncio.Socket):
+        self.sock = sock
+        self.bad = 0
+
+    async def next(self, timeout_s: float | None = None) -> m.Announcement | None:
+        """The next announcement, or None after ``timeout_s`` (0 = only what is already there)."""
+        while True:
+            if timeout_s is not None and not await self.sock.poll(int(timeout_s * 1000)):
+                return None
+            topic, payload = (await self.sock.recv_multipart())[-2:]
+            try:
+                return m.decode_announcement(payload)
+            except m.ProtocolError:
+                self.bad += 1
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class BrokerClient:
+    """Synchronous wrapper: the async client runs on an event loop in a daemon thread."""
+
+    def __init__(self, address: str, client_id: str, role: str, rank: int = 0, *, timeout_s: float = 30.0,
+                 curve: CurveConfig | None = None, info: dict[str, str] | None = None):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"broker-client-{client_id}", daemon=True)
+        self._thread.start()
+        self._ctx = zmq.asyncio.Context()
+        self.client = AsyncBrokerClient(address, client_id, role, rank, timeout_s=timeout_s, curve=curve, info=info,
+                                        ctx=self._ctx)
+        self._heartbeat: asyncio.Future | None = None
+        self._subs: list[AsyncSubscription] = []
+
+    @property
+    def client_id(self) -> str:
+        return self.client.client_id
+
+    @property
+    def registered(self) -> m.Registered | None:
+        return self.client.registered
+
+    def _run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def connect(self, timeout_s: float | None = None) -> m.Registered:
+        try:
+            return self._run(self.client.connect(timeout_s))
+        except BaseException:
+            self.close()
+            raise
+
+    def start_heartbeat(self, stats: Callable[[], tuple[int, dict[str, float]]], interval_s: float) -> None:
+        """Heartbeat every ``interval_s`` with ``stats() -> (policy_version, stats)`` from this thread."""
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    version, values = stats()
+                    await self.client.heartbeat(version, values)
+                except (BrokerUnavailable, BrokerError) as e:
+                    log.debug("heartbeat failed: %s", e)
+
+        self._heartbeat = asyncio.run_coroutine_threadsafe(beat(), self._loop)
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.client, name)
+        if not asyncio.iscoroutinefunction(method):
+            return method
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._run(method(*args, **kwargs))
+
+        return call
+
+    def subscribe(self) -> "Subscription":
+        sub = self._run(self._subscribe())
+        self._subs.append(sub)
+        return Subscription(self, sub)
+
+    async def _subscribe(self) -> AsyncSubscription:
+        return self.client.subscribe()
+
+    def close(self) -> None:
+        if not self._loop.is_running():
+            return
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+
+        async def shutdown() -> None:
+            for sub in self._subs:
+                sub.close()
+            await self.client.close()
+
+        try:
+            self._run(shutdown(), timeout=5)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+            self._ctx.term()
+
+    def __enter__(self) -> "BrokerClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Subscription:
+    def __init__(self, owner: BrokerClient, sub: AsyncSubscription):
+        self._owner, self._sub = owner, sub
+
+    def next(self, timeout_s: float = 0.0) -> m.Announcement | None:
+        return self._owner._run(self._sub.next(timeout_s))
+
+    def drain(self) -> list[m.Announcement]:
+        out = []
+        while (ann := self.next(0)) is not None:
+            out.append(ann)
+        return out
+
+
+def status_metrics(status: m.Status) -> dict[str, float]:
+    """The broker's status as namespaced metrics for the monitor (``broker/...``)."""
+    hist = {int(k): v for k, v in status.staleness_hist.items()}
+    handed = sum(hist.values())
+    return {
+        "broker/queue_depth": status.queue_depth,
+        "broker/groups_in_flight": status.groups_in_flight,
+        "broker/prompts_leased": status.prompts_leased,
+        "broker/groups_in_per_s": status.groups_in_per_s,
+        "broker/groups_out_per_s": status.groups_out_per_s,
+        "broker/groups_in": status.groups_in,
+        "broker/dropped_stale": status.dropped_stale,
+        "broker/duplicates": status.duplicates,
+        "broker/rejected": sum(status.rejected.values()),
+        "broker/throttled": status.throttled,
+        "broker/staleness_mean": sum(k * v for k, v in hist.items()) / handed if handed else 0.0,
+        "broker/staleness_max": max(hist) if hist else 0,
+        "broker/clients_alive": sum(c.alive for c in status.clients),
+        "broker/uncommitted": status.uncommitted,
+        "broker/policy_version": status.policy_version,
+    }

@@ -1,0 +1,191 @@
+"""The broker's prompt set: loading, the epoch cursor, leases to rollout servers, and re-issue.
+
+Prompts are served in a per-epoch order (shuffled with ``seed + epoch`` when enabled). A prompt goes
+out under a lease; it is *fulfilled* when a group for it arrives. Prompts whose lease expires (the
+server died), whose group was dropped as stale, or which a server hands back, go to a re-issue queue
+that is served before new prompts — so no prompt is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleetrl.common.messages import Prompt
+
+
+class DataError(ValueError):
+    """The prompt set cannot be read; the message names the file and the key to change."""
+
+
+def load_rows(path: str) -> list[dict[str, Any]]:
+    """Rows of a .jsonl / .json / .parquet file or a saved HF ``datasets`` directory."""
+    p = Path(path)
+    if p.is_dir():
+        try:
+            import datasets  # heavy: only for dataset directories
+        except ImportError as e:  # pragma: no cover - datasets is a dependency
+            raise DataError(f"data.train={path!r} is a directory but `datasets` is not installed") from e
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise DataError(f"data.train={path!r} is a DatasetDict without a `train` split: {list(ds)}")
+            ds = ds["train"]
+        return [dict(row) for row in ds]
+    if not p.is_file():
+        raise DataError(f"data.train={path!r} does not exist; create it (e.g. `fleetrl init-data`) or fix the path")
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(p).to_pylist()
+    if p.suffix == ".json":
+        rows = json.loads(p.read_text())
+        if not isinstance(rows, list):
+            raise DataError(f"{path}: a .json prompt set must hold a list of objects")
+        return rows
+    rows = []
+    with p.open() as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{n}: not valid JSON ({e.msg}); every line must be one JSON object") from None
+    return rows
+
+
+def rows_to_prompts(rows: list[dict[str, Any]], prompt_key: str, answer_key: str, source: str) -> list[Prompt]:
+    """Validate rows once; the returned prompts carry ``prompt_id`` = "<row>" (epoch added on lease)."""
+    if not rows:
+        raise DataError(f"{source}: the prompt set is empty")
+    if prompt_key not in rows[0]:
+        raise DataError(f"{source}: rows have no {prompt_key!r} column (columns: {sorted(rows[0])}); set data.prompt_key")
+    out = []
+    for i, row in enumerate(rows):
+        text = row.get(prompt_key)
+        if not isinstance(text, (str, list)) or not text:
+            raise DataError(f"{source}: row {i} has no usable {prompt_key!r} (a non-empty string or a list of messages)")
+        answer = row.get(answer_key)
+        metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
+        out.append(Prompt(prompt_id=str(i), prompt=text, answer=None if answer is None else str(answer), metadata=metadata))
+    return out
+
+
+@dataclass
+class PromptLeaseState:
+    lease_id: str
+    client_id: str
+    expires_at: float
+    prompts: dict[str, Prompt] = field(default_factory=dict)  # prompt_id -> prompt, still open
+
+
+class PromptSource:
+    """Cursor over epochs + open leases + the re-issue queue."""
+
+    def __init__(self, prompts: list[Prompt], shuffle: bool, seed: int, epochs: int):
+        self.base = prompts
+        self.shuffle, self.seed, self.epochs = shuffle, seed, epochs
+        self.epoch, self.pos = 0, 0
+        self._order = self._epoch_order(0)
+        self.reissue: deque[Prompt] = deque()
+        self.leases: dict[str, PromptLeaseState] = {}
+        self.lease_of: dict[str, str] = {}  # open prompt_id -> lease_id
+        self.reissued_total = 0
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.base)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def seek(self, epoch: int, pos: int) -> None:
+        """Restore the cursor (spool replay, resume)."""
+        self.epoch, self.pos = epoch, pos
+        self._order = self._epoch_order(epoch)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.epoch >= self.epochs and not self.reissue
+
+    @property
+    def leased(self) -> int:
+        return len(self.lease_of)
+
+    def lookup(self, prompt_id: str) -> Prompt | None:
+        """The prompt behind an id "<epoch>:<row>" (None for ids of another prompt set)."""
+        epoch, _, row = prompt_id.partition(":")
+        if not (epoch.isdigit() and row.isdigit()) or int(row) >= len(self.base):
+            return None
+        base = self.base[int(row)]
+        return Prompt(prompt_id=prompt_id, prompt=base.prompt, answer=base.answer, metadata=base.metadata)
+
+    def _next_new(self) -> Prompt | None:
+        if self.pos >= len(self._order):
+            if self.epoch + 1 >= self.epochs:
+                self.epoch, self.pos = self.epochs, 0
+                return None
+            self.seek(self.epoch + 1, 0)
+        if self.epoch >= self.epochs:
+            return None
+        row = self._order[self.pos]
+        self.pos += 1
+        return self.lookup(f"{self.epoch}:{row}")
+
+    def take(self, n: int) -> list[Prompt]:
+        """Up to ``n`` prompts: re-issued ones first, then new ones from the cursor."""
+        out: list[Prompt] = []
+        while len(out) < n and self.reissue:
+            p = self.reissue.popleft()
+            if p.prompt_id not in self.lease_of:
+                out.append(p)
+        while len(out) < n:
+            p = self._next_new()
+            if p is None:
+                break
+            out.append(p)
+        return out
+
+    def open_lease(self, client_id: str, prompts: list[Prompt], now: float, lease_s: float) -> PromptLeaseState:
+        lease = PromptLeaseState(uuid.uuid4().hex[:16], client_id, now + lease_s, {p.prompt_id: p for p in prompts})
+        self.leases[lease.lease_id] = lease
+        for p in prompts:
+            self.lease_of[p.prompt_id] = lease.lease_id
+        return lease
+
+    def fulfil(self, prompt_id: str) -> bool:
+        """A group for ``prompt_id`` arrived: close it in its lease. False if it was not open."""
+        lease_id = self.lease_of.pop(prompt_id, None)
+        if lease_id is None:
+            return False
+        lease = self.leases[lease_id]
+        lease.prompts.pop(prompt_id, None)
+        if not lease.prompts:
+            del self.leases[lease_id]
+        return True
+
+    def give_back(self, lease_id: str, prompt_ids: list[str] | None = None) -> int:
+        """Re-issue open prompts of a lease (all when ``prompt_ids`` is empty/None)."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return 0
+        ids = list(lease.prompts) if not prompt_ids else [i for i in prompt_ids if i in lease.prompts]
+        for pid in ids:
+            self.requeue(lease.prompts.pop(pid))
+            self.lease_of.pop(pid, None)
+        if not lease.prompts:
+            del self.leases[lease_id]
+        return len(ids)
+
+    def requeue(self, prompt: Prompt) -> None:
+        self.reissue.append(prompt)
+        self.reissued_total += 1
+
+    def expire(self, now: float, dead_clients: set[str] = frozenset()) -> int:
+        """Re-issue the prompts of expired leases and of leases held by dead clients."""
+        expired = [lid for lid, lease in self.leases.items() if lease.expires_at <= now or lease.client_id in dead_clients]
+        return sum(self.give_back(lid) for lid in expired)
