@@ -1,0 +1,123 @@
+"""KL estimators towards the frozen reference model, and the KL coefficient controllers.
+
+Shape legend: B sequences, T padded response positions.
+
+The estimators follow Schulman, "Approximating KL Divergence" (2020, joschu.net/blog/kl-approx.html).
+Tokens are sampled from pi, so with log r = log pi_ref - log pi per token, each estimates
+KL(pi || pi_ref) = E_pi[-log r]:
+
+| name (aliases) | formula | unbiased | always >= 0 |
+| --- | --- | --- | --- |
+| ``k1`` (``kl``) | -log r = log pi - log pi_ref | yes | no |
+| ``k2`` (``mse``) | 1/2 (log r)^2 | no (low bias when KL is small) | yes |
+| ``k3`` (``low_var_kl``) | (r - 1) - log r | yes | yes |
+
+Every estimator maps ``(logp [B, T], ref_logp [B, T]) -> kl [B, T]``; mask and aggregate outside.
+Use one as a reward penalty (``apply_kl_penalty``, before advantages) or as a loss term
+(``coef * aggregate(kl, mask, ...)``); the coefficient comes from a controller.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import Tensor
+
+from fleetrl.common.registry import Registry
+from fleetrl.common.schema import AlgorithmConfig, KlConfig
+
+KlEstimator = Callable[[Tensor, Tensor], Tensor]
+KL_ESTIMATORS: Registry[KlEstimator] = Registry("KL estimator", config_key="algorithm.kl.estimator")
+
+K3_LOG_RATIO_CLAMP = 20.0
+"""k3 clamps log r to [-20, 20] before exp: e^20 ~ 4.9e8 stays finite in float32 and bfloat16, and a
+token that far from the reference already dominates the batch. Inside the clamp k3 is exact."""
+
+ADAPTIVE_KL_ERROR_CLIP = 0.2
+
+
+@KL_ESTIMATORS.register("k1", "kl")
+def k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k1 = log pi - log pi_ref, ``[B, T]``: unbiased, high variance, can be negative per token."""
+    return logp - ref_logp
+
+
+@KL_ESTIMATORS.register("k2", "mse")
+def k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k2 = 1/2 (log pi - log pi_ref)^2, ``[B, T]``: biased, low variance, >= 0.
+
+    Its gradient is the gradient of KL(pi || pi_ref) to first order; as a loss it is the k2 of GRPO
+    variants that want a symmetric penalty."""
+    return 0.5 * (logp - ref_logp).square()
+
+
+@KL_ESTIMATORS.register("k3", "low_var_kl")
+def k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3 = exp(log r) - log r - 1 with log r = clamp(log pi_ref - log pi, -20, 20), ``[B, T]``.
+
+    Schulman's unbiased, low-variance, non-negative estimator (the KL term of GRPO, Shao et al. 2024,
+    arXiv 2402.03300). The clamp (``K3_LOG_RATIO_CLAMP``) only acts beyond |log r| = 20.
+    """
+    log_r = (ref_logp - logp).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+    return log_r.exp() - log_r - 1
+
+
+def apply_kl_penalty(token_rewards: Tensor, kl: Tensor, mask: Tensor, coef: float) -> Tensor:
+    """Per-token reward penalty r_t - coef * kl_t on valid tokens (``kl.placement: reward``), ``[B, T]``.
+
+    Apply it before the advantage estimator (Ouyang et al. 2022, arXiv 2203.02155; Ziegler et al.
+    2019). ``kl`` should be detached: the penalty is data, not a gradient path.
+    """
+    return token_rewards - coef * kl.detach() * mask.to(token_rewards.dtype)
+
+
+class FixedKLController:
+    """A constant KL coefficient (``algorithm.kl.adaptive: null``)."""
+
+    def __init__(self, coef: float):
+        self.value = coef
+
+    def update(self, current_kl: float, n_samples: int) -> None:
+        """No-op; kept so the learner calls every controller the same way."""
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = state["value"]
+
+
+class AdaptiveKLController:
+    """Proportional KL controller of Ziegler et al. 2019 (arXiv 1909.08593):
+
+        e      = clip(KL / KL_target - 1, -0.2, 0.2)
+        beta  <- beta * (1 + e * n / H)
+
+    where n is the number of samples in the update and H the horizon in samples: the coefficient
+    moves by at most 20% per H samples. Above target the coefficient grows, below it shrinks.
+    """
+
+    def __init__(self, init_coef: float, target: float, horizon: int):
+        self.value = init_coef
+        self.target = target
+        self.horizon = horizon
+
+    def update(self, current_kl: float, n_samples: int) -> None:
+        """Move the coefficient after a step whose mean KL was ``current_kl`` over ``n_samples`` samples."""
+        error = min(max(current_kl / self.target - 1.0, -ADAPTIVE_KL_ERROR_CLIP), ADAPTIVE_KL_ERROR_CLIP)
+        self.value *= 1.0 + error * n_samples / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = state["value"]
+
+
+def kl_controller_from_config(cfg: KlConfig | AlgorithmConfig) -> FixedKLController | AdaptiveKLController:
+    """The controller ``algorithm.kl`` asks for; accepts the ``kl`` section or the whole ``algorithm``."""
+    kl_cfg = cfg.kl if isinstance(cfg, AlgorithmConfig) else cfg
+    if kl_cfg.adaptive is None:
+        return FixedKLController(kl_cfg.coef)
+    return AdaptiveKLController(kl_cfg.coef, kl_cfg.adaptive.target, kl_cfg.adaptive.horizon)
+
