@@ -23,10 +23,10 @@ import time
 from typing import Any, Awaitable, Callable, TypeVar
 
 import zmq
-import zmq.asyncio
 import zmq.auth
-from zmq.utils.monitor import recv_monitor_message
+from zmq.utils.monitor import parse_monitor_message
 
+from fleetrl.broker.zio import LoopSocket
 from fleetrl.common import messages as m
 from fleetrl.common.schema import CurveConfig
 
@@ -57,15 +57,15 @@ def default_client_id(role: str, index: int = 0) -> str:
 class AsyncBrokerClient:
     def __init__(self, address: str, client_id: str, role: str, rank: int = 0, *, timeout_s: float = 30.0,
                  curve: CurveConfig | None = None, info: dict[str, str] | None = None,
-                 ctx: zmq.asyncio.Context | None = None):
+                 ctx: zmq.Context | None = None):
         self.address, self.client_id, self.role, self.rank = address, client_id, role, rank
         self.timeout_s, self.curve, self.info = timeout_s, curve, info or {}
-        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.ctx = ctx or zmq.Context.instance()
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
-        self.sock: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task | None = None
-        self._monitor: zmq.asyncio.Socket | None = None
+        self.sock: LoopSocket | None = None
+        self._monitor: LoopSocket | None = None
+        self._auth_failed: asyncio.Future | None = None
         self.registered: m.Registered | None = None
         self.bad_replies = 0
 
@@ -78,7 +78,7 @@ class AsyncBrokerClient:
         server_public, _ = zmq.auth.load_certificate(self.curve.server_public_key)
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, server_public
 
-    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+    def _socket(self, kind: int) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.linger = 0
         if self.curve is not None:
@@ -88,27 +88,34 @@ class AsyncBrokerClient:
     async def connect(self, timeout_s: float | None = None) -> m.Registered:
         """Connect and register (the ready handshake); raises BrokerUnavailable/Unauthorized."""
         try:
-            self.sock = self._socket(zmq.DEALER)
+            raw = self._socket(zmq.DEALER)
+            self.sock = LoopSocket(raw, self._on_replies)
             if self.curve is not None:
-                self._monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
-            self.sock.connect(self.address)
-            self._reader = asyncio.create_task(self._read())
+                self._auth_failed = asyncio.get_running_loop().create_future()
+                monitor = raw.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+                self._monitor = LoopSocket(monitor, self._on_monitor)
+            raw.connect(self.address)
             register = self.request(lambda rid: m.Register(req_id=rid, client_id=self.client_id, role=self.role,
                                                            rank=self.rank, info=self.info),
                                     timeout_s=timeout_s or self.timeout_s, retries=0)
-            reply = await (self._race_auth(register) if self._monitor is not None else register)
+            reply = await (self._race_auth(register) if self._auth_failed is not None else register)
         except BaseException:
             await self.close()
             raise
         self.registered = reply
         return reply
 
+    def _on_monitor(self, batch: list[list[bytes]]) -> None:
+        for frames in batch:
+            event = parse_monitor_message(frames)["event"]
+            if event & (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                if self._auth_failed is not None and not self._auth_failed.done():
+                    self._auth_failed.set_result(event)
+
     async def _race_auth(self, register: Awaitable[T]) -> T:
         task = asyncio.ensure_future(register)
-        monitor = asyncio.ensure_future(recv_monitor_message(self._monitor))
-        done, _ = await asyncio.wait({task, monitor}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, self._auth_failed}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
-            monitor.cancel()
             return task.result()
         task.cancel()
         raise BrokerUnauthorized(f"the broker at {self.address} refused this client's CURVE key "
@@ -116,21 +123,19 @@ class AsyncBrokerClient:
                                  "broker.curve.authorized_keys_dir")
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            self._reader = None
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(BrokerUnavailable("client closed"))
         self._pending.clear()
-        for sock in (self._monitor, self.sock):
-            if sock is not None:
-                sock.close(linger=0)
+        if self.sock is not None:
+            if self._monitor is not None:
+                self.sock.sock.disable_monitor()
+                self._monitor.close()
+            self.sock.close()
         self.sock = self._monitor = None
 
-    async def _read(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart()
+    def _on_replies(self, batch: list[list[bytes]]) -> None:
+        for frames in batch:
             try:
                 reply = m.decode_reply(frames[-1])
             except m.ProtocolError as e:
@@ -150,7 +155,7 @@ class AsyncBrokerClient:
             req_id = next(self._ids)
             fut = asyncio.get_running_loop().create_future()
             self._pending[req_id] = fut
-            await self.sock.send(m.encode(make(req_id)))
+            self.sock.send([m.encode(make(req_id))])
             try:
                 reply = await asyncio.wait_for(fut, timeout)
             except asyncio.TimeoutError:
@@ -171,10 +176,10 @@ class AsyncBrokerClient:
     async def push_group(self, group: m.SampleGroup, deadline_s: float = 600.0) -> m.Ack:
         """Push until acknowledged (the broker de-duplicates retries); BrokerError for an invalid group."""
         limit = self.registered.max_message_bytes if self.registered else 0
-        size = len(m.encode(group))
-        if limit and size > limit:
-            raise BrokerError("too_large", f"group {group.group_id} is {size} bytes, over broker.max_message_bytes={limit}; "
-                                           "generate shorter responses or raise that setting on the broker")
+        frame = m.encode(m.PushGroup(req_id=0, client_id=self.client_id, group=group))
+        if limit and len(frame) > limit:
+            raise BrokerError("too_large", f"group {group.group_id} is {len(frame)} bytes, over "
+                                           f"broker.max_message_bytes={limit}; generate shorter responses or raise that setting")
         give_up = time.monotonic() + deadline_s
         while True:
             try:
@@ -183,6 +188,26 @@ class AsyncBrokerClient:
                 if time.monotonic() > give_up:
                     raise
                 log.warning("broker did not ack group %s; retrying", group.group_id)
+
+    async def push_groups(self, groups: list[m.SampleGroup], deadline_s: float = 600.0) -> list[m.GroupAck]:
+        """Push several groups in one frame until acknowledged; one GroupAck per group, in order."""
+        limit = self.registered.max_message_bytes if self.registered else 0
+        frame = m.encode(m.PushGroups(req_id=0, client_id=self.client_id, groups=groups))
+        if limit and len(frame) > limit:
+            if len(groups) == 1:
+                raise BrokerError("too_large", f"group {groups[0].group_id} is {len(frame)} bytes, over "
+                                               f"broker.max_message_bytes={limit}; generate shorter responses or raise it")
+            half = len(groups) // 2
+            return await self.push_groups(groups[:half], deadline_s) + await self.push_groups(groups[half:], deadline_s)
+        give_up = time.monotonic() + deadline_s
+        while True:
+            try:
+                reply = await self.request(lambda r: m.PushGroups(req_id=r, client_id=self.client_id, groups=groups))
+                return reply.acks
+            except BrokerUnavailable:
+                if time.monotonic() > give_up:
+                    raise
+                log.warning("broker did not ack %d groups; retrying", len(groups))
 
     async def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None) -> m.Ack:
         return await self.request(lambda r: m.ReturnPrompts(req_id=r, client_id=self.client_id, lease_id=lease_id,
@@ -241,23 +266,29 @@ class AsyncBrokerClient:
 class AsyncSubscription:
     """Version and control announcements from the broker's PUB socket."""
 
-    def __init__(self, sock: zmq.asyncio.Socket):
-        self.sock = sock
+    def __init__(self, sock: zmq.Socket):
+        self.queue: asyncio.Queue = asyncio.Queue()
         self.bad = 0
+        self.sock = LoopSocket(sock, self._on_batch)
 
-    async def next(self, timeout_s: float | None = None) -> m.Announcement | None:
-        """The next announcement, or None after ``timeout_s`` (0 = only what is already there)."""
-        while True:
-            if timeout_s is not None and not await self.sock.poll(int(timeout_s * 1000)):
-                return None
-            topic, payload = (await self.sock.recv_multipart())[-2:]
+    def _on_batch(self, batch: list[list[bytes]]) -> None:
+        for frames in batch:
             try:
-                return m.decode_announcement(payload)
+                self.queue.put_nowait(m.decode_announcement(frames[-1]))
             except m.ProtocolError:
                 self.bad += 1
 
+    async def next(self, timeout_s: float | None = None) -> m.Announcement | None:
+        """The next announcement, or None after ``timeout_s`` (0 = only what is already there)."""
+        if timeout_s is not None and timeout_s <= 0:
+            return None if self.queue.empty() else self.queue.get_nowait()
+        try:
+            return await asyncio.wait_for(self.queue.get(), timeout_s)
+        except asyncio.TimeoutError:
+            return None
+
     def close(self) -> None:
-        self.sock.close(linger=0)
+        self.sock.close()
 
 
 class BrokerClient:
@@ -268,7 +299,7 @@ class BrokerClient:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"broker-client-{client_id}", daemon=True)
         self._thread.start()
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self.client = AsyncBrokerClient(address, client_id, role, rank, timeout_s=timeout_s, curve=curve, info=info,
                                         ctx=self._ctx)
         self._heartbeat: asyncio.Future | None = None
@@ -322,7 +353,7 @@ class BrokerClient:
         return Subscription(self, sub)
 
     async def _subscribe(self) -> AsyncSubscription:
-        return self.client.subscribe()
+        return self.client.subscribe()  # LoopSocket needs the client's loop
 
     def close(self) -> None:
         if not self._loop.is_running():

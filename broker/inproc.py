@@ -39,7 +39,7 @@ class InprocBroker:
                 if reply is not None:
                     break
                 self.lock.wait(timeout=min(0.05, max(0.0, deadline - now)))
-            if isinstance(reply, m.Ack) and reply.count:
+            if (isinstance(reply, m.Ack) and reply.count) or isinstance(reply, m.GroupAcks):
                 self.lock.notify_all()
             for _, ann in self.state.announcements:
                 for q in self.subscribers:
@@ -95,6 +95,9 @@ class InprocBrokerClient:
 
     def push_group(self, group: m.SampleGroup, deadline_s: float = 600.0) -> m.Ack:
         return self._call(lambda r: m.PushGroup(req_id=r, client_id=self.client_id, group=group))
+
+    def push_groups(self, groups: list[m.SampleGroup], deadline_s: float = 600.0) -> list[m.GroupAck]:
+        return self._call(lambda r: m.PushGroups(req_id=r, client_id=self.client_id, groups=groups)).acks
 
     def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None) -> m.Ack:
         return self._call(lambda r: m.ReturnPrompts(req_id=r, client_id=self.client_id, lease_id=lease_id,

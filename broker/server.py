@@ -9,6 +9,7 @@ replies — so a reply (an ack above all) never leaves before its record is writ
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -17,13 +18,13 @@ import time
 from pathlib import Path
 
 import zmq
-import zmq.asyncio
 import zmq.auth
-from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.auth.thread import ThreadAuthenticator
 
 from fleetrl.broker.prompts import PromptSource, load_rows, rows_to_prompts
 from fleetrl.broker.spool import Spool
 from fleetrl.broker.state import BrokerState
+from fleetrl.broker.zio import LoopSocket
 from fleetrl.common import messages as m
 from fleetrl.common.config import ConfigError, load_config, save_resolved
 from fleetrl.common.log import setup_logging
@@ -31,7 +32,6 @@ from fleetrl.common.schema import JobConfig
 
 log = logging.getLogger("fleetrl.broker")
 
-MAX_BATCH = 512  # frames handled per turn of the loop
 TICK_S = 0.05
 
 
@@ -56,11 +56,11 @@ def build_state(cfg: JobConfig) -> BrokerState:
 
 
 class BrokerServer:
-    def __init__(self, cfg: JobConfig, state: BrokerState, ctx: zmq.asyncio.Context | None = None):
+    def __init__(self, cfg: JobConfig, state: BrokerState, ctx: zmq.Context | None = None):
         self.cfg, self.state = cfg, state
-        self.ctx = ctx or zmq.asyncio.Context()
-        self.router: zmq.asyncio.Socket | None = None
-        self.pub: zmq.asyncio.Socket | None = None
+        self.ctx = ctx or zmq.Context()
+        self.router: LoopSocket | None = None
+        self.pub: zmq.Socket | None = None
         self.auth = None
         self.waiting: list[tuple[bytes, m.LeaseBatch, float]] = []
         self.address = self.pub_address = ""
@@ -85,26 +85,29 @@ class BrokerServer:
 
     async def start(self) -> None:
         """Bind both sockets (and the ZAP authenticator with CURVE); cleans up if any step fails."""
+        router = None
         try:
             bcfg = self.cfg.broker
             if bcfg.curve is not None:
-                self.auth = AsyncioAuthenticator(self.ctx)
+                self.auth = ThreadAuthenticator(self.ctx)
                 self.auth.start()
                 self.auth.configure_curve(domain="*", location=bcfg.curve.authorized_keys_dir or zmq.auth.CURVE_ALLOW_ANY)
-            self.router = self.ctx.socket(zmq.ROUTER)
+            router = self.ctx.socket(zmq.ROUTER)
             self.pub = self.ctx.socket(zmq.PUB)
-            for sock in (self.router, self.pub):
+            for sock in (router, self.pub):
                 sock.linger = 0
                 if bcfg.curve is not None:
                     self._curve(sock)
-            self.router.setsockopt(zmq.MAXMSGSIZE, 2 * bcfg.max_message_bytes)
-            self.router.setsockopt(zmq.RCVHWM, 100_000)
-            self.router.setsockopt(zmq.SNDHWM, 100_000)
-            self.address = self._bind(self.router, bcfg.port)
+            router.setsockopt(zmq.MAXMSGSIZE, 2 * bcfg.max_message_bytes)
+            router.setsockopt(zmq.RCVHWM, 100_000)
+            router.setsockopt(zmq.SNDHWM, 100_000)
+            self.address = self._bind(router, bcfg.port)
             self.pub_address = self._bind(self.pub, bcfg.pub_port)
             self.state.pub_port = int(self.pub_address.rsplit(":", 1)[1])
-            self._sync_router = zmq.Socket.shadow(self.router.underlying)
+            self.router = LoopSocket(router, self._on_batch, copy=False)
         except Exception:
+            if router is not None and self.router is None:
+                router.close(linger=0)
             self.close()
             raise
         log.info("broker %s serving requests on %s, announcements on %s (capacity %d groups, max_staleness %d%s)",
@@ -112,21 +115,23 @@ class BrokerServer:
                  ", CURVE on" if self.cfg.broker.curve else "")
 
     def close(self) -> None:
-        for sock in (self.router, self.pub):
-            if sock is not None:
-                sock.close(linger=0)
+        if self.router is not None:
+            self.router.close()
+        if self.pub is not None:
+            self.pub.close(linger=0)
         if self.auth is not None:
             self.auth.stop()
         if self.state.spool is not None:
             self.state.spool.close()
 
     # -------------------------------------------------------------- serving
-    def _handle_frames(self, frames: list[bytes], now: float) -> tuple[bytes, m.Message | None]:
-        ident = frames[0]
+    def _handle_frames(self, frames: list[zmq.Frame], now: float) -> tuple[bytes, m.Message | None]:
+        """One request: frames are [client identity, payload]; groups decode as views into the payload."""
+        ident = frames[0].bytes
         if len(frames) != 2:
             self.state.rejected["bad_frame"] += 1
             return ident, m.Error(req_id=0, code="bad_frame", reason=f"expected one payload frame, got {len(frames) - 1}")
-        payload = frames[1]
+        payload = frames[1].buffer
         header = m.peek_header(payload)
         req_id = header[1] if header else 0
         if len(payload) > self.cfg.broker.max_message_bytes:
@@ -137,7 +142,7 @@ class BrokerServer:
         try:
             req = m.decode_request(payload)
         except m.ProtocolError as e:
-            code = "invalid_group" if header and header[0] == m.PUSH_GROUP_TAG else "bad_frame"
+            code = "invalid_group" if header and header[0] in m.PUSH_GROUP_TAGS else "bad_frame"
             self.state.rejected[code] += 1
             return ident, m.Error(req_id=req_id, code=code, reason=e.reason)
         try:
@@ -166,34 +171,28 @@ class BrokerServer:
         if self.state.spool is not None:
             self.state.spool.flush()  # records reach the OS before any ack leaves
         for ident, reply in replies:
-            try:
-                self._sync_router.send_multipart([ident, m.encode(reply)], flags=zmq.NOBLOCK)
-            except zmq.Again:
-                self.state.counters["replies_dropped"] += 1
+            self.router.send([ident, m.encode(reply)])
         for topic, ann in self.state.announcements:
             self.pub.send_multipart([topic, m.encode(ann)])
         self.state.announcements.clear()
 
+    def _on_batch(self, batch: list[list[bytes]]) -> None:
+        """Every frame that was ready: apply them all, write the spool once, then reply."""
+        now = time.monotonic()
+        replies, ingested = [], False
+        for frames in batch:
+            ident, reply = self._handle_frames(frames, now)
+            ingested |= (isinstance(reply, m.Ack) and reply.count > 0) or isinstance(reply, m.GroupAcks)
+            if reply is not None:
+                replies.append((ident, reply))
+        if ingested and self.waiting:
+            replies.extend(self._serve_waiting(now, deadline_only=False))
+        self._send(replies)
+
     async def serve(self) -> None:
         timer = asyncio.create_task(self._timers())
         try:
-            while not self._stop.is_set():
-                if not await self.router.poll(timeout=int(TICK_S * 1000)):
-                    continue
-                now = time.monotonic()
-                replies, ingested = [], False
-                for _ in range(MAX_BATCH):
-                    try:
-                        frames = self._sync_router.recv_multipart(flags=zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    ident, reply = self._handle_frames(frames, now)
-                    ingested |= isinstance(reply, m.Ack) and reply.count > 0
-                    if reply is not None:
-                        replies.append((ident, reply))
-                if ingested and self.waiting:
-                    replies.extend(self._serve_waiting(now, deadline_only=False))
-                self._send(replies)
+            await self._stop.wait()
         finally:
             timer.cancel()
 
@@ -224,6 +223,11 @@ def write_endpoint_file(run_dir: str | Path, server: BrokerServer) -> Path:
 
 async def run_broker(cfg: JobConfig, run_dir: str | None) -> int:
     state = build_state(cfg)
+    # The broker holds many long-lived groups: freeze what start-up built and collect the young
+    # generation less often, so the cyclic GC does not rescan the queue on every burst of frames.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
     server = BrokerServer(cfg, state)
     await server.start()
     loop = asyncio.get_running_loop()

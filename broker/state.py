@@ -43,6 +43,7 @@ class ClientState:
     last_seen: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)
     info: dict[str, str] = field(default_factory=dict)
+    groups_pushed: int = 0
 
 
 class Rate:
@@ -252,50 +253,69 @@ class BrokerState:
         self._log(sp.PromptsRequeued(returned))
         return m.Ack(req_id=req.req_id, ref=req.lease_id, count=n)
 
-    def _on_PushGroup(self, req: m.PushGroup, now: float) -> m.Message:
-        g = req.group
-        client = self._touch(req.client_id, now, "rollout")
+    def _ingest(self, g: m.SampleGroup, client: ClientState, now: float) -> tuple[str, str]:
+        """Accept one group: (status, reason) with status accepted | duplicate | stale | rejected."""
         if g.group_id in self.seen or g.group_id in self.groups:
             self.counters["duplicates"] += 1
-            return m.Ack(req_id=req.req_id, ref=g.group_id, duplicate=True)
+            return "duplicate", ""
         problem = m.check_group(g, self.vocab_size)
         if problem:
             self.rejected["invalid_group"] += 1
-            return m.Error(req_id=req.req_id, code="invalid_group", reason=problem)
+            return "rejected", problem
         self.prompts.fulfil(g.prompt_id)
         self._remember(g.group_id)
         self.groups[g.group_id] = g
         self._log(sp.GroupAccepted(g))
         self.counters["groups_in"] += 1
-        client.stats["groups_pushed"] = client.stats.get("groups_pushed", 0) + 1
+        client.groups_pushed += 1
         self.rate_in.add(now)
         if g.policy_version < min_fresh_version(self.version, self.bcfg.max_staleness):
             self._drop([g.group_id], "dropped_stale", self.bcfg.requeue_stale)
-            return m.Ack(req_id=req.req_id, ref=g.group_id, count=0)
+            return "stale", f"policy version {g.policy_version} is older than {min_fresh_version(self.version, self.bcfg.max_staleness)}"
         self._enqueue(g.group_id)
-        return m.Ack(req_id=req.req_id, ref=g.group_id, count=1)
+        return "accepted", ""
+
+    def _on_PushGroup(self, req: m.PushGroup, now: float) -> m.Message:
+        status, reason = self._ingest(req.group, self._touch(req.client_id, now, "rollout"), now)
+        if status == "rejected":
+            return m.Error(req_id=req.req_id, code="invalid_group", reason=reason)
+        return m.Ack(req_id=req.req_id, ref=req.group.group_id, count=int(status == "accepted"),
+                     duplicate=status == "duplicate")
+
+    def _on_PushGroups(self, req: m.PushGroups, now: float) -> m.Message:
+        client = self._touch(req.client_id, now, "rollout")
+        acks = []
+        for g in req.groups:
+            status, reason = self._ingest(g, client, now)
+            acks.append(m.GroupAck(group_id=g.group_id, status=status, reason=reason))
+        return m.GroupAcks(req_id=req.req_id, acks=acks)
 
     def _on_LeaseBatch(self, req: m.LeaseBatch, now: float, final: bool = False) -> m.Message | None:
         """Fill a batch lease, dropping stale groups on the way; None = wait for more groups."""
         self._touch(req.client_id, now, "learner")
         if req.n <= 0:
             return m.Error(req_id=req.req_id, code="bad_request", reason=f"LeaseBatch.n must be positive, got {req.n}")
-        oldest = min_fresh_version(self.version, self.bcfg.max_staleness)
-        stale = [gid for gid in self.queue if gid in self.queued and self.groups[gid].policy_version < oldest]
-        if stale:
-            self._drop(stale, "dropped_stale", self.bcfg.requeue_stale)
         ready = len(self.queued)
         if ready < min(req.min_groups, req.n) and not final and req.wait_s > 0:
             return None
-        if ready == 0:
-            return m.Throttle(req_id=req.req_id, retry_after_s=0.2, reason="no groups queued yet")
-        ids = []
+        oldest = min_fresh_version(self.version, self.bcfg.max_staleness)
+        ids, stale = [], []
         while len(ids) < req.n:
             gid = self._dequeue()
             if gid is None:
                 break
+            version = self.groups[gid].policy_version
+            if version < oldest:  # checked as it is handed out: O(batch), not O(queue)
+                stale.append(gid)
+                continue
             ids.append(gid)
-            self.staleness_hist[staleness(self.version, self.groups[gid].policy_version)] += 1
+            self.staleness_hist[staleness(self.version, version)] += 1
+        if stale:
+            self._drop(stale, "dropped_stale", self.bcfg.requeue_stale)
+        if not ids:
+            if not final and req.wait_s > 0:
+                return None
+            return m.Throttle(req_id=req.req_id, retry_after_s=0.2, reason="no fresh groups queued yet")
         lease = BatchLeaseState(uuid.uuid4().hex[:16], req.client_id, ids, now + self.bcfg.batch_lease_s)
         self.batch_leases[lease.lease_id] = lease
         self.counters["groups_out"] += len(ids)
@@ -319,8 +339,9 @@ class BrokerState:
             self._consume(req.client_id, req.step, salvaged)
             self.counters["late_acks"] += 1
             return m.Ack(req_id=req.req_id, ref=req.lease_id, count=len(salvaged))
-        trained = lease.group_ids if not req.group_ids else [g for g in lease.group_ids if g in set(req.group_ids)]
-        untrained = [g for g in lease.group_ids if g not in set(trained)]
+        acked = set(req.group_ids)
+        trained = [g for g in lease.group_ids if g in acked] if acked else lease.group_ids
+        untrained = [g for g in lease.group_ids if g not in acked] if acked else []
         for gid in reversed(untrained):
             self._enqueue(gid, front=True)
         self._consume(req.client_id, req.step, trained)
@@ -436,7 +457,7 @@ class BrokerState:
             clients=[
                 m.ClientInfo(client_id=c.client_id, role=c.role, rank=c.rank, policy_version=c.policy_version,
                              last_seen_s=round(now - c.last_seen, 3), alive=now - c.last_seen <= self.bcfg.client_timeout_s,
-                             stats=c.stats)
+                             stats={**c.stats, "groups_pushed": float(c.groups_pushed)} if c.groups_pushed else c.stats)
                 for c in self.clients.values()
             ],
             paused=self.paused, data_epoch=self.prompts.epoch, data_cursor=self.prompts.pos,

@@ -20,12 +20,8 @@ from fleetrl.common import messages as m
 def make_group(prompt_id: str, version: int = 0, n: int = 2, t: int = 4, rewards=None, gid: str | None = None,
                token: int = 5) -> m.SampleGroup:
     rewards = rewards if rewards is not None else [float(i) for i in range(n)]
-    return m.SampleGroup(
-        group_id=gid or uuid.uuid4().hex, prompt_id=prompt_id, policy_version=version,
-        prompt_tokens=m.pack_tokens([1, 2, 3]),
-        responses=[m.Response(tokens=m.pack_tokens(np.full(t, token)), logprobs=m.pack_logprobs(-np.ones(t)), reward=r)
-                   for r in rewards],
-    )
+    return m.build_group(gid or uuid.uuid4().hex, prompt_id, version, [1, 2, 3],
+                         [(np.full(t, token), -np.ones(t)) for _ in rewards], rewards)
 
 
 def write_job(tmp_path: Path, data_path: str, **sections) -> Path:

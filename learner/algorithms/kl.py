@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
 from torch import Tensor
 
 from fleetrl.common.registry import Registry
@@ -56,10 +57,11 @@ def k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k3 = exp(log r) - log r - 1 with log r = clamp(log pi_ref - log pi, -20, 20), ``[B, T]``.
 
     Schulman's unbiased, low-variance, non-negative estimator (the KL term of GRPO, Shao et al. 2024,
-    arXiv 2402.03300). The clamp (``K3_LOG_RATIO_CLAMP``) only acts beyond |log r| = 20.
+    arXiv 2402.03300). The clamp (``K3_LOG_RATIO_CLAMP``) only acts beyond |log r| = 20. Computed as
+    ``expm1(log r) - log r`` so that tiny |log r| does not round to a negative value in float32.
     """
     log_r = (ref_logp - logp).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
-    return log_r.exp() - log_r - 1
+    return (torch.expm1(log_r) - log_r).clamp_min(0.0)
 
 
 def apply_kl_penalty(token_rewards: Tensor, kl: Tensor, mask: Tensor, coef: float) -> Tensor:

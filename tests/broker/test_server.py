@@ -83,9 +83,9 @@ def test_duplicate_and_invalid_groups_over_the_wire(broker):
         assert reply.req_id == 78 and reply.code == "too_large" and "broker.max_message_bytes" in reply.reason
         # a frame with a NaN reward is answered with a typed error matched to its request
         raw = msgspec.msgpack.decode(m.encode(m.PushGroup(req_id=77, client_id="r0", group=make_group("0:1"))))
-        raw[3][4][0][2] = float("nan")
+        raw[3][7][0] = float("nan")  # group.rewards[0]
         reply = _raw_roundtrip(broker.address, [msgspec.msgpack.encode(raw)])[0]
-        assert reply.req_id == 77 and reply.code == "invalid_group" and "reward is nan" in reply.reason
+        assert reply.req_id == 77 and reply.code == "invalid_group" and "reward that is not finite" in reply.reason
         rejected = c.status().rejected
         assert rejected == {"invalid_group": 2, "too_large": 1}
     finally:

@@ -14,15 +14,11 @@ from fleetrl.common import messages as m
 
 def make_group(n: int = 4, t: int = 16, gid: str = "g1", version: int = 3) -> m.SampleGroup:
     rng = np.random.default_rng(0)
-    return m.SampleGroup(
-        group_id=gid, prompt_id="0:7", policy_version=version, prompt_tokens=m.pack_tokens([5, 6, 7]),
-        responses=[
-            m.Response(
-                tokens=m.pack_tokens(rng.integers(0, 100, t)), logprobs=m.pack_logprobs(-rng.random(t)),
-                reward=float(i), finish_reason="length" if i else "stop", reward_parts={"exact": float(i)},
-            )
-            for i in range(n)
-        ],
+    return m.build_group(
+        gid, "0:7", version, [5, 6, 7],
+        [(rng.integers(0, 100, t), -rng.random(t)) for _ in range(n)],
+        rewards=[float(i) for i in range(n)], finish_reasons=["stop"] + ["length"] * (n - 1),
+        reward_parts=[{"exact": float(i)} for i in range(n)],
         trace={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
         created_at=1.5, metadata={"answer": "12"},
     )
@@ -84,14 +80,19 @@ def test_announcement_round_trip():
         assert m.decode_announcement(m.encode(msg)) == msg
 
 
-def test_arrays_are_raw_little_endian_bytes():
-    g = make_group(n=1, t=3)
-    assert g.responses[0].tokens == np.asarray(m.unpack_tokens(g.responses[0].tokens), dtype="<i4").tobytes()
+def test_arrays_are_raw_little_endian_bytes_and_decode_zero_copy():
+    g = make_group(n=3, t=5)
+    assert g.lengths == [5, 5, 5] and g.num_tokens == 15 and g.offsets().tolist() == [0, 5, 10, 15]
+    assert g.response_tokens(1).tolist() == g.token_array()[5:10].tolist()
     assert m.pack_tokens([1, 258]) == b"\x01\x00\x00\x00\x02\x01\x00\x00"
     assert m.unpack_logprobs(m.pack_logprobs([-0.5])).tolist() == [-0.5]
+    frame = m.encode(m.PushGroup(req_id=1, client_id="r", group=g))
+    back = m.decode_request(frame).group
+    assert isinstance(back.tokens, memoryview) and back.tokens.obj is frame  # a view into the frame, no copy
+    assert back.logprob_array().tolist() == g.logprob_array().tolist() and back.finish_reason(1) == "length"
     # 8 responses x 512 tokens x (4 + 4) bytes = 32 KiB of payload, little framing on top
-    big = make_group(n=8, t=512)
-    assert 32768 < len(m.encode(m.PushGroup(req_id=1, client_id="r", group=big))) < 33500
+    big = m.build_group("g", "0:1", 0, [1], [(np.zeros(512), np.zeros(512))] * 8, [0.0] * 8)
+    assert 32768 < len(m.encode(m.PushGroup(req_id=1, client_id="r", group=big))) < 33000
 
 
 def test_requests_and_replies_do_not_cross():
@@ -108,23 +109,34 @@ def _raw_push() -> list:
 @pytest.mark.parametrize(
     "mutate, reason",
     [
-        (lambda raw: raw[3][4][0].__setitem__(2, math.nan), "reward is nan"),
-        (lambda raw: raw[3][4][0].__setitem__(2, math.inf), "reward is inf"),
-        (lambda raw: raw[3][4][0].__setitem__(1, raw[3][4][0][1][:-4]), "16 tokens but 15 log-probs"),
-        (lambda raw: raw[3][4][0].__setitem__(0, raw[3][4][0][0][:-1]), "not a whole number of int32"),
-        (lambda raw: raw[3].__setitem__(4, []), "has no responses"),
-        (lambda raw: raw[3].__setitem__(3, b""), "prompt_tokens is 0 bytes"),
-        (lambda raw: raw[3].__setitem__(2, "three"), "Expected `int`, got `str`"),
-        (lambda raw: raw.__setitem__(3, "not a group"), "Expected `array`, got `str`"),
-        (lambda raw: raw[3].__setitem__(2, -1), "negative policy_version"),
+        (lambda g: g.__setitem__(7, [0.0, math.nan, 1.0, 2.0]), "reward that is not finite"),
+        (lambda g: g.__setitem__(7, [0.0, 1.0, math.inf, 2.0]), "reward that is not finite"),
+        (lambda g: g.__setitem__(7, [0.0, 1.0]), "4 responses but 2 rewards"),
+        (lambda g: g.__setitem__(6, g[6][:-4]), "64 tokens but 63 log-probs"),
+        (lambda g: g.__setitem__(5, g[5][:-1]), "tokens holds 255 bytes"),
+        (lambda g: g.__setitem__(4, [16, 16, 16, 17]), "lengths sum to 65 tokens"),
+        (lambda g: g.__setitem__(4, [16, 16, 40, -8]), "negative response length"),
+        (lambda g: g.__setitem__(8, ["stop"]), "4 responses but 1 finish_reasons"),
+        (lambda g: g.__setitem__(8, ["stop", "stop", "nope", "stop"]), "Invalid enum value 'nope'"),
+        (lambda g: [g.__setitem__(i, []) for i in (4, 7, 8, 9)], "has no responses"),
+        (lambda g: g.__setitem__(3, b""), "prompt_tokens is 0 bytes"),
+        (lambda g: g.__setitem__(2, "three"), "Expected `int`, got `str`"),
+        (lambda g: g.__setitem__(2, -1), "negative policy_version"),
     ],
 )
 def test_bad_groups_raise_protocol_error_with_reason(mutate, reason):
     raw = _raw_push()
-    mutate(raw)
+    mutate(raw[3])
     with pytest.raises(m.ProtocolError) as e:
         m.decode_request(msgspec.msgpack.encode(raw))
     assert reason in e.value.reason
+
+
+def test_group_that_is_not_a_group():
+    raw = _raw_push()
+    raw[3] = "not a group"
+    with pytest.raises(m.ProtocolError, match="Expected `array`, got `str`"):
+        m.decode_request(msgspec.msgpack.encode(raw))
 
 
 def test_random_and_truncated_frames_only_raise_protocol_error():
@@ -148,8 +160,10 @@ def test_check_group_finds_vocab_and_logprob_problems():
     g = make_group(t=4)
     assert m.check_group(g, vocab_size=100) is None
     assert "outside the vocabulary of 50" in m.check_group(g, vocab_size=50)
-    bad = msgspec.structs.replace(g.responses[0], logprobs=m.pack_logprobs([0.0, -1.0, math.nan, -2.0]))
-    g2 = msgspec.structs.replace(g, responses=[bad])
-    assert "log-probs" in m.check_group(g2)
+    lp = g.logprob_array().copy()
+    lp[2] = math.nan
+    assert "not finite" in m.check_group(msgspec.structs.replace(g, logprobs=lp.tobytes()))
+    lp[2] = -math.inf
+    assert "not finite" in m.check_group(msgspec.structs.replace(g, logprobs=lp.tobytes()))
     g3 = msgspec.structs.replace(g, prompt_tokens=m.pack_tokens([-3]))
-    assert "negative token id" in m.check_group(g3)
+    assert "negative token id -3" in m.check_group(g3)

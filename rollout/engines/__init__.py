@@ -1,0 +1,58 @@
+"""Generation engines, looked up by `rollout.engine`: ``hf`` (transformers, CPU or GPU) and ``vllm`` (GPU).
+
+    engine = create_engine(cfg.rollout.engine, cfg.model, cfg.rollout, device="cpu", seed=0)
+    groups = engine.generate(prompt_ids, SamplingParams.from_config(cfg.rollout), n=8)
+
+The registry holds small factories that import their implementation only when called, so importing
+this package loads neither torch nor transformers nor vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from fleetrl.common.registry import Registry
+from fleetrl.rollout.engines.base import Engine, Generation, ParamSpec, SamplingParams
+
+if TYPE_CHECKING:
+    from fleetrl.common.schema import ModelConfig, RolloutConfig
+
+__all__ = ["ENGINES", "Engine", "Generation", "ParamSpec", "SamplingParams", "create_engine"]
+
+EngineFactory = Callable[..., Engine]
+ENGINES: Registry[EngineFactory] = Registry("generation engine", config_key="rollout.engine")
+
+
+@ENGINES.register("hf")
+def _hf(
+    model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str, seed: int, num_threads: int | None = None
+) -> Engine:
+    from fleetrl.rollout.engines.hf import HFEngine
+
+    return HFEngine(model_cfg, rollout_cfg, device, seed, num_threads=num_threads)
+
+
+@ENGINES.register("vllm")
+def _vllm(
+    model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str, seed: int, num_threads: int | None = None
+) -> Engine:
+    from fleetrl.rollout.engines.vllm import VllmEngine
+
+    return VllmEngine(model_cfg, rollout_cfg, device, seed)
+
+
+def create_engine(
+    name: str,
+    model_cfg: ModelConfig,
+    rollout_cfg: RolloutConfig,
+    device: str,
+    seed: int,
+    num_threads: int | None = None,
+) -> Engine:
+    """Build the engine registered as ``name``; an unknown name raises listing the valid ones.
+
+    ``device``: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``. ``seed`` seeds sampling when a call's
+    `SamplingParams.seed` is None. ``num_threads`` sets torch's CPU threads (``hf`` only; None
+    leaves the process setting alone).
+    """
+    return ENGINES[name](model_cfg, rollout_cfg, device, seed, num_threads=num_threads)

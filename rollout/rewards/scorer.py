@@ -1,0 +1,282 @@
+"""``RewardScorer``: the configured rewards, combined with weights, scored in the background.
+
+The rollout server builds one scorer at start-up (bad names and arguments fail there) and submits
+each generated batch; the returned future completes while the engine generates the next batch.
+A part that raises, times out, or returns a non-number or a non-finite value marks its sample
+failed: the failure is counted and logged, the part adds 0.0, and the server decides with
+``should_drop`` whether the sample's group is trained on (``on_failure: zero``) or dropped
+(``on_failure: drop_group``). No failure reaches the server as an exception.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
+
+from fleetrl.common.registry import RegistryError
+from fleetrl.rollout.rewards.base import REWARDS, Reward, RewardArgsError, RewardInput, RewardResult, SampleReward
+from fleetrl.rollout.rewards.runner import CallRunner, CallTimeout
+
+if TYPE_CHECKING:
+    from fleetrl.common.schema import RewardSpec, RolloutConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Part:
+    """One configured reward: its unique label (``math``, ``regex_2``...), weight and scorer."""
+
+    name: str
+    weight: float
+    reward: Callable[[list[RewardInput]], list[float]]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why one part could not score one sample; ``kind`` picks the counter it adds to."""
+
+    kind: Literal["timeout", "error", "nonfinite"]
+    reason: str
+
+
+def _bind(factory: Callable[..., Any], args: dict[str, Any]) -> None:
+    """Reject keywords a plain factory function does not take, before calling it."""
+    try:
+        inspect.signature(factory).bind(**args)
+    except TypeError as e:
+        raise RewardArgsError(f"{e}; {getattr(factory, '__name__', factory)!s} takes: {inspect.signature(factory)}") from None
+
+
+def build_parts(specs: Sequence[RewardSpec]) -> list[Part]:
+    """Instantiate ``rollout.rewards``; unknown names and bad args raise naming the config key."""
+    if not specs:
+        raise ValueError("rollout.rewards is empty; configure at least one reward, e.g. [{name: math}]")
+    parts: list[Part] = []
+    seen: Counter[str] = Counter()
+    for i, spec in enumerate(specs):
+        try:
+            factory = REWARDS[spec.name]
+        except RegistryError as e:
+            raise RegistryError(f"rollout.rewards[{i}].name: {e}") from None
+        try:
+            if not (isinstance(factory, type) and issubclass(factory, Reward)):  # Reward classes check their Args
+                _bind(factory, spec.args)
+            reward = factory(**spec.args)
+        except RewardArgsError as e:
+            raise RewardArgsError(f"rollout.rewards[{i}].args: {e}") from None
+        seen[spec.name] += 1
+        name = spec.name if seen[spec.name] == 1 else f"{spec.name}_{seen[spec.name]}"
+        parts.append(Part(name, spec.weight, reward))
+    return parts
+
+
+def as_score(value: Any) -> float | Failure:
+    """A reward's return value as a finite float, or the failure it is."""
+    if isinstance(value, (str, bytes)) or value is None:
+        return Failure("nonfinite", f"returned {type(value).__name__} {str(value)[:40]!r}, expected a number")
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return Failure("nonfinite", f"returned {type(value).__name__}, expected a number")
+    return x if math.isfinite(x) else Failure("nonfinite", f"returned non-finite {x}")
+
+
+def outcome(fut: Future, n: int, batched: bool) -> list[float | Failure]:
+    """The ``n`` scores a finished call produced: one for a per-sample call, ``n`` for a batch call."""
+    if fut.cancelled():
+        return [Failure("error", "cancelled: the scorer was closed")] * n
+    exc = fut.exception()
+    if isinstance(exc, CallTimeout):
+        return [Failure("timeout", str(exc))] * n
+    if exc is not None:
+        return [Failure("error", f"{type(exc).__name__}: {str(exc)[:200]}")] * n
+    value = fut.result()
+    if not batched:
+        return [as_score(value)]
+    values = list(value) if isinstance(value, Iterable) and not isinstance(value, (str, bytes)) else None
+    if values is None or len(values) != n:
+        got = f"{len(values)} scores" if values is not None else type(value).__name__
+        return [Failure("error", f"returned {got} for a batch of {n} samples")] * n
+    return [as_score(v) for v in values]
+
+
+@dataclass(eq=False)
+class _Job:
+    """One submitted batch: the part x sample score table, filled in by call callbacks."""
+
+    batch: list[RewardInput]
+    scores: list[list[float | Failure | None]]
+    out: Future = field(default_factory=Future)
+    remaining: int = 0
+    started: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class RewardScorer:
+    """Scores batches with the weighted rewards of ``rollout.rewards``; see the module docstring.
+
+    ``workers`` threads run sync calls (each sample of each per-sample reward is its own call,
+    limited to ``timeout_s`` seconds from when it starts); ``async def`` rewards run on one event
+    loop; batch rewards (``model``) run on a worker without a time limit.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[RewardSpec],
+        timeout_s: float = 10.0,
+        workers: int = 4,
+        on_failure: Literal["zero", "drop_group"] = "zero",
+    ):
+        if on_failure not in ("zero", "drop_group"):
+            raise ValueError(f"rollout.on_reward_failure: {on_failure!r} is not one of zero, drop_group")
+        if not timeout_s > 0 or workers < 1:
+            raise ValueError("rollout.reward_timeout_s must be > 0 and rollout.reward_workers >= 1")
+        self.parts = build_parts(specs)
+        self.timeout_s, self.on_failure = timeout_s, on_failure
+        self._runner = CallRunner(workers, name="reward")
+        self._lock = threading.Lock()
+        self._totals: Counter[str] = Counter()
+        self._window: Counter[str] = Counter()
+
+    @classmethod
+    def from_config(cls, cfg: RolloutConfig) -> RewardScorer:
+        return cls(cfg.rewards, cfg.reward_timeout_s, cfg.reward_workers, cfg.on_reward_failure)
+
+    # ----------------------------------------------------------------------------------- scoring
+
+    def submit(self, batch: Sequence[RewardInput]) -> Future[list[RewardResult]]:
+        """Start scoring ``batch``; the future holds one ``RewardResult`` per sample, in order."""
+        job = _Job(list(batch), [[None] * len(batch) for _ in self.parts])
+        job.out.set_running_or_notify_cancel()
+        calls = [call for k, part in enumerate(self.parts) for call in self._calls(k, part.reward, job.batch)]
+        job.remaining = len(calls)
+        if not calls:
+            self._finish(job)
+        for k, idx, fut in calls:
+            fut.add_done_callback(partial(self._collect, job, k, idx))
+        return job.out
+
+    def score(self, batch: Sequence[RewardInput]) -> list[RewardResult]:
+        """``submit(batch).result()``: blocks until every part of every sample is scored or failed."""
+        return self.submit(batch).result()
+
+    def should_drop(self, group: Sequence[RewardResult]) -> bool:
+        """Whether the server drops this group: ``on_failure: drop_group`` and a sample failed."""
+        return self.on_failure == "drop_group" and any(r.failed for r in group)
+
+    def _calls(self, k: int, reward: Any, batch: list[RewardInput]) -> list[tuple[int, range, Future]]:
+        """Submit part ``k``: one call per sample under the time limit, or one batch call without."""
+        if not isinstance(reward, SampleReward):
+            return [(k, range(len(batch)), self._runner.submit(reward, batch, None))] if batch else []
+        submit, fn = (
+            (self._runner.submit_async, reward.ascore) if reward.is_async else (self._runner.submit, reward.score)
+        )
+        return [(k, range(j, j + 1), submit(fn, x, self.timeout_s)) for j, x in enumerate(batch)]
+
+    def _collect(self, job: _Job, k: int, idx: range, fut: Future) -> None:
+        scores = outcome(fut, len(idx), batched=not isinstance(self.parts[k].reward, SampleReward))
+        with job.lock:
+            for j, s in zip(idx, scores):
+                job.scores[k][j] = s
+            job.remaining -= 1
+            done = job.remaining == 0
+        if done:
+            self._finish(job)
+
+    def _finish(self, job: _Job) -> None:
+        try:
+            results = [self._combine(job.scores, j) for j in range(len(job.batch))]
+            self._record(job, results)
+        except Exception as e:  # a bug here must reach the waiting server, not vanish in a callback
+            job.out.set_exception(e)
+            return
+        job.out.set_result(results)
+
+    def _combine(self, scores: list[list[float | Failure | None]], j: int) -> RewardResult:
+        parts: dict[str, float] = {}
+        total, error = 0.0, ""
+        for part, row in zip(self.parts, scores):
+            s = row[j]
+            if isinstance(s, Failure):
+                parts[part.name] = 0.0
+                error = error or f"{part.name}: {s.reason}"
+            else:
+                parts[part.name] = s
+                total += part.weight * s
+        if not error and not math.isfinite(total):
+            total, error = 0.0, f"weighted sum is not finite ({parts})"
+        return RewardResult(reward=total, parts=parts, failed=bool(error), error=error)
+
+    # ------------------------------------------------------------------------------------ stats
+
+    def _record(self, job: _Job, results: list[RewardResult]) -> None:
+        failures: list[tuple[str, Failure, int]] = []
+        with self._lock:
+            t, w = self._totals, self._window
+            t["samples"] += len(results)
+            w["batches"] += 1
+            w["batch_s"] += time.monotonic() - job.started
+            for j, r in enumerate(results):
+                t["failed"] += r.failed
+                w["n"] += 1
+                w["reward"] += r.reward
+                for part, row in zip(self.parts, job.scores):
+                    s = row[j]
+                    if isinstance(s, Failure):
+                        t[f"kind/{s.kind}"] += 1
+                        t[f"{part.name}/failed"] += 1
+                        failures.append((part.name, s, t[f"{part.name}/failed"]))
+                    else:
+                        w[f"{part.name}/n"] += 1
+                        w[f"{part.name}/sum"] += s
+        for name, f, count in failures:
+            if count in (1, 10, 100) or count % 1000 == 0:  # a steady failure is logged, not flooded
+                log.warning(
+                    "reward %r failed on a sample (%s; %d such failures so far): it adds 0 to the reward%s",
+                    name, f.reason, count, ", and its group is dropped" if self.on_failure == "drop_group" else "",
+                )
+
+    def stats(self) -> dict[str, float]:
+        """Counters since start (``*_total``) and means since the previous ``stats()`` call."""
+        with self._lock:
+            t, w = self._totals, self._window
+            out = {
+                "reward/samples_total": float(t["samples"]),
+                "reward/failed_total": float(t["failed"]),
+                "reward/timeouts_total": float(t["kind/timeout"]),
+                "reward/errors_total": float(t["kind/error"]),
+                "reward/nonfinite_total": float(t["kind/nonfinite"]),
+                "reward/abandoned_threads": float(self._runner.abandoned),
+            }
+            if w["n"]:
+                out["reward/mean"] = w["reward"] / w["n"]
+                out["timing/reward_batch_s"] = w["batch_s"] / w["batches"]
+            for part in self.parts:
+                out[f"reward/{part.name}/failed_total"] = float(t[f"{part.name}/failed"])
+                if w[f"{part.name}/n"]:
+                    out[f"reward/{part.name}/mean"] = w[f"{part.name}/sum"] / w[f"{part.name}/n"]
+            self._window = Counter()
+        return out
+
+    def close(self) -> None:
+        """Stop the worker threads and release the rewards (reward models)."""
+        self._runner.close()
+        for part in self.parts:
+            if hasattr(part.reward, "close"):
+                part.reward.close()
+
+    def __enter__(self) -> RewardScorer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
