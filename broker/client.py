@@ -50,6 +50,23 @@ class BrokerError(RuntimeError):
         self.code, self.reason = code, reason
 
 
+def resolve_address(cfg_broker, run_dir: str | os.PathLike | None = None, override: str | None = None) -> str:
+    """Where to reach the broker: ``override`` (--broker), else ``broker.address``, else the
+    ``broker.json`` the broker wrote into the run directory, else ``tcp://{broker.host}:{broker.port}``."""
+    if override:
+        return override
+    if cfg_broker.address:
+        return cfg_broker.address
+    if run_dir is not None:
+        endpoint = os.path.join(run_dir, "broker.json")
+        if os.path.exists(endpoint):
+            import json
+
+            with open(endpoint) as f:
+                return json.load(f)["address"]
+    return f"tcp://{cfg_broker.host}:{cfg_broker.port}"
+
+
 def default_client_id(role: str, index: int = 0) -> str:
     return f"{role}-{index}-{socket.gethostname()}-{os.getpid()}"
 
@@ -218,9 +235,9 @@ class AsyncBrokerClient:
             lambda r: m.LeaseBatch(req_id=r, client_id=self.client_id, n=n, wait_s=wait_s, min_groups=min_groups),
             timeout_s=self.timeout_s + wait_s)
 
-    async def ack_batch(self, lease_id: str, group_ids: list[str], step: int) -> m.Ack:
+    async def ack_batch(self, lease_id: str, group_ids: list[str], step: int, keep_rest: bool = False) -> m.Ack:
         return await self.request(lambda r: m.AckBatch(req_id=r, client_id=self.client_id, lease_id=lease_id, step=step,
-                                                       group_ids=list(group_ids)))
+                                                       group_ids=list(group_ids), keep_rest=keep_rest))
 
     async def commit(self, step: int) -> m.Ack:
         return await self.request(lambda r: m.Commit(req_id=r, client_id=self.client_id, step=step))

@@ -107,9 +107,9 @@ class InprocBrokerClient:
         return self._call(lambda r: m.LeaseBatch(req_id=r, client_id=self.client_id, n=n, wait_s=wait_s,
                                                  min_groups=min_groups), wait_s)
 
-    def ack_batch(self, lease_id: str, group_ids: list[str], step: int) -> m.Ack:
+    def ack_batch(self, lease_id: str, group_ids: list[str], step: int, keep_rest: bool = False) -> m.Ack:
         return self._call(lambda r: m.AckBatch(req_id=r, client_id=self.client_id, lease_id=lease_id, step=step,
-                                               group_ids=list(group_ids)))
+                                               group_ids=list(group_ids), keep_rest=keep_rest))
 
     def commit(self, step: int) -> m.Ack:
         return self._call(lambda r: m.Commit(req_id=r, client_id=self.client_id, step=step))

@@ -329,7 +329,9 @@ class BrokerState:
 
     def _on_AckBatch(self, req: m.AckBatch, now: float) -> m.Message:
         self._touch(req.client_id, now, "learner")
-        lease = self.batch_leases.pop(req.lease_id, None)
+        lease = self.batch_leases.get(req.lease_id)
+        if lease is not None and not (req.keep_rest and req.group_ids):
+            del self.batch_leases[req.lease_id]
         if lease is None:
             # Expired and put back: take back the groups that were not re-leased yet.
             wanted = req.group_ids
@@ -342,8 +344,13 @@ class BrokerState:
         acked = set(req.group_ids)
         trained = [g for g in lease.group_ids if g in acked] if acked else lease.group_ids
         untrained = [g for g in lease.group_ids if g not in acked] if acked else []
-        for gid in reversed(untrained):
-            self._enqueue(gid, front=True)
+        if req.keep_rest and acked:  # done with some groups now (e.g. filtered ones); the lease keeps the rest
+            lease.group_ids = untrained
+            if not untrained:
+                del self.batch_leases[req.lease_id]
+        else:
+            for gid in reversed(untrained):
+                self._enqueue(gid, front=True)
         self._consume(req.client_id, req.step, trained)
         return m.Ack(req_id=req.req_id, ref=req.lease_id, count=len(trained))
 

@@ -33,6 +33,23 @@ def _rollout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", metavar="DIR", help="directory for this server's logs and traces")
 
 
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR", help="HF model directory to evaluate (default: model.path of --config)")
+    p.add_argument("--data", metavar="FILE", help="prompts with answers, .jsonl/.json/.parquet (default: data.eval)")
+    p.add_argument("--n", type=int, metavar="N", help="evaluate the first N rows (default: all)")
+    p.add_argument("--k", type=int, default=1, metavar="K", help="sampled pass@K besides greedy accuracy (0 = greedy only)")
+    p.add_argument("--samples", type=int, metavar="S", help="samples per prompt for pass@K (default: K; more = less variance)")
+    p.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (default: rollout.temperature)")
+    p.add_argument("--max-new-tokens", type=int, metavar="M", help="longest response (default: rollout.max_new_tokens)")
+    p.add_argument("--reward", choices=["exact", "math"], help="reward that decides correctness (default: rollout.rewards)")
+    p.add_argument("--success", type=float, default=1.0, metavar="R", help="a sample is correct when its reward >= R")
+    p.add_argument("--device", metavar="DEV", help="cpu, cuda or auto (default: rollout.device)")
+    p.add_argument("--batch-size", type=int, default=32, metavar="B", help="prompts generated together")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--out", metavar="FILE.json", help="write the metrics and per-row results as JSON")
+    _job_args(p, config_required=False)
+
+
 def _learner_args(p: argparse.ArgumentParser) -> None:
     _job_args(p)
     p.add_argument("--broker", metavar="ADDR", help="broker address (overrides broker.address)")
@@ -87,11 +104,37 @@ def _keys_args(p: argparse.ArgumentParser) -> None:
                    help="client keypairs to write besides the broker's `server` pair (default: client)")
 
 
+def _sft_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="DIR", help="HF model directory to start from")
+    p.add_argument("--data", required=True, metavar="F.jsonl", help="training rows with prompt and answer")
+    p.add_argument("--eval-data", required=True, metavar="F.jsonl", help="held-out rows for the early stop")
+    p.add_argument("--out", required=True, metavar="DIR", help="where the warm-started model is written")
+    p.add_argument("--target-acc", type=float, default=0.25, help="stop once held-out greedy accuracy reaches this")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--batch-size", type=int, default=64, help="rows per step")
+    p.add_argument("--max-steps", type=int, default=20000, help="hard step limit")
+    p.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
+    p.add_argument("--eval-n", type=int, default=200, help="held-out rows per evaluation")
+    p.add_argument("--max-minutes", type=float, default=10.0, help="stop after this long even below the target")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--seed", type=int, default=0, help="seed of init order and batches")
+
+
+def _report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds metrics.jsonl)")
+
+
 # name -> (implementation "module:function", one-line help, argument builder)
 COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = {
     "broker": ("fleetrl.broker.server:main", "run the broker (queue, leases, staleness, spool)", _broker_args),
+    "rollout": ("fleetrl.rollout.server:main", "run one rollout server (generate, score, push groups)", _rollout_args),
+    "eval": ("fleetrl.rollout.eval:main", "greedy accuracy and pass@k of a model on a prompt set", _eval_args),
     "status": ("fleetrl.broker.status:main", "print a broker's queue, leases, rates and clients", _status_args),
     "keys": ("fleetrl.broker.keys:main", "generate CURVE keypairs for the broker and its clients", _keys_args),
+    "learner": ("fleetrl.learner.train:main", "run a learner rank (also under torchrun -m fleetrl.learner)", _learner_args),
+    "sft": ("fleetrl.learner.sft:main", "supervised warm start, stopped at a target held-out accuracy", _sft_args),
+    "run": ("fleetrl.common.launch:main", "start a whole job on this machine: broker, rollouts, learner", _run_args),
+    "report": ("fleetrl.common.report:main", "plot a run's metrics into RUN_DIR/report.html", _report_args),
     "config": ("fleetrl.common.config_cli:main", "show, validate or document a job config", _config_args),
     "init-model": ("fleetrl.learner.init_model:main", "write a tiny HF model + tokenizer built locally", _init_model_args),
     "init-data": ("fleetrl.common.tasks:main", "write a synthetic prompt set with answers (train + held-out)", _init_data_args),

@@ -247,7 +247,8 @@ class AckBatch(Message, tag=7):  # Learner -> Broker (trained on the lease)
     client_id: str
     lease_id: str
     step: int = 0
-    group_ids: list[str] = []  # subset trained; empty = all. Un-acked ones are requeued.
+    group_ids: list[str] = []  # the groups done with; empty = all
+    keep_rest: bool = False  # False: the lease closes and groups not listed are requeued; True: they stay leased
 
 
 class Commit(Message, tag=8):  # Learner -> Broker (a checkpoint covers every ack up to `step`)

@@ -194,6 +194,9 @@ class LearnerConfig(Section):
     )
     zero_stage: Annotated[int, doc("DeepSpeed ZeRO stage (0-3).", ge=0, le=3)] = 0
     total_steps: Annotated[int, doc("Optimizer steps of the run.", ge=1)] = 100
+    max_minutes: Annotated[
+        float | None, doc("Stop (with a checkpoint) after this much training wall time, even before total_steps.")
+    ] = None
     groups_per_step: Annotated[int, doc("Prompt groups per optimizer step, across all ranks.", ge=1)] = 16
     ppo_epochs: Annotated[int, doc("Passes over each leased batch.", ge=1)] = 1
     mini_batches: Annotated[int, doc("Optimizer updates per pass (the batch is split into this many).", ge=1)] = 1

@@ -256,3 +256,14 @@ def test_status_reports_clients_and_histogram(state):
     (c,) = st.clients
     assert (c.role, c.policy_version, c.alive, c.stats["tokens_per_s"]) == ("rollout", 2, False, 5.0)
     assert m.to_dict(st)["clients"][0]["client_id"] == "r0"
+
+
+def test_ack_with_keep_rest_releases_some_groups_and_keeps_the_lease(state):
+    groups = fill(state, 3)
+    batch = lease_batch(state, 3)
+    assert state.in_flight == 3
+    reply = state.handle(m.AckBatch(req_id=1, client_id="l0", lease_id=batch.lease_id, step=1,
+                                    group_ids=[groups[0].group_id], keep_rest=True), 0.0)
+    assert reply.count == 1 and state.in_flight == 2 and not state.queued  # the rest stays leased, not requeued
+    assert ack(state, batch, ids=[g.group_id for g in groups[1:]]).count == 2
+    assert state.in_flight == 0 and not state.groups

@@ -1,0 +1,258 @@
+"""`fleetrl run`: a whole job on one machine — broker, rollout servers and learner as child processes.
+
+The launcher knows the components only as command lines (`fleetrl broker|rollout|learner`) and reads
+what they write into the run directory (ready files, metrics.jsonl). It
+
+- starts the broker, waits for ``broker.json``; starts ``rollout.num_servers`` rollout servers and the
+  learner (under torchrun when ``learner.num_ranks > 1``); waits for each ready file, with a timeout
+  that names the process and its log;
+- shows one live status line (step, version, reward, eval accuracy, KL, staleness, queue, samples/s,
+  ETA) until the learner finishes;
+- on Ctrl-C / SIGTERM stops the learner first (it checkpoints), then the rest; if any child dies
+  unexpectedly it says which, shows the tail of its log, stops the others and exits non-zero.
+
+Children get PR_SET_PDEATHSIG, so even a killed launcher leaves no orphan behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fleetrl.common.config import dump_yaml, load_config
+from fleetrl.common.schema import JobConfig
+
+POLL_S = 0.25
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log: Path
+    env: dict[str, str]
+    ready_file: Path | None = None
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    log_handle: object = field(default=None, repr=False)
+
+    def start(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self.log_handle = self.log.open("ab")
+        if self.ready_file is not None:
+            self.ready_file.unlink(missing_ok=True)
+        self.proc = subprocess.Popen(self.argv, stdout=self.log_handle, stderr=subprocess.STDOUT, env=self.env,
+                                     preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
+        self.started_at = time.monotonic()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout: float) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout``; always reaps the process."""
+        if self.proc is None:
+            return None
+        if self.alive:
+            self.proc.send_signal(signal.SIGTERM)
+            if self.wait(timeout) is None:
+                self.proc.kill()
+                self.proc.wait()
+        if self.log_handle is not None:
+            self.log_handle.close()
+        return self.proc.returncode
+
+
+def make_run_dir(cfg: JobConfig, override: str | None) -> Path:
+    if override or cfg.run.dir:
+        run_dir = Path(override or cfg.run.dir)
+    else:
+        run_dir = Path(cfg.run.root) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def thread_plan(cfg: JobConfig) -> tuple[int, int]:
+    """(threads per learner rank, threads per rollout server) splitting this machine's cores."""
+    cores = os.cpu_count() or 1
+    procs = cfg.learner.num_ranks + cfg.rollout.num_servers
+    per = max(1, cores // max(1, procs))
+    return per, per
+
+
+def child_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(FLEETRL_CHILD="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
+               PYTHONUNBUFFERED="1")
+    return env
+
+
+def plan_children(cfg: JobConfig, run_dir: Path, config_path: Path) -> list[Child]:
+    """The processes of one job, in start order."""
+    py = [sys.executable, "-m", "fleetrl.common.cli"]
+    job = ["--config", str(config_path), "--run-dir", str(run_dir)]
+    logs = run_dir / "logs"
+    learner_threads, rollout_threads = thread_plan(cfg)
+    children = []
+    if needs_fleet(cfg):
+        children.append(Child("broker", [*py, "broker", *job], logs / "broker.log", child_env(1), run_dir / "broker.json"))
+        for i in range(cfg.rollout.num_servers):
+            children.append(Child(f"rollout-{i}", [*py, "rollout", *job, "--server-index", str(i)],
+                                  logs / f"rollout-{i}.log", child_env(rollout_threads), run_dir / f"rollout-{i}.ready"))
+    if cfg.learner.num_ranks > 1:
+        learner = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.learner.num_ranks),
+                   "--master-port", str(_free_port()), "-m", "fleetrl.learner", *job]
+    else:
+        learner = [*py, "learner", *job]
+    children.append(Child("learner", learner, logs / "learner.log", child_env(learner_threads), run_dir / "learner.ready"))
+    return children
+
+
+def needs_fleet(cfg: JobConfig) -> bool:
+    """Offline DPO trains from a preference file: no broker, no rollouts."""
+    return not (cfg.algorithm.policy_loss == "dpo" and cfg.data.preference)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Launcher:
+    def __init__(self, cfg: JobConfig, run_dir: Path, status: bool = True):
+        self.cfg, self.run_dir, self.show_status = cfg, run_dir, status
+        self.config_path = run_dir / "config.yaml"
+        self.config_path.write_text(dump_yaml(cfg))
+        self.children = plan_children(cfg, run_dir, self.config_path)
+        self.stop_requested = False
+        self.started = time.monotonic()
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_requested = True
+
+    def wait_ready(self, child: Child) -> None:
+        deadline = time.monotonic() + self.cfg.run.ready_timeout_s
+        while not (child.ready_file and child.ready_file.exists()):
+            if not child.alive:
+                raise LaunchError(f"{child.name} exited with code {child.returncode} while starting; "
+                                  f"its log ({child.log}) ends with:\n{child.tail()}")
+            if self.stop_requested:
+                raise KeyboardInterrupt
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{child.name} did not report ready within run.ready_timeout_s="
+                                  f"{self.cfg.run.ready_timeout_s:g} s; see its log {child.log}:\n{child.tail()}")
+            time.sleep(POLL_S)
+
+    def start_all(self) -> None:
+        broker = [c for c in self.children if c.name == "broker"]
+        for child in broker:
+            child.start()
+            self.wait_ready(child)
+        rest = [c for c in self.children if c.name != "broker"]
+        for child in rest:
+            child.start()
+        for child in rest:
+            self.wait_ready(child)
+
+    def shutdown(self) -> None:
+        """Learner first (it checkpoints on SIGTERM), then rollouts, then the broker."""
+        order = sorted(self.children, key=lambda c: {"learner": 0, "broker": 2}.get(c.name, 1))
+        for child in order:
+            child.stop(timeout=120 if child.name == "learner" else 30)
+
+    def run(self) -> int:
+        from fleetrl.common.status import StatusLine
+
+        old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        learner = next(c for c in self.children if c.name == "learner")
+        line = StatusLine(self.cfg, self.run_dir, enabled=self.show_status)
+        try:
+            self.start_all()
+            print(f"fleetrl run: {len(self.children)} processes ready in {time.monotonic() - self.started:.1f} s; "
+                  f"run directory {self.run_dir}", flush=True)
+            rl_start = time.monotonic()
+            with line:
+                while learner.alive and not self.stop_requested:
+                    dead = [c for c in self.children if c is not learner and not c.alive and c.returncode not in (0, None)]
+                    if dead:
+                        raise LaunchError(f"{dead[0].name} died with exit code {dead[0].returncode}; its log "
+                                          f"({dead[0].log}) ends with:\n{dead[0].tail()}")
+                    line.update()
+                    time.sleep(POLL_S)
+                line.update()
+            if self.stop_requested:
+                print("fleetrl run: stopping (the learner writes a final checkpoint)...", flush=True)
+                self.shutdown()
+                return 130
+            code = learner.returncode
+            if code != 0:
+                raise LaunchError(f"learner exited with code {code}; its log ({learner.log}) ends with:\n{learner.tail()}")
+            summary = line.summary(time.monotonic() - rl_start)
+            self.shutdown()
+            print(summary, flush=True)
+            return 0
+        except LaunchError as e:
+            print(f"fleetrl run: {e}", file=sys.stderr, flush=True)
+            self.shutdown()
+            return 1
+        except KeyboardInterrupt:
+            self.shutdown()
+            return 130
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+
+def main(args) -> int:
+    cfg = load_config(args.config, [*args.overrides])
+    if cfg.broker.address is None and cfg.broker.host in ("127.0.0.1", "localhost"):
+        cfg = load_config(args.config, [*args.overrides, "broker.port=0", "broker.pub_port=0"])  # one machine: free ports
+    run_dir = make_run_dir(cfg, args.run_dir)
+    print(f"fleetrl run: {cfg.run.name} -> {run_dir}", flush=True)
+    (run_dir / "launch.json").write_text(json.dumps({"pid": os.getpid(), "argv": sys.argv}))
+    return Launcher(cfg, run_dir, status=not args.no_status).run()

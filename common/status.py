@@ -1,0 +1,109 @@
+"""The live status line of `fleetrl run`, read from the learner's ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+from fleetrl.common.schema import JobConfig
+
+
+class MetricsTail:
+    """Reads new lines of a JSONL file as it grows (tolerates a partly written last line)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.rows = path, 0, []
+
+    def poll(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with self.path.open() as f:
+            f.seek(self.offset)
+            data = f.read()
+        complete = data[: data.rfind("\n") + 1]
+        self.offset += len(complete.encode())
+        new = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        self.rows.extend(new)
+        return new
+
+
+class StatusLine:
+    def __init__(self, cfg: JobConfig, run_dir: Path, enabled: bool = True):
+        self.cfg, self.total = cfg, cfg.learner.total_steps
+        self.tail = MetricsTail(Path(run_dir) / "metrics.jsonl")
+        self.rewards: deque[float] = deque(maxlen=20)
+        self.times: deque[tuple[float, int, float]] = deque(maxlen=20)  # (time, step, samples_total)
+        self.last: dict = {}
+        self.eval_acc: float | None = None
+        self.events: list[str] = []
+        self.tty = enabled and sys.stdout.isatty()
+        self.enabled = enabled
+        self.live = None
+        self.last_print = 0.0
+
+    def __enter__(self) -> "StatusLine":
+        if self.tty:
+            from rich.live import Live
+
+            self.live = Live("starting...", refresh_per_second=4, transient=False)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live is not None:
+            self.live.__exit__(*exc)
+
+    def update(self) -> None:
+        for row in self.tail.poll():
+            self.last = row
+            if "reward/mean" in row:
+                self.rewards.append(row["reward/mean"])
+            if "eval/accuracy" in row:
+                self.eval_acc = row["eval/accuracy"]
+            if "health/event" in row:
+                self.events.append(str(row["health/event"]))
+            self.times.append((row.get("time", time.time()), row["step"], row.get("batch/samples_total", 0.0)))
+        text = self.render()
+        if self.live is not None:
+            self.live.update(text)
+        elif self.enabled and time.monotonic() - self.last_print > 10 and self.last:
+            print(text, flush=True)
+            self.last_print = time.monotonic()
+
+    def rate(self) -> tuple[float, float]:
+        """(steps/s, samples/s) over the recent window."""
+        if len(self.times) < 2:
+            return 0.0, 0.0
+        (t0, s0, n0), (t1, s1, n1) = self.times[0], self.times[-1]
+        dt = max(t1 - t0, 1e-9)
+        return (s1 - s0) / dt, (n1 - n0) / dt
+
+    def render(self) -> str:
+        if not self.last:
+            return "waiting for the first step..."
+        r = self.last
+        steps_s, samples_s = self.rate()
+        eta = (self.total - r["step"]) / steps_s if steps_s > 0 else float("nan")
+        parts = [f"step {r['step']}/{self.total}", f"v{int(r.get('policy/version', 0))}",
+                 f"reward {sum(self.rewards) / max(1, len(self.rewards)):.3f}"]
+        if self.eval_acc is not None:
+            parts.append(f"eval {100 * self.eval_acc:.1f}%")
+        for key, label, fmt in (("actor/kl", "kl", "{:.4f}"), ("off_policy/staleness_mean", "stale", "{:.2f}"),
+                                ("broker/queue_depth", "queue", "{:.0f}")):
+            if key in r:
+                parts.append(f"{label} {fmt.format(r[key])}")
+        parts.append(f"{samples_s:.1f} samples/s")
+        parts.append(f"ETA {eta:.0f} s" if eta == eta else "ETA -")
+        if self.events:
+            parts.append(f"! {self.events[-1]}")
+        return " | ".join(parts)
+
+    def summary(self, wall_s: float) -> str:
+        rows = self.tail.rows
+        samples = rows[-1].get("batch/samples_total", 0.0) if rows else 0.0
+        rate = samples / wall_s if wall_s > 0 else 0.0
+        return (f"fleetrl run: done — {len(rows)} steps, {samples:.0f} samples in {wall_s:.1f} s of RL "
+                f"({rate:.1f} samples/s); last: {self.render()}")

@@ -1,0 +1,348 @@
+"""The pieces of the rollout loop: prompt encoding, one generated batch, its groups, and the finisher.
+
+The server's main thread leases prompts and generates; the finisher thread waits for a batch's
+rewards (scored by the ``RewardScorer``'s workers while the engine generates the next batch), turns
+it into one ``SampleGroup`` per prompt, pushes them in one frame until acknowledged, returns the
+prompts of dropped groups, and writes the batch's metrics. At most one batch waits for the finisher,
+so a slow broker slows generation down instead of piling batches up in memory.
+
+This module imports no torch: tests and `fleetrl eval` share its helpers cheaply.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from fleetrl.broker.client import BrokerError, BrokerUnavailable
+from fleetrl.common import messages as m
+from fleetrl.common.config import ConfigError
+from fleetrl.rollout.engines.base import Generation
+from fleetrl.rollout.rewards import RewardInput, RewardResult
+
+log = logging.getLogger("fleetrl.rollout")
+
+
+# ------------------------------------------------------------------------------------ prompts
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], chat_template: bool,
+                  max_tokens: int) -> list[int]:
+    """Token ids of one prompt: the chat template applied (``data.apply_chat_template``) or the raw
+    text, no special tokens besides those the template writes, truncated from the left.
+
+    A prompt given as chat messages has no raw text form, so it always goes through the template.
+    """
+    if chat_template or not isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    else:
+        text = prompt
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids[-max_tokens:]
+
+
+def check_chat_template(tokenizer: Any, enabled: bool, where: str) -> None:
+    """Refuse ``data.apply_chat_template: true`` with a tokenizer that has no template (at start-up)."""
+    if enabled and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"data.apply_chat_template is true but the tokenizer of {where} has no chat template; "
+                         "set data.apply_chat_template=false (raw prompts) or use a tokenizer with a template")
+
+
+def trace_context(prompt: m.Prompt, lease: m.PromptLease) -> dict[str, str]:
+    """The W3C trace context (traceparent, tracestate) one group carries; ``{}`` = none.
+
+    The single hook for telemetry: when tracing is set up, this returns the context of the span
+    that covers the prompt's lease, generation and reward, and every group carries it.
+    """
+    return {}
+
+
+# ------------------------------------------------------------------------------------ batches
+
+
+@dataclass
+class Batch:
+    """One engine call: the leased prompts, their samples and the weights version that made them."""
+
+    lease: m.PromptLease
+    prompt_ids: list[list[int]]
+    samples: list[list[Generation]]  # [B][G]
+    version: int
+    gen_s: float
+    rewards: Future  # -> list[RewardResult], flat [B * G]
+    submitted: float = field(default_factory=time.monotonic)
+    rewards_done: float = 0.0  # monotonic time the scorer finished (set by a callback)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for row in self.samples for s in row)
+
+
+def reward_inputs(prompts: Sequence[m.Prompt], samples: Sequence[Sequence[Generation]]) -> list[RewardInput]:
+    """One ``RewardInput`` per sample, prompt-major (the order of ``Batch.rewards``)."""
+    return [
+        RewardInput(prompt=p.prompt, response=s.text, answer=p.answer, metadata=dict(p.metadata),
+                    finish_reason=s.finish_reason, num_tokens=len(s.token_ids))
+        for p, row in zip(prompts, samples) for s in row
+    ]
+
+
+def build_groups(batch: Batch, results: Sequence[RewardResult], server_id: str,
+                 should_drop: Callable[[Sequence[RewardResult]], bool]) -> tuple[list[m.SampleGroup], list[str]]:
+    """The batch's groups, one per prompt, and the prompt ids whose group is dropped (``should_drop``)."""
+    groups, dropped = [], []
+    at = 0
+    for prompt, ids, samples in zip(batch.lease.prompts, batch.prompt_ids, batch.samples):
+        res = results[at : at + len(samples)]
+        at += len(samples)
+        if should_drop(res):
+            dropped.append(prompt.prompt_id)
+            continue
+        groups.append(m.build_group(
+            uuid.uuid4().hex, prompt.prompt_id, batch.version, ids,
+            [(s.token_ids, s.logprobs) for s in samples], [r.reward for r in res],
+            [s.finish_reason for s in samples],
+            reward_parts=[dict(r.parts) for r in res], failed=[r.failed for r in res],
+            lease_id=batch.lease.lease_id, server_id=server_id, trace=trace_context(prompt, batch.lease),
+            created_at=time.time(), metadata={"server": server_id, "gen_s": round(batch.gen_s, 4)},
+        ))
+    return groups, dropped
+
+
+# ------------------------------------------------------------------------------ leases, stats
+
+
+class OpenLeases:
+    """Prompts this server holds and has not pushed or returned, per lease (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[str, set[str]] = {}
+
+    def add(self, lease: m.PromptLease) -> None:
+        with self._lock:
+            self._open[lease.lease_id] = {p.prompt_id for p in lease.prompts}
+
+    def close(self, lease_id: str, prompt_ids: Sequence[str]) -> None:
+        with self._lock:
+            open_ids = self._open.get(lease_id)
+            if open_ids is not None:
+                open_ids.difference_update(prompt_ids)
+                if not open_ids:
+                    del self._open[lease_id]
+
+    def take_all(self) -> dict[str, list[str]]:
+        with self._lock:
+            out = {lid: sorted(ids) for lid, ids in self._open.items()}
+            self._open.clear()
+        return out
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(ids) for ids in self._open.values())
+
+
+class Stats:
+    """Counters of one server, read by heartbeats (client thread) and metrics (finisher thread)."""
+
+    COUNTERS = ("batches", "groups_pushed", "groups_dropped", "groups_stale", "groups_rejected", "prompts_returned",
+                "tokens", "throttles")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.totals = dict.fromkeys(self.COUNTERS, 0)
+        self.throttled_s = 0.0  # since the previous batch record
+        self.tokens_per_s = 0.0
+        self.reward_mean = 0.0
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                self.totals[k] += v
+
+    def throttled(self, seconds: float) -> None:
+        with self._lock:
+            self.throttled_s += seconds
+            self.totals["throttles"] += 1
+
+    def take_throttled(self) -> float:
+        with self._lock:
+            out, self.throttled_s = self.throttled_s, 0.0
+        return out
+
+    def batch_done(self, tokens_per_s: float, reward_mean: float) -> None:
+        with self._lock:
+            self.tokens_per_s, self.reward_mean = tokens_per_s, reward_mean
+
+    def heartbeat(self) -> dict[str, float]:
+        with self._lock:
+            out = {f"rollout/{k}": float(v) for k, v in self.totals.items()}
+            out["rollout/tokens_per_s"] = self.tokens_per_s
+            out["reward/mean"] = self.reward_mean
+        return out
+
+
+class MetricsFile:
+    """One JSON line per batch (``<run-dir>/rollout-<i>.metrics.jsonl``); a no-op without a path."""
+
+    def __init__(self, path: str | Path | None):
+        self.path = Path(path) if path else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+# ---------------------------------------------------------------------------------- finisher
+
+
+class Finisher:
+    """The background thread that scores, pushes and records each batch (see the module docstring).
+
+    ``error`` holds the exception that stopped it (the broker became unreachable); the main loop
+    raises it. ``close()`` finishes every submitted batch; ``abandon()`` stops without finishing.
+    """
+
+    def __init__(self, client: Any, scorer: Any, server_id: str, leases: OpenLeases, stats: Stats,
+                 metrics: MetricsFile, push_deadline_s: float, extra_metrics: Callable[[], dict[str, float]]):
+        self.client, self.scorer, self.server_id = client, scorer, server_id
+        self.leases, self.stats, self.metrics = leases, stats, metrics
+        self.push_deadline_s, self.extra_metrics = push_deadline_s, extra_metrics
+        self.error: BaseException | None = None
+        self._queue: queue.Queue[Batch | None] = queue.Queue(maxsize=1)
+        self._abandon = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"finisher-{server_id}", daemon=True)
+        self._thread.start()
+
+    def submit(self, batch: Batch) -> None:
+        """Hand a batch over; blocks while the previous one is still waiting to be taken up."""
+        batch.rewards.add_done_callback(lambda _: setattr(batch, "rewards_done", time.monotonic()))
+        while True:
+            if self.error is not None:
+                raise self.error
+            try:
+                self._queue.put(batch, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def close(self) -> None:
+        while self._thread.is_alive():  # a thread that died on an error takes nothing more
+            try:
+                self._queue.put(None, timeout=0.2)
+                break
+            except queue.Full:
+                continue
+        self._thread.join()
+
+    def abandon(self) -> None:
+        self._abandon.set()
+
+    def _run(self) -> None:
+        while not self._abandon.is_set():
+            try:
+                batch = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if batch is None or self._abandon.is_set():
+                return
+            try:
+                self.finish(batch)
+            except BaseException as e:  # noqa: BLE001 - reported to the main loop, which exits on it
+                self.error = e
+                return
+
+    def finish(self, batch: Batch) -> None:
+        """Wait for the batch's rewards, push its groups until acknowledged, return dropped prompts."""
+        results = batch.rewards.result()
+        groups, dropped = build_groups(batch, results, self.server_id, self.scorer.should_drop)
+        if dropped:
+            self.client.return_prompts(batch.lease.lease_id, dropped)
+            self.leases.close(batch.lease.lease_id, dropped)
+            self.stats.add(groups_dropped=len(dropped), prompts_returned=len(dropped))
+        t0 = time.monotonic()
+        counts = self.push(groups) if groups else {}
+        push_s = time.monotonic() - t0
+        self.leases.close(batch.lease.lease_id, [g.prompt_id for g in groups])
+        self.stats.add(batches=1, tokens=batch.num_tokens, **counts)
+        self.metrics.write(self.record(batch, results, push_s))
+
+    def push(self, groups: list[m.SampleGroup]) -> dict[str, int]:
+        """Push in one frame (retried until acked); counts by outcome. Unpushable groups are logged."""
+        try:
+            acks = self.client.push_groups(groups, deadline_s=self.push_deadline_s)
+        except BrokerError as e:
+            if e.code != "too_large" or len(groups) == 1:
+                log.error("the broker refused %d group(s) (%s); they are lost and their prompts re-issued "
+                          "when the lease expires", len(groups), e)
+                return {"groups_rejected": len(groups)}
+            return self._push_one_by_one(groups)
+        counts = {"groups_pushed": 0, "groups_stale": 0, "groups_rejected": 0}
+        for ack in acks:
+            if ack.status in ("accepted", "duplicate"):
+                counts["groups_pushed"] += 1
+            elif ack.status == "stale":
+                counts["groups_stale"] += 1
+            else:
+                counts["groups_rejected"] += 1
+                log.error("the broker rejected group %s: %s", ack.group_id, ack.reason)
+        return counts
+
+    def _push_one_by_one(self, groups: list[m.SampleGroup]) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for g in groups:
+            for k, v in self.push([g]).items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def record(self, batch: Batch, results: Sequence[RewardResult], push_s: float) -> dict[str, Any]:
+        """The batch's metrics line (namespaced keys)."""
+        rewards = [r.reward for r in results]
+        lengths = [len(s.token_ids) for row in batch.samples for s in row]
+        truncated = sum(s.finish_reason == "length" for row in batch.samples for s in row)
+        mean = sum(rewards) / len(rewards) if rewards else 0.0
+        tokens_per_s = batch.num_tokens / batch.gen_s if batch.gen_s > 0 else 0.0
+        self.stats.batch_done(tokens_per_s, mean)
+        totals = self.stats.heartbeat()
+        return {
+            "time": time.time(),
+            **self.scorer.stats(),
+            **self.extra_metrics(),
+            **totals,
+            "rollout/policy_version": batch.version,
+            "rollout/prompts": len(batch.samples),
+            "rollout/response_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
+            "rollout/response_len_max": max(lengths, default=0),
+            "rollout/truncated_frac": truncated / len(lengths) if lengths else 0.0,
+            "rollout/throttled_s": self.stats.take_throttled(),
+            "reward/mean": mean,
+            "reward/max": max(rewards, default=0.0),
+            "reward/min": min(rewards, default=0.0),
+            "timing/generate_s": batch.gen_s,
+            "timing/reward_s": max(0.0, (batch.rewards_done or time.monotonic()) - batch.submitted),
+            "timing/push_s": push_s,
+        }
+
+
+def return_leases(client: Any, leases: OpenLeases, stats: Stats) -> int:
+    """Give every open prompt back to the broker (shutdown); returns how many it re-issues."""
+    returned = 0
+    for lease_id, prompt_ids in leases.take_all().items():
+        try:
+            returned += client.return_prompts(lease_id, prompt_ids).count
+        except (BrokerError, BrokerUnavailable) as e:
+            log.warning("could not return lease %s (%s); the broker re-issues it when it expires", lease_id, e)
+    stats.add(prompts_returned=returned)
+    return returned

@@ -1,0 +1,361 @@
+"""`fleetrl rollout`: one rollout server.
+
+    start:  load the engine → register with the broker (heartbeats from then on) → subscribe to
+            announcements → `<run-dir>/rollout-<i>.ready`
+    loop:   announcements and new weights → lease `prompts_per_batch` prompts → generate
+            `group_size` samples each → rewards (scored while the next batch generates) → one
+            SampleGroup per prompt → push until acked (the finisher thread, `loop.py`)
+    stop:   SIGTERM / SIGINT / a `stop` announcement / data exhausted: finish the batch in hand,
+            push, return every prompt still leased, exit 0. A second signal abandons the batch in
+            hand (its prompts are returned too).
+
+Weights change only between batches (`WeightReceiver.apply`), so a batch never sees half-updated
+weights, and each group carries the version its engine held when the batch was generated. Missed
+announcements (PUB/SUB drops messages for late joiners) are caught up by asking the broker for its
+current version every `CATCHUP_S` seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from fleetrl.broker.client import BrokerClient, BrokerError, BrokerUnavailable, default_client_id
+from fleetrl.common import messages as m
+from fleetrl.common.config import ConfigError, load_config
+from fleetrl.common.log import setup_logging
+from fleetrl.common.schema import JobConfig
+from fleetrl.rollout.engines import SamplingParams, create_engine
+from fleetrl.rollout.loop import (
+    Batch, Finisher, MetricsFile, OpenLeases, Stats, check_chat_template, encode_prompt, return_leases, reward_inputs,
+)
+from fleetrl.rollout.rewards import RewardScorer
+
+log = logging.getLogger("fleetrl.rollout")
+
+EXIT_BROKER_UNAVAILABLE = 3
+CATCHUP_S = 5.0  # seconds between GetVersion polls (catch-up for dropped announcements and pause state)
+WAIT_SLICE_S = 0.25  # longest sleep without looking at announcements and the stop flag
+PAUSED_POLL_S = 0.5  # while paused: how often the loop looks again (announcements wake it earlier)
+THROTTLE_S = (0.05, 5.0)  # bounds on a Throttle's retry_after_s
+
+
+class Abort(BaseException):
+    """A second SIGTERM / SIGINT: abandon the batch in hand (its prompts are returned)."""
+
+
+class RolloutServer:
+    """The loop of one rollout server over a broker client (socket or in-process twin).
+
+    Takes a connected-or-not client, a built engine and scorer, and optionally a WeightReceiver;
+    ``run()`` registers, loops until stopped and returns the exit code. It closes none of them.
+    """
+
+    def __init__(self, cfg: JobConfig, client: Any, engine: Any, scorer: RewardScorer, *, server_index: int = 0,
+                 run_dir: str | Path | None = None, receiver: Any = None, stop_event: threading.Event | None = None):
+        self.cfg, self.client, self.engine, self.scorer, self.receiver = cfg, client, engine, scorer, receiver
+        self.server_index, self.client_id = server_index, client.client_id
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.params = SamplingParams.from_config(cfg.rollout)
+        self.version = 0  # the weights the engine holds: model.path until a new version is applied
+        self.paused = False
+        self.stop_reason = ""
+        self._stop = stop_event or threading.Event()
+        self.leases, self.stats = OpenLeases(), Stats()
+        self.metrics = MetricsFile(self.run_dir / f"rollout-{server_index}.metrics.jsonl" if self.run_dir else None)
+        self.sub: Any = None
+        self.finisher: Finisher | None = None
+        self._next_catchup = 0.0
+        self._warned_no_receiver = False
+        check_chat_template(engine.tokenizer, cfg.data.apply_chat_template, cfg.model.tokenizer or cfg.model.path)
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    def run(self) -> int:
+        """Register, loop until stopped, shut down. Raises BrokerUnavailable when the broker is gone."""
+        finish, give_back = False, True
+        try:
+            if not self.stopping:
+                self.start()
+            while not self.stopping:
+                self.step()
+            finish = True
+        except BrokerUnavailable:
+            give_back = False  # nobody to give them to; the broker re-issues them when they expire
+            raise
+        finally:
+            self.shutdown(finish, give_back)
+        if self.finisher is not None and self.finisher.error is not None:
+            raise self.finisher.error  # the last batch could not be pushed: not a clean exit
+        return 0
+
+    def start(self) -> None:
+        reg = self.client.connect()
+        self.sub = self.client.subscribe()
+        self.client.start_heartbeat(self.heartbeat_stats, reg.heartbeat_s or self.cfg.broker.heartbeat_s)
+        push_deadline = max(self.cfg.broker.prompt_lease_s, 3 * self.cfg.broker.request_timeout_s)
+        self.finisher = Finisher(self.client, self.scorer, self.client_id, self.leases, self.stats, self.metrics,
+                                 push_deadline, self.weight_stats)
+        self.on_current(reg.policy_version, reg.weights, reg.paused)
+        self._next_catchup = time.monotonic() + CATCHUP_S
+        if self.run_dir is not None:
+            write_ready(self.run_dir, self.server_index, self.client_id, self.version)
+        log.info("ready: %s registered with broker %s (broker at version %d%s), generating %d x %d per batch",
+                 self.client_id, reg.broker_id, reg.policy_version, ", paused" if reg.paused else "",
+                 self.cfg.rollout.prompts_per_batch, self.cfg.rollout.group_size)
+
+    def step(self) -> Batch | None:
+        """One iteration: announcements and weights, then lease → generate → hand to the finisher."""
+        self.poll(0.0)
+        lease = self.lease()
+        if lease is None:
+            return None
+        batch = self.generate(lease)
+        self.finisher.submit(batch)
+        return batch
+
+    def shutdown(self, finish: bool, give_back: bool) -> None:
+        if self.finisher is not None:
+            if finish:
+                self.finisher.close()
+                if isinstance(self.finisher.error, BrokerUnavailable):
+                    give_back = False
+            else:
+                self.finisher.abandon()
+        if give_back and len(self.leases):
+            n = return_leases(self.client, self.leases, self.stats)
+            log.info("returned %d leased prompt(s) to the broker, which re-issues them", n)
+        t = self.stats.heartbeat()
+        reason = self.stop_reason or ("stop requested" if self.stopping else "error")
+        log.info("stopped (%s): %d batches, %d groups pushed, %d dropped, %d prompts returned", reason,
+                 t["rollout/batches"], t["rollout/groups_pushed"], t["rollout/groups_dropped"],
+                 t["rollout/prompts_returned"])
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def request_stop(self, reason: str) -> None:
+        if not self._stop.is_set():
+            self.stop_reason = reason
+            log.info("stopping (%s): finishing the batch in hand", reason)
+            self._stop.set()
+
+    # ------------------------------------------------------------------------------ the loop
+
+    def lease(self) -> m.PromptLease | None:
+        """Prompts for the next batch, or None after waiting (paused, throttled, stopping)."""
+        if self.paused:
+            self.wait(PAUSED_POLL_S)
+            return None
+        try:
+            reply = self.client.lease_prompts(self.cfg.rollout.prompts_per_batch, self.version)
+        except BrokerError as e:
+            if e.code != "data_exhausted":
+                raise
+            self.request_stop(f"data exhausted: {e.reason}")
+            return None
+        if isinstance(reply, m.Throttle):
+            if reply.reason == "stopping":  # a `stop` whose announcement this server missed
+                self.request_stop("the broker is stopping")
+                return None
+            t0 = time.monotonic()
+            self.wait(min(max(reply.retry_after_s, THROTTLE_S[0]), THROTTLE_S[1]))
+            self.stats.throttled(time.monotonic() - t0)
+            log.debug("throttled by the broker: %s", reply.reason)
+            return None
+        self.leases.add(reply)
+        return reply
+
+    def generate(self, lease: m.PromptLease) -> Batch:
+        """Sample the lease's groups with the current weights and start scoring them."""
+        data = self.cfg.data
+        prompt_ids = [encode_prompt(self.engine.tokenizer, p.prompt, data.apply_chat_template, data.max_prompt_tokens)
+                      for p in lease.prompts]
+        t0 = time.monotonic()
+        samples = self.engine.generate(prompt_ids, self.params, self.cfg.rollout.group_size)
+        gen_s = time.monotonic() - t0
+        rewards = self.scorer.submit(reward_inputs(lease.prompts, samples))
+        return Batch(lease, prompt_ids, samples, self.version, gen_s, rewards)
+
+    def wait(self, seconds: float) -> None:
+        """Sleep up to ``seconds`` while handling announcements and weights; returns early on stop."""
+        deadline = time.monotonic() + seconds
+        while not self.stopping and (left := deadline - time.monotonic()) > 0:
+            self.poll(min(left, WAIT_SLICE_S))
+
+    def poll(self, timeout_s: float) -> None:
+        """Announcements (waiting up to ``timeout_s`` for one), the catch-up poll, new weights."""
+        if self.finisher is not None and self.finisher.error is not None:
+            raise self.finisher.error
+        ann = self.sub.next(timeout_s) if timeout_s > 0 else None
+        for a in ([ann] if ann is not None else []) + self.sub.drain():
+            self.on_announcement(a)
+        if time.monotonic() >= self._next_catchup:
+            cv = self.client.current_version()
+            self.on_current(cv.version, cv.weights, cv.paused)
+            self._next_catchup = time.monotonic() + CATCHUP_S
+        self.apply_weights()
+
+    # ------------------------------------------------------------------- announcements, weights
+
+    def on_announcement(self, ann: m.Announcement) -> None:
+        if isinstance(ann, m.VersionAnnouncement):
+            self.offer_version(ann.version, ann.weights)
+        elif ann.action in ("pause", "resume"):
+            self.set_paused(ann.action == "pause", ann.reason)
+        elif ann.action == "stop":
+            self.request_stop(f"stop announced by the broker{': ' + ann.reason if ann.reason else ''}")
+        # discard: the broker drops its queued groups; nothing changes here
+
+    def on_current(self, version: int, weights: m.WeightsInfo, paused: bool) -> None:
+        """The broker's state from Registered / CurrentVersion: the catch-up path."""
+        self.offer_version(version, weights)
+        self.set_paused(paused, "broker state")
+
+    def set_paused(self, paused: bool, reason: str = "") -> None:
+        if paused != self.paused:
+            log.info("%s leasing (%s)", "pausing" if paused else "resuming", reason or "control announcement")
+            self.paused = paused
+
+    def offer_version(self, version: int, weights: m.WeightsInfo) -> None:
+        if version == self.version:
+            return
+        if self.receiver is None:
+            if not self._warned_no_receiver:
+                log.warning("policy version %d announced but this server has no weight receiver; it keeps "
+                            "generating with version %d", version, self.version)
+                self._warned_no_receiver = True
+            return
+        self.receiver.on_version(version, weights)
+
+    def apply_weights(self) -> None:
+        """Load new weights if the receiver has a complete version (never mid-batch)."""
+        if self.receiver is None:
+            return
+        try:
+            version = self.receiver.apply(self.engine)
+        except ValueError as e:  # names or shapes that do not fit: the engine changed nothing
+            log.error("could not load new weights (%s); generating with version %d until the next one", e, self.version)
+            return
+        if version is None or version == self.version:
+            return
+        log.info("policy version %d -> %d: new weights loaded", self.version, version)
+        self.version = version
+        try:
+            self.client.heartbeat(version, self.heartbeat_stats()[1])
+        except (BrokerError, BrokerUnavailable) as e:
+            log.debug("heartbeat after the weight update failed: %s", e)
+
+    # --------------------------------------------------------------------------------- stats
+
+    def weight_stats(self) -> dict[str, float]:
+        return dict(self.receiver.stats()) if self.receiver is not None else {}
+
+    def heartbeat_stats(self) -> tuple[int, dict[str, float]]:
+        """(policy version, stats) for the broker's status: called from the client's thread."""
+        stats = {**self.stats.heartbeat(), **self.weight_stats(), "rollout/policy_version": float(self.version),
+                 "rollout/paused": float(self.paused)}
+        return self.version, stats
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def broker_address(cfg: JobConfig, cli_address: str | None, run_dir: str | Path | None) -> str:
+    """--broker, else the address in ``<run-dir>/broker.json`` (the broker writes it, with the port it
+    bound), else broker.address, else tcp://broker.host:broker.port."""
+    if cli_address:
+        return cli_address
+    endpoint = Path(run_dir) / "broker.json" if run_dir else None
+    if endpoint is not None and endpoint.is_file():
+        return json.loads(endpoint.read_text())["address"].replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
+    if cfg.broker.address:
+        return cfg.broker.address
+    if cfg.broker.port == 0:
+        raise ConfigError("broker.port is 0 (the broker picks a free port), so the rollout server cannot derive its "
+                         "address; pass --broker ADDR or --run-dir of the broker (its broker.json)")
+    return f"tcp://{cfg.broker.host}:{cfg.broker.port}"
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def ready_path(run_dir: str | Path, server_index: int) -> Path:
+    return Path(run_dir) / f"rollout-{server_index}.ready"
+
+
+def write_ready(run_dir: Path, server_index: int, client_id: str, version: int) -> Path:
+    """``rollout-<i>.ready``: the launcher's signal that this server loaded its engine and registered."""
+    path = ready_path(run_dir, server_index)
+    tmp = path.with_suffix(".ready.tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "client_id": client_id, "policy_version": version}))
+    tmp.replace(path)
+    return path
+
+
+def install_signals(stop: threading.Event) -> None:
+    """First SIGTERM/SIGINT: stop after the batch in hand. Second: abandon it (raise Abort)."""
+
+    def handler(signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if not stop.is_set():
+            log.info("%s: finishing the batch in hand, then exiting (send it again to abandon the batch)", name)
+            stop.set()
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        log.info("%s again: abandoning the batch in hand and returning its prompts", name)
+        raise Abort()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def main(args) -> int:
+    overrides = list(args.overrides) + ([f"rollout.engine={args.engine}"] if args.engine else [])
+    cfg = load_config(args.config, overrides)
+    index = args.server_index
+    setup_logging(f"rollout-{index}", cfg.telemetry.log_level)
+    if args.run_dir:
+        Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+        ready_path(args.run_dir, index).unlink(missing_ok=True)  # a previous run's signal must not count
+    stop = threading.Event()
+    install_signals(stop)
+    client_id = default_client_id("rollout", index)
+    device = resolve_device(cfg.rollout.device)
+    engine = scorer = client = receiver = None
+    try:
+        engine = create_engine(cfg.rollout.engine, cfg.model, cfg.rollout, device, cfg.rollout.seed + index)
+        scorer = RewardScorer.from_config(cfg.rollout)
+        from fleetrl.rollout.weights import WeightReceiver
+
+        receiver = WeightReceiver(cfg, engine.param_specs(), device, client_id)
+        address = broker_address(cfg, args.broker, args.run_dir)
+        client = BrokerClient(address, client_id, "rollout", rank=index, timeout_s=cfg.broker.request_timeout_s,
+                              curve=cfg.broker.curve, info={"engine": cfg.rollout.engine, "device": device})
+        server = RolloutServer(cfg, client, engine, scorer, server_index=index, run_dir=args.run_dir,
+                               receiver=receiver, stop_event=stop)
+        return server.run()
+    except BrokerUnavailable as e:
+        hint = "" if "request_timeout_s" in str(e) else (
+            f" (check broker.address / --broker, or raise broker.request_timeout_s={cfg.broker.request_timeout_s:g})")
+        log.error("giving up, the broker is unreachable: %s%s", e, hint)
+        return EXIT_BROKER_UNAVAILABLE
+    except Abort:
+        return 0
+    finally:
+        for part in (receiver, scorer, client, engine):
+            if part is not None:
+                part.close()

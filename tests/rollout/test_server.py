@@ -1,0 +1,443 @@
+"""The rollout server: its loop against the in-process broker twin, then as a real process against a
+real broker on loopback (push, SIGTERM, SIGKILL and re-issue).
+
+Engines run with one torch thread: on a small shared CPU, two spinning OpenMP threads per process
+make the tiny model ~100x slower.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from fleetrl.broker.client import BrokerClient
+from fleetrl.broker.inproc import InprocBroker
+from fleetrl.common import messages as m
+from fleetrl.common.schema import ModelConfig, RolloutConfig
+from fleetrl.rollout.engines import SamplingParams, create_engine
+from fleetrl.rollout.loop import encode_prompt
+from fleetrl.rollout.rewards import RewardScorer
+from fleetrl.rollout.server import RolloutServer, broker_address
+from fleetrl.rollout.weights import WeightReceiver
+from tests.broker.conftest import make_state
+from tests.helpers import BrokerProcess, write_job
+
+VOCAB = 263  # the tiny model's vocabulary
+G, B, MAX_NEW = 3, 2, 6  # group size, prompts per batch, max new tokens
+BASE = [f"rollout.group_size={G}", f"rollout.prompts_per_batch={B}", f"rollout.max_new_tokens={MAX_NEW}",
+        "rollout.device=cpu", "rollout.rewards=[{name: exact}]", "broker.heartbeat_s=0.5"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    threads = torch.get_num_threads()
+    eng = create_engine("hf", ModelConfig(path=tiny_model_dir), RolloutConfig(), "cpu", 0, num_threads=1)
+    yield eng
+    eng.close()
+    torch.set_num_threads(threads)
+
+
+class Counting:
+    """A broker client that counts the calls made through it."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, Counter()
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self.calls[name] += 1
+            return attr(*args, **kwargs)
+
+        return call
+
+
+class Fleet:
+    """An InprocBroker over make_state, one server on it, and clients for a learner and an operator."""
+
+    def __init__(self, engine, tiny_model_dir, *overrides, run_dir=None, n_prompts=50, receiver=False):
+        self.state = make_state(f"model.path={tiny_model_dir}", *BASE, *overrides, n_prompts=n_prompts,
+                                vocab_size=VOCAB)
+        self.cfg, self.broker = self.state.cfg, InprocBroker(self.state)
+        self.client = Counting(self.broker.client("rollout-0-test", "rollout"))
+        self.learner = self.broker.client("learner-0", "learner")
+        self.scorer = RewardScorer.from_config(self.cfg.rollout)
+        self.receiver = WeightReceiver(self.cfg, engine.param_specs(), "cpu", "rollout-0-test") if receiver else None
+        self.server = RolloutServer(self.cfg, self.client, engine, self.scorer, run_dir=run_dir, receiver=self.receiver)
+        self.thread: threading.Thread | None = None
+        self.exit_code = None
+
+    def start_thread(self) -> "Fleet":
+        def target():
+            self.exit_code = self.server.run()
+
+        self.thread = threading.Thread(target=target, daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self.thread is not None:
+            self.server.request_stop("test over")
+            self.thread.join(timeout)
+            assert not self.thread.is_alive(), "the server did not stop"
+        self.scorer.close()
+        if self.receiver is not None:
+            self.receiver.close()
+        return self.exit_code
+
+    def drain(self) -> list[m.SampleGroup]:
+        """Every queued group, leased and acked as a learner would."""
+        out = []
+        while isinstance(lease := self.learner.lease_batch(100), m.BatchLease):
+            self.learner.ack_batch(lease.lease_id, [g.group_id for g in lease.groups], 1)
+            out += lease.groups
+        return out
+
+    def prompt_text(self, prompt_id: str) -> str:
+        return self.state.prompts.lookup(prompt_id).prompt
+
+
+def wait_for(cond, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not (value := cond()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+    return value
+
+
+def check_groups(groups, tokenizer, prompt_text, version=0, server_id=None):
+    """Every invariant a learner relies on; rewards recomputed with the exact reward from the tokens."""
+    eos = tokenizer.eos_token_id
+    for g in groups:
+        assert g.num_responses == G and len(g.finish_reasons) == G and len(g.reward_parts) == G
+        assert m.check_group(g, VOCAB) is None
+        assert g.policy_version == version and g.lease_id
+        if server_id is not None:
+            assert g.server_id == server_id and g.metadata["server"] == server_id
+        prompt = prompt_text(g.prompt_id)
+        assert g.prompt_array().tolist() == tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        logp = g.logprob_array()
+        assert np.isfinite(logp).all() and (logp <= 0).all()
+        answer = str(int(prompt[:2]) + int(prompt[3:5])) if "+" in prompt else None
+        for i in range(G):
+            toks = g.response_tokens(i).tolist()
+            assert 1 <= len(toks) <= MAX_NEW and all(0 <= t < VOCAB for t in toks)
+            assert g.finish_reason(i) == ("stop" if toks[-1] == eos else "length")
+            text = tokenizer.decode(toks[:-1] if toks[-1] == eos else toks, skip_special_tokens=True)
+            if answer is not None:
+                expected = 1.0 if text.strip() == answer else 0.0
+                assert g.rewards[i] == expected and g.reward_parts[i] == {"exact": expected}
+            assert not g.failed[i]
+
+
+# ------------------------------------------------------------------------------ in-process broker
+
+
+def test_one_iteration_produces_valid_groups(engine, tiny_model_dir, tmp_path):
+    fleet = Fleet(engine, tiny_model_dir, run_dir=tmp_path)
+    try:
+        fleet.server.start()
+        ready = json.loads((tmp_path / "rollout-0.ready").read_text())
+        assert ready == {"pid": os.getpid(), "client_id": "rollout-0-test", "policy_version": 0}
+        batch = fleet.server.step()
+        assert batch is not None and len(batch.lease.prompts) == B and batch.version == 0
+        fleet.server.shutdown(finish=True, give_back=True)
+        groups = fleet.drain()
+        assert sorted(g.prompt_id for g in groups) == sorted(p.prompt_id for p in batch.lease.prompts)
+        check_groups(groups, engine.tokenizer, fleet.prompt_text, server_id="rollout-0-test")
+        assert fleet.state.prompts.leased == 0
+        [record] = [json.loads(line) for line in (tmp_path / "rollout-0.metrics.jsonl").read_text().splitlines()]
+        assert record["rollout/groups_pushed"] == B and record["rollout/policy_version"] == 0
+        assert record["rollout/tokens_per_s"] > 0 and record["timing/generate_s"] > 0
+        for key in ("reward/mean", "timing/reward_s", "timing/push_s", "rollout/throttled_s", "reward/samples_total"):
+            assert key in record
+        assert record["reward/mean"] == pytest.approx(np.mean([r for g in groups for r in g.rewards]))
+    finally:
+        fleet.stop()
+
+
+def test_encode_prompt_chat_template_and_left_truncation(engine):
+    tok = engine.tokenizer
+    raw = encode_prompt(tok, "07+58=", False, 100)
+    assert raw == tok("07+58=", add_special_tokens=False)["input_ids"]
+    chat = encode_prompt(tok, "07+58=", True, 100)
+    assert tok.decode(chat) == "<|user|>07+58=<eos><|assistant|>"
+    assert encode_prompt(tok, [{"role": "user", "content": "07+58="}], False, 100) == chat  # messages: always templated
+    assert encode_prompt(tok, "07+58=", True, 4) == chat[-4:]
+
+
+def test_dropped_groups_are_not_pushed_and_their_prompts_return(engine, tiny_model_dir):
+    fleet = Fleet(engine, tiny_model_dir, "rollout.on_reward_failure=drop_group",
+                  "rollout.rewards=[{name: python, args: {function: 'tests.rollout.user_rewards:boom'}}]")
+    try:
+        fleet.server.start()
+        batch = fleet.server.step()
+        fleet.server.shutdown(finish=True, give_back=True)
+        assert fleet.drain() == []
+        assert fleet.server.stats.totals["groups_dropped"] == B
+        returned = sorted(p.prompt_id for p in fleet.state.prompts.reissue)
+        assert returned == sorted(p.prompt_id for p in batch.lease.prompts)
+        assert fleet.state.prompts.leased == 0
+    finally:
+        fleet.stop()
+
+
+def test_abandoned_batch_returns_its_prompts(engine, tiny_model_dir):
+    """What a second SIGTERM does: the batch in hand is not pushed, its prompts go back at once."""
+    fleet = Fleet(engine, tiny_model_dir)
+    try:
+        fleet.server.start()
+        lease = fleet.server.lease()
+        fleet.server.generate(lease)
+        fleet.server.shutdown(finish=False, give_back=True)
+        assert fleet.state.prompts.leased == 0 and fleet.drain() == []
+        assert [p.prompt_id for p in fleet.state.prompts.reissue] == [p.prompt_id for p in lease.prompts]
+        assert fleet.server.stats.totals["prompts_returned"] == B
+    finally:
+        fleet.stop()
+
+
+def test_throttle_is_obeyed_without_busy_loop(engine, tiny_model_dir):
+    fleet = Fleet(engine, tiny_model_dir, f"broker.queue_capacity={B}").start_thread()
+    try:
+        wait_for(lambda: len(fleet.state.queued) == B, what="the first batch")
+        wait_for(lambda: fleet.state.counters["throttled"] > 0, what="a throttle")
+        before = fleet.client.calls["lease_prompts"]
+        time.sleep(1.0)
+        calls = fleet.client.calls["lease_prompts"] - before
+        assert 3 <= calls <= 15  # retry_after_s = 0.1: ~10 a second, not thousands
+        assert fleet.state.counters["groups_in"] == B
+        assert len(fleet.drain()) == B  # the learner consumes: room for one more batch
+        wait_for(lambda: fleet.state.counters["groups_in"] == 2 * B, what="the next batch")
+        assert fleet.server.stats.throttled_s > 0 or fleet.server.stats.totals["throttles"] > 0
+    finally:
+        assert fleet.stop() == 0
+
+
+def test_pause_resume_and_stop_announcements(engine, tiny_model_dir):
+    fleet = Fleet(engine, tiny_model_dir, "broker.queue_capacity=1000").start_thread()
+    operator = fleet.broker.client("operator", "monitor")
+    wait_for(lambda: fleet.state.counters["groups_in"] >= B, what="groups")
+    operator.control("pause", reason="test")
+    wait_for(lambda: fleet.server.paused, what="pause")
+    time.sleep(0.3)  # the batch in hand is finished and pushed
+    leases, groups_in = fleet.client.calls["lease_prompts"], fleet.state.counters["groups_in"]
+    time.sleep(1.0)
+    assert fleet.client.calls["lease_prompts"] == leases  # paused: no lease requests at all
+    assert fleet.state.counters["groups_in"] == groups_in and fleet.state.prompts.leased == 0
+    operator.control("resume")
+    wait_for(lambda: fleet.state.counters["groups_in"] >= groups_in + B, what="groups after resume")
+    operator.control("stop", reason="test over")
+    fleet.thread.join(20)
+    assert not fleet.thread.is_alive() and fleet.exit_code == 0
+    assert "stop announced" in fleet.server.stop_reason
+    assert fleet.state.prompts.leased == 0  # the batch in hand was pushed, nothing is held
+    fleet.stop()
+
+
+def test_data_exhausted_stops_cleanly(engine, tiny_model_dir):
+    fleet = Fleet(engine, tiny_model_dir, "broker.queue_capacity=1000", n_prompts=5).start_thread()
+    fleet.thread.join(30)
+    assert not fleet.thread.is_alive() and fleet.exit_code == 0
+    assert "data exhausted" in fleet.server.stop_reason
+    assert sorted(g.prompt_id for g in fleet.drain()) == [f"0:{i}" for i in range(5)]
+    fleet.stop()
+
+
+def test_new_weights_are_loaded_between_batches(engine, tiny_model_dir, tmp_path):
+    """A filesystem version published through the broker: groups switch to it, and to its greedy output."""
+    other = str(tmp_path / "flipped")  # final norm negated: every logit flips sign, so greedy picks another token
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        model.model.norm.weight.neg_()
+    model.save_pretrained(other)
+    engine.tokenizer.save_pretrained(other)
+    original = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    fleet = Fleet(engine, tiny_model_dir, "rollout.temperature=0", "sync.transport=filesystem",
+                  "broker.queue_capacity=1000", receiver=True)
+    reference = create_engine("hf", ModelConfig(path=other), RolloutConfig(), "cpu", 0)
+    greedy = SamplingParams(temperature=0, max_new_tokens=MAX_NEW)
+    try:
+        prompts = [encode_prompt(engine.tokenizer, fleet.prompt_text(f"0:{i}"), False, 100) for i in range(50)]
+        before = {tuple(p): s[0].token_ids for p, s in zip(prompts, engine.generate(prompts, greedy, 1))}
+        fleet.start_thread()
+        wait_for(lambda: fleet.state.counters["groups_in"] >= B, what="version-0 groups")
+        fleet.learner.publish_version(1, 1, m.WeightsInfo(transport="filesystem", path=other))
+        wait_for(lambda: fleet.server.version == 1, what="version 1 loaded")
+        fleet.drain()
+        new = wait_for(lambda: [g for g in fleet.drain() if g.policy_version == 1], what="version-1 groups")
+        for g in new:
+            [[want]] = reference.generate([g.prompt_array().tolist()], greedy, 1)
+            assert all(g.response_tokens(i).tolist() == want.token_ids for i in range(G))
+        assert any(g.response_tokens(0).tolist() != before[tuple(g.prompt_array().tolist())] for g in new)
+        client = fleet.state.clients["rollout-0-test"]
+        assert client.policy_version == 1 and client.stats["weights/version"] == 1.0
+    finally:
+        fleet.stop()
+        reference.close()
+        engine.update_weights(original.items())
+
+
+def test_broker_address_resolution(tmp_path):
+    from fleetrl.common.config import load_config
+
+    cfg = load_config(None, ["broker.port=7000"])
+    assert broker_address(cfg, None, None) == "tcp://127.0.0.1:7000"
+    assert broker_address(cfg, "tcp://h:1", tmp_path) == "tcp://h:1"
+    (tmp_path / "broker.json").write_text(json.dumps({"address": "tcp://0.0.0.0:7100", "pub_address": "x"}))
+    assert broker_address(cfg, None, tmp_path) == "tcp://127.0.0.1:7100"
+    assert broker_address(load_config(None, ["broker.address=tcp://a:1"]), None, None) == "tcp://a:1"
+    with pytest.raises(ValueError, match="--broker"):
+        broker_address(load_config(None, ["broker.port=0"]), None, None)
+
+
+# ------------------------------------------------------------------------ real processes, loopback
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+class RolloutProcess:
+    """`fleetrl rollout` as a child process; signalled by its own PID only."""
+
+    def __init__(self, config: Path, run_dir: Path, index: int = 0):
+        self.config, self.run_dir, self.index = config, run_dir, index
+        self.proc: subprocess.Popen | None = None
+        self.log_path = run_dir / f"rollout-{index}.log"
+
+    def start(self, timeout: float = 90.0) -> "RolloutProcess":
+        ready = self.run_dir / f"rollout-{self.index}.ready"
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "fleetrl.common.cli", "rollout", "--config", str(self.config), "--run-dir",
+                 str(self.run_dir), "--server-index", str(self.index)], stdout=log, stderr=subprocess.STDOUT, env=ENV)
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"rollout server did not get ready: {self.log_path.read_text()[-3000:]}")
+            time.sleep(0.05)
+        self.ready = json.loads(ready.read_text())
+        assert self.ready["pid"] == self.proc.pid
+        return self
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def procs():
+    started: list = []
+    yield started
+    for p in started:
+        p.stop()
+
+
+def real_job(tmp_path, arith_data, tiny_model_dir, **broker):
+    return write_job(tmp_path, arith_data, model={"path": tiny_model_dir}, data={"shuffle": False},
+                     learner={"groups_per_step": 4},
+                     rollout={"group_size": G, "prompts_per_batch": B, "max_new_tokens": MAX_NEW, "device": "cpu",
+                              "rewards": [{"name": "exact"}]},
+                     broker={"heartbeat_s": 0.3, **broker})
+
+
+def rows_of(path: str) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def collect(learner: BrokerClient, n: int, timeout: float = 60.0) -> list[m.SampleGroup]:
+    out, deadline = [], time.monotonic() + timeout
+    while len(out) < n:
+        assert time.monotonic() < deadline, f"only {len(out)} of {n} groups arrived"
+        lease = learner.lease_batch(8, wait_s=1.0, min_groups=1)
+        if isinstance(lease, m.BatchLease):
+            learner.ack_batch(lease.lease_id, [g.group_id for g in lease.groups], 1)
+            out += lease.groups
+    return out
+
+
+def test_server_process_pushes_valid_groups_and_sigterm_returns_leases(tmp_path, arith_data, tiny_model_dir, procs):
+    run_dir = tmp_path / "run"
+    job = real_job(tmp_path, arith_data, tiny_model_dir)
+    broker = BrokerProcess(job, run_dir).start()
+    procs.append(broker)
+    server = RolloutProcess(job, run_dir).start()
+    procs.append(server)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = rows_of(arith_data)
+    learner = BrokerClient(broker.address, "learner-0", "learner", timeout_s=5.0)
+    try:
+        learner.connect()
+        groups = collect(learner, 6)
+        wait_for(lambda: any(c.stats.get("rollout/groups_pushed", 0) >= 1 for c in learner.status().clients),
+                 what="a heartbeat with the server's stats")
+        check_groups(groups, tokenizer, lambda pid: rows[int(pid.split(":")[1])]["prompt"],
+                     server_id=server.ready["client_id"])
+        [me] = [c for c in learner.status().clients if c.client_id == server.ready["client_id"]]
+        assert me.alive and me.policy_version == 0 and me.stats["rollout/paused"] == 0.0
+        server.signal(signal.SIGTERM)
+        assert server.wait() == 0
+        assert learner.status().prompts_leased == 0  # its leases were pushed or handed back, not left to expire
+        log = server.log_path.read_text()
+        assert "ready" in log and "stopped (stop requested)" in log
+        lines = (run_dir / "rollout-0.metrics.jsonl").read_text().splitlines()
+        assert len(lines) >= 3 and json.loads(lines[-1])["rollout/groups_pushed"] >= 6
+    finally:
+        learner.close()
+    assert broker.stop() == 0
+
+
+def test_killed_server_leases_come_back_to_another_server(tmp_path, arith_data, tiny_model_dir, procs):
+    run_dir = tmp_path / "run"
+    job = real_job(tmp_path, arith_data, tiny_model_dir, prompt_lease_s=3.0, client_timeout_s=1.5,
+                   queue_capacity=10_000)
+    broker = BrokerProcess(job, run_dir).start()
+    procs.append(broker)
+    a = RolloutProcess(job, run_dir, 0).start()
+    procs.append(a)
+    learner = BrokerClient(broker.address, "learner-0", "learner", timeout_s=5.0)
+    try:
+        learner.connect()
+        wait_for(lambda: learner.status().groups_in >= 2 * B and learner.status().prompts_leased > 0,
+                 timeout=60, what="server A to push and hold a lease")
+        a.signal(signal.SIGKILL)
+        assert a.wait() == -signal.SIGKILL
+        status = learner.status()
+        pushed_by_a = {g.prompt_id for g in collect(learner, status.groups_in)}
+        held_by_a = {f"0:{i}" for i in range(status.data_cursor)} - pushed_by_a
+        assert held_by_a  # what A had leased and not pushed when it died
+        b = RolloutProcess(job, run_dir, 1).start()
+        procs.append(b)
+        from_b: list[m.SampleGroup] = []
+        deadline = time.monotonic() + 60
+        while not held_by_a <= {g.prompt_id for g in from_b}:
+            assert time.monotonic() < deadline, f"prompts {held_by_a - {g.prompt_id for g in from_b}} never came back"
+            from_b += collect(learner, 1)
+        assert {g.server_id for g in from_b} == {b.ready["client_id"]}
+        b.signal(signal.SIGTERM)
+        assert b.wait() == 0
+    finally:
+        learner.close()
+    assert broker.stop() == 0
