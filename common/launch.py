@@ -114,11 +114,11 @@ def make_run_dir(cfg: JobConfig, override: str | None) -> Path:
 
 
 def thread_plan(cfg: JobConfig) -> tuple[int, int]:
-    """(threads per learner rank, threads per rollout server) splitting this machine's cores."""
+    """(threads per learner rank, threads per rollout server): run.*_threads, else the cores split evenly."""
     cores = os.cpu_count() or 1
     procs = cfg.learner.num_ranks + cfg.rollout.num_servers
     per = max(1, cores // max(1, procs))
-    return per, per
+    return cfg.run.learner_threads or per, cfg.run.rollout_threads or per
 
 
 def child_env(threads: int) -> dict[str, str]:

@@ -390,6 +390,12 @@ class RunConfig(Section):
         Literal["never", "on-failure"], doc("Restart children that die (`fleetrl run`).")
     ] = "never"
     max_restarts: Annotated[int, doc("Restarts per child before the job fails.", ge=0)] = 3
+    learner_threads: Annotated[int | None, doc("Torch threads per learner rank `fleetrl run` sets (null = split the cores).")] = (
+        None
+    )
+    rollout_threads: Annotated[int | None, doc("Torch threads per rollout server `fleetrl run` sets (null = split the cores).")] = (
+        None
+    )
     eval_interval: Annotated[int, doc("Evaluate on data.eval every this many steps (0 = off).", ge=0)] = 0
     eval_n: Annotated[int, doc("Held-out items per periodic evaluation.", ge=1)] = 500
 
