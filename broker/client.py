@@ -51,19 +51,24 @@ class BrokerError(RuntimeError):
 
 
 def resolve_address(cfg_broker, run_dir: str | os.PathLike | None = None, override: str | None = None) -> str:
-    """Where to reach the broker: ``override`` (--broker), else ``broker.address``, else the
-    ``broker.json`` the broker wrote into the run directory, else ``tcp://{broker.host}:{broker.port}``."""
+    """Where to reach the broker: ``override`` (--broker), else ``broker.address``, else the address in
+    ``<run dir>/broker.json`` (the broker writes it with the port it bound), else
+    ``tcp://{broker.host}:{broker.port}``."""
     if override:
         return override
     if cfg_broker.address:
         return cfg_broker.address
-    if run_dir is not None:
-        endpoint = os.path.join(run_dir, "broker.json")
-        if os.path.exists(endpoint):
-            import json
+    endpoint = os.path.join(run_dir, "broker.json") if run_dir is not None else None
+    if endpoint is not None and os.path.isfile(endpoint):
+        import json
 
-            with open(endpoint) as f:
-                return json.load(f)["address"]
+        with open(endpoint) as f:
+            return json.load(f)["address"].replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
+    if cfg_broker.port == 0:
+        from fleetrl.common.config import ConfigError
+
+        raise ConfigError("broker.port is 0 (the broker picks a free port), so its address cannot be derived; "
+                          "pass --broker ADDR, set broker.address, or --run-dir of the broker (its broker.json)")
     return f"tcp://{cfg_broker.host}:{cfg_broker.port}"
 
 
@@ -431,4 +436,24 @@ def status_metrics(status: m.Status) -> dict[str, float]:
         "broker/clients_alive": sum(c.alive for c in status.clients),
         "broker/uncommitted": status.uncommitted,
         "broker/policy_version": status.policy_version,
+        **fleet_metrics(status),
+    }
+
+
+def fleet_metrics(status: m.Status) -> dict[str, float]:
+    """Aggregates of the rollout servers' heartbeat stats (``fleet/...``); per-server series are in
+    each server's ``rollout-<i>.metrics.jsonl``."""
+    stats = [c.stats for c in status.clients if c.role == "rollout" and c.alive]
+    total = lambda key: float(sum(s.get(key, 0.0) for s in stats))  # noqa: E731
+    return {
+        "fleet/servers": float(len(stats)),
+        "fleet/tokens_per_s": total("rollout/tokens_per_s"),
+        "fleet/reward_mean": total("reward/mean") / len(stats) if stats else 0.0,
+        "fleet/groups_pushed": total("rollout/groups_pushed"),
+        "fleet/groups_dropped": total("rollout/groups_dropped"),
+        "fleet/throttles": total("rollout/throttles"),
+        "fleet/paused": total("rollout/paused"),
+        "fleet/version_lag_max": max((status.policy_version - s.get("rollout/policy_version", 0.0) for s in stats),
+                                     default=0.0),
+        "fleet/weights_load_s_max": float(max((s.get("weights/load_s", 0.0) for s in stats), default=0.0)),
     }

@@ -173,7 +173,7 @@ class PromptSource:
         lease = self.leases.get(lease_id)
         if lease is None:
             return 0
-        ids = list(lease.prompts) if not prompt_ids else [i for i in prompt_ids if i in lease.prompts]
+        ids = list(lease.prompts) if not prompt_ids else [i for i in dict.fromkeys(prompt_ids) if i in lease.prompts]
         for pid in ids:
             self.requeue(lease.prompts.pop(pid))
             self.lease_of.pop(pid, None)

@@ -26,6 +26,7 @@ from fleetrl.broker.spool import Spool
 from fleetrl.broker.state import BrokerState
 from fleetrl.broker.zio import LoopSocket
 from fleetrl.common import messages as m
+from fleetrl.common import telemetry
 from fleetrl.common.config import ConfigError, load_config, save_resolved
 from fleetrl.common.log import setup_logging
 from fleetrl.common.schema import JobConfig
@@ -33,6 +34,7 @@ from fleetrl.common.schema import JobConfig
 log = logging.getLogger("fleetrl.broker")
 
 TICK_S = 0.05
+MAX_WAIT_S = 60.0  # longest a LeaseBatch is held: a larger wait_s (inf included) is cut to it, so every request is answered
 
 
 def read_vocab_size(cfg: JobConfig) -> int:
@@ -145,6 +147,7 @@ class BrokerServer:
             code = "invalid_group" if header and header[0] in m.PUSH_GROUP_TAGS else "bad_frame"
             self.state.rejected[code] += 1
             return ident, m.Error(req_id=req_id, code=code, reason=e.reason)
+        start_ns = time.time_ns() if telemetry.enabled() else 0
         try:
             reply = self.state.handle(req, now)
         except Exception as e:  # noqa: BLE001 - a bug must not take the broker down; the request is answered
@@ -152,7 +155,9 @@ class BrokerServer:
             self.state.rejected["internal"] += 1
             return ident, m.Error(req_id=req.req_id, code="internal", reason=f"{type(e).__name__}: {e}")
         if reply is None:  # a LeaseBatch that waits for groups
-            self.waiting.append((ident, req, now + req.wait_s))  # type: ignore[arg-type]
+            self.waiting.append((ident, req, now + min(req.wait_s, MAX_WAIT_S)))  # type: ignore[arg-type]
+        elif start_ns and isinstance(req, (m.PushGroup, m.PushGroups)):
+            trace_ingest(req, reply, start_ns)
         return ident, reply
 
     def _serve_waiting(self, now: float, deadline_only: bool) -> list[tuple[bytes, m.Message]]:
@@ -172,6 +177,8 @@ class BrokerServer:
             self.state.spool.flush()  # records reach the OS before any ack leaves
         for ident, reply in replies:
             self.router.send([ident, m.encode(reply)])
+            if isinstance(reply, m.BatchLease) and telemetry.enabled():
+                trace_batch_lease(reply)
         for topic, ann in self.state.announcements:
             self.pub.send_multipart([topic, m.encode(ann)])
         self.state.announcements.clear()
@@ -209,6 +216,31 @@ class BrokerServer:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def trace_ingest(req: m.PushGroup | m.PushGroups, reply: m.Message, start_ns: int) -> None:
+    """One ``broker.ingest`` span per pushed group that carries a sampled trace context, a child of it."""
+    groups = req.groups if isinstance(req, m.PushGroups) else [req.group]
+    if isinstance(reply, m.GroupAcks):
+        statuses = [a.status for a in reply.acks]
+    elif isinstance(reply, m.Ack):
+        statuses = ["duplicate" if reply.duplicate else "accepted" if reply.count else "stale"]
+    else:
+        statuses = ["rejected"]
+    end_ns = time.time_ns()
+    for g, status in zip(groups, statuses):
+        if telemetry.sampled(g.trace):
+            telemetry.record_span("broker.ingest", start_ns, end_ns, parent=g.trace, attributes={
+                "fleetrl.group_id": g.group_id, "fleetrl.status": status, "fleetrl.client_id": req.client_id,
+                "fleetrl.policy_version": g.policy_version})
+
+
+def trace_batch_lease(reply: m.BatchLease) -> None:
+    """A ``broker.batch_lease`` span (the moment the groups leave the queue) linked to each group's trace."""
+    telemetry.record_span("broker.batch_lease", time.time_ns(), parent=telemetry.ROOT,
+                          links=telemetry.group_links(reply.groups),
+                          attributes={"fleetrl.lease_id": reply.lease_id, "fleetrl.groups": len(reply.groups),
+                                      "fleetrl.dropped_stale": reply.dropped_stale})
 
 
 def write_endpoint_file(run_dir: str | Path, server: BrokerServer) -> Path:
@@ -253,6 +285,7 @@ def main(args) -> int:
         if not (Path(run_dir) / "config.yaml").exists():
             save_resolved(cfg, run_dir)
     setup_logging("broker", cfg.telemetry.log_level)
+    telemetry.setup_tracing("broker", cfg.telemetry, run_dir, {"service.instance.id": "broker"})
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a Linux dependency

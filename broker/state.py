@@ -92,6 +92,7 @@ class BrokerState:
         self.paused = False
         self.stopping = False
         self.pub_port = 0  # set by the server once the PUB socket is bound
+        self.discarded_versions: list[tuple[int, float]] = []  # version ranges a learner rolled back
         self.counters: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
         self.staleness_hist: Counter[int] = Counter()
@@ -247,7 +248,7 @@ class BrokerState:
         lease = self.prompts.leases.get(req.lease_id)
         if lease is None:
             return m.Ack(req_id=req.req_id, ref=req.lease_id, count=0)
-        ids = req.prompt_ids or list(lease.prompts)
+        ids = list(dict.fromkeys(req.prompt_ids)) or list(lease.prompts)  # a repeated id is returned once
         returned = [lease.prompts[i] for i in ids if i in lease.prompts]
         n = self.prompts.give_back(req.lease_id, ids)
         self._log(sp.PromptsRequeued(returned))
@@ -269,6 +270,9 @@ class BrokerState:
         self.counters["groups_in"] += 1
         client.groups_pushed += 1
         self.rate_in.add(now)
+        if any(lo <= g.policy_version <= hi for lo, hi in self.discarded_versions):
+            self._drop([g.group_id], "discarded", requeue_prompts=True)
+            return "stale", f"policy version {g.policy_version} was rolled back by the learner"
         if g.policy_version < min_fresh_version(self.version, self.bcfg.max_staleness):
             self._drop([g.group_id], "dropped_stale", self.bcfg.requeue_stale)
             return "stale", f"policy version {g.policy_version} is older than {min_fresh_version(self.version, self.bcfg.max_staleness)}"
@@ -414,6 +418,7 @@ class BrokerState:
             hi = req.max_version if req.max_version >= 0 else float("inf")
             doomed = [gid for gid in self.queue if gid in self.queued and req.min_version <= self.groups[gid].policy_version <= hi]
             self._drop(doomed, "discarded", requeue_prompts=True)
+            self.discarded_versions.append((req.min_version, hi))  # late arrivals from these versions too
             count = len(doomed)
         self.announcements.append((m.TOPIC_CONTROL, m.ControlAnnouncement(
             action=req.action, reason=req.reason, min_version=req.min_version, max_version=req.max_version)))

@@ -79,7 +79,9 @@ def _init_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _init_data_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--task", default="arithmetic", choices=["arithmetic"], help="synthetic task")
+    p.add_argument("--task", default="arithmetic", choices=["arithmetic", "arithmetic-preference"],
+                   help="synthetic task: arithmetic (prompt, answer) or arithmetic-preference (prompt, chosen, "
+                   "rejected: the correct sum preferred over a wrong one, for offline DPO)")
     p.add_argument("--out", required=True, metavar="FILE.jsonl",
                    help="training split; the held-out split goes to FILE.eval.jsonl")
     p.add_argument("--n", type=int, default=20000, help="training rows (sampled from the non-held-out problems)")
@@ -124,6 +126,12 @@ def _report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds metrics.jsonl)")
 
 
+def _trace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory traced with telemetry.exporter=jsonl")
+    p.add_argument("--group", metavar="ID", help="group id (or a unique prefix) whose timeline to print")
+    p.add_argument("--n", type=int, default=10, metavar="N", help="without --group: list the latest N groups")
+
+
 # name -> (implementation "module:function", one-line help, argument builder)
 COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = {
     "broker": ("fleetrl.broker.server:main", "run the broker (queue, leases, staleness, spool)", _broker_args),
@@ -135,6 +143,8 @@ COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] 
     "sft": ("fleetrl.learner.sft:main", "supervised warm start, stopped at a target held-out accuracy", _sft_args),
     "run": ("fleetrl.common.launch:main", "start a whole job on this machine: broker, rollouts, learner", _run_args),
     "report": ("fleetrl.common.report:main", "plot a run's metrics into RUN_DIR/report.html", _report_args),
+    "trace": ("fleetrl.common.trace_cli:main", "print the span timeline of one group from a run's jsonl traces",
+              _trace_args),
     "config": ("fleetrl.common.config_cli:main", "show, validate or document a job config", _config_args),
     "init-model": ("fleetrl.learner.init_model:main", "write a tiny HF model + tokenizer built locally", _init_model_args),
     "init-data": ("fleetrl.common.tasks:main", "write a synthetic prompt set with answers (train + held-out)", _init_data_args),

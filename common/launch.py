@@ -199,6 +199,38 @@ class Launcher:
         for child in rest:
             self.wait_ready(child)
 
+    def supervise(self, learner: Child) -> None:
+        """Restart children that died (run.restart_policy: on-failure), or fail the job naming the dead one."""
+        for child in self.children:
+            code = child.returncode
+            if child.alive or code in (0, None) or (child is learner and code == 0):
+                continue
+            if self.cfg.run.restart_policy == "on-failure" and child.restarts < self.cfg.run.max_restarts:
+                self.restart(child, code)
+            else:
+                raise LaunchError(f"{child.name} died with exit code {code}; its log ({child.log}) ends with:\n"
+                                  f"{child.tail()}")
+
+    def restart(self, child: Child, code: int) -> None:
+        """Start a dead child again: the broker on its old ports (clients reconnect to them) and from its
+        spool, the learner from its newest checkpoint."""
+        child.restarts += 1
+        if child.log_handle is not None:
+            child.log_handle.close()
+        if child.name == "broker" and not any(a.startswith("broker.port=") for a in child.argv):
+            endpoint = json.loads((self.run_dir / "broker.json").read_text())
+            port, pub_port = (endpoint[k].rsplit(":", 1)[1] for k in ("address", "pub_address"))
+            child.argv = [*child.argv, f"broker.port={port}", f"broker.pub_port={pub_port}"]
+        if child.name == "learner" and "checkpoint.resume=auto" not in child.argv:
+            child.argv = [*child.argv, "checkpoint.resume=auto"]
+        event = {"time": time.time(), "event": "restart", "child": child.name, "exit_code": code,
+                 "restart": child.restarts}
+        with (self.run_dir / "events.jsonl").open("a") as f:
+            f.write(json.dumps(event) + "\n")
+        print(f"fleetrl run: {child.name} died (exit code {code}); restarting it "
+              f"({child.restarts}/{self.cfg.run.max_restarts})", flush=True)
+        child.start()
+
     def shutdown(self) -> None:
         """Learner first (it checkpoints on SIGTERM), then rollouts, then the broker."""
         order = sorted(self.children, key=lambda c: {"learner": 0, "broker": 2}.get(c.name, 1))
@@ -217,11 +249,10 @@ class Launcher:
                   f"run directory {self.run_dir}", flush=True)
             rl_start = time.monotonic()
             with line:
-                while learner.alive and not self.stop_requested:
-                    dead = [c for c in self.children if c is not learner and not c.alive and c.returncode not in (0, None)]
-                    if dead:
-                        raise LaunchError(f"{dead[0].name} died with exit code {dead[0].returncode}; its log "
-                                          f"({dead[0].log}) ends with:\n{dead[0].tail()}")
+                while not self.stop_requested:
+                    self.supervise(learner)
+                    if not learner.alive:
+                        break
                     line.update()
                     time.sleep(POLL_S)
                 line.update()

@@ -177,6 +177,7 @@ class WeightsInfo(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     master_port: int = 0
     buckets: list[list[ParamSpec]] = []  # broadcast: parameters of each flat bucket, in order
     round_id: int = 0  # broadcast: which round of the group to join
+    published_at: float = 0.0  # learner wall clock at publishing: orders versions across resumes and rollbacks
 
 
 class ClientInfo(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):

@@ -69,7 +69,12 @@ class DataConfig(Section):
         bool, doc("Wrap prompts in the tokenizer's chat template; false sends the raw prompt text.")
     ] = False
     max_prompt_tokens: Annotated[int, doc("Prompts longer than this are truncated from the left.", ge=1)] = 1024
-    preference: Annotated[str | None, doc("Preference pairs (prompt, chosen, rejected) for offline DPO.")] = None
+    preference: Annotated[
+        str | None, doc("Preference pairs (prompt, chosen, rejected) for offline DPO: .jsonl / .parquet / HF dataset dir.")
+    ] = None
+    preference_eval: Annotated[
+        str | None, doc("Held-out preference pairs for `dpo/heldout_accuracy` every run.eval_interval steps (null = off).")
+    ] = None
     chosen_key: Annotated[str, doc("Column of the preferred response in `data.preference`.")] = "chosen"
     rejected_key: Annotated[str, doc("Column of the dispreferred response in `data.preference`.")] = "rejected"
 
@@ -345,13 +350,19 @@ class CheckpointConfig(Section):
 
 class TelemetryConfig(Section):
     exporter: Annotated[
-        Literal["none", "console", "jsonl", "otlp"], doc("Where trace spans go; jsonl writes <run dir>/traces.jsonl.")
+        Literal["none", "console", "jsonl", "otlp"], doc(
+            "Where trace spans go: jsonl writes <run dir>/traces/<service>-<pid>.jsonl (read them with `fleetrl trace`), "
+            "otlp posts to otlp_endpoint; none costs nothing.")
     ] = "none"
-    otlp_endpoint: Annotated[str, doc("OTLP/HTTP collector endpoint for exporter: otlp.")] = "http://127.0.0.1:4318"
-    prometheus_port: Annotated[int | None, doc("Serve metrics for Prometheus on this port (null = off).")] = None
+    otlp_endpoint: Annotated[str, doc("OTLP/HTTP collector endpoint for exporter: otlp (/v1/traces is appended).")] = (
+        "http://127.0.0.1:4318"
+    )
+    prometheus_port: Annotated[
+        int | None, doc("Serve the learner's metrics for Prometheus on this port at /metrics (null = off).")
+    ] = None
     tensorboard: Annotated[bool, doc("Also write TensorBoard event files (needs the tracking extra).")] = False
     wandb_project: Annotated[str | None, doc("Also log to this wandb project (needs the tracking extra).")] = None
-    wandb_mode: Annotated[Literal["online", "offline", "disabled"], doc("wandb mode.")] = "offline"
+    wandb_mode: Annotated[Literal["online", "offline", "disabled"], doc("wandb mode; offline writes <run dir>/wandb (upload later with `wandb sync`).")] = "offline"
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], doc("Logging level of every process.")] = "INFO"
 
 
@@ -359,23 +370,49 @@ class TelemetryConfig(Section):
 
 
 class HealthRule(Section):
-    name: Annotated[str, doc("Rule kind from the health registry (see docs/monitoring.md).")]
-    action: Annotated[Literal["alert", "stop", "rollback"], doc("What happens when the rule fires.")] = "alert"
-    metric: Annotated[str | None, doc("Metric the rule watches (rule-specific default when null).")] = None
-    window: Annotated[int, doc("Steps the rule looks back over.", ge=1)] = 20
-    threshold: Annotated[float | None, doc("The rule's limit (its meaning depends on the rule).")] = None
+    name: Annotated[
+        str,
+        doc("Rule from the health registry: reward_drop, reward_floor, reward_checkpoint_decline, kl_ceiling, "
+            "mismatch_kl_ceiling, entropy_floor, length_collapse, grad_spike, non_finite (docs/monitoring.md)."),
+    ]
+    action: Annotated[
+        Literal["alert", "stop", "rollback"],
+        doc("When the rule fires: alert (log and record), stop (checkpoint and end the run), or rollback "
+            "(restore the newest healthy checkpoint with a lower learning rate)."),
+    ] = "alert"
+    metric: Annotated[str | None, doc("Metric the rule watches (null = the rule's default, e.g. reward/mean).")] = None
+    window: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        doc("Steps the rule averages or looks back over, >= 1 (checkpoints for reward_checkpoint_decline; "
+            "null = the rule's default)."),
+    ] = None
+    threshold: Annotated[
+        float | None,
+        doc("The rule's limit: a drop, floor, ceiling, fraction or factor depending on the rule "
+            "(null = the rule's default; reward_floor needs one)."),
+    ] = None
 
 
 class HealthConfig(Section):
     enabled: Annotated[bool, doc("Run the health monitor in the learner.")] = True
-    rules: Annotated[list[HealthRule], doc("Rules checked after every step.")] = field(
-        default_factory=lambda: [HealthRule(name="non_finite", action="stop")]
+    rules: Annotated[
+        list[HealthRule], doc("Rules checked after every step (and at every checkpoint); see docs/monitoring.md.")
+    ] = field(
+        default_factory=lambda: [
+            HealthRule(name="non_finite", action="stop"),
+            HealthRule(name="grad_spike", action="alert"),
+            HealthRule(name="reward_drop", action="alert"),
+            HealthRule(name="entropy_floor", action="alert"),
+            HealthRule(name="mismatch_kl_ceiling", action="alert"),
+        ]
     )
-    healthy_window: Annotated[int, doc("A checkpoint is healthy when no rule fired in this many steps before it.", ge=0)] = (
-        10
-    )
+    healthy_window: Annotated[
+        int, doc("A checkpoint is healthy when no rule fired at its step or in this many steps before it.", ge=0)
+    ] = 10
     lr_factor: Annotated[float, doc("Learning rate multiplier applied at each rollback.", gt=0, le=1)] = 0.5
-    max_rollbacks: Annotated[int, doc("Rollbacks allowed before the run stops.", ge=0)] = 3
+    max_rollbacks: Annotated[
+        int, doc("Rollbacks allowed; a rollback beyond this stops the run with the health report.", ge=0)
+    ] = 3
 
 
 # ----------------------------------------------------------------------------------------- run
@@ -431,3 +468,16 @@ class JobConfig(Section):
                 "algorithm.off_policy.mode is `none`; set algorithm.off_policy.mode=tis (or decoupled), "
                 "or broker.max_staleness=0 for a synchronous job"
             )
+        self._check_dpo_and_lora()
+
+    def _check_dpo_and_lora(self) -> None:
+        dpo = self.algorithm.policy_loss == "dpo"
+        if self.data.preference and not dpo:
+            raise ValueError(f"data.preference={self.data.preference!r} is read only by offline DPO; set "
+                             "algorithm.policy_loss=dpo, or data.preference=null for an RL job")
+        if dpo and not self.data.preference and self.rollout.group_size < 2:
+            raise ValueError(f"online DPO pairs the best and worst response of each group, but rollout.group_size="
+                             f"{self.rollout.group_size}; set rollout.group_size >= 2 (or data.preference for offline DPO)")
+        if self.model.lora is not None and self.learner.zero_stage == 3:
+            raise ValueError("model.lora with learner.zero_stage=3 is not supported (merging partitioned base weights "
+                             "for weight sync); use learner.zero_stage=2, which shards the adapters' optimizer state")

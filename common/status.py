@@ -34,6 +34,7 @@ class StatusLine:
     def __init__(self, cfg: JobConfig, run_dir: Path, enabled: bool = True):
         self.cfg, self.total = cfg, cfg.learner.total_steps
         self.tail = MetricsTail(Path(run_dir) / "metrics.jsonl")
+        self.event_tail = MetricsTail(Path(run_dir) / "events.jsonl")
         self.rewards: deque[float] = deque(maxlen=20)
         self.times: deque[tuple[float, int, float]] = deque(maxlen=20)  # (time, step, samples_total)
         self.last: dict = {}
@@ -63,9 +64,9 @@ class StatusLine:
                 self.rewards.append(row["reward/mean"])
             if "eval/accuracy" in row:
                 self.eval_acc = row["eval/accuracy"]
-            if "health/event" in row:
-                self.events.append(str(row["health/event"]))
             self.times.append((row.get("time", time.time()), row["step"], row.get("batch/samples_total", 0.0)))
+        for event in self.event_tail.poll():
+            self.events.append(f"{event.get('rule')} -> {event.get('action')} @ {event.get('step')}")
         text = self.render()
         if self.live is not None:
             self.live.update(text)

@@ -4,6 +4,11 @@
 same length (``07+58=`` -> ``65``). Equal-length prompts keep position ids identical between
 generation and training without any left-padding bookkeeping. The held-out split is drawn first and
 the training split never contains one of its problems.
+
+``arithmetic-preference``: the same problems as preference pairs for offline DPO,
+``{prompt, chosen, rejected, answer}`` with the correct sum chosen and a wrong one rejected: the
+correct sum plus a nonzero offset in [-9, 9] (a units-digit slip, sometimes with a carry error),
+never negative.
 """
 
 from __future__ import annotations
@@ -33,6 +38,22 @@ def arithmetic_problems(max_operand: int = 99) -> Iterator[tuple[str, str]]:
     for a in range(max_operand + 1):
         for b in range(max_operand + 1):
             yield f"{a:0{width}d}+{b:0{width}d}=", str(a + b)
+
+
+PREFERENCE_TASKS: dict[str, str] = {"arithmetic-preference": "arithmetic"}  # pair task -> its prompt task
+
+
+def wrong_answer(answer: str, rng: random.Random) -> str:
+    """A plausible wrong sum: ``answer`` plus a nonzero offset in [-9, 9], never negative."""
+    value = int(answer)
+    return str(value + rng.choice([d for d in range(-9, 10) if d and value + d >= 0]))
+
+
+def to_preference(rows: list[dict], seed: int) -> list[dict]:
+    """(prompt, answer) rows -> preference rows: the correct answer chosen, a wrong one rejected."""
+    rng = random.Random(seed)
+    return [{"id": r["id"], "prompt": r["prompt"], "chosen": r["answer"], "rejected": wrong_answer(r["answer"], rng),
+             "answer": r["answer"]} for r in rows]
 
 
 def make_splits(task: str, n: int, eval_n: int, seed: int, **kwargs) -> tuple[list[dict], list[dict]]:
@@ -72,11 +93,14 @@ def write_jsonl(rows: list[dict], path: str | Path) -> Path:
 
 
 def init_data(task: str, out: str, n: int, eval_n: int, seed: int, max_operand: int) -> tuple[Path, Path]:
-    train, held_out = make_splits(task, n, eval_n, seed, max_operand=max_operand)
+    train, held_out = make_splits(PREFERENCE_TASKS.get(task, task), n, eval_n, seed, max_operand=max_operand)
+    if task in PREFERENCE_TASKS:
+        train, held_out = to_preference(train, seed), to_preference(held_out, seed + 1)
     return write_jsonl(train, out), write_jsonl(held_out, eval_path(out))
 
 
 def main(args) -> int:
     train, held_out = init_data(args.task, args.out, args.n, args.eval_n, args.seed, args.max_operand)
-    print(f"wrote {args.n} training prompts to {train} and {args.eval_n} held-out prompts to {held_out}")
+    kind = "preference pairs" if args.task in PREFERENCE_TASKS else "prompts"
+    print(f"wrote {args.n} training {kind} to {train} and {args.eval_n} held-out {kind} to {held_out}")
     return 0

@@ -5,6 +5,9 @@ Shape legend: B samples, T response positions, V vocabulary, b / L a micro-batch
     old, ref log-probs (no grad, only when needed) -> token rewards (+ KL penalty) -> advantages
     -> ppo_epochs x mini_batches x micro-batches of the policy loss -> engine.step()
 
+With ``adv_estimator: gae`` the critic (learner/critic.py) values the batch before the advantages and
+takes its own optimizer step next to each of the policy's; ``policy_loss: dpo`` uses learner/dpo.py.
+
 Log-probs follow the rollout engines' convention: log_softmax(logits / temperature) over the full
 vocabulary, so the importance ratio against the behaviour log-probs compares like with like.
 """
@@ -65,8 +68,10 @@ def _sync_max(n: int, device: torch.device) -> int:
 
 
 class Actor:
-    def __init__(self, engine, ref_model, cfg: JobConfig, device: torch.device, generator: torch.Generator):
+    def __init__(self, engine, ref_model, cfg: JobConfig, device: torch.device, generator: torch.Generator,
+                 critic=None):
         self.engine, self.ref, self.cfg, self.device, self.gen = engine, ref_model, cfg, device, generator
+        self.critic = critic  # learner/critic.py, with adv_estimator: gae
         alg = cfg.algorithm
         if alg.loss_agg_norm_len is None:  # seq-mean-token-sum-norm divides by a fixed length
             alg = msgspec.structs.replace(alg, loss_agg_norm_len=cfg.rollout.max_new_tokens)
@@ -116,16 +121,23 @@ class Actor:
         model = self.engine
         old = self._logprobs_all(model, batch) if self.needs_old_pass() else None
         ref = self._logprobs_all(self.ref, batch) if self.kl_fn is not None else None
+        old_values = self.critic.values(batch) if self.critic is not None else None  # by the current critic
         t_fwd = time.perf_counter()
         token_rewards = self.token_rewards(batch, old, ref)
-        adv, _ = self.adv_fn(token_rewards, batch.mask, batch.group_index, None, self.alg)
+        adv, returns = self.adv_fn(token_rewards, batch.mask, batch.group_index, old_values, self.alg)
+        train_policy = self.critic is None or not self.critic.warming_up  # critic.warmup_steps: critic only
         metrics: dict[str, list[float]] = defaultdict(list)
         for _ in range(self.cfg.learner.ppo_epochs):
             perm = torch.randperm(batch.size, generator=self.gen)
             for idx in perm.chunk(self.cfg.learner.mini_batches):
-                for name, value in self._update(batch, idx, old, ref, adv).items():
+                updates = self._update(batch, idx, old, ref, adv) if train_policy else {}
+                if self.critic is not None:  # the critic's update next to the policy's, on the same samples
+                    updates.update(self.critic.update(batch, idx, old_values, returns))
+                for name, value in updates.items():
                     metrics[name].append(value)
         out = {name: _reduce(name, values) for name, values in metrics.items()}
+        if self.critic is not None:
+            out.update(self.critic.end_step(old_values, returns, batch.mask))
         out.update(self._batch_metrics(batch, adv, version))
         out["timing/forward_s"] = t_fwd - t0
         out["timing/update_s"] = time.perf_counter() - t_fwd

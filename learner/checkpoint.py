@@ -5,7 +5,9 @@ Layout under ``checkpoint.dir`` (default ``<run dir>/checkpoints``)::
     step-00000050/            DeepSpeed state: model, optimizer, scheduler (engine.save_checkpoint)
     step-00000050/meta.json   step, policy version, healthy flag, time — written LAST: a checkpoint
                               without it is incomplete and never resumed from
-    step-00000050/hf/         save_pretrained + tokenizer (checkpoint.export_hf)
+    step-00000050/hf/         save_pretrained + tokenizer (checkpoint.export_hf); with model.lora the
+                              merged model, plus hf/adapter/ (peft save_pretrained)
+    step-00000050/critic/     the critic's DeepSpeed state (adv_estimator: gae)
 
 The learner's own state (RNGs, KL controller, metric history, the broker commit point) travels in
 DeepSpeed's ``client_state``. ``keep_last`` newest checkpoints are kept, plus the newest one tagged
@@ -81,12 +83,19 @@ class Checkpointer:
         return path
 
     def save(self, engine, step: int, client_state: dict[str, Any], meta: dict[str, Any],
-             export: Callable[[Path], None] | None = None) -> Path:
-        """Collective: every rank calls it. Rank 0 writes the export and meta.json, then prunes."""
+             export: Callable[[Path], None] | None = None, extra: Callable[[Path], None] | None = None) -> Path:
+        """Collective: every rank calls it. Rank 0 writes the export and meta.json, then prunes.
+
+        ``extra(path)`` saves more state into the checkpoint directory before meta.json (the critic).
+        With ``model.lora`` only the trainable (adapter) weights and their optimizer state are saved.
+        """
         tag = tag_of(step)
         t0 = time.perf_counter()
-        engine.save_checkpoint(str(self.dir), tag=tag, client_state=client_state, save_latest=False)
+        engine.save_checkpoint(str(self.dir), tag=tag, client_state=client_state, save_latest=False,
+                               exclude_frozen_parameters=self.cfg.model.lora is not None)
         path = self.dir / tag
+        if extra is not None:
+            extra(path)
         if export is not None and self.cfg.checkpoint.export_hf:
             export(path / "hf")
         if self.rank == 0:
@@ -120,7 +129,8 @@ class Checkpointer:
     def load(self, engine, path: Path) -> dict[str, Any]:
         """Collective: restore DeepSpeed state from ``path``; returns the learner's client_state."""
         _, client_state = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                                 load_lr_scheduler_states=True)
+                                                 load_lr_scheduler_states=True,
+                                                 load_module_strict=self.cfg.model.lora is None)  # LoRA: adapters only
         if client_state is None:
             raise RuntimeError(f"checkpoint {path} could not be loaded by DeepSpeed")
         return client_state

@@ -104,3 +104,10 @@ class BrokerBatchSource:
     def ack(self, leased: Leased, step: int) -> None:
         for lease_id, group_ids in leased.leases:
             self.client.ack_batch(lease_id, group_ids, step)
+
+    def state_dict(self) -> dict[str, int]:
+        """Nothing to save: the broker keeps the data cursor (see broker.commit_on_checkpoint)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -25,13 +26,19 @@ import torch
 import torch.distributed as tdist
 
 from fleetrl.broker.client import BrokerClient, resolve_address, status_metrics
+from fleetrl.common import telemetry
 from fleetrl.common.config import load_config, save_resolved
+from fleetrl.common.launch import needs_fleet
 from fleetrl.common.log import setup_logging
 from fleetrl.common.schema import JobConfig
 from fleetrl.learner.actor import Actor
 from fleetrl.learner.batch import batch_from_groups
-from fleetrl.learner.checkpoint import Checkpointer, export_hf, rng_state, set_rng_state
+from fleetrl.learner.checkpoint import Checkpointer, export_hf, rng_state, set_rng_state, tag_of
+from fleetrl.learner.critic import Critic
+from fleetrl.learner.dpo import DpoActor
+from fleetrl.learner.lora import AdapterFreeReference, apply_lora, export_merged, lora_param_specs, merged_params
 from fleetrl.learner.monitor import Monitor
+from fleetrl.learner.preference import PreferenceEvaluator, PreferenceSource
 from fleetrl.learner.runtime import (
     Dist,
     build_engine,
@@ -79,23 +86,42 @@ class Learner:
         np.random.seed(seed)
         torch.manual_seed(seed)
         dtype = train_dtype(cfg, dist.device)
-        self.engine, self.optimizer, self.scheduler = build_engine(load_causal_lm(cfg.model.path, cfg, dtype), cfg, dtype)
+        self.lora, self.fleet = cfg.model.lora is not None, needs_fleet(cfg)  # no fleet: offline DPO
+        policy = load_causal_lm(cfg.model.path, cfg, dtype)
+        if self.lora:  # only the adapters train (and sit in the optimizer)
+            policy = apply_lora(policy, cfg.model.lora, cfg.model.gradient_checkpointing)
+        self.engine, self.optimizer, self.scheduler = build_engine(policy, cfg, dtype)
+        dpo = cfg.algorithm.policy_loss == "dpo"
         ref = None
-        if cfg.algorithm.kl.placement != "none":
-            ref = build_frozen(load_causal_lm(cfg.model.path, cfg, dtype), cfg, dtype, dist.device)
+        if cfg.algorithm.kl.placement != "none" or dpo:  # LoRA: the base with adapters off is the reference
+            ref = AdapterFreeReference(self.module) if self.lora else \
+                build_frozen(load_causal_lm(cfg.model.path, cfg, dtype), cfg, dtype, dist.device)
         self.generator = torch.Generator().manual_seed(seed)
-        self.actor = Actor(self.engine, ref, cfg, dist.device, self.generator)
-        self.source = BrokerBatchSource(client, cfg, dist.rank, dist.world)
+        self.critic = Critic(cfg, dtype, dist.device) if cfg.algorithm.adv_estimator == "gae" and not dpo else None
+        self.actor = DpoActor(self.engine, ref, cfg, dist.device, self.generator, offline=not self.fleet) if dpo \
+            else Actor(self.engine, ref, cfg, dist.device, self.generator, self.critic)
+        self.source = BrokerBatchSource(client, cfg, dist.rank, dist.world) if self.fleet \
+            else PreferenceSource(cfg, dist.rank, dist.world)
         self.ckpt = Checkpointer(cfg, run_dir, dist.rank)
-        self.monitor = Monitor.for_run(run_dir, dist.rank)
+        self.monitor = Monitor.for_run(run_dir, dist.rank, cfg=cfg)
         from fleetrl.learner.weights import WeightPublisher
 
-        self.publisher = WeightPublisher(cfg, run_dir, dist.rank, param_specs(self.module))
+        specs = lora_param_specs(self.module) if self.lora else param_specs(self.module)  # the base model's names
+        self.publisher = WeightPublisher(cfg, run_dir, dist.rank, specs) if self.fleet else None
         self.step = self.version = 0
         self.samples_seen = 0
         self.fleet_size = 0
+        # which groups each step trained (per rank); a resume marks the steps after it as replayed
+        self.trained_log = JsonlLog(self.run_dir / f"trained-{dist.rank}.jsonl")
         self.stop_requested: Callable[[], bool] = lambda: False
         self.evaluator = Evaluator(cfg) if dist.is_main and cfg.run.eval_interval and cfg.data.eval else None
+        if dpo and dist.is_main and cfg.run.eval_interval and cfg.data.preference_eval:
+            self.evaluator = PreferenceEvaluator(cfg, ref, dist.device, then=self.evaluator)
+        from fleetrl.learner.health import HealthMonitor
+
+        self.health = HealthMonitor(cfg.health, self.run_dir / "events.jsonl" if dist.is_main else None) \
+            if cfg.health.enabled else None
+        self.lr_scale = 1.0  # health.lr_factor ** rollbacks
 
     @property
     def module(self) -> torch.nn.Module:
@@ -103,28 +129,34 @@ class Learner:
 
     # ------------------------------------------------------------------ step
     def train_step(self) -> dict[str, float]:
-        t0 = time.perf_counter()
+        t0, start_ns = time.perf_counter(), time.time_ns()
         leased = self.source.next(self.step + 1, self.stop_requested)
-        batch = batch_from_groups(leased.groups)
-        stats = self.actor.step(batch, self.version)
-        self.step += 1
-        self.source.ack(leased, self.step)
-        if self.dist.is_main:
-            stats.update(self.broker_metrics())
-        if self.step % self.cfg.sync.interval == 0:
-            stats.update(self.publish())
-        if self.evaluator is not None and self.step % self.cfg.run.eval_interval == 0:
-            stats.update(self.evaluator(self.module))
-        wall = time.perf_counter() - t0
-        self.samples_seen += batch.size
-        stats.update({
-            "timing/wait_batch_s": leased.wait_s, "timing/step_total_s": wall,
-            "throughput/samples_per_s": batch.size / max(wall, 1e-9),
-            "throughput/tokens_per_s": batch.num_tokens / max(wall, 1e-9),
-            "batch/filtered_groups": float(leased.filtered), "batch/dropped_stale": float(leased.dropped_stale),
-            "policy/version": float(self.version), "batch/samples_total": float(self.samples_seen),
-        })
-        return self._mean_over_ranks(stats)
+        with telemetry.span("learner.step", telemetry.ROOT, {"fleetrl.step": self.step + 1},
+                            telemetry.group_links(leased.groups), start_ns):  # linked to every group's trace
+            batch = batch_from_groups(leased.groups)
+            stats = self.actor.step(batch, self.version)
+            self.step += 1
+            self.source.ack(leased, self.step)
+            self.trained_log.write({"step": self.step, "version": self.version,
+                                    "group_ids": [g.group_id for g in leased.groups]})
+            main_only = self.broker_metrics() if self.dist.is_main and self.fleet else {}  # sizes the broadcast
+            if self.fleet and self.step % self.cfg.sync.interval == 0:
+                main_only.update(self.publish())
+            if self.evaluator is not None and self.step % self.cfg.run.eval_interval == 0:
+                main_only.update(self.evaluator(self.module))
+            wall = time.perf_counter() - t0
+            self.samples_seen += batch.size
+            stats.update({
+                "timing/wait_batch_s": leased.wait_s, "timing/step_total_s": wall,
+                "throughput/samples_per_s": batch.size / max(wall, 1e-9),
+                "throughput/tokens_per_s": batch.num_tokens / max(wall, 1e-9),
+                "batch/filtered_groups": float(leased.filtered), "batch/dropped_stale": float(leased.dropped_stale),
+            })
+            stats = self._mean_over_ranks(stats)  # every rank has the same keys here
+            stats.update(main_only)
+            stats.update({"policy/version": float(self.version),
+                          "batch/samples_total": float(self.samples_seen * self.dist.world)})
+            return stats
 
     def broker_metrics(self) -> dict[str, float]:
         """The broker's queue and fleet, once per step (also sizes the next weight broadcast)."""
@@ -133,12 +165,14 @@ class Learner:
         return status_metrics(status)
 
     def _mean_over_ranks(self, stats: dict[str, float]) -> dict[str, float]:
+        """Average metrics over ranks (sums for throughput and batch sizes); keys must match on every rank."""
         if self.dist.world == 1:
             return stats
         names = sorted(stats)
         t = torch.tensor([stats[n] for n in names], dtype=torch.float64, device=self.dist.device)
         tdist.all_reduce(t)
-        return {n: float(v) / self.dist.world for n, v in zip(names, t.tolist())}
+        summed = ("throughput/", "batch/samples", "batch/groups", "batch/tokens", "batch/filtered", "batch/dropped")
+        return {n: float(v) / (1 if n.startswith(summed) else self.dist.world) for n, v in zip(names, t.tolist())}
 
     # --------------------------------------------------------------- weights
     def publish(self) -> dict[str, float]:
@@ -146,22 +180,31 @@ class Learner:
         self.version += 1
         expected = self.fleet_size
         announce = lambda info: self.client.publish_version(self.version, self.step, info)  # noqa: E731
-        return self.publisher.publish(self.version, self.step, iter_full_params(self.module, self.cfg.learner.zero_stage),
+        return self.publisher.publish(self.version, self.step, self.full_params(),
                                       announce if self.dist.is_main else (lambda info: None), expected)
+
+    def full_params(self):
+        """(name, full tensor) under the base model's names; with model.lora the merged weights (collective)."""
+        return merged_params(self.module) if self.lora else iter_full_params(self.module, self.cfg.learner.zero_stage)
 
     # ----------------------------------------------------------- checkpoints
     def checkpoint_due(self) -> bool:
         every = self.cfg.checkpoint.interval
         return bool(every) and self.step % every == 0
 
-    def save(self, healthy: bool = True) -> Path:
+    def save(self) -> Path:
+        healthy = self.health.on_checkpoint(self.step) if self.health is not None else True
         state = {"step": self.step, "version": self.version, "rng": rng_state(), "generator": self.generator.get_state(),
                  "kl_ctl": self.actor.kl_ctl.state_dict(), "samples_seen": self.samples_seen,
-                 "history": self.monitor.history[-200:]}
-        export = lambda out: export_hf(self.module, iter_full_params(self.module, self.cfg.learner.zero_stage), out,  # noqa: E731
-                                       self.cfg.model.tokenizer or self.cfg.model.path, self.dist.rank)
-        path = self.ckpt.save(self.engine, self.step, state, {"version": self.version, "healthy": healthy}, export)
-        if self.cfg.broker.commit_on_checkpoint:
+                 "history": self.monitor.history[-200:], "lr_scale": self.lr_scale,
+                 "health": self.health.state_dict() if self.health is not None else None,
+                 "source": self.source.state_dict()}
+        tokenizer = self.cfg.model.tokenizer or self.cfg.model.path
+        export = (lambda out: export_merged(self.module, out, tokenizer, self.dist.rank)) if self.lora else \
+            (lambda out: export_hf(self.module, self.full_params(), out, tokenizer, self.dist.rank))
+        extra = self.critic.save if self.critic is not None else None  # <checkpoint>/critic/
+        path = self.ckpt.save(self.engine, self.step, state, {"version": self.version, "healthy": healthy}, export, extra)
+        if self.cfg.broker.commit_on_checkpoint and self.fleet:
             self.client.commit(self.step)
         return path
 
@@ -172,15 +215,108 @@ class Learner:
         self.generator.set_state(state["generator"])
         self.actor.kl_ctl.load_state_dict(state["kl_ctl"])
         self.monitor.history = list(state.get("history", []))
+        self.lr_scale = state.get("lr_scale", 1.0)
+        if self.health is not None and state.get("health") is not None:
+            self.health.load_state_dict(state["health"])
+        if self.critic is not None:
+            self.critic.load(path)
+        self.source.load_state_dict(state.get("source", {}))
+        if not self.fleet:
+            log.info("resumed from %s at step %d", path, self.step)
+            return
         self.client.rewind(self.step)  # groups trained after the checkpoint come back, in order
-        log.info("resumed from %s at step %d, policy version %d", path, self.step, self.version)
-        if self.version:  # the fleet may hold newer weights than the checkpoint: send these again
-            self.version -= 1
-            self.publish()
+        self.trained_log.write({"resume": self.step, "time": time.time()})
+        # The fleet may hold newer weights than the checkpoint's: publish these as a version newer than
+        # any the broker has seen, so versions never go backwards across a learner restart.
+        newest = self.client.current_version().version if self.dist.is_main else 0
+        self.version = max(self.version, self._max_over_ranks(newest))
+        log.info("resumed from %s at step %d; publishing its weights as policy version %d", path, self.step,
+                 self.version + 1)
+        self.publish()
+
+    def _max_over_ranks(self, value: int) -> int:
+        if self.dist.world == 1:
+            return value
+        t = torch.tensor([value], device=self.dist.device)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        return int(t.item())
+
+    def rollback(self, reason: str) -> bool:
+        """Restore the newest healthy checkpoint with a lower LR; False if there is none (then stop).
+
+        Pause the fleet; load the checkpoint (model, optimizer, scheduler) but keep counting steps
+        forward; scale the LR by health.lr_factor; forget the groups trained since (commit) and discard
+        the queued and late ones of the rolled-back versions; publish the restored weights as a new
+        version; resume the fleet.
+        """
+        steps = [int(path.name.split("-")[1]) for path in self.ckpt.complete()]
+        target_step = self.health.rollback_target(steps)
+        if target_step is None:
+            log.error("health: %s, but no checkpoint is tagged healthy to roll back to", reason)
+            return False
+        target = self.ckpt.dir / tag_of(target_step)
+        for step in steps:
+            if step > target_step:  # the abandoned timeline's checkpoints are never rollback targets
+                self.ckpt.mark_healthy(self.ckpt.dir / tag_of(step), False)
+        main = self.dist.is_main and self.fleet
+        if main:
+            self.client.control("pause", reason=f"rollback: {reason}")
+        state = self.ckpt.load(self.engine, target)
+        if self.critic is not None:
+            self.critic.load(target)
+        bad_from, bad_to = state["version"] + 1, self.version
+        self.actor.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.lr_scale = state.get("lr_scale", 1.0) * self.cfg.health.lr_factor
+        self._apply_lr_scale()
+        if main:
+            if self.cfg.broker.commit_on_checkpoint:
+                self.client.commit(self.step)  # trained on the bad policy's groups: never replay them
+            self.client.control("discard", reason=f"rollback to {target.name}", min_version=bad_from, max_version=bad_to)
+        self.health.record_rollback(to_step=state["step"], from_step=self.step)
+        self.health.rewind_to(state.get("health"), state["step"])
+        if self.fleet:
+            self.publish()  # the restored weights, as a version newer than every rolled-back one
+        if main:
+            self.client.control("resume", reason="rollback done")
+        log.warning("health: rolled back to %s (policy version %d), lr x%.3g, discarded versions %d..%d: %s",
+                    target.name, state["version"], self.lr_scale, bad_from, bad_to, reason)
+        return True
+
+    def _apply_lr_scale(self) -> None:
+        """Scale the schedule's base LR (kept by the scheduler's state) and the current LR."""
+        peak = self.cfg.learner.lr * self.lr_scale
+        self.scheduler.base_lrs = [peak for _ in self.scheduler.base_lrs]
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch) if hasattr(self.scheduler, "lr_lambdas") else 1.0
+        for group in self.optimizer.param_groups:
+            group["lr"] = peak * factor
+
+    def check_health(self, stats: dict[str, float]) -> str:
+        """Feed the monitor; returns the action to take now: none | alert | rollback | stop."""
+        if self.health is None:
+            return "none"
+        events = self.health.observe(self.step, stats)
+        stats.update(self.health.metrics(events))
+        for step in self.health.pop_revoked():
+            self.ckpt.mark_healthy(self.ckpt.dir / tag_of(step), False)
+        return self.health.decide(events)
 
     def close(self) -> None:
         self.monitor.close()
-        self.publisher.close()
+        if self.publisher is not None:
+            self.publisher.close()
+
+
+class JsonlLog:
+    """Append-only JSON lines, flushed per line (survives a SIGKILL of this process)."""
+
+    def __init__(self, path: Path):
+        self.file = path.open("a", buffering=1)
+
+    def write(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
 
 
 class Evaluator:
@@ -212,7 +348,9 @@ class Evaluator:
 def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None) -> int:
     """Run one learner rank until learner.total_steps (or a stop signal). Returns the exit code."""
     dist = init_distributed(cfg)
-    own_client = client is None
+    telemetry.setup_tracing("learner", cfg.telemetry, run_dir, {"service.instance.id": f"learner-{dist.rank}",
+                                                                "fleetrl.rank": dist.rank})
+    own_client = client is None and needs_fleet(cfg)  # offline DPO runs without a broker
     if own_client:
         client = connect_broker(cfg, run_dir, dist.rank)
     learner = Learner(cfg, run_dir, client, dist)
@@ -231,7 +369,14 @@ def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None)
                 stats = learner.train_step()
             except Interrupted:
                 break
+            action = learner.check_health(stats)
             learner.monitor.log(learner.step, stats)
+            if action == "rollback" and not learner.rollback(f"rule fired at step {learner.step}"):
+                action = "stop"
+            if action == "stop":
+                log.error("health monitor stops the run at step %d:\n%s", learner.step, learner.health.report())
+                learner.save()
+                return 3
             if learner.checkpoint_due():
                 learner.save()
         if not learner.ckpt.complete() or learner.ckpt.complete()[-1].name != f"step-{learner.step:08d}":

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.distributed import PrefixStore, TCPStore
 
-from fleetrl.common import messages
+from fleetrl.common import messages, telemetry
 from fleetrl.common import weightsync as ws
 from fleetrl.common.registry import Registry
 from fleetrl.common.schema import JobConfig, SyncConfig
@@ -71,8 +71,12 @@ class WeightPublisher:
             _drain(it)
             return dict.fromkeys(METRIC_KEYS, 0.0)
         t0 = time.perf_counter()
+        attributes = {"fleetrl.policy_version": version, "fleetrl.step": step, "fleetrl.transport": self.cfg.transport}
         try:
-            sent = self._sender.send(version, step, _checked(it, self.specs), announce, expected_receivers)
+            with telemetry.span("weights.publish", attributes=attributes) as span:  # a child of the learner step
+                sent = self._sender.send(version, step, _checked(it, self.specs), announce, expected_receivers)
+                span.set_attributes({"fleetrl.mb": sent.nbytes / ws.MB, "fleetrl.receivers": sent.receivers,
+                                    "fleetrl.failed": sent.failed})
         finally:
             extra = _drain(it)
         if extra:
@@ -149,7 +153,7 @@ class FileSender:
         os.rename(tmp, final)
         seconds = time.perf_counter() - t0
         self._prune()
-        announce(messages.WeightsInfo(transport="filesystem", path=str(final)))
+        announce(messages.WeightsInfo(transport="filesystem", path=str(final), published_at=time.time()))
         return Sent(nbytes=ws.plan_bytes([self.specs]), seconds=seconds)
 
     def _prune(self) -> None:
@@ -202,7 +206,7 @@ class BroadcastSender:
         for key in self._round_keys.pop(round_id - 2, []):  # every receiver of that round has read them
             store.delete_key(key)
         deadline = time.monotonic() + self.cfg.timeout_s
-        announce(messages.WeightsInfo(transport=self.cfg.transport, master_addr=self.cfg.master_addr,
+        announce(messages.WeightsInfo(transport=self.cfg.transport, published_at=time.time(), master_addr=self.cfg.master_addr,
                                       master_port=self.port, buckets=self.plan, round_id=round_id))
         group, members = None, []
         try:

@@ -27,6 +27,7 @@ from fleetrl.common import messages as m
 from fleetrl.common.config import ConfigError
 from fleetrl.rollout.engines.base import Generation
 from fleetrl.rollout.rewards import RewardInput, RewardResult
+from fleetrl.rollout.tracing import LeaseTrace
 
 log = logging.getLogger("fleetrl.rollout")
 
@@ -57,13 +58,13 @@ def check_chat_template(tokenizer: Any, enabled: bool, where: str) -> None:
                          "set data.apply_chat_template=false (raw prompts) or use a tokenizer with a template")
 
 
-def trace_context(prompt: m.Prompt, lease: m.PromptLease) -> dict[str, str]:
+def trace_context(batch: "Batch", prompt: m.Prompt, group_id: str) -> dict[str, str]:
     """The W3C trace context (traceparent, tracestate) one group carries; ``{}`` = none.
 
-    The single hook for telemetry: when tracing is set up, this returns the context of the span
-    that covers the prompt's lease, generation and reward, and every group carries it.
+    The single hook for telemetry: when tracing is set up, this ends the ``prompt`` span that covers
+    the prompt's lease, generation and reward (``rollout/tracing.py``) and returns its context.
     """
-    return {}
+    return batch.trace.group(prompt.prompt_id, group_id) if batch.trace is not None else {}
 
 
 # ------------------------------------------------------------------------------------ batches
@@ -81,6 +82,7 @@ class Batch:
     rewards: Future  # -> list[RewardResult], flat [B * G]
     submitted: float = field(default_factory=time.monotonic)
     rewards_done: float = 0.0  # monotonic time the scorer finished (set by a callback)
+    trace: LeaseTrace | None = None  # the lease's spans (None when tracing is off)
 
     @property
     def num_tokens(self) -> int:
@@ -106,13 +108,16 @@ def build_groups(batch: Batch, results: Sequence[RewardResult], server_id: str,
         at += len(samples)
         if should_drop(res):
             dropped.append(prompt.prompt_id)
+            if batch.trace is not None:
+                batch.trace.dropped(prompt.prompt_id)
             continue
+        gid = uuid.uuid4().hex
         groups.append(m.build_group(
-            uuid.uuid4().hex, prompt.prompt_id, batch.version, ids,
+            gid, prompt.prompt_id, batch.version, ids,
             [(s.token_ids, s.logprobs) for s in samples], [r.reward for r in res],
             [s.finish_reason for s in samples],
             reward_parts=[dict(r.parts) for r in res], failed=[r.failed for r in res],
-            lease_id=batch.lease.lease_id, server_id=server_id, trace=trace_context(prompt, batch.lease),
+            lease_id=batch.lease.lease_id, server_id=server_id, trace=trace_context(batch, prompt, gid),
             created_at=time.time(), metadata={"server": server_id, "gen_s": round(batch.gen_s, 4)},
         ))
     return groups, dropped
@@ -220,6 +225,9 @@ class Finisher:
         self.client, self.scorer, self.server_id = client, scorer, server_id
         self.leases, self.stats, self.metrics = leases, stats, metrics
         self.push_deadline_s, self.extra_metrics = push_deadline_s, extra_metrics
+        # the ids the broker acknowledged, one line per push (what the chaos checker holds the broker to)
+        self.acked = MetricsFile(metrics.path.with_name(metrics.path.name.replace(".metrics.", ".acked."))
+                                 if metrics.path else None)
         self.error: BaseException | None = None
         self._queue: queue.Queue[Batch | None] = queue.Queue(maxsize=1)
         self._abandon = threading.Event()
@@ -275,6 +283,9 @@ class Finisher:
         t0 = time.monotonic()
         counts = self.push(groups) if groups else {}
         push_s = time.monotonic() - t0
+        if batch.trace is not None:
+            batch.trace.record("reward", batch.submitted, batch.rewards_done or t0)
+            batch.trace.record("push", t0, t0 + push_s, groups=len(groups), **counts)
         self.leases.close(batch.lease.lease_id, [g.prompt_id for g in groups])
         self.stats.add(batches=1, tokens=batch.num_tokens, **counts)
         self.metrics.write(self.record(batch, results, push_s))
@@ -290,6 +301,7 @@ class Finisher:
                 return {"groups_rejected": len(groups)}
             return self._push_one_by_one(groups)
         counts = {"groups_pushed": 0, "groups_stale": 0, "groups_rejected": 0}
+        self.acked.write({"time": time.time(), "group_ids": [a.group_id for a in acks if a.status == "accepted"]})
         for ack in acks:
             if ack.status in ("accepted", "duplicate"):
                 counts["groups_pushed"] += 1

@@ -26,9 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fleetrl.broker.client import BrokerClient, BrokerError, BrokerUnavailable, default_client_id
+from fleetrl.broker.client import BrokerClient, BrokerError, BrokerUnavailable, default_client_id, resolve_address
 from fleetrl.common import messages as m
-from fleetrl.common.config import ConfigError, load_config
+from fleetrl.common import telemetry
+from fleetrl.common.config import load_config
 from fleetrl.common.log import setup_logging
 from fleetrl.common.schema import JobConfig
 from fleetrl.rollout.engines import SamplingParams, create_engine
@@ -36,6 +37,7 @@ from fleetrl.rollout.loop import (
     Batch, Finisher, MetricsFile, OpenLeases, Stats, check_chat_template, encode_prompt, return_leases, reward_inputs,
 )
 from fleetrl.rollout.rewards import RewardScorer
+from fleetrl.rollout.tracing import LeaseTrace
 
 log = logging.getLogger("fleetrl.rollout")
 
@@ -113,10 +115,11 @@ class RolloutServer:
     def step(self) -> Batch | None:
         """One iteration: announcements and weights, then lease → generate → hand to the finisher."""
         self.poll(0.0)
+        start_ns = time.time_ns()
         lease = self.lease()
         if lease is None:
             return None
-        batch = self.generate(lease)
+        batch = self.generate(lease, LeaseTrace.start(lease, self.client_id, self.version, start_ns))
         self.finisher.submit(batch)
         return batch
 
@@ -173,7 +176,7 @@ class RolloutServer:
         self.leases.add(reply)
         return reply
 
-    def generate(self, lease: m.PromptLease) -> Batch:
+    def generate(self, lease: m.PromptLease, trace: LeaseTrace | None = None) -> Batch:
         """Sample the lease's groups with the current weights and start scoring them."""
         data = self.cfg.data
         prompt_ids = [encode_prompt(self.engine.tokenizer, p.prompt, data.apply_chat_template, data.max_prompt_tokens)
@@ -181,8 +184,11 @@ class RolloutServer:
         t0 = time.monotonic()
         samples = self.engine.generate(prompt_ids, self.params, self.cfg.rollout.group_size)
         gen_s = time.monotonic() - t0
+        if trace is not None:
+            trace.record("generate", t0, t0 + gen_s, prompts=len(prompt_ids), group_size=self.cfg.rollout.group_size,
+                         tokens=sum(len(s.token_ids) for row in samples for s in row), policy_version=self.version)
         rewards = self.scorer.submit(reward_inputs(lease.prompts, samples))
-        return Batch(lease, prompt_ids, samples, self.version, gen_s, rewards)
+        return Batch(lease, prompt_ids, samples, self.version, gen_s, rewards, trace=trace)
 
     def wait(self, seconds: float) -> None:
         """Sleep up to ``seconds`` while handling announcements and weights; returns early on stop."""
@@ -225,9 +231,10 @@ class RolloutServer:
             self.paused = paused
 
     def offer_version(self, version: int, weights: m.WeightsInfo) -> None:
-        if version == self.version:
-            return
+        """Every announcement goes to the receiver, which orders versions by publish time (rollbacks)."""
         if self.receiver is None:
+            if version == self.version:
+                return
             if not self._warned_no_receiver:
                 log.warning("policy version %d announced but this server has no weight receiver; it keeps "
                             "generating with version %d", version, self.version)
@@ -239,6 +246,7 @@ class RolloutServer:
         """Load new weights if the receiver has a complete version (never mid-batch)."""
         if self.receiver is None:
             return
+        start_ns = time.time_ns()
         try:
             version = self.receiver.apply(self.engine)
         except ValueError as e:  # names or shapes that do not fit: the engine changed nothing
@@ -246,6 +254,8 @@ class RolloutServer:
             return
         if version is None or version == self.version:
             return
+        telemetry.record_span("weights.load", start_ns, parent=telemetry.ROOT, attributes={
+            "fleetrl.policy_version": version, "fleetrl.previous_version": self.version})
         log.info("policy version %d -> %d: new weights loaded", self.version, version)
         self.version = version
         try:
@@ -269,19 +279,8 @@ class RolloutServer:
 
 
 def broker_address(cfg: JobConfig, cli_address: str | None, run_dir: str | Path | None) -> str:
-    """--broker, else the address in ``<run-dir>/broker.json`` (the broker writes it, with the port it
-    bound), else broker.address, else tcp://broker.host:broker.port."""
-    if cli_address:
-        return cli_address
-    endpoint = Path(run_dir) / "broker.json" if run_dir else None
-    if endpoint is not None and endpoint.is_file():
-        return json.loads(endpoint.read_text())["address"].replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
-    if cfg.broker.address:
-        return cfg.broker.address
-    if cfg.broker.port == 0:
-        raise ConfigError("broker.port is 0 (the broker picks a free port), so the rollout server cannot derive its "
-                         "address; pass --broker ADDR or --run-dir of the broker (its broker.json)")
-    return f"tcp://{cfg.broker.host}:{cfg.broker.port}"
+    """See :func:`fleetrl.broker.client.resolve_address` (--broker > broker.address > broker.json > host:port)."""
+    return resolve_address(cfg.broker, run_dir, cli_address)
 
 
 def resolve_device(device: str) -> str:
@@ -334,6 +333,9 @@ def main(args) -> int:
     stop = threading.Event()
     install_signals(stop)
     client_id = default_client_id("rollout", index)
+    telemetry.setup_tracing("rollout", cfg.telemetry, args.run_dir,
+                            {"service.instance.id": f"rollout-{index}", "fleetrl.client_id": client_id,
+                             "fleetrl.server_index": index})
     device = resolve_device(cfg.rollout.device)
     engine = scorer = client = receiver = None
     try:

@@ -46,6 +46,7 @@ class Update:
     """One complete version waiting to be applied: a directory, or received tensors."""
 
     version: int
+    key: tuple[float, int] = (0.0, 0)  # (published_at, version): what "newer" means, across rollbacks
     path: str = ""
     named: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     buffers: list[torch.Tensor] = field(default_factory=list)
@@ -65,11 +66,12 @@ class WeightReceiver:
         self.device = buffer_device(self.cfg.transport, device)
         self.identity = f"{client_id}/{uuid.uuid4().hex[:8]}"
         self._cv = threading.Condition()
-        self._held = 0
+        self._held = 0  # the version the engine holds
+        self._held_key: tuple[float, int] = (0.0, 0)
         self._pending: Update | None = None
         self._queued: tuple[int, messages.WeightsInfo] | None = None
-        self._receiving: int | None = None
-        self._loading = 0  # version apply() is handing to the engine right now
+        self._receiving: tuple[float, int] | None = None
+        self._loading: tuple[float, int] = (0.0, 0)  # key of the update apply() is handing to the engine
         self._closed = False
         self._thread: threading.Thread | None = None
         self._store: tuple[tuple[str, int], TCPStore] | None = None  # worker thread only
@@ -84,11 +86,12 @@ class WeightReceiver:
         """Take note of an announced version (returns at once; see the module docstring)."""
         if weights.transport == "none":
             return
+        key = (weights.published_at, version)
         with self._cv:
-            if self._closed or version <= self._newest_known():
+            if self._closed or key <= self._newest_known():
                 return
             if weights.transport == "filesystem":
-                self._pending = Update(version, path=weights.path)
+                self._pending = Update(version, key, path=weights.path)
                 return
             reason = ws.check_plan(weights.buckets, self.expected)
             if reason:
@@ -101,10 +104,14 @@ class WeightReceiver:
                 self._thread = threading.Thread(target=self._run, name="fleetrl-weights", daemon=True)
                 self._thread.start()
 
-    def _newest_known(self) -> int:
-        candidates = [self._held, self._loading, self._receiving or 0]
-        candidates += [u.version for u in (self._pending,) if u is not None]
-        candidates += [q[0] for q in (self._queued,) if q is not None]
+    def _newest_known(self) -> tuple[float, int]:
+        """The newest (published_at, version) held, loading, pending, queued or being received.
+
+        Ordering by the learner's publish time first makes a resumed or rolled-back learner's lower
+        version win over the newer number a rollout still holds."""
+        candidates = [self._held_key, self._loading, self._receiving or (0.0, 0)]
+        candidates += [u.key for u in (self._pending,) if u is not None]
+        candidates += [(q[1].published_at, q[0]) for q in (self._queued,) if q is not None]
         return max(candidates)
 
     def pending_version(self) -> int | None:
@@ -116,7 +123,7 @@ class WeightReceiver:
         """Load the newest complete version into ``engine``; returns it, or None if nothing is new."""
         with self._cv:
             update, self._pending = self._pending, None
-            self._loading = update.version if update is not None else 0
+            self._loading = update.key if update is not None else (0.0, 0)
         if update is None:
             return None
         t0 = time.perf_counter()
@@ -124,7 +131,7 @@ class WeightReceiver:
             loaded = self._load(engine, update)
         finally:
             with self._cv:
-                self._loading = 0
+                self._loading = (0.0, 0)
         if not loaded:
             return None
         log.info("loaded weight version %d in %.2fs", update.version, time.perf_counter() - t0)
@@ -142,7 +149,8 @@ class WeightReceiver:
         else:
             engine.update_weights(update.named)
         with self._cv:
-            self._held = max(self._held, update.version)
+            if update.key >= self._held_key:
+                self._held, self._held_key = update.version, update.key
             self._spare = update.buffers
             self._stats["weights/version"] = float(self._held)
             self._stats["weights/load_s"] = time.perf_counter() - t0
@@ -171,13 +179,13 @@ class WeightReceiver:
                 if self._closed:
                     break
                 (version, info), self._queued = self._queued, None
-                self._receiving = version
+                self._receiving = (info.published_at, version)
             update = self._receive_round(version, info)
             with self._cv:
                 self._receiving = None
                 if update is None:
                     self._stats["weights/rounds_missed"] += 1
-                elif update.version > max([self._held] + [u.version for u in (self._pending,) if u is not None]):
+                elif update.key > max([self._held_key] + [u.key for u in (self._pending,) if u is not None]):
                     self._pending = update
         self._drop_group()
         self._store = None
@@ -229,7 +237,7 @@ class WeightReceiver:
             self._recv_bucket(self._group.pg, buf, deadline)
         named = [(s.name, buf[s.offset : s.offset + s.numel].view(s.shape))
                  for layout, buf in zip(layouts, buffers) for s in layout.slots]
-        return Update(version, named=named, buffers=buffers)
+        return Update(version, (info.published_at, version), named=named, buffers=buffers)
 
     def _recv_bucket(self, pg: Any, buf: torch.Tensor, deadline: float) -> None:
         ws.wait(ws.broadcast(pg, buf, deadline - time.monotonic()), deadline - time.monotonic())

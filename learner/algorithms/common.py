@@ -137,7 +137,7 @@ def value_loss(
         loss_agg, norm_len: see ``aggregate``.
 
     Returns:
-        ``LossOutputs`` with ``critic/vf_loss``, ``critic/vf_clipfrac`` (share of tokens where the clipped
+        ``LossOutputs`` with ``critic/value_loss``, ``critic/clipfrac`` (share of tokens where the clipped
         term is the larger one) and ``critic/vpred_mean``.
     """
     old_values, returns = old_values.detach(), returns.detach()
@@ -146,8 +146,8 @@ def value_loss(
     loss_clipped = (clipped - returns).square()
     loss = aggregate(0.5 * torch.maximum(loss_unclipped, loss_clipped), mask, loss_agg, norm_len)
     metrics = {
-        "critic/vf_loss": loss,
-        "critic/vf_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(values.dtype), mask),
+        "critic/value_loss": loss,
+        "critic/clipfrac": masked_mean((loss_clipped > loss_unclipped).to(values.dtype), mask),
         "critic/vpred_mean": masked_mean(values, mask),
     }
     return LossOutputs(loss=loss, metrics=to_floats(metrics))

@@ -42,8 +42,8 @@ def _outputs(loss_B: Tensor, inp: PreferenceInputs, beta: float) -> PreferenceOu
         "dpo/loss": loss,
         "dpo/accuracy": (chosen_B > rejected_B).to(chosen_B.dtype).mean(),
         "dpo/margin": (chosen_B - rejected_B).mean(),
-        "dpo/chosen_reward": chosen_B.mean(),
-        "dpo/rejected_reward": rejected_B.mean(),
+        "dpo/rewards_chosen": chosen_B.mean(),
+        "dpo/rewards_rejected": rejected_B.mean(),
     }
     return PreferenceOutputs(
         loss=loss, chosen_rewards=chosen_B, rejected_rewards=rejected_B, metrics=to_floats(metrics)

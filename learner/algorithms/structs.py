@@ -72,7 +72,7 @@ class PreferenceOutputs:
         chosen_rewards: ``[B]`` beta * (log pi - log pi_ref) of the chosen responses, detached.
         rejected_rewards: ``[B]`` the same for the rejected responses, detached.
         metrics: ``dpo/loss``, ``dpo/accuracy`` (share of pairs with chosen reward > rejected),
-            ``dpo/margin`` (mean chosen - rejected reward), ``dpo/chosen_reward``, ``dpo/rejected_reward``.
+            ``dpo/margin`` (mean chosen - rejected reward), ``dpo/rewards_chosen``, ``dpo/rewards_rejected``.
     """
 
     loss: Tensor

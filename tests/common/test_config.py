@@ -111,7 +111,7 @@ def test_docs_config_md_is_generated_from_the_structs():
 
 
 def test_shipped_configs_are_valid():
-    configs = sorted((ROOT / "configs").glob("*.yaml"))
+    configs = sorted((ROOT / "configs").rglob("*.yaml"))
     for path in configs:
         assert isinstance(load_config(path), JobConfig), path
 

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from fleetrl.broker.inproc import InprocBroker
 from fleetrl.common import messages as m

@@ -96,7 +96,7 @@ def test_resume_reproduces_the_same_loss_on_the_same_batch(dist, tiny_model_dir,
     again = Learner(cfg, tmp_path, client, dist)  # a fresh process's view: new weights from model.path
     again.resume(path)
     assert [broker.state.queue[i] for i in range(4)] == trained_after  # exactly the uncommitted groups, in order
-    assert again.step == 1 and again.version == 1
+    assert again.step == 1 and again.version == 3  # republished as a version newer than any the fleet saw
     replay = again.actor.step(fixed, again.version)
     for key in ("actor/loss", "actor/grad_norm", "actor/clipfrac", "actor/entropy"):
         assert replay[key] == after_save[key], key

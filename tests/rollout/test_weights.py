@@ -148,10 +148,16 @@ def test_gloo_rounds_in_process_late_join_and_mismatch(learner_model, tmp_path):
 
         # a plan this model cannot take is refused before joining; an older version is ignored
         bad = WeightsInfo(transport="gloo", master_addr="127.0.0.1", master_port=1, round_id=99,
-                          buckets=[[ws.make_spec("nope.weight", [2], "float32")]])
+                          buckets=[[ws.make_spec("nope.weight", [2], "float32")]], published_at=time.time())
         receiver.on_version(4, bad)
         receiver.on_version(2, info)
         assert receiver.pending_version() is None and receiver.stats()["weights/rounds_missed"] == 2
+
+        # a learner that resumed or rolled back publishes a LOWER version later: it wins
+        metrics, _ = publish(1, 1)
+        wait_pending(receiver, 1)
+        assert receiver.apply(engine) == 1 and receiver.stats()["weights/version"] == 1
+        assert_same_weights(learner_model, engine.state)
     finally:
         receiver.close()
         pub.close()

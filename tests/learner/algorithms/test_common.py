@@ -48,7 +48,7 @@ def test_value_loss_hand_computed():
     # token 1: V = 1.1 is inside the clip: (1.1 - 0)^2 = 1.21 -> 0.605
     # token-mean: (0.32 + 0.605) / 2 = 0.4625; clipped term active on token 0 only
     assert out.loss.item() == pytest.approx(0.4625)
-    assert out.metrics["critic/vf_clipfrac"] == pytest.approx(0.5)
+    assert out.metrics["critic/clipfrac"] == pytest.approx(0.5)
     out.loss.backward()
     # token 0 takes the clipped branch (no gradient); token 1: d/dV 0.5 (V - R)^2 / 2 = 1.1 / 2 = 0.55
     torch.testing.assert_close(values.grad, torch.tensor([[0.0, 0.55]]))

@@ -51,7 +51,7 @@ def test_huge_margins_stay_finite(name):
     out = PREFERENCE_LOSSES[name](inp, AlgorithmConfig())
     out.loss.backward()
     assert torch.isfinite(out.loss) and torch.isfinite(inp.chosen_logp.grad).all()
-    assert set(out.metrics) == {"dpo/loss", "dpo/accuracy", "dpo/margin", "dpo/chosen_reward", "dpo/rejected_reward"}
+    assert set(out.metrics) == {"dpo/loss", "dpo/accuracy", "dpo/margin", "dpo/rewards_chosen", "dpo/rewards_rejected"}
 
 
 def test_gradcheck_sigmoid():

@@ -1,0 +1,185 @@
+"""Metric sinks: where the learner's monitor sends each step's flat metric dict.
+
+``metrics.jsonl`` is always written; the console gets a short line per step; the ``telemetry``
+section adds TensorBoard event files (``tensorboard: true``), a wandb run (``wandb_project``; offline
+by default) and a Prometheus endpoint served through the OpenTelemetry metrics SDK
+(``prometheus_port``). TensorBoard, wandb and the Prometheus exporter are the optional ``tracking``
+extra (``pip install 'fleetrl[tracking]'``): each is imported only when its sink is built, and a
+sink asked for without its library fails at start-up with that install hint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from fleetrl.common.config import ConfigError
+from fleetrl.common.schema import JobConfig
+
+log = logging.getLogger("fleetrl.learner")  # the monitor runs in the learner
+
+INSTALL_HINT = "pip install 'fleetrl[tracking]'"
+
+
+class Sink(Protocol):
+    def write(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _need(module: str, setting: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"{setting} needs {module.split('.')[0]} ({e}); install the tracking extra: {INSTALL_HINT}, "
+                          "or turn the setting off") from None
+
+
+class JsonlSink:
+    """``metrics.jsonl``: one JSON object per step with ``step`` and ``time`` (non-finite values as strings)."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a", buffering=1)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, "time": time.time()}
+        row.update({k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()})
+        self.file.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class ConsoleSink:
+    """A short log line every ``every`` steps."""
+
+    KEYS = ("reward/mean", "actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm", "off_policy/staleness_mean",
+            "throughput/samples_per_s")
+
+    def __init__(self, every: int = 1):
+        self.every = every
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if step % self.every == 0:
+            shown = "  ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in self.KEYS if k in metrics)
+            log.info("step %d  %s", step, shown)
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardSink:
+    """Scalars into ``<run_dir>/tensorboard/`` (``tensorboard --logdir RUN_DIR/tensorboard``), no torch needed."""
+
+    def __init__(self, log_dir: Path):
+        writer = _need("tensorboard.summary.writer.event_file_writer", "telemetry.tensorboard=true")
+        self._event = _need("tensorboard.compat.proto.event_pb2", "telemetry.tensorboard=true").Event
+        self._summary = _need("tensorboard.compat.proto.summary_pb2", "telemetry.tensorboard=true").Summary
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.writer = writer.EventFileWriter(str(log_dir))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        values = [self._summary.Value(tag=k, simple_value=float(v)) for k, v in metrics.items()]
+        self.writer.add_event(self._event(step=step, wall_time=time.time(), summary=self._summary(value=values)))
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """One wandb run per training run; ``mode: offline`` writes ``<run_dir>/wandb/offline-run-*``
+    (upload later with ``wandb sync``)."""
+
+    def __init__(self, project: str, mode: str, run_dir: Path, name: str, config: dict[str, Any]):
+        wandb = _need("wandb", "telemetry.wandb_project")
+        self.run = wandb.init(project=project, mode=mode, dir=str(run_dir), name=name, config=config)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def prometheus_name(key: str) -> str:
+    """``reward/mean`` -> ``fleetrl_reward_mean`` (Prometheus names allow [a-zA-Z0-9_:] only)."""
+    return "fleetrl_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+class PrometheusSink:
+    """``http://HOST:PORT/metrics`` serving the latest value of every metric as a gauge.
+
+    Built on the OpenTelemetry metrics SDK: one gauge per metric key (``fleetrl_<key>`` with ``/``
+    and other characters as ``_``) and ``fleetrl_step``, read by a ``PrometheusMetricReader`` on a
+    registry of its own, served by ``prometheus_client``'s HTTP server.
+    """
+
+    def __init__(self, port: int, service: str = "learner", addr: str = "0.0.0.0"):
+        setting = "telemetry.prometheus_port"
+        exporter = _need("opentelemetry.exporter.prometheus", setting)
+        prometheus = _need("prometheus_client", setting)
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.resources import Resource
+
+        self.registry = prometheus.CollectorRegistry()
+        self.reader = exporter.PrometheusMetricReader(registry=self.registry)
+        self.provider = MeterProvider(metric_readers=[self.reader],
+                                      resource=Resource.create({"service.name": f"fleetrl-{service}"}))
+        self.meter = self.provider.get_meter("fleetrl")
+        self.gauges: dict[str, Any] = {}
+        try:
+            self.server, self.thread = prometheus.start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as e:
+            self.provider.shutdown()
+            raise ConfigError(f"telemetry.prometheus_port={port}: cannot serve metrics on {addr}:{port} ({e}); "
+                              "choose a free port or null") from None
+        self.port = self.server.server_port
+        log.info("serving Prometheus metrics on http://%s:%d/metrics", addr, self.port)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in {"step": float(step), **metrics}.items():
+            if not math.isfinite(value):
+                continue
+            gauge = self.gauges.get(key)
+            if gauge is None:
+                gauge = self.gauges[key] = self.meter.create_gauge(prometheus_name(key), description=key)
+            gauge.set(float(value))
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.provider.shutdown()
+
+
+def make_sinks(cfg: JobConfig | None, run_dir: str | Path, rank: int, console_every: int = 1) -> list[Sink]:
+    """The sinks of one learner rank: all of them on rank 0 (``metrics.jsonl``, console, then those
+    ``cfg.telemetry`` turns on), none on the other ranks (their metrics are averaged into rank 0's)."""
+    if rank != 0:
+        return []
+    run_dir = Path(run_dir)
+    tel = (cfg or JobConfig()).telemetry
+    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl"), ConsoleSink(console_every)]
+    try:
+        if tel.tensorboard:
+            sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+        if tel.wandb_project and tel.wandb_mode != "disabled":
+            import msgspec
+
+            sinks.append(WandbSink(tel.wandb_project, tel.wandb_mode, run_dir, run_dir.name,
+                                   msgspec.to_builtins(cfg or JobConfig())))
+        if tel.prometheus_port is not None:
+            sinks.append(PrometheusSink(tel.prometheus_port))
+    except BaseException:
+        for sink in sinks:
+            sink.close()
+        raise
+    return sinks

@@ -1,0 +1,328 @@
+"""Tracing for every fleetrl process, set up in one place; a no-op until :func:`setup_tracing` runs.
+
+Each process calls ``setup_tracing(service, cfg.telemetry, run_dir, attributes)`` once at start-up
+(broker, rollout server, learner rank). With ``telemetry.exporter: none`` nothing is built: the
+tracer is OpenTelemetry's no-op tracer and :func:`enabled` is False, so hot paths skip their span
+code with one function call. The other exporters:
+
+- ``console``: one JSON line per span on stdout (the process's log under ``fleetrl run``);
+- ``jsonl``: ``<run_dir>/traces/<service>-<pid>.jsonl``, one file per process (several processes
+  share a run directory), one :func:`span_record` per line; ``fleetrl trace RUN_DIR`` reads them all;
+- ``otlp``: OTLP over HTTP to ``telemetry.otlp_endpoint`` (an OpenTelemetry collector, Jaeger,
+  Tempo...).
+
+Trace context crosses processes as W3C ``traceparent`` / ``tracestate`` strings in a dict
+(:func:`inject`, :func:`extract`); ``SampleGroup.trace`` carries it from the rollout server through
+the broker to the learner, whose step span links to every group it consumed (:func:`group_links`).
+The shape of a trace is described in docs/monitoring.md ("Traces").
+
+Span and trace ids come from ``os.urandom`` (:class:`UrandomIdGenerator`): the SDK's default draws
+them from ``random``, so processes that call ``random.seed(s)`` would emit identical ids.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+if TYPE_CHECKING:
+    from fleetrl.common.messages import SampleGroup
+    from fleetrl.common.schema import TelemetryConfig
+
+log = logging.getLogger("fleetrl.telemetry")
+
+SERVICES = ("broker", "rollout", "learner")
+TRACES_DIR = "traces"  # <run_dir>/traces/<service>-<pid>.jsonl
+ROOT = Context()  # pass as ``parent`` to start a new trace instead of a child of the current span
+MAX_LINKS = 4096  # a learner step links to every group it trained on (the SDK's default limit is 128)
+EXPORT_DELAY_MS = 1000  # spans reach the exporter within about this long
+
+_propagator = TraceContextTextMapPropagator()
+_NOOP = trace.NoOpTracer()
+_lock = threading.Lock()
+_active: "_Tracing | None" = None
+
+
+class UrandomIdGenerator(IdGenerator):
+    """Trace and span ids from ``os.urandom``: independent of ``random.seed`` in training code."""
+
+    def generate_span_id(self) -> int:
+        while not (value := int.from_bytes(os.urandom(8), "little")):  # 0 is the invalid id
+            pass
+        return value
+
+    def generate_trace_id(self) -> int:
+        while not (value := int.from_bytes(os.urandom(16), "little")):
+            pass
+        return value
+
+
+# --------------------------------------------------------------------------------- span records
+
+
+def _hex_span(span_id: int) -> str:
+    return f"{span_id:016x}"
+
+
+def _hex_trace(trace_id: int) -> str:
+    return f"{trace_id:032x}"
+
+
+def span_record(span: ReadableSpan) -> dict[str, Any]:
+    """One finished span as the JSON object the jsonl exporter writes (and ``fleetrl trace`` reads).
+
+    Keys: name, trace_id (32 hex), span_id and parent_id (16 hex; parent_id null for a root),
+    service (``fleetrl-<service>``), instance (``service.instance.id``), start_ns / end_ns (Unix
+    nanoseconds), status, attributes, links ([{trace_id, span_id, attributes}]) and, when there are
+    any, events.
+    """
+    ctx, res = span.context, span.resource.attributes if span.resource else {}
+    out: dict[str, Any] = {
+        "name": span.name,
+        "trace_id": _hex_trace(ctx.trace_id),
+        "span_id": _hex_span(ctx.span_id),
+        "parent_id": _hex_span(span.parent.span_id) if span.parent is not None else None,
+        "service": res.get("service.name", ""),
+        "instance": res.get("service.instance.id", ""),
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "status": span.status.status_code.name,
+        "attributes": dict(span.attributes or {}),
+        "links": [{"trace_id": _hex_trace(link.context.trace_id), "span_id": _hex_span(link.context.span_id),
+                   "attributes": dict(link.attributes or {})} for link in span.links],
+    }
+    if span.events:
+        out["events"] = [{"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})}
+                         for e in span.events]
+    return out
+
+
+class JsonlSpanExporter(SpanExporter):
+    """Appends one JSON object per span to ``path`` (one file per process: no interleaving)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        text = "".join(json.dumps(span_record(s), default=str) + "\n" for s in spans)
+        with self._lock:
+            if self._file.closed:
+                return SpanExportResult.FAILURE
+            self._file.write(text)
+            self._file.flush()
+        return SpanExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def trace_files(run_dir: str | Path) -> list[Path]:
+    """Every process's span file of a run directory."""
+    return sorted((Path(run_dir) / TRACES_DIR).glob("*.jsonl"))
+
+
+def read_spans(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All span records of a run directory (a partly written last line is skipped)."""
+    spans = []
+    for path in trace_files(run_dir):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                spans.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return spans
+
+
+# ------------------------------------------------------------------------------------ set-up
+
+
+class _Tracing:
+    def __init__(self, service: str, provider: TracerProvider, path: Path | None):
+        self.service, self.provider, self.path = service, provider, path
+        self.tracer = provider.get_tracer("fleetrl")
+
+
+def _exporter(service: str, cfg: TelemetryConfig, run_dir: str | Path | None) -> tuple[SpanExporter, Path | None]:
+    if cfg.exporter == "jsonl":
+        if run_dir is None:
+            from fleetrl.common.config import ConfigError
+
+            raise ConfigError(f"telemetry.exporter=jsonl writes spans into the run directory, but this {service} has "
+                              "none; pass --run-dir or choose telemetry.exporter=none|console|otlp")
+        path = Path(run_dir) / TRACES_DIR / f"{service}-{os.getpid()}.jsonl"
+        return JsonlSpanExporter(path), path
+    if cfg.exporter == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        one_line = lambda s: json.dumps(span_record(s), default=str) + "\n"  # noqa: E731
+        return ConsoleSpanExporter(out=sys.stdout, formatter=one_line), None
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    endpoint = cfg.otlp_endpoint.rstrip("/")
+    return OTLPSpanExporter(endpoint=endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"), None
+
+
+def setup_tracing(service: str, cfg: TelemetryConfig, run_dir: str | Path | None = None,
+                  attributes: Mapping[str, Any] | None = None) -> trace.Tracer:
+    """The tracer of this process (``service.name = fleetrl-<service>``), built on the first call.
+
+    ``attributes`` become resource attributes of every span (``service.instance.id``, rank, server
+    index...). Later calls return the same tracer whatever their arguments: one process, one
+    tracer. With ``cfg.exporter == "none"`` nothing is built and the no-op tracer is returned.
+    Spans still buffered are exported when the process exits (or at :func:`shutdown_tracing`).
+    """
+    global _active
+    if service not in SERVICES:
+        raise ValueError(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
+    with _lock:
+        if _active is not None:
+            if _active.service != service:
+                log.debug("tracing is already set up for %s; %s spans use the same tracer", _active.service, service)
+            return _active.tracer
+        if cfg.exporter == "none":
+            return _NOOP
+        exporter, path = _exporter(service, cfg, run_dir)
+        resource = Resource.create({
+            "service.name": f"fleetrl-{service}", "service.namespace": "fleetrl",
+            "service.instance.id": f"{service}-{socket.gethostname()}-{os.getpid()}",
+            "host.name": socket.gethostname(), "process.pid": os.getpid(), **dict(attributes or {}),
+        })
+        provider = TracerProvider(resource=resource, id_generator=UrandomIdGenerator(),
+                                  span_limits=SpanLimits(max_links=MAX_LINKS))
+        provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=EXPORT_DELAY_MS))
+        _active = _Tracing(service, provider, path)
+    log.info("tracing %s spans to %s", service, path or (cfg.otlp_endpoint if cfg.exporter == "otlp" else cfg.exporter))
+    return _active.tracer
+
+
+def shutdown_tracing() -> None:
+    """Export what is buffered and go back to the no-op tracer (also runs at process exit)."""
+    global _active
+    with _lock:
+        active, _active = _active, None
+    if active is not None:
+        active.provider.shutdown()
+
+
+def flush_tracing(timeout_s: float = 10.0) -> bool:
+    """Export every span ended so far (True when done in time, or when tracing is off)."""
+    active = _active
+    return active.provider.force_flush(int(timeout_s * 1000)) if active is not None else True
+
+
+def enabled() -> bool:
+    """True once tracing is set up with an exporter: hot paths check this before building spans."""
+    return _active is not None
+
+
+def get_tracer() -> trace.Tracer:
+    """The process's tracer (the no-op tracer until :func:`setup_tracing`)."""
+    active = _active
+    return active.tracer if active is not None else _NOOP
+
+
+# ------------------------------------------------------------------------------ spans, context
+
+
+def inject(span: trace.Span | None = None) -> dict[str, str]:
+    """The W3C context of ``span`` (default: the current span) as ``{traceparent[, tracestate]}``;
+    ``{}`` for a no-op or invalid span."""
+    ctx = trace.set_span_in_context(span) if span is not None else None
+    carrier: dict[str, str] = {}
+    _propagator.inject(carrier, context=ctx)
+    return carrier
+
+
+def sampled(carrier: Mapping[str, str] | None) -> bool:
+    """The carrier names a span that is recorded (W3C ``sampled`` flag): a string test, no parsing.
+
+    With ``OTEL_TRACES_SAMPLER=parentbased_traceidratio`` the rollout servers keep a fraction of
+    their lease traces; the broker skips its spans for groups of the others.
+    """
+    parent = carrier.get("traceparent", "") if carrier else ""
+    return len(parent) == 55 and parent[-1] in "13579bdf"
+
+
+def extract(carrier: Mapping[str, str] | None) -> Context:
+    """A context whose parent is the span ``carrier`` names (an empty context for ``{}``)."""
+    return _propagator.extract(carrier or {}, context=Context())
+
+
+def _parent(parent: Context | Mapping[str, str] | trace.Span | None) -> Context | None:
+    if parent is None or isinstance(parent, Context):
+        return parent
+    if isinstance(parent, trace.Span):
+        return trace.set_span_in_context(parent)
+    return extract(parent)
+
+
+def link_from(carrier: Mapping[str, str] | None, attributes: Mapping[str, Any] | None = None) -> trace.Link | None:
+    """A span link to the span ``carrier`` names, or None when it names none."""
+    ctx = trace.get_current_span(extract(carrier)).get_span_context()
+    return trace.Link(ctx, dict(attributes or {})) if ctx.is_valid else None
+
+
+def group_links(groups: Iterable[SampleGroup]) -> list[trace.Link]:
+    """Links to the trace of every sampled group (``fleetrl.group_id`` on each link); ``[]`` when tracing is off."""
+    if not enabled():
+        return []
+    return [trace.Link(trace.get_current_span(extract(g.trace)).get_span_context(), {"fleetrl.group_id": g.group_id})
+            for g in groups if sampled(g.trace)]
+
+
+@contextmanager
+def span(name: str, parent: Context | Mapping[str, str] | trace.Span | None = None,
+         attributes: Mapping[str, Any] | None = None, links: Sequence[trace.Link] = (),
+         start_ns: int | None = None) -> Iterator[trace.Span]:
+    """A span around a block, current inside it (children nest under it).
+
+    ``parent``: None = the current span, :data:`ROOT` = a new trace, a carrier dict or a span.
+    Yields the invalid span and does nothing else when tracing is off.
+    """
+    if not enabled():
+        yield trace.INVALID_SPAN
+        return
+    with get_tracer().start_as_current_span(name, context=_parent(parent), attributes=dict(attributes or {}),
+                                            links=links, start_time=start_ns) as s:
+        yield s
+
+
+def record_span(name: str, start_ns: int, end_ns: int | None = None,
+                parent: Context | Mapping[str, str] | trace.Span | None = None,
+                attributes: Mapping[str, Any] | None = None, links: Sequence[trace.Link] = ()) -> trace.Span | None:
+    """A finished span from timestamps taken earlier (work done in another thread, or only worth a
+    span once it succeeded). ``end_ns`` defaults to now; None when tracing is off."""
+    if not enabled():
+        return None
+    s = get_tracer().start_span(name, context=_parent(parent), attributes=dict(attributes or {}), links=links,
+                                start_time=start_ns)
+    s.end(end_time=end_ns if end_ns is not None else time.time_ns())
+    return s
+
+
+def wall_ns(monotonic_s: float) -> int:
+    """Unix time in ns of an earlier ``time.monotonic()`` reading (spans carry wall-clock times)."""
+    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)

@@ -1,0 +1,229 @@
+"""The learner's health monitor: rules from ``health.rules`` judge every step's metrics and decide.
+
+Pure decision logic (no torch, no sockets); the training loop acts on what it returns::
+
+    monitor = HealthMonitor(cfg.health, run_dir / "events.jsonl")
+    events = monitor.observe(step, stats)          # rules that fired this step (logged, in events.jsonl)
+    action = monitor.decide(events)                # none | alert | rollback | stop
+    healthy = monitor.on_checkpoint(step)          # tag for the checkpoint saved at `step`
+    # rollback: target = monitor.rollback_target(steps); restore; lr *= lr_factor;
+    #           monitor.record_rollback(target, step); monitor.reset_after_rollback(target)
+
+A rule *fires* at every evaluation its condition holds. That counts against the healthy tag of nearby
+checkpoints; an event is emitted when the condition starts and again every ``window`` evaluations while
+it lasts (so a persisting alert does not flood the log). Event ``value``/``threshold`` are in the
+units of ``metric``: the observed value (or moving average) and the limit it crossed. Rule semantics
+and defaults: docs/monitoring.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterable
+
+from fleetrl.common.registry import RegistryError
+from fleetrl.common.schema import HealthConfig
+from fleetrl.learner.health_rules import HEALTH_RULES, Fired, HealthEvent, Rule
+
+__all__ = ["HEALTH_RULES", "HealthEvent", "HealthMonitor"]
+
+log = logging.getLogger("fleetrl.learner.health")
+
+ACTION_RANK = {"none": 0, "alert": 1, "rollback": 2, "stop": 3}
+MISSING_METRIC_WARN_STEPS = 20
+"""A rule whose metric is absent this many steps in a row gets one warning (a typo, or a feature off)."""
+
+
+class HealthMonitor:
+    def __init__(self, cfg: HealthConfig, events_path: Path | None = None):
+        self.cfg, self.events_path = cfg, Path(events_path) if events_path is not None else None
+        self.rules: list[Rule] = []
+        for i, spec in enumerate(cfg.rules if cfg.enabled else []):
+            try:
+                cls = HEALTH_RULES[spec.name]
+            except RegistryError as e:
+                raise RegistryError(f"health.rules[{i}].name: {e}") from None
+            self.rules.append(cls(spec, f"health.rules[{i}]"))
+        self.events: list[HealthEvent] = []
+        self.rollbacks_done = 0
+        self.stop_reason = ""
+        self.checkpoints: dict[int, bool] = {}  # step -> healthy verdict
+        self._revoked: list[int] = []
+        self._reset_tracking()
+
+    def _reset_tracking(self) -> None:
+        self.last_bad: int | None = None  # newest step at which any rule fired
+        self.pending: list[HealthEvent] = []  # fired by checkpoint rules, returned by the next observe()
+        self.streak = [0] * len(self.rules)
+        self.missing = [0] * len(self.rules)
+
+    # ------------------------------------------------------------------ per step
+    def observe(self, step: int, metrics: dict[str, float]) -> list[HealthEvent]:
+        """Run every rule on this step's metrics; returns the events emitted now (plus checkpoint-rule ones)."""
+        events, self.pending = self.pending, []
+        for i, rule in enumerate(self.rules):
+            self._watch_presence(i, rule, metrics)
+            fired = rule.observe(step, metrics)
+            event = None if rule.AT_CHECKPOINT else self._judge(i, rule, step, fired)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def on_checkpoint(self, step: int) -> bool:
+        """Healthy verdict for the checkpoint saved after ``step``; also runs checkpoint-level rules."""
+        for i, rule in enumerate(self.rules):
+            event = self._judge(i, rule, step, rule.on_checkpoint(step)) if rule.AT_CHECKPOINT else None
+            if event is not None:
+                self.pending.append(event)
+        healthy = self.last_bad is None or self.last_bad <= step - max(self.cfg.healthy_window, 1)
+        self.checkpoints[step] = healthy
+        if not healthy:
+            log.warning("checkpoint at step %d is not tagged healthy: a health rule fired at step %d (within "
+                        "health.healthy_window=%d steps); rollbacks will skip it", step, self.last_bad,
+                        self.cfg.healthy_window)
+        return healthy
+
+    def _judge(self, i: int, rule: Rule, step: int, fired: Fired | None) -> HealthEvent | None:
+        if fired is None:
+            self.streak[i] = 0
+            return None
+        self.last_bad = step if self.last_bad is None else max(self.last_bad, step)
+        self._revoke(fired.since, step)
+        self.streak[i] += 1
+        if (self.streak[i] - 1) % (rule.window or 1):
+            return None  # still firing: repeat the event only every `window` evaluations
+        event = HealthEvent(step, rule.spec.name, rule.action, fired.metric or rule.metric, fired.value,
+                            fired.threshold, fired.message, time.time())
+        self._emit(event)
+        return event
+
+    def _revoke(self, since: int, step: int) -> None:
+        """Checkpoints inside the evidence of a rule that fired now lose their healthy verdict."""
+        for c, healthy in self.checkpoints.items():
+            if healthy and since <= c < step:
+                self.checkpoints[c] = False
+                self._revoked.append(c)
+                log.warning("checkpoint at step %d is no longer counted healthy: the evidence of a rule that fired at "
+                            "step %d starts at step %d", c, step, since)
+
+    def _watch_presence(self, i: int, rule: Rule, metrics: dict[str, float]) -> None:
+        self.missing[i] = 0 if any(k in metrics for k in rule.watches()) else self.missing[i] + 1
+        if self.missing[i] == MISSING_METRIC_WARN_STEPS:
+            log.warning("%s (%s) watches %s, which the learner has not reported for %d steps: the rule cannot fire; "
+                        "check %s.metric or the feature that produces it", rule.key, rule.spec.name,
+                        " / ".join(rule.watches()), MISSING_METRIC_WARN_STEPS, rule.key)
+
+    def _emit(self, event: HealthEvent) -> None:
+        self.events.append(event)
+        level = logging.WARNING if event.action == "alert" else logging.ERROR
+        log.log(level, "health %s -> %s at step %d: %s", event.rule, event.action, event.step, event.message)
+        if self.events_path is not None:
+            self.events_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.events_path.open("a") as f:
+                f.write(event.to_json() + "\n")
+
+    # ------------------------------------------------------------------ decisions
+    def decide(self, events: Iterable[HealthEvent]) -> str:
+        """The strongest action among ``events``: none < alert < rollback < stop; a rollback past
+        ``health.max_rollbacks`` becomes stop."""
+        events = list(events)
+        action = max((e.action for e in events), key=ACTION_RANK.__getitem__, default="none")
+        if action == "rollback" and self.rollbacks_done >= self.cfg.max_rollbacks:
+            self.stop_reason = (f"rollback limit reached: {self.rollbacks_done} rollbacks done, "
+                                f"health.max_rollbacks={self.cfg.max_rollbacks}")
+            log.error("health: %s; stopping instead of rolling back", self.stop_reason)
+            return "stop"
+        if action == "stop":
+            self.stop_reason = "rule with action stop fired: " + ", ".join(
+                f"{e.rule} at step {e.step}" for e in events if e.action == "stop")
+        return action
+
+    def rollback_target(self, candidates: Iterable[int]) -> int | None:
+        """Newest of ``candidates`` (steps of complete checkpoints) this monitor tagged healthy, or None."""
+        healthy = [c for c in candidates if self.checkpoints.get(c, False)]
+        return max(healthy, default=None)
+
+    def pop_revoked(self) -> list[int]:
+        """Checkpoint steps whose healthy tag was withdrawn since the last call (update their meta.json)."""
+        out, self._revoked = self._revoked, []
+        return out
+
+    def record_rollback(self, to_step: int, from_step: int) -> HealthEvent:
+        self.rollbacks_done += 1
+        event = HealthEvent(from_step, "rollback", "rollback", "health/rollbacks", float(self.rollbacks_done),
+                            float(self.cfg.max_rollbacks),
+                            f"rolled back from step {from_step} to the healthy checkpoint at step {to_step} "
+                            f"(rollback {self.rollbacks_done} of at most {self.cfg.max_rollbacks}); the learning rate "
+                            f"is multiplied by {self.cfg.lr_factor:g} and groups from the abandoned policy versions "
+                            f"are discarded", time.time())
+        self._emit(event)
+        return event
+
+    def rewind_to(self, state: dict[str, Any] | None, step: int) -> None:
+        """After a rollback to the checkpoint at ``step``: the rules' windows as they were then.
+
+        A collapse that goes on after the restore is measured against the baseline the run had at
+        the healthy checkpoint (so it fires again and, after max_rollbacks, stops the run). Events,
+        the rollback count and the tags of checkpoints up to ``step`` are kept. Without a saved
+        state the windows simply start empty (``reset_after_rollback``).
+        """
+        if state is None:
+            self.reset_after_rollback(step)
+            return
+        kept = (self.events, self.rollbacks_done, self.stop_reason, self.checkpoints)
+        self.load_state_dict(state)
+        self.events, self.rollbacks_done, self.stop_reason, checkpoints = kept
+        self.pending = []
+        self.checkpoints = {c: h for c, h in checkpoints.items() if c <= step}
+
+    def reset_after_rollback(self, step: int) -> None:
+        """Forget rolling windows and recent firings: training continues from the checkpoint at ``step``."""
+        for rule in self.rules:
+            rule.reset()
+        self._reset_tracking()
+        self.checkpoints = {c: h for c, h in self.checkpoints.items() if c <= step}
+
+    # ------------------------------------------------------------------ reporting
+    def metrics(self, events: Iterable[HealthEvent] = ()) -> dict[str, float]:
+        """Counters for the metric sinks: events this step, all events, rollbacks done."""
+        return {"health/events": float(len(list(events))), "health/events_total": float(len(self.events)),
+                "health/rollbacks": float(self.rollbacks_done)}
+
+    def report(self) -> str:
+        """Every event (what fired, when, the action) for the final stop message."""
+        if not self.events:
+            return "health: no rule fired"
+        n, r = len(self.events), self.rollbacks_done
+        lines = [f"health report: {n} event{'s' * (n != 1)}, {r} rollback{'s' * (r != 1)} "
+                 f"(health.max_rollbacks={self.cfg.max_rollbacks})"]
+        lines += [f"  step {e.step:>7}  {e.rule} -> {e.action}: {e.message}" for e in self.events]
+        if self.stop_reason:
+            lines.append(f"stopped: {self.stop_reason}")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        return {"rules": [(r.spec.name, r.state_dict()) for r in self.rules], "events": [asdict(e) for e in self.events],
+                "rollbacks_done": self.rollbacks_done, "stop_reason": self.stop_reason,
+                "checkpoints": dict(self.checkpoints), "last_bad": self.last_bad, "streak": list(self.streak),
+                "pending": [asdict(e) for e in self.pending]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore; a rule whose position or name changed in the config starts fresh (with a warning)."""
+        self._reset_tracking()
+        saved = state["rules"]
+        for i, rule in enumerate(self.rules):
+            if i < len(saved) and saved[i][0] == rule.spec.name:
+                rule.load_state_dict(saved[i][1])
+                self.streak[i] = state["streak"][i]
+            else:
+                log.warning("%s (%s) has no saved state (the rule list changed); it starts with empty windows",
+                            rule.key, rule.spec.name)
+        self.events = [HealthEvent.from_dict(e) for e in state["events"]]
+        self.pending = [HealthEvent.from_dict(e) for e in state["pending"]]
+        self.rollbacks_done, self.stop_reason = state["rollbacks_done"], state["stop_reason"]
+        self.checkpoints = {int(k): bool(v) for k, v in state["checkpoints"].items()}
+        self.last_bad = state["last_bad"]

@@ -1,0 +1,331 @@
+"""Health rules: each judges one metric over a window (see learner/health.py for the monitor that
+runs them and docs/monitoring.md for every rule's semantics and defaults)."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+from fleetrl.common.registry import Registry
+from fleetrl.common.schema import HealthRule
+
+@dataclass
+class HealthEvent:
+    step: int
+    rule: str
+    action: str
+    metric: str
+    value: float
+    threshold: float
+    message: str
+    time: float
+
+    def to_json(self) -> str:
+        row = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in asdict(self).items()}
+        return json.dumps(row)
+
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> "HealthEvent":
+        return cls(**{**row, "value": float(row["value"]), "threshold": float(row["threshold"])})
+
+    def short(self) -> str:
+        """One phrase for the live status line, e.g. ``reward_drop -> rollback @ 130``."""
+        return f"{self.rule} -> {self.action} @ {self.step}"
+
+
+@dataclass
+class Fired:
+    """A rule's verdict at one evaluation: the value, the limit it crossed, why, and where the evidence starts."""
+
+    value: float
+    threshold: float
+    message: str
+    since: int
+    metric: str = ""
+
+
+class Rule:
+    """One health rule. ``observe`` is called every step, ``on_checkpoint`` at every checkpoint."""
+
+    METRIC: ClassVar[str] = ""
+    WINDOW: ClassVar[int | None] = None
+    THRESHOLD: ClassVar[float | None] = None
+    STATE: ClassVar[tuple[str, ...]] = ()
+    AT_CHECKPOINT: ClassVar[bool] = False  # judged by on_checkpoint (observe only accumulates)
+
+    def __init__(self, spec: HealthRule, key: str):
+        self.spec, self.key, self.action = spec, key, spec.action
+        self.metric = spec.metric or self.METRIC
+        self.window = spec.window if spec.window is not None else self.WINDOW
+        self.threshold = spec.threshold if spec.threshold is not None else self.THRESHOLD
+        if self.threshold is not None and not math.isfinite(self.threshold):
+            self.bad("threshold", "must be a finite number")
+        if self.window is not None and self.window < 1:
+            self.bad("window", "must be >= 1")
+        self.check()
+        self.reset()
+
+    def bad(self, field: str, why: str) -> None:
+        raise ValueError(f"{self.key}.{field}={getattr(self.spec, field)!r} ({self.spec.name}): {why}")
+
+    def check(self) -> None:
+        """Rule-specific validation of window and threshold (raise with ``self.bad``)."""
+
+    def reset(self) -> None:
+        """Forget every rolling window (after a rollback)."""
+
+    def watches(self) -> tuple[str, ...]:
+        return (self.metric,)
+
+    def observe(self, step: int, metrics: dict[str, float]) -> Fired | None:
+        return None
+
+    def on_checkpoint(self, step: int) -> Fired | None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, deque) else v for k, v in ((k, getattr(self, k)) for k in self.STATE)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reset()
+        for k in self.STATE:
+            if isinstance(getattr(self, k), deque):
+                getattr(self, k).extend(tuple(x) if isinstance(x, list) else x for x in state[k])
+            else:
+                setattr(self, k, state[k])
+
+
+def finite(metrics: dict[str, float], key: str) -> float | None:
+    value = metrics.get(key)
+    return float(value) if value is not None and math.isfinite(value) else None
+
+
+HEALTH_RULES: Registry[type[Rule]] = Registry("health rule")
+
+
+class MovingAverageRule(Rule):
+    """Moving average of ``metric`` over the last ``window`` steps it was reported (finite values only)."""
+
+    STATE = ("points",)
+
+    def reset(self) -> None:
+        self.points: deque[tuple[int, float]] = deque(maxlen=self.window)
+
+    def push(self, step: int, metrics: dict[str, float]) -> float | None:
+        """Add this step's value; the moving average once the window is full (None during warm-up)."""
+        value = finite(metrics, self.metric)
+        if value is None:
+            return None
+        self.points.append((step, value))
+        return sum(v for _, v in self.points) / len(self.points) if len(self.points) == self.window else None
+
+    def onset(self, limit: float, above: bool) -> int:
+        """First step in the window whose own value is beyond ``limit``: where the trouble started."""
+        return next(s for s, v in self.points if (v > limit if above else v < limit))
+
+
+class Limit(MovingAverageRule):
+    """Fires when the moving average is above (ceiling) or below (floor) ``threshold``."""
+
+    ABOVE: ClassVar[bool] = True
+    MEANING: ClassVar[str] = ""
+
+    def observe(self, step: int, metrics: dict[str, float]) -> Fired | None:
+        ma = self.push(step, metrics)
+        if ma is None or (ma <= self.threshold if self.ABOVE else ma >= self.threshold):
+            return None
+        where = "above the ceiling" if self.ABOVE else "below the floor"
+        return Fired(ma, self.threshold, f"{self.metric} averaged {ma:.4g} over the last {self.window} steps, {where} "
+                     f"{self.threshold:.4g}: {self.MEANING}", self.onset(self.threshold, self.ABOVE))
+
+    def check(self) -> None:
+        if self.threshold <= 0:
+            self.bad("threshold", "must be > 0 (these metrics are >= 0)")
+
+
+@HEALTH_RULES.register("kl_ceiling")
+class KlCeiling(Limit):
+    METRIC, WINDOW, THRESHOLD = "actor/kl", 5, 1.0
+    MEANING = "the policy has moved far from the reference model and may be forgetting what it knew"
+
+
+@HEALTH_RULES.register("mismatch_kl_ceiling")
+class MismatchKlCeiling(Limit):
+    METRIC, WINDOW, THRESHOLD = "off_policy/mismatch_kl", 5, 0.1
+    MEANING = ("the rollout fleet samples from a policy far from the one being trained "
+               "(stale or broken weight sync, or engine numerics), so updates are unreliable")
+
+
+@HEALTH_RULES.register("entropy_floor")
+class EntropyFloor(Limit):
+    METRIC, WINDOW, THRESHOLD, ABOVE = "actor/entropy", 10, 0.03, False
+    MEANING = "the policy has become nearly deterministic (entropy collapse) and stops exploring"
+
+
+@HEALTH_RULES.register("reward_floor")
+class RewardFloor(Limit):
+    METRIC, WINDOW, ABOVE = "reward/mean", 5, False
+    MEANING = "the policy has collapsed below the reward you set as unacceptable"
+
+    def check(self) -> None:
+        if self.threshold is None:
+            self.bad("threshold", "reward_floor needs the absolute reward floor, e.g. threshold: -5.0")
+
+
+@HEALTH_RULES.register("reward_drop")
+class RewardDrop(MovingAverageRule):
+    """Fires when the moving average falls more than ``threshold`` below its best since start / rollback."""
+
+    METRIC, WINDOW, THRESHOLD = "reward/mean", 20, 0.2
+    STATE = ("points", "best", "best_step")
+
+    def check(self) -> None:
+        if self.threshold <= 0:
+            self.bad("threshold", "the allowed drop must be > 0")
+
+    def reset(self) -> None:
+        super().reset()
+        self.best, self.best_step = -math.inf, -1
+
+    def observe(self, step: int, metrics: dict[str, float]) -> Fired | None:
+        ma = self.push(step, metrics)
+        if ma is None:
+            return None
+        if ma > self.best:
+            self.best, self.best_step = ma, step
+        limit = self.best - self.threshold
+        if ma >= limit:
+            return None
+        return Fired(ma, limit, f"{self.metric} averaged {ma:.4g} over the last {self.window} steps, "
+                     f"{self.best - ma:.4g} below its best {self.best:.4g} (step {self.best_step}), more than the "
+                     f"allowed drop {self.threshold:.4g}: the policy is getting worse (reward collapse)",
+                     self.onset(limit, above=False))
+
+
+@HEALTH_RULES.register("length_collapse")
+class LengthCollapse(Rule):
+    """Fires when the mean over the last ``window`` steps < ``threshold`` x the mean of the ``window`` before."""
+
+    METRIC, WINDOW, THRESHOLD = "response/length_mean", 20, 0.5
+    STATE = ("points",)
+
+    def check(self) -> None:
+        if not 0 < self.threshold < 1:
+            self.bad("threshold", "a fraction of the earlier mean length, in (0, 1), e.g. 0.5")
+
+    def reset(self) -> None:
+        self.points: deque[tuple[int, float]] = deque(maxlen=2 * self.window)
+
+    def observe(self, step: int, metrics: dict[str, float]) -> Fired | None:
+        value = finite(metrics, self.metric)
+        if value is None:
+            return None
+        self.points.append((step, value))
+        if len(self.points) < 2 * self.window:
+            return None
+        values = [v for _, v in self.points]
+        before, now = sum(values[: self.window]) / self.window, sum(values[self.window :]) / self.window
+        limit = self.threshold * before
+        if now >= limit:
+            return None
+        return Fired(now, limit, f"{self.metric} averaged {now:.4g} over the last {self.window} steps, under "
+                     f"{self.threshold:.3g} x the {before:.4g} of the {self.window} steps before: responses are "
+                     f"collapsing (empty or truncated answers, often with reward hacking)",
+                     next(s for s, v in list(self.points)[self.window :] if v < limit))
+
+
+@HEALTH_RULES.register("grad_spike")
+class GradSpike(Rule):
+    """Fires when the value > ``threshold`` x the median of the previous ``window`` (finite) values."""
+
+    METRIC, WINDOW, THRESHOLD = "actor/grad_norm", 20, 10.0
+    STATE = ("history",)
+
+    def check(self) -> None:
+        if self.threshold <= 1:
+            self.bad("threshold", "a factor k > 1 over the rolling median, e.g. 10")
+        if self.window < 3:
+            self.bad("window", "the rolling median needs >= 3 steps")
+
+    def reset(self) -> None:
+        self.history: deque[float] = deque(maxlen=self.window)
+
+    def observe(self, step: int, metrics: dict[str, float]) -> Fired | None:
+        value = finite(metrics, self.metric)
+        if value is None:
+            return None
+        median = statistics.median(self.history) if len(self.history) == self.window else 0.0
+        self.history.append(value)
+        limit = self.threshold * median
+        if median <= 0 or value <= limit:  # warm-up, or an all-zero history (no signal to compare with)
+            return None
+        return Fired(value, limit, f"{self.metric} = {value:.4g}, {value / median:.1f} x its median {median:.4g} over "
+                     f"the last {self.window} steps (limit {self.threshold:g} x): an unstable update that may "
+                     f"have damaged the weights", step)
+
+
+@HEALTH_RULES.register("non_finite")
+class NonFinite(Rule):
+    """Fires at once when any watched metric is NaN or infinite."""
+
+    METRICS = ("actor/loss", "actor/grad_norm", "actor/kl")
+
+    def check(self) -> None:
+        if self.spec.threshold is not None:
+            self.bad("threshold", "non_finite has no threshold; remove it")
+        if self.spec.window is not None:
+            self.bad("window", "non_finite fires on the step itself; remove the window")
+
+    def watches(self) -> tuple[str, ...]:
+        return (self.spec.metric,) if self.spec.metric else self.METRICS
+
+    def observe(self, step: int, metrics: dict[str, float]) -> Fired | None:
+        bad = [k for k in self.watches() if k in metrics and not math.isfinite(metrics[k])]
+        if not bad:
+            return None
+        shown = ", ".join(f"{k}={metrics[k]}" for k in bad)
+        return Fired(float(metrics[bad[0]]), math.nan, f"non-finite {shown}: the update overflowed or diverged and "
+                     "the weights after this step cannot be trusted", step, metric=bad[0])
+
+
+@HEALTH_RULES.register("reward_checkpoint_decline")
+class RewardCheckpointDecline(Rule):
+    """Checkpoint-level: the mean reward since the previous checkpoint fell at each of ``window`` checkpoints
+    in a row (strictly), by more than ``threshold`` in total."""
+
+    METRIC, WINDOW, THRESHOLD = "reward/mean", 5, 0.05
+    STATE = ("total", "count", "marks")
+    AT_CHECKPOINT = True
+
+    def check(self) -> None:
+        if self.window < 2:
+            self.bad("window", "a decline needs >= 2 checkpoints")
+        if self.threshold < 0:
+            self.bad("threshold", "the total decline must be >= 0")
+
+    def reset(self) -> None:
+        self.total, self.count = 0.0, 0
+        self.marks: deque[tuple[int, float]] = deque(maxlen=self.window)
+
+    def observe(self, step: int, metrics: dict[str, float]) -> Fired | None:
+        value = finite(metrics, self.metric)
+        if value is not None:
+            self.total, self.count = self.total + value, self.count + 1
+        return None
+
+    def on_checkpoint(self, step: int) -> Fired | None:
+        if not self.count:
+            return None
+        self.marks.append((step, self.total / self.count))
+        self.total, self.count = 0.0, 0
+        means = [m for _, m in self.marks]
+        limit = means[0] - self.threshold
+        if len(means) < self.window or any(b >= a for a, b in zip(means, means[1:])) or means[-1] >= limit:
+            return None
+        return Fired(means[-1], limit, f"{self.metric} fell at each of the last {self.window} checkpoints "
+                     f"({' > '.join(f'{m:.4g}' for m in means)}, steps {self.marks[0][0]}..{step}): a slow, steady "
+                     f"decline of the policy", self.marks[0][0] + 1)

@@ -1,0 +1,229 @@
+"""Offline DPO's data: preference pairs from ``data.preference`` as batches, and the held-out check.
+
+A job with ``algorithm.policy_loss: dpo`` and ``data.preference`` set needs no rollout fleet and no
+broker (``common.launch.needs_fleet``): the learner reads the pairs itself.
+
+- Files: .jsonl / .json / .parquet or a saved HF ``datasets`` directory, with the columns
+  ``data.prompt_key``, ``data.chosen_key`` and ``data.rejected_key``. A prompt is text (wrapped in
+  the tokenizer's chat template when ``data.apply_chat_template``) or a list of chat messages
+  (always templated); it is left-truncated to ``data.max_prompt_tokens`` exactly as the rollout
+  server encodes prompts. A response is text, or a list of chat messages whose last message is the
+  response (the HF "conversational" preference format); it gets the tokenizer's eos appended and is
+  cut at ``rollout.max_new_tokens`` tokens.
+- Batches: ``learner.groups_per_step`` pairs per step across all ranks (each rank its share), in a
+  per-epoch order shuffled with ``data.seed + epoch`` when ``data.shuffle``; after ``data.epochs``
+  passes the run ends. Each pair is a group of two (chosen: reward 1, rejected: reward 0), so the
+  learner's DPO step (learner/dpo.py) treats offline and online pairs alike. The cursor is saved in
+  checkpoints and restored on resume.
+- Held-out accuracy: the first ``run.eval_n`` pairs of ``data.preference_eval`` (``fleetrl
+  init-data --task arithmetic-preference`` writes one next to the training file), every
+  ``run.eval_interval`` steps on rank 0: ``dpo/heldout_accuracy`` is the share of pairs whose
+  implicit reward beta (log pi - log pi_ref) is higher for the chosen response, the metric DPO
+  optimises; ``dpo/heldout_policy_accuracy`` the share where the policy itself gives the chosen
+  response the higher log-likelihood; ``dpo/heldout_margin`` the mean implicit-reward margin.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from fleetrl.common import messages as m
+from fleetrl.common.schema import JobConfig
+from fleetrl.learner.batch import batch_from_groups
+from fleetrl.learner.source import Interrupted, Leased, share_of
+
+log = logging.getLogger(__name__)
+
+
+class PreferenceDataError(ValueError):
+    """The preference file cannot be read; the message names the file and the key to change."""
+
+
+def read_table(path: str, key: str) -> list[dict[str, Any]]:
+    """Rows of a .jsonl / .json / .parquet file or a saved HF ``datasets`` directory (``key`` names the setting)."""
+    p = Path(path)
+    if p.is_dir():
+        import datasets
+
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise PreferenceDataError(f"{key}={path!r} is a DatasetDict without a `train` split: {list(ds)}")
+            ds = ds["train"]
+        return [dict(row) for row in ds]
+    if not p.is_file():
+        raise PreferenceDataError(f"{key}={path!r} does not exist; create one (e.g. `fleetrl init-data --task "
+                                  "arithmetic-preference`) or fix the path")
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(p).to_pylist()
+    if p.suffix == ".json":
+        return json.loads(p.read_text())
+    rows = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise PreferenceDataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+    return rows
+
+
+def _response_text(value: Any) -> str:
+    """A response given as text, or as chat messages whose last one is the response."""
+    if isinstance(value, list):
+        return str(value[-1]["content"])
+    return str(value)
+
+
+def encode_pairs(rows: list[dict[str, Any]], tokenizer, cfg: JobConfig, source: str) -> list[tuple[list[int], ...]]:
+    """(prompt ids, chosen ids + eos, rejected ids + eos) per row."""
+    d = cfg.data
+    if not rows:
+        raise PreferenceDataError(f"{source}: no preference pairs")
+    missing = [k for k in (d.prompt_key, d.chosen_key, d.rejected_key) if k not in rows[0]]
+    if missing:
+        raise PreferenceDataError(f"{source}: rows have no {missing} column(s) (columns: {sorted(rows[0])}); "
+                                  "set data.prompt_key / data.chosen_key / data.rejected_key")
+    if d.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise PreferenceDataError("data.apply_chat_template is true but the tokenizer has no chat template; "
+                                  "set data.apply_chat_template=false")
+    limit = cfg.rollout.max_new_tokens
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    out = []
+    for row in rows:
+        prompt = row[d.prompt_key]
+        if d.apply_chat_template or not isinstance(prompt, str):
+            msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            prompt = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])[-d.max_prompt_tokens :]
+        encode = lambda v: (list(tokenizer(_response_text(v), add_special_tokens=False)["input_ids"]) + eos)[:limit]  # noqa: E731
+        out.append((ids, encode(row[d.chosen_key]), encode(row[d.rejected_key])))
+    return out
+
+
+def pair_group(i: int, pair: tuple[list[int], ...], tag: str) -> m.SampleGroup:
+    """One pair as a group of two responses: chosen (reward 1) then rejected (reward 0)."""
+    prompt, chosen, rejected = pair
+    responses = [(chosen, np.zeros(len(chosen))), (rejected, np.zeros(len(rejected)))]
+    return m.build_group(f"{tag}-{i}", str(i), 0, prompt, responses, [1.0, 0.0], ["stop", "stop"])
+
+
+def load_tokenizer(cfg: JobConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+
+
+class PreferenceSource:
+    """This rank's share of ``learner.groups_per_step`` pairs per step (same interface as BrokerBatchSource)."""
+
+    def __init__(self, cfg: JobConfig, rank: int, world: int):
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.pairs = encode_pairs(read_table(cfg.data.preference, "data.preference"), load_tokenizer(cfg), cfg,
+                                  cfg.data.preference)
+        self.per_step = cfg.learner.groups_per_step
+        self.offset = sum(share_of(self.per_step, r, world) for r in range(rank))
+        self.want = share_of(self.per_step, rank, world)
+        self.epoch, self.cursor = 0, 0  # global position: the same on every rank
+        self.order = self._order(0)
+        log.info("offline DPO: %d preference pairs from %s, %d per step", len(self.pairs), cfg.data.preference,
+                 self.per_step)
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.pairs)))
+        if self.cfg.data.shuffle:
+            random.Random(self.cfg.data.seed + epoch).shuffle(order)
+        return order
+
+    def _take(self, n: int) -> list[int]:
+        """The next ``n`` pair indices of the global order (into the next epoch when this one ends)."""
+        out = []
+        while len(out) < n:
+            if self.cursor >= len(self.order):
+                self.epoch, self.cursor = self.epoch + 1, 0
+                if self.epoch >= self.cfg.data.epochs:
+                    log.info("offline DPO: data.epochs=%d passes over %s done", self.cfg.data.epochs,
+                             self.cfg.data.preference)
+                    raise Interrupted()
+                self.order = self._order(self.epoch)
+            k = min(n - len(out), len(self.order) - self.cursor)
+            out.extend(self.order[self.cursor : self.cursor + k])
+            self.cursor += k
+        return out
+
+    def next(self, step: int, should_stop: Callable[[], bool] = lambda: False) -> Leased:
+        if should_stop():
+            raise Interrupted()
+        t0 = time.monotonic()
+        state = (self.epoch, self.cursor, self.order)
+        try:
+            ids = self._take(self.per_step)[self.offset : self.offset + self.want]
+        except Interrupted:
+            self.epoch, self.cursor, self.order = state
+            raise
+        groups = [pair_group(i, self.pairs[i], f"pref-e{self.epoch}") for i in ids]
+        return Leased(groups=groups, wait_s=time.monotonic() - t0)
+
+    def ack(self, leased: Leased, step: int) -> None:
+        """Nothing to acknowledge: the data is local."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state:
+            self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+            self.order = self._order(self.epoch)
+
+
+class PreferenceEvaluator:
+    """Held-out preference accuracy on rank 0 (module docstring); ``then`` adds another evaluator's metrics."""
+
+    def __init__(self, cfg: JobConfig, ref_model, device: torch.device, then: Callable | None = None):
+        self.cfg, self.ref, self.device, self.then = cfg, ref_model, device, then
+        rows = read_table(cfg.data.preference_eval, "data.preference_eval")[: cfg.run.eval_n]
+        pairs = encode_pairs(rows, load_tokenizer(cfg), cfg, cfg.data.preference_eval)
+        groups = [pair_group(i, p, "heldout") for i, p in enumerate(pairs)]
+        self.batch = batch_from_groups(groups)  # sample 2i chosen, 2i + 1 rejected
+        self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        self.ref_sum: torch.Tensor | None = None  # the reference never changes: computed once
+        if cfg.learner.zero_stage == 3 or cfg.learner.num_ranks > 1:
+            log.warning("held-out preference accuracy runs on rank 0 only and is skipped with ZeRO-3 or several ranks")
+            self.batch = None
+
+    def _sums(self, model) -> torch.Tensor:
+        from fleetrl.learner.dpo import sequence_logprobs
+
+        return sequence_logprobs(model, self.batch, self.temperature, self.device,
+                                 self.cfg.learner.max_tokens_per_microbatch, collective=False)
+
+    def __call__(self, module) -> dict[str, float]:
+        out = dict(self.then(module)) if self.then is not None else {}
+        if self.batch is None:
+            return out
+        t0 = time.perf_counter()
+        if self.ref_sum is None:
+            self.ref_sum = self._sums(self.ref)
+        module.eval()
+        try:
+            logp = self._sums(module)
+        finally:
+            module.train()
+        beta = self.cfg.algorithm.dpo.beta
+        reward = beta * (logp - self.ref_sum)
+        margin = reward[0::2] - reward[1::2]
+        out.update({"dpo/heldout_accuracy": float((margin > 0).float().mean()),
+                    "dpo/heldout_margin": float(margin.mean()),
+                    "dpo/heldout_policy_accuracy": float((logp[0::2] > logp[1::2]).float().mean()),
+                    "timing/preference_eval_s": time.perf_counter() - t0})
+        return out

@@ -1,0 +1,86 @@
+"""Metric sinks: what `make_sinks` builds from the telemetry section, and each optional sink with its
+library installed (skipped without it): TensorBoard event files, a wandb offline run, a Prometheus
+endpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import urllib.request
+
+import pytest
+
+from fleetrl.common.config import ConfigError, load_config
+from fleetrl.common.sinks import ConsoleSink, JsonlSink, make_sinks, prometheus_name
+from fleetrl.learner.monitor import Monitor
+from tests.conftest import free_port
+
+METRICS = {"reward/mean": 0.5, "actor/kl": 0.01, "broker/queue_depth": 3.0}
+
+
+def test_default_sinks_are_jsonl_and_console_on_rank_zero_only(tmp_path):
+    sinks = make_sinks(None, tmp_path, 0)
+    assert [type(s) for s in sinks] == [JsonlSink, ConsoleSink]
+    assert make_sinks(load_config(None, ["telemetry.tensorboard=true"]), tmp_path, 1) == []
+    monitor = Monitor(sinks)
+    monitor.log(1, {**METRICS, "actor/loss": math.nan})
+    monitor.close()
+    [row] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert row["step"] == 1 and row["reward/mean"] == 0.5 and row["actor/loss"] == "nan"
+
+
+def test_a_sink_without_its_library_fails_at_start_with_the_install_hint(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    cfg = load_config(None, ["telemetry.wandb_project=fleetrl-test"])
+    with pytest.raises(ConfigError, match=r"telemetry.wandb_project needs wandb .*fleetrl\[tracking\]"):
+        Monitor.for_run(tmp_path, 0, cfg=cfg)
+
+
+def test_tensorboard_sink_writes_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    monitor = Monitor.for_run(tmp_path, 0, cfg=load_config(None, ["telemetry.tensorboard=true"]))
+    monitor.log(1, METRICS)
+    monitor.log(2, {"reward/mean": 0.75})
+    monitor.close()
+    [events] = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
+    events = LegacyEventFileLoader(str(events)).Load()
+    scalars = [(e.step, v.tag, v.simple_value) for e in events for v in e.summary.value]
+    assert (1, "reward/mean", 0.5) in scalars and (2, "reward/mean", 0.75) in scalars
+    assert {tag for _, tag, _ in scalars} == set(METRICS)
+
+
+def test_wandb_sink_writes_an_offline_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
+    cfg = load_config(None, ["telemetry.wandb_project=fleetrl-test", "telemetry.wandb_mode=offline"])
+    monitor = Monitor.for_run(tmp_path, 0, cfg=cfg)
+    for step in (1, 2):
+        monitor.log(step, METRICS)
+    monitor.close()
+    [run] = (tmp_path / "wandb").glob("offline-run-*")
+    assert list(run.glob("run-*.wandb")), sorted(p.name for p in run.iterdir())
+
+
+def test_prometheus_sink_serves_the_latest_metrics_over_http(tmp_path):
+    pytest.importorskip("opentelemetry.exporter.prometheus")
+    pytest.importorskip("prometheus_client")
+    port = free_port()
+    monitor = Monitor.for_run(tmp_path, 0, cfg=load_config(None, [f"telemetry.prometheus_port={port}"]))
+    try:
+        monitor.log(1, METRICS)
+        monitor.log(2, {**METRICS, "reward/mean": 0.25, "actor/loss": math.inf})
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        monitor.close()
+    values = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(fleetrl_\w+)(?:\{[^}]*\})? (\S+)$", body, re.M)}
+    assert values[prometheus_name("reward/mean")] == 0.25 and values["fleetrl_step"] == 2.0
+    assert values["fleetrl_broker_queue_depth"] == 3.0 and "fleetrl_actor_loss" not in values  # inf is skipped
+    with pytest.raises(OSError):  # closed: the port is free again and nothing answers
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)

@@ -1,0 +1,24 @@
+"""The short chaos run: SIGKILL a rollout server, the broker and the learner mid-run; nothing
+acknowledged is lost or trained twice, versions never go backwards, the run finishes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_short_chaos_run_loses_and_duplicates_nothing(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from chaos import run_chaos
+    finally:
+        sys.path.pop(0)
+    report = run_chaos(tmp_path, steps=16, kills=[("rollout-0", 4), ("broker", 8), ("learner", 12)], timeout_s=600)
+    assert report["exit_code"] == 0, report
+    assert report["kills_survived"] == 3, report["kills"]
+    assert report["acknowledged"] > 0 and report["trained"] >= 16 * 4
+    assert report["lost"] == 0 and report["duplicated"] == 0
+    assert report["versions_monotonic"] and report["reached_final_step"]
+    assert {e["child"] for e in report["restarts"]} == {"rollout-0", "broker", "learner"}

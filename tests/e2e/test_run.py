@@ -1,0 +1,61 @@
+"""`fleetrl run` end to end: real broker, rollout and learner processes on the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import psutil
+
+from tests.e2e.conftest import RunProcess, job_args, read_jsonl, wait_for
+
+
+def test_run_trains_publishes_and_checkpoints(tmp_path, tiny_model_dir, arith_data, empty_config):
+    run_dir = tmp_path / "run"
+    run = RunProcess(run_dir, empty_config, job_args(tiny_model_dir, arith_data))
+    try:
+        code = run.wait()
+        out = run.output()
+        assert code == 0, out
+    finally:
+        run.stop()
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["policy/version"] == 3 and all(r["batch/samples"] == 16 for r in rows)
+    rollout = read_jsonl(run_dir / "rollout-0.metrics.jsonl")
+    assert max(r["rollout/policy_version"] for r in rollout) >= 1, "the rollout server never loaded new weights"
+    assert (run_dir / "config.yaml").exists() and (run_dir / "logs" / "learner.log").exists()
+    checkpoints = sorted((run_dir / "checkpoints").glob("step-*/meta.json"))
+    assert [p.parent.name for p in checkpoints] == ["step-00000002", "step-00000003"]
+    assert (checkpoints[-1].parent / "hf" / "model.safetensors").exists()
+    assert "samples/s" in out and "done" in out
+
+
+def test_sigint_stops_everything_with_a_checkpoint(tmp_path, tiny_model_dir, arith_data, empty_config):
+    run_dir = tmp_path / "run"
+    run = RunProcess(run_dir, empty_config, job_args(tiny_model_dir, arith_data, "learner.total_steps=100000",
+                                                     "checkpoint.interval=0"))
+    try:
+        wait_for(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 2, 300, "two learner steps")
+        children = run.child_pids()
+        assert len(children) >= 3
+        run.proc.send_signal(2)  # SIGINT, as Ctrl-C
+        assert run.wait(180) == 130
+    finally:
+        run.stop()
+    assert not [pid for pid in children if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    last = sorted((run_dir / "checkpoints").glob("step-*/meta.json"))
+    assert last, "no final checkpoint on Ctrl-C"
+    assert json.loads(last[-1].read_text())["step"] >= 2
+
+
+def test_a_child_failing_at_start_is_named(tmp_path, tiny_model_dir, arith_data, empty_config):
+    run_dir = tmp_path / "run"
+    run = RunProcess(run_dir, empty_config, job_args(tiny_model_dir, arith_data, "rollout.engine=vllm"))
+    try:
+        code = run.wait(300)
+        out = run.output()
+    finally:
+        run.stop()
+    assert code != 0
+    assert "rollout-0" in out and ("vllm" in out.lower())
+    assert not run.child_pids()
