@@ -15,9 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import random
-import socket
 import threading
 import time
 from typing import Any, Awaitable, Callable, TypeVar
@@ -48,32 +46,6 @@ class BrokerError(RuntimeError):
     def __init__(self, code: str, reason: str):
         super().__init__(f"{code}: {reason}")
         self.code, self.reason = code, reason
-
-
-def resolve_address(cfg_broker, run_dir: str | os.PathLike | None = None, override: str | None = None) -> str:
-    """Where to reach the broker: ``override`` (--broker), else ``broker.address``, else the address in
-    ``<run dir>/broker.json`` (the broker writes it with the port it bound), else
-    ``tcp://{broker.host}:{broker.port}``."""
-    if override:
-        return override
-    if cfg_broker.address:
-        return cfg_broker.address
-    endpoint = os.path.join(run_dir, "broker.json") if run_dir is not None else None
-    if endpoint is not None and os.path.isfile(endpoint):
-        import json
-
-        with open(endpoint) as f:
-            return json.load(f)["address"].replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
-    if cfg_broker.port == 0:
-        from fleetrl.common.config import ConfigError
-
-        raise ConfigError("broker.port is 0 (the broker picks a free port), so its address cannot be derived; "
-                          "pass --broker ADDR, set broker.address, or --run-dir of the broker (its broker.json)")
-    return f"tcp://{cfg_broker.host}:{cfg_broker.port}"
-
-
-def default_client_id(role: str, index: int = 0) -> str:
-    return f"{role}-{index}-{socket.gethostname()}-{os.getpid()}"
 
 
 class AsyncBrokerClient:
@@ -414,46 +386,3 @@ class Subscription:
         while (ann := self.next(0)) is not None:
             out.append(ann)
         return out
-
-
-def status_metrics(status: m.Status) -> dict[str, float]:
-    """The broker's status as namespaced metrics for the monitor (``broker/...``)."""
-    hist = {int(k): v for k, v in status.staleness_hist.items()}
-    handed = sum(hist.values())
-    return {
-        "broker/queue_depth": status.queue_depth,
-        "broker/groups_in_flight": status.groups_in_flight,
-        "broker/prompts_leased": status.prompts_leased,
-        "broker/groups_in_per_s": status.groups_in_per_s,
-        "broker/groups_out_per_s": status.groups_out_per_s,
-        "broker/groups_in": status.groups_in,
-        "broker/dropped_stale": status.dropped_stale,
-        "broker/duplicates": status.duplicates,
-        "broker/rejected": sum(status.rejected.values()),
-        "broker/throttled": status.throttled,
-        "broker/staleness_mean": sum(k * v for k, v in hist.items()) / handed if handed else 0.0,
-        "broker/staleness_max": max(hist) if hist else 0,
-        "broker/clients_alive": sum(c.alive for c in status.clients),
-        "broker/uncommitted": status.uncommitted,
-        "broker/policy_version": status.policy_version,
-        **fleet_metrics(status),
-    }
-
-
-def fleet_metrics(status: m.Status) -> dict[str, float]:
-    """Aggregates of the rollout servers' heartbeat stats (``fleet/...``); per-server series are in
-    each server's ``rollout-<i>.metrics.jsonl``."""
-    stats = [c.stats for c in status.clients if c.role == "rollout" and c.alive]
-    total = lambda key: float(sum(s.get(key, 0.0) for s in stats))  # noqa: E731
-    return {
-        "fleet/servers": float(len(stats)),
-        "fleet/tokens_per_s": total("rollout/tokens_per_s"),
-        "fleet/reward_mean": total("reward/mean") / len(stats) if stats else 0.0,
-        "fleet/groups_pushed": total("rollout/groups_pushed"),
-        "fleet/groups_dropped": total("rollout/groups_dropped"),
-        "fleet/throttles": total("rollout/throttles"),
-        "fleet/paused": total("rollout/paused"),
-        "fleet/version_lag_max": max((status.policy_version - s.get("rollout/policy_version", 0.0) for s in stats),
-                                     default=0.0),
-        "fleet/weights_load_s_max": float(max((s.get("weights/load_s", 0.0) for s in stats), default=0.0)),
-    }

@@ -8,7 +8,9 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from fleetrl.broker.client import BrokerClient, BrokerUnavailable, default_client_id, status_metrics
+from fleetrl.broker.address import default_client_id
+from fleetrl.broker.client import BrokerClient, BrokerUnavailable
+from fleetrl.broker.metrics import status_metrics
 from fleetrl.common import messages as m
 from fleetrl.common.config import load_config
 

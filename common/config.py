@@ -20,7 +20,8 @@ from typing import Any, Literal, Union
 import msgspec
 import yaml
 
-from fleetrl.common.schema import JobConfig, Section
+from fleetrl.common.schema import JobConfig
+from fleetrl.common.schema_base import Section
 
 __all__ = [
     "ConfigError",

@@ -15,8 +15,6 @@ import json
 import logging
 import os
 import random
-import signal
-import socket
 import time
 from pathlib import Path
 from typing import Callable
@@ -25,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
-from fleetrl.broker.client import BrokerClient, resolve_address, status_metrics
+from fleetrl.broker.metrics import status_metrics
 from fleetrl.common import telemetry
 from fleetrl.common.config import load_config, save_resolved
 from fleetrl.common.launch import needs_fleet
@@ -36,6 +34,8 @@ from fleetrl.learner.batch import batch_from_groups
 from fleetrl.learner.checkpoint import Checkpointer, export_hf, rng_state, set_rng_state, tag_of
 from fleetrl.learner.critic import Critic
 from fleetrl.learner.dpo import DpoActor
+from fleetrl.learner.evaluate import Evaluator
+from fleetrl.learner.lifecycle import GracefulStop, connect_broker, write_ready
 from fleetrl.learner.lora import AdapterFreeReference, apply_lora, export_merged, lora_param_specs, merged_params
 from fleetrl.learner.monitor import Monitor
 from fleetrl.learner.preference import PreferenceEvaluator, PreferenceSource
@@ -53,29 +53,6 @@ from fleetrl.learner.runtime import (
 from fleetrl.learner.source import BrokerBatchSource, Interrupted
 
 log = logging.getLogger("fleetrl.learner")
-
-
-class GracefulStop:
-    """SIGTERM / SIGINT ask the loop to finish its step, checkpoint and exit 0."""
-
-    def __init__(self):
-        self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if not self.requested:
-            log.info("received %s: finishing this step, then checkpointing", signal.Signals(signum).name)
-        self.requested = True
-
-    def agreed(self, device: torch.device, also: bool = False) -> bool:
-        """Stop only when every rank stops at the same step (collectives must match)."""
-        local = self.requested or also
-        if not tdist.is_initialized() or tdist.get_world_size() == 1:
-            return local
-        flag = torch.tensor([int(local)], device=device)
-        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
-        return bool(flag.item())
 
 
 class Learner:
@@ -319,32 +296,6 @@ class JsonlLog:
         self.file.close()
 
 
-class Evaluator:
-    """Greedy accuracy of the training model on the first run.eval_n rows of data.eval (rank 0)."""
-
-    def __init__(self, cfg: JobConfig):
-        from transformers import AutoTokenizer
-
-        from fleetrl.learner.sft import read_rows
-
-        self.rows = read_rows(cfg.data.eval)[: cfg.run.eval_n]
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
-        self.max_new_tokens = cfg.rollout.max_new_tokens
-        if cfg.learner.zero_stage == 3 or cfg.learner.num_ranks > 1:
-            log.warning("periodic evaluation runs on rank 0 only and is skipped with ZeRO-3 or several ranks; "
-                        "use `fleetrl eval` on a checkpoint's hf/ export instead")
-            self.rows = []
-
-    def __call__(self, module) -> dict[str, float]:
-        if not self.rows:
-            return {}
-        from fleetrl.learner.sft import greedy_accuracy
-
-        t0 = time.perf_counter()
-        acc = greedy_accuracy(module, self.tokenizer, self.rows, self.max_new_tokens)
-        return {"eval/accuracy": acc, "timing/eval_s": time.perf_counter() - t0}
-
-
 def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None) -> int:
     """Run one learner rank until learner.total_steps (or a stop signal). Returns the exit code."""
     dist = init_distributed(cfg)
@@ -359,7 +310,7 @@ def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None)
         path = learner.ckpt.resolve(resume or cfg.checkpoint.resume)
         if path is not None:
             learner.resume(path)
-        write_ready(run_dir, dist, learner)
+        write_ready(run_dir, dist, learner.step)
         if learner.evaluator is not None and learner.step == 0:
             learner.monitor.log(0, learner.evaluator(learner.module))  # the starting point of the curve
         deadline = time.monotonic() + 60 * cfg.learner.max_minutes if cfg.learner.max_minutes else float("inf")
@@ -387,20 +338,6 @@ def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None)
         learner.close()
         if own_client:
             client.close()
-
-
-def connect_broker(cfg: JobConfig, run_dir: Path, rank: int) -> BrokerClient:
-    """A registered client with a stable id per rank (the broker keys commits by it)."""
-    client = BrokerClient(resolve_address(cfg.broker, run_dir), f"learner-{rank}", "learner", rank,
-                          timeout_s=cfg.broker.request_timeout_s, curve=cfg.broker.curve,
-                          info={"host": socket.gethostname(), "pid": str(os.getpid())})
-    client.connect()
-    return client
-
-
-def write_ready(run_dir: Path, dist: Dist, learner: Learner) -> None:
-    if dist.is_main:
-        (Path(run_dir) / "learner.ready").write_text(f'{{"pid": {os.getpid()}, "step": {learner.step}}}')
 
 
 def main(args) -> int:

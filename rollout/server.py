@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fleetrl.broker.client import BrokerClient, BrokerError, BrokerUnavailable, default_client_id, resolve_address
+from fleetrl.broker.address import default_client_id, resolve_address
+from fleetrl.broker.client import BrokerClient, BrokerError, BrokerUnavailable
 from fleetrl.common import messages as m
 from fleetrl.common import telemetry
 from fleetrl.common.config import load_config
@@ -279,7 +280,7 @@ class RolloutServer:
 
 
 def broker_address(cfg: JobConfig, cli_address: str | None, run_dir: str | Path | None) -> str:
-    """See :func:`fleetrl.broker.client.resolve_address` (--broker > broker.address > broker.json > host:port)."""
+    """See :func:`fleetrl.broker.address.resolve_address` (--broker > broker.address > broker.json > host:port)."""
     return resolve_address(cfg.broker, run_dir, cli_address)
 
 

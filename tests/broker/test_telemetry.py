@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleetrl.broker.client import status_metrics
+from fleetrl.broker.metrics import status_metrics
 from fleetrl.broker.server import trace_batch_lease, trace_ingest
 from fleetrl.common import messages as m
 from fleetrl.common import telemetry

@@ -1,0 +1,63 @@
+"""A learner rank's life around the training loop: joining the broker, reporting ready, stopping cleanly.
+
+``connect_broker`` registers the rank under a stable client id (the broker keys commits and rewinds by
+it); ``write_ready`` tells `fleetrl run` that rank 0 is up; ``GracefulStop`` turns SIGTERM / SIGINT
+into a request to finish the current step, checkpoint and exit 0, agreed by every rank so that their
+collectives stay matched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+
+from fleetrl.broker.address import resolve_address
+from fleetrl.broker.client import BrokerClient
+from fleetrl.common.schema import JobConfig
+from fleetrl.learner.runtime import Dist
+
+log = logging.getLogger("fleetrl.learner")
+
+
+class GracefulStop:
+    """SIGTERM / SIGINT ask the loop to finish its step, checkpoint and exit 0."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if not self.requested:
+            log.info("received %s: finishing this step, then checkpointing", signal.Signals(signum).name)
+        self.requested = True
+
+    def agreed(self, device: torch.device, also: bool = False) -> bool:
+        """Stop only when every rank stops at the same step (collectives must match)."""
+        local = self.requested or also
+        if not tdist.is_initialized() or tdist.get_world_size() == 1:
+            return local
+        flag = torch.tensor([int(local)], device=device)
+        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def connect_broker(cfg: JobConfig, run_dir: Path, rank: int) -> BrokerClient:
+    """A registered client with a stable id per rank (the broker keys commits by it)."""
+    client = BrokerClient(resolve_address(cfg.broker, run_dir), f"learner-{rank}", "learner", rank,
+                          timeout_s=cfg.broker.request_timeout_s, curve=cfg.broker.curve,
+                          info={"host": socket.gethostname(), "pid": str(os.getpid())})
+    client.connect()
+    return client
+
+
+def write_ready(run_dir: Path, dist: Dist, step: int) -> None:
+    """Rank 0 writes ``<run dir>/learner.ready`` (pid and the step it starts from) for `fleetrl run`."""
+    if dist.is_main:
+        (Path(run_dir) / "learner.ready").write_text(f'{{"pid": {os.getpid()}, "step": {step}}}')
