@@ -8,55 +8,14 @@ that is served before new prompts — so no prompt is lost.
 
 from __future__ import annotations
 
-import json
 import random
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fleetrl.common.messages import Prompt
-
-
-class DataError(ValueError):
-    """The prompt set cannot be read; the message names the file and the key to change."""
-
-
-def load_rows(path: str) -> list[dict[str, Any]]:
-    """Rows of a .jsonl / .json / .parquet file or a saved HF ``datasets`` directory."""
-    p = Path(path)
-    if p.is_dir():
-        try:
-            import datasets  # heavy: only for dataset directories
-        except ImportError as e:  # pragma: no cover - datasets is a dependency
-            raise DataError(f"data.train={path!r} is a directory but `datasets` is not installed") from e
-        ds = datasets.load_from_disk(str(p))
-        if isinstance(ds, datasets.DatasetDict):
-            if "train" not in ds:
-                raise DataError(f"data.train={path!r} is a DatasetDict without a `train` split: {list(ds)}")
-            ds = ds["train"]
-        return [dict(row) for row in ds]
-    if not p.is_file():
-        raise DataError(f"data.train={path!r} does not exist; create it (e.g. `fleetrl init-data`) or fix the path")
-    if p.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(p).to_pylist()
-    if p.suffix == ".json":
-        rows = json.loads(p.read_text())
-        if not isinstance(rows, list):
-            raise DataError(f"{path}: a .json prompt set must hold a list of objects")
-        return rows
-    rows = []
-    with p.open() as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{n}: not valid JSON ({e.msg}); every line must be one JSON object") from None
-    return rows
+from fleetrl.common.tables import DataError
 
 
 def rows_to_prompts(rows: list[dict[str, Any]], prompt_key: str, answer_key: str, source: str) -> list[Prompt]:

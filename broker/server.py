@@ -21,7 +21,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from fleetrl.broker.prompts import PromptSource, load_rows, rows_to_prompts
+from fleetrl.broker.prompts import PromptSource, rows_to_prompts
 from fleetrl.broker.spool import Spool
 from fleetrl.broker.state import BrokerState
 from fleetrl.broker.zio import LoopSocket
@@ -30,6 +30,7 @@ from fleetrl.common import telemetry
 from fleetrl.common.config import ConfigError, load_config, save_resolved
 from fleetrl.common.log import setup_logging
 from fleetrl.common.schema import JobConfig
+from fleetrl.common.tables import load_rows
 
 log = logging.getLogger("fleetrl.broker")
 

@@ -142,7 +142,8 @@ class Actor:
         out["timing/forward_s"] = t_fwd - t0
         out["timing/update_s"] = time.perf_counter() - t_fwd
         if self.kl_fn is not None:
-            self.kl_ctl.update(out.get("actor/kl", 0.0), batch.size)
+            if "actor/kl" in out:  # critic warm-up steps leave the policy (and its KL) alone
+                self.kl_ctl.update(out["actor/kl"], batch.size)
             out["actor/kl_coef"] = self.kl_ctl.value
         return out
 

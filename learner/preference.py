@@ -25,11 +25,9 @@ broker (``common.launch.needs_fleet``): the learner reads the pairs itself.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -37,45 +35,15 @@ import torch
 
 from fleetrl.common import messages as m
 from fleetrl.common.schema import JobConfig
+from fleetrl.common.tables import DataError, load_rows
 from fleetrl.learner.batch import batch_from_groups
 from fleetrl.learner.source import Interrupted, Leased, share_of
 
 log = logging.getLogger(__name__)
 
 
-class PreferenceDataError(ValueError):
+class PreferenceDataError(DataError):
     """The preference file cannot be read; the message names the file and the key to change."""
-
-
-def read_table(path: str, key: str) -> list[dict[str, Any]]:
-    """Rows of a .jsonl / .json / .parquet file or a saved HF ``datasets`` directory (``key`` names the setting)."""
-    p = Path(path)
-    if p.is_dir():
-        import datasets
-
-        ds = datasets.load_from_disk(str(p))
-        if isinstance(ds, datasets.DatasetDict):
-            if "train" not in ds:
-                raise PreferenceDataError(f"{key}={path!r} is a DatasetDict without a `train` split: {list(ds)}")
-            ds = ds["train"]
-        return [dict(row) for row in ds]
-    if not p.is_file():
-        raise PreferenceDataError(f"{key}={path!r} does not exist; create one (e.g. `fleetrl init-data --task "
-                                  "arithmetic-preference`) or fix the path")
-    if p.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(p).to_pylist()
-    if p.suffix == ".json":
-        return json.loads(p.read_text())
-    rows = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise PreferenceDataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-    return rows
 
 
 def _response_text(value: Any) -> str:
@@ -129,7 +97,7 @@ class PreferenceSource:
 
     def __init__(self, cfg: JobConfig, rank: int, world: int):
         self.cfg, self.rank, self.world = cfg, rank, world
-        self.pairs = encode_pairs(read_table(cfg.data.preference, "data.preference"), load_tokenizer(cfg), cfg,
+        self.pairs = encode_pairs(load_rows(cfg.data.preference, "data.preference"), load_tokenizer(cfg), cfg,
                                   cfg.data.preference)
         self.per_step = cfg.learner.groups_per_step
         self.offset = sum(share_of(self.per_step, r, world) for r in range(rank))
@@ -191,7 +159,7 @@ class PreferenceEvaluator:
 
     def __init__(self, cfg: JobConfig, ref_model, device: torch.device, then: Callable | None = None):
         self.cfg, self.ref, self.device, self.then = cfg, ref_model, device, then
-        rows = read_table(cfg.data.preference_eval, "data.preference_eval")[: cfg.run.eval_n]
+        rows = load_rows(cfg.data.preference_eval, "data.preference_eval")[: cfg.run.eval_n]
         pairs = encode_pairs(rows, load_tokenizer(cfg), cfg, cfg.data.preference_eval)
         groups = [pair_group(i, p, "heldout") for i, p in enumerate(pairs)]
         self.batch = batch_from_groups(groups)  # sample 2i chosen, 2i + 1 rejected

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 from fleetrl.common.config import load_config
 from fleetrl.common.log import setup_logging
 from fleetrl.common.schema import JobConfig, ModelConfig, RewardSpec
+from fleetrl.common.tables import load_rows
 from fleetrl.rollout.engines import SamplingParams, create_engine
 from fleetrl.rollout.loop import check_chat_template, encode_prompt
 from fleetrl.rollout.rewards import RewardInput, RewardScorer
@@ -46,20 +47,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-def load_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a .jsonl, .json (a list of objects) or .parquet file."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"eval data {str(p)!r} does not exist (e.g. `fleetrl init-data` writes data/arith.eval.jsonl)")
-    if p.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(p).to_pylist()
-    if p.suffix == ".json":
-        return list(json.loads(p.read_text()))
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
 def evaluate(model_dir: str, rows: Sequence[dict[str, Any]], *, cfg: JobConfig | None = None, n: int | None = None,
@@ -189,7 +176,7 @@ def main(args) -> int:
         return 2
     try:
         metrics, records = evaluate_detailed(
-            model_dir, load_rows(data), cfg=cfg, n=args.n, k=args.k, samples=args.samples,
+            model_dir, load_rows(data, "--data"), cfg=cfg, n=args.n, k=args.k, samples=args.samples,
             temperature=args.temperature, max_new_tokens=args.max_new_tokens, reward=args.reward,
             success=args.success, device=args.device, seed=args.seed, batch_size=args.batch_size)
     except ValueError as e:  # bad data path, rows or k/samples: say what to change, no traceback
