@@ -211,8 +211,10 @@ class BrokerServer:
             self.state.expire(now)
             replies = self._serve_waiting(now, deadline_only=False) if self.waiting else []
             spool = self.state.spool
-            if spool is not None and spool.needs_compaction():
-                spool.compact(self.state.snapshot())
+            if spool is not None:
+                spool.sync_if_due()
+                if spool.needs_compaction():
+                    spool.compact(self.state.snapshot())
             self._send(replies)
 
     def stop(self) -> None:

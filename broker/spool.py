@@ -1,15 +1,15 @@
 """Append-only on-disk log of the broker's durable state.
 
 Every accepted group, every lease of prompts (with the data cursor after it), every acknowledgement,
-commit and rewind of a learner, and every published version is one record. Records are msgspec
+commit and rewind of a learner, every published version and every range of versions a rollback discarded is one record. Records are msgspec
 frames behind an 8-byte header ``<u32 length><u32 crc32>``; a torn record at the tail (SIGKILL during
 a write) fails its CRC and is cut off on replay. Records are written with ``write()`` before the
 broker replies, so a killed *process* loses nothing it acknowledged; ``fsync`` (never / interval /
 always) decides what survives a killed *machine*.
 
 Compaction: when the active segment grows past ``segment_bytes`` a new segment is started with a
-snapshot of the live state (queued and uncommitted groups, open prompts, cursor, version, recent
-group ids), and every older segment is deleted.
+snapshot of the live state (queued and uncommitted groups, open prompts, cursor, version, discarded
+versions, recent group ids), and every older segment is deleted.
 """
 
 from __future__ import annotations
@@ -82,7 +82,13 @@ class SeenIds(Record, tag=9):
     group_ids: list[str]
 
 
-AnyRecord = Union[GroupAccepted, GroupsDone, GroupsAcked, Committed, Rewound, PromptsLeased, PromptsRequeued, VersionSet, SeenIds]
+class VersionsDiscarded(Record, tag=10):  # a learner rolled these versions back (max_version -1: no end)
+    min_version: int
+    max_version: int = -1
+
+
+AnyRecord = Union[GroupAccepted, GroupsDone, GroupsAcked, Committed, Rewound, PromptsLeased, PromptsRequeued, VersionSet,
+                  SeenIds, VersionsDiscarded]
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyRecord)
 
@@ -98,6 +104,7 @@ class Recovered:
     epoch: int = 0
     pos: int = 0
     version: VersionSet | None = None
+    discarded: list[tuple[int, int]] = field(default_factory=list)  # version ranges; -1: no upper end
     records: int = 0
     truncated_bytes: int = 0
 
@@ -134,6 +141,8 @@ def _apply(state: Recovered, rec: Record) -> None:
     elif isinstance(rec, SeenIds):
         for gid in rec.group_ids:
             state.seen[gid] = None
+    elif isinstance(rec, VersionsDiscarded):
+        state.discarded.append((rec.min_version, rec.max_version))
     while len(state.seen) > 4 * SEEN_WINDOW:
         state.seen.popitem(last=False)
 
@@ -172,6 +181,7 @@ class Spool:
         self._index = 0
         self._dirty = False
         self._last_fsync = time.monotonic()
+        self._unsynced = False  # flushed to the OS but not fsynced yet
         self.bytes_written = 0
 
     def _segments(self) -> list[Path]:
@@ -219,13 +229,22 @@ class Spool:
         if not self._dirty:
             return
         self._file.flush()
-        self._dirty = False
+        self._dirty, self._unsynced = False, True
+        if self.fsync_policy == "always":
+            self._fsync(time.monotonic())
+        else:
+            self.sync_if_due()
+
+    def sync_if_due(self) -> None:
+        """With ``fsync: interval``, fsync what was flushed once ``fsync_interval_s`` has passed since the last
+        fsync; the broker also calls this on its timer, so the last records of a burst do not wait for more."""
         now = time.monotonic()
-        if self.fsync_policy == "always" or (
-            self.fsync_policy == "interval" and now - self._last_fsync >= self.fsync_interval_s
-        ):
-            os.fsync(self._file.fileno())
-            self._last_fsync = now
+        if self.fsync_policy == "interval" and self._unsynced and now - self._last_fsync >= self.fsync_interval_s:
+            self._fsync(now)
+
+    def _fsync(self, now: float) -> None:
+        os.fsync(self._file.fileno())
+        self._last_fsync, self._unsynced = now, False
 
     def needs_compaction(self) -> bool:
         return self._file is not None and self._file.tell() >= self.segment_bytes
@@ -238,7 +257,7 @@ class Spool:
         for rec in snapshot:
             self.append(rec)
         self._file.flush()
-        os.fsync(self._file.fileno())
+        self._fsync(time.monotonic())
         self._dirty = False
         for path in old:
             path.unlink(missing_ok=True)

@@ -115,6 +115,7 @@ class BrokerState(BatchLeasing):
             self.prompts.requeue(p)
         if rec.version is not None:
             self.version, self.version_step, self.weights = rec.version.version, rec.version.step, rec.version.weights
+        self.discarded_versions = [(lo, float("inf") if hi < 0 else hi) for lo, hi in rec.discarded]
         if rec.records:
             log.info("recovered from the spool: %d records, %d queued groups, %d uncommitted, %d open prompts, version %d",
                      rec.records, len(self.queue), len(acked), len(rec.open_prompts), self.version)
@@ -130,6 +131,7 @@ class BrokerState(BatchLeasing):
             for step, gid in entries:
                 recs.append(sp.GroupsAcked(client, step, [gid]))
         recs.append(sp.SeenIds(list(self.seen)[-sp.SEEN_WINDOW:]))
+        recs.extend(sp.VersionsDiscarded(lo, -1 if hi == float("inf") else int(hi)) for lo, hi in self.discarded_versions)
         return recs
 
     # --------------------------------------------------------------- helpers
@@ -181,7 +183,7 @@ class BrokerState(BatchLeasing):
 
     def load(self) -> int:
         """Groups queued, being generated, or being trained: what admission control bounds."""
-        return len(self.queue) + self.prompts.leased + self.in_flight
+        return len(self.queued) + self.prompts.leased + self.in_flight  # `queue` keeps removed ids until popped
 
     # ------------------------------------------------------------- dispatch
     def handle(self, req: m.Message, now: float) -> m.Message | None:
@@ -312,6 +314,7 @@ class BrokerState(BatchLeasing):
             doomed = [gid for gid in self.queue if gid in self.queued and req.min_version <= self.groups[gid].policy_version <= hi]
             self._drop(doomed, "discarded", requeue_prompts=True)
             self.discarded_versions.append((req.min_version, hi))  # late arrivals from these versions too
+            self._log(sp.VersionsDiscarded(req.min_version, req.max_version))  # ... even after a restart
             count = len(doomed)
         self.announcements.append((m.TOPIC_CONTROL, m.ControlAnnouncement(
             action=req.action, reason=req.reason, min_version=req.min_version, max_version=req.max_version)))

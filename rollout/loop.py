@@ -281,8 +281,12 @@ class Finisher:
             self.leases.close(batch.lease.lease_id, dropped)
             self.stats.add(groups_dropped=len(dropped), prompts_returned=len(dropped))
         t0 = time.monotonic()
-        counts = self.push(groups) if groups else {}
+        refused: list[str] = []
+        counts = self.push(groups, refused) if groups else {}
         push_s = time.monotonic() - t0
+        if refused:  # regenerate them now rather than when the lease expires
+            self.client.return_prompts(batch.lease.lease_id, refused)
+            self.stats.add(prompts_returned=len(refused))
         if batch.trace is not None:
             batch.trace.record("reward", batch.submitted, batch.rewards_done or t0)
             batch.trace.record("push", t0, t0 + push_s, groups=len(groups), **counts)
@@ -290,17 +294,24 @@ class Finisher:
         self.stats.add(batches=1, tokens=batch.num_tokens, **counts)
         self.metrics.write(self.record(batch, results, push_s))
 
-    def push(self, groups: list[m.SampleGroup]) -> dict[str, int]:
-        """Push in one frame (retried until acked); counts by outcome. Unpushable groups are logged."""
+    def push(self, groups: list[m.SampleGroup], refused: list[str]) -> dict[str, int]:
+        """Push in one frame (retried until acked); counts by outcome. Refused groups are logged and their
+        prompt ids appended to ``refused``.
+
+        The broker refuses a whole frame that is too large or holds a group it cannot decode; the groups
+        then go one a frame, so that one bad group costs only itself.
+        """
         try:
             acks = self.client.push_groups(groups, deadline_s=self.push_deadline_s)
         except BrokerError as e:
-            if e.code != "too_large" or len(groups) == 1:
-                log.error("the broker refused %d group(s) (%s); they are lost and their prompts re-issued "
-                          "when the lease expires", len(groups), e)
-                return {"groups_rejected": len(groups)}
-            return self._push_one_by_one(groups)
+            if len(groups) > 1:
+                return self._push_one_by_one(groups, refused)
+            log.error("the broker refused group %s (%s); its prompt goes back to the broker",
+                      groups[0].group_id, e)
+            refused.append(groups[0].prompt_id)
+            return {"groups_rejected": 1}
         counts = {"groups_pushed": 0, "groups_stale": 0, "groups_rejected": 0}
+        prompts = {g.group_id: g.prompt_id for g in groups}
         self.acked.write({"time": time.time(), "group_ids": [a.group_id for a in acks if a.status == "accepted"]})
         for ack in acks:
             if ack.status in ("accepted", "duplicate"):
@@ -309,13 +320,14 @@ class Finisher:
                 counts["groups_stale"] += 1
             else:
                 counts["groups_rejected"] += 1
+                refused.append(prompts[ack.group_id])
                 log.error("the broker rejected group %s: %s", ack.group_id, ack.reason)
         return counts
 
-    def _push_one_by_one(self, groups: list[m.SampleGroup]) -> dict[str, int]:
+    def _push_one_by_one(self, groups: list[m.SampleGroup], refused: list[str]) -> dict[str, int]:
         total: dict[str, int] = {}
         for g in groups:
-            for k, v in self.push([g]).items():
+            for k, v in self.push([g], refused).items():
                 total[k] = total.get(k, 0) + v
         return total
 

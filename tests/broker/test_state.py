@@ -210,6 +210,7 @@ def test_pause_resume_and_discard_publish_announcements(state):
     state.handle(m.Control(req_id=1, client_id="l0", action="resume"), 0.0)
     assert [type(a).__name__ for _, a in state.announcements] == ["ControlAnnouncement"] * 3
     assert len(lease_prompts(state, 2).prompts) == 2  # discarded prompts come back
+    assert state.load() == 2  # the two leased again; the discarded groups no longer count against admission
 
 
 def test_version_publish_and_late_subscriber(state):
