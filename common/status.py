@@ -38,6 +38,7 @@ class StatusLine:
         self.rewards: deque[float] = deque(maxlen=20)
         self.times: deque[tuple[float, int, float]] = deque(maxlen=20)  # (time, step, samples_total)
         self.last: dict = {}
+        self.started: float | None = None  # time of the first metrics row: learner.max_minutes counts from about then
         self.eval_acc: float | None = None
         self.events: list[str] = []
         self.tty = enabled and sys.stdout.isatty()
@@ -60,6 +61,8 @@ class StatusLine:
     def update(self) -> None:
         for row in self.tail.poll():
             self.last = row
+            if self.started is None:
+                self.started = row.get("time", time.time())
             if "reward/mean" in row:
                 self.rewards.append(row["reward/mean"])
             if "eval/accuracy" in row:
@@ -88,6 +91,9 @@ class StatusLine:
         r = self.last
         steps_s, samples_s = self.rate()
         eta = (self.total - r["step"]) / steps_s if steps_s > 0 else float("nan")
+        if self.cfg.learner.max_minutes and self.started is not None:  # the time budget ends the run first
+            left = max(0.0, self.started + 60 * self.cfg.learner.max_minutes - r.get("time", time.time()))
+            eta = left if eta != eta else min(eta, left)
         parts = [f"step {r['step']}/{self.total}", f"v{int(r.get('policy/version', 0))}",
                  f"reward {sum(self.rewards) / max(1, len(self.rewards)):.3f}"]
         if self.eval_acc is not None:

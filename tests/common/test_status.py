@@ -1,0 +1,30 @@
+"""The live status line: rates and the ETA from metrics.jsonl, bounded by learner.max_minutes."""
+
+from __future__ import annotations
+
+import json
+
+from fleetrl.common.config import load_config
+from fleetrl.common.status import StatusLine
+
+
+def write_rows(run_dir, rows):
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def test_eta_from_the_step_rate(tmp_path):
+    line = StatusLine(load_config(None, ["learner.total_steps=100"]), tmp_path, enabled=False)
+    write_rows(tmp_path, [{"step": s, "time": 1000.0 + s, "reward/mean": 0.5, "batch/samples_total": 128.0 * s}
+                          for s in range(1, 11)])
+    line.update()
+    text = line.render()
+    assert "step 10/100" in text and "128.0 samples/s" in text and "ETA 90 s" in text
+
+
+def test_eta_is_bounded_by_max_minutes(tmp_path):
+    line = StatusLine(load_config(None, ["learner.total_steps=100000", "learner.max_minutes=5"]), tmp_path, enabled=False)
+    write_rows(tmp_path, [{"step": s, "time": 1000.0 + s, "reward/mean": 0.5} for s in range(0, 61)])
+    line.update()
+    assert "ETA 240 s" in line.render()  # 300 s budget from the first row, 60 s gone; not 99,940 s of steps
