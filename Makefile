@@ -20,7 +20,7 @@ demo: $(STAMP)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/demo.sh
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not gpu" --ignore=tests/gpu $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
