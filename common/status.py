@@ -30,6 +30,13 @@ class MetricsTail:
         return new
 
 
+def describe_event(event: dict) -> str:
+    """One event of events.jsonl, short: a health rule's action, or the launcher restarting a child."""
+    if event.get("event") == "restart":
+        return f"restarted {event.get('child')} (exit {event.get('exit_code')}, restart {event.get('restart')})"
+    return f"{event.get('rule')} -> {event.get('action')} @ {event.get('step')}"
+
+
 class StatusLine:
     def __init__(self, cfg: JobConfig, run_dir: Path, enabled: bool = True):
         self.cfg, self.total = cfg, cfg.learner.total_steps
@@ -69,7 +76,7 @@ class StatusLine:
                 self.eval_acc = row["eval/accuracy"]
             self.times.append((row.get("time", time.time()), row["step"], row.get("batch/samples_total", 0.0)))
         for event in self.event_tail.poll():
-            self.events.append(f"{event.get('rule')} -> {event.get('action')} @ {event.get('step')}")
+            self.events.append(describe_event(event))
         text = self.render()
         if self.live is not None:
             self.live.update(text)

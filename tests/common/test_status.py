@@ -28,3 +28,14 @@ def test_eta_is_bounded_by_max_minutes(tmp_path):
     write_rows(tmp_path, [{"step": s, "time": 1000.0 + s, "reward/mean": 0.5} for s in range(0, 61)])
     line.update()
     assert "ETA 240 s" in line.render()  # 300 s budget from the first row, 60 s gone; not 99,940 s of steps
+
+
+def test_health_and_restart_events_are_shown(tmp_path):
+    line = StatusLine(load_config(None, []), tmp_path, enabled=False)
+    write_rows(tmp_path, [{"step": 1, "time": 1.0}])
+    with (tmp_path / "events.jsonl").open("w") as f:
+        f.write(json.dumps({"time": 2.0, "rule": "reward_drop", "action": "rollback", "step": 7}) + "\n")
+        f.write(json.dumps({"time": 3.0, "event": "restart", "child": "broker", "exit_code": -9, "restart": 1}) + "\n")
+    line.update()
+    assert line.events == ["reward_drop -> rollback @ 7", "restarted broker (exit -9, restart 1)"]
+    assert line.render().endswith("! restarted broker (exit -9, restart 1)")

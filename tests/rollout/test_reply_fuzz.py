@@ -167,7 +167,9 @@ class GarbageBroker:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         while not self.stop.is_set():
-            for f in self.garbage(-1, 20) + [m.encode(m.VersionAnnouncement(version=9))]:
+            # garbage that happens to decode as an announcement is a valid one: only the undecodable kind goes out
+            noise = [f for f in self.garbage(-1, 20) if decode_or_none(m.decode_announcement, f) is None]
+            for f in noise + [m.encode(m.VersionAnnouncement(version=9))]:
                 self.pub.send_multipart([m.TOPIC_VERSION, f])
             if not poller.poll(50):
                 continue
