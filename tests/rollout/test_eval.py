@@ -8,24 +8,13 @@ import math
 from itertools import combinations
 
 import pytest
-import torch
 
 from fleetrl.common.cli import main as cli_main
-from fleetrl.common.schema import ModelConfig, RolloutConfig
-from fleetrl.rollout.engines import SamplingParams, create_engine
+from fleetrl.rollout.engines import SamplingParams
 from fleetrl.rollout.eval import evaluate, evaluate_detailed, pass_at_k
 from fleetrl.rollout.loop import encode_prompt
 
 MAX_NEW = 5
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    threads = torch.get_num_threads()
-    eng = create_engine("hf", ModelConfig(path=tiny_model_dir), RolloutConfig(), "cpu", 0, num_threads=1)
-    yield eng
-    eng.close()
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -40,15 +40,6 @@ BASE = [f"rollout.group_size={G}", f"rollout.prompts_per_batch={B}", f"rollout.m
         "rollout.device=cpu", "rollout.rewards=[{name: exact}]", "broker.heartbeat_s=0.5"]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    threads = torch.get_num_threads()
-    eng = create_engine("hf", ModelConfig(path=tiny_model_dir), RolloutConfig(), "cpu", 0, num_threads=1)
-    yield eng
-    eng.close()
-    torch.set_num_threads(threads)
-
-
 class Counting:
     """A broker client that counts the calls made through it."""
 
