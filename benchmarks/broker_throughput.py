@@ -205,7 +205,7 @@ def relay_trial(n: int) -> dict:
 
 
 def broker_trial(n: int, workdir: Path, window: int, batch: int, per_push: int) -> dict:
-    from fleetrl.common.tasks import init_data
+    from fleetrl.common.data.tasks import init_data
 
     data = workdir / "prompts.jsonl"
     if not data.exists():

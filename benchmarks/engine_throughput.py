@@ -24,7 +24,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from fleetrl.common.schema import ModelConfig, RolloutConfig
+from fleetrl.common.config.schema import ModelConfig, RolloutConfig
 from fleetrl.learner.init_model import init_model
 from fleetrl.rollout.engines import SamplingParams, create_engine
 

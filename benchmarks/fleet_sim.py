@@ -223,7 +223,7 @@ async def run_learner(address: str, rank: int, schedule: list[dict], out: str) -
 
 
 def start_broker(workdir: Path, spool: bool) -> tuple[subprocess.Popen, str]:
-    from fleetrl.common.tasks import init_data
+    from fleetrl.common.data.tasks import init_data
 
     data = workdir / "prompts.jsonl"
     if not data.exists():

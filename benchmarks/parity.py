@@ -101,7 +101,7 @@ def run_job(name: str, model_dir: str, pref: str, pref_eval: str, steps: int, tm
 
 def measure(steps: int, only: list[str] | None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from fleetrl.common.tasks import init_data
+    from fleetrl.common.data.tasks import init_data
     from fleetrl.learner.init_model import init_model
 
     with tempfile.TemporaryDirectory() as d:

@@ -81,7 +81,7 @@ def synthetic(n_tensors: int, total_mb: float):
 def run_config(bucket_mb: float, params, kids, rounds: int, first_version: int, run_dir: Path) -> dict:
     from fleetrl.common import messages as m
     from fleetrl.common import weightsync as ws
-    from fleetrl.common.schema import JobConfig, SyncConfig
+    from fleetrl.common.config.schema import JobConfig, SyncConfig
     from fleetrl.learner.weights import WeightPublisher
 
     cfg = JobConfig(sync=SyncConfig(transport="gloo", bucket_mb=bucket_mb, timeout_s=60))
@@ -123,7 +123,7 @@ def main() -> None:
 
     import torch
 
-    from fleetrl.common.schema import JobConfig, SyncConfig
+    from fleetrl.common.config.schema import JobConfig, SyncConfig
 
     torch.set_num_threads(1)
     params = synthetic(args.tensors, args.mb)

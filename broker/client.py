@@ -26,7 +26,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from fleetrl.broker.zio import LoopSocket
 from fleetrl.common import messages as m
-from fleetrl.common.schema import CurveConfig
+from fleetrl.common.config.schema import CurveConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

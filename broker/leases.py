@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from fleetrl.broker import spool as sp
 from fleetrl.broker.staleness import min_fresh_version, staleness
 from fleetrl.common import messages as m
-from fleetrl.common.schema import BrokerConfig
+from fleetrl.common.config.schema import BrokerConfig
 
 if TYPE_CHECKING:
     from fleetrl.broker.state import Rate

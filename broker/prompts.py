@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetrl.common.messages import Prompt
-from fleetrl.common.tables import DataError
+from fleetrl.common.data.tables import DataError
 
 
 def rows_to_prompts(rows: list[dict[str, Any]], prompt_key: str, answer_key: str, source: str) -> list[Prompt]:

@@ -29,8 +29,8 @@ from fleetrl.common import messages as m
 from fleetrl.common import telemetry
 from fleetrl.common.config import ConfigError, load_config, save_resolved
 from fleetrl.common.log import setup_logging
-from fleetrl.common.schema import JobConfig
-from fleetrl.common.tables import load_rows
+from fleetrl.common.config.schema import JobConfig
+from fleetrl.common.data.tables import load_rows
 
 log = logging.getLogger("fleetrl.broker")
 

@@ -23,7 +23,7 @@ from fleetrl.broker.leases import BatchLeaseState, BatchLeasing
 from fleetrl.broker.prompts import PromptSource
 from fleetrl.broker.staleness import admission_capacity, min_fresh_version, rollout_is_fresh
 from fleetrl.common import messages as m
-from fleetrl.common.schema import JobConfig
+from fleetrl.common.config.schema import JobConfig
 
 log = logging.getLogger(__name__)
 

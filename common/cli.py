@@ -141,13 +141,13 @@ COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] 
     "keys": ("fleetrl.broker.keys:main", "generate CURVE keypairs for the broker and its clients", _keys_args),
     "learner": ("fleetrl.learner.train:main", "run a learner rank (also under torchrun -m fleetrl.learner)", _learner_args),
     "sft": ("fleetrl.learner.sft:main", "supervised warm start, stopped at a target held-out accuracy", _sft_args),
-    "run": ("fleetrl.common.launch:main", "start a whole job on this machine: broker, rollouts, learner", _run_args),
-    "report": ("fleetrl.common.report:main", "plot a run's metrics into RUN_DIR/report.html", _report_args),
+    "run": ("fleetrl.common.launch.run:main", "start a whole job on this machine: broker, rollouts, learner", _run_args),
+    "report": ("fleetrl.learner.report:main", "plot a run's metrics into RUN_DIR/report.html", _report_args),
     "trace": ("fleetrl.common.trace_cli:main", "print the span timeline of one group from a run's jsonl traces",
               _trace_args),
-    "config": ("fleetrl.common.config_cli:main", "show, validate or document a job config", _config_args),
+    "config": ("fleetrl.common.config.cli:main", "show, validate or document a job config", _config_args),
     "init-model": ("fleetrl.learner.init_model:main", "write a tiny HF model + tokenizer built locally", _init_model_args),
-    "init-data": ("fleetrl.common.tasks:main", "write a synthetic prompt set with answers (train + held-out)", _init_data_args),
+    "init-data": ("fleetrl.common.data.tasks:main", "write a synthetic prompt set with answers (train + held-out)", _init_data_args),
 }
 
 

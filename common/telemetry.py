@@ -43,7 +43,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 if TYPE_CHECKING:
     from fleetrl.common.messages import SampleGroup
-    from fleetrl.common.schema import TelemetryConfig
+    from fleetrl.common.config.schema import TelemetryConfig
 
 log = logging.getLogger("fleetrl.telemetry")
 

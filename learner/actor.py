@@ -22,7 +22,7 @@ import msgspec
 import torch
 import torch.distributed as tdist
 
-from fleetrl.common.schema import JobConfig
+from fleetrl.common.config.schema import JobConfig
 from fleetrl.learner.algorithms import (
     ADV_ESTIMATORS,
     KL_ESTIMATORS,

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from fleetrl.common.schema import JobConfig
+from fleetrl.common.config.schema import JobConfig
 
 log = logging.getLogger(__name__)
 

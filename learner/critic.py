@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from fleetrl.common.schema import JobConfig
+from fleetrl.common.config.schema import JobConfig
 from fleetrl.learner.actor import _reduce, _sync_max
 from fleetrl.learner.algorithms import masked_mean, value_loss
 from fleetrl.learner.algorithms.common import masked_var

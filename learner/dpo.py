@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from fleetrl.common.schema import JobConfig
+from fleetrl.common.config.schema import JobConfig
 from fleetrl.learner.actor import _reduce, _sync_max, response_logprobs
 from fleetrl.learner.algorithms import PREFERENCE_LOSSES, PreferenceInputs, kl_controller_from_config
 from fleetrl.learner.batch import Batch, micro_batches

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from fleetrl.common.schema import JobConfig
+from fleetrl.common.config.schema import JobConfig
 
 log = logging.getLogger("fleetrl.learner")
 

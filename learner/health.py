@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from fleetrl.common.registry import RegistryError
-from fleetrl.common.schema_learner import HealthConfig
+from fleetrl.common.config.learner import HealthConfig
 from fleetrl.learner.health_rules import HEALTH_RULES, Fired, HealthEvent, Rule
 
 __all__ = ["HEALTH_RULES", "HealthEvent", "HealthMonitor"]

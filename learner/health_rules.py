@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 from fleetrl.common.registry import Registry
-from fleetrl.common.schema_learner import HealthRule
+from fleetrl.common.config.learner import HealthRule
 
 @dataclass
 class HealthEvent:

@@ -19,7 +19,7 @@ import torch.distributed as tdist
 
 from fleetrl.broker.address import resolve_address
 from fleetrl.broker.client import BrokerClient
-from fleetrl.common.schema import JobConfig
+from fleetrl.common.config.schema import JobConfig
 from fleetrl.learner.runtime import Dist
 
 log = logging.getLogger("fleetrl.learner")

@@ -24,7 +24,7 @@ from typing import Iterator
 
 import torch
 
-from fleetrl.common.schema import LoraConfig
+from fleetrl.common.config.schema import LoraConfig
 from fleetrl.learner.checkpoint import export_hf
 
 ADAPTER = "default"  # peft's adapter name; the learner trains exactly one

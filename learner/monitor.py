@@ -1,7 +1,7 @@
 """The learner's metric monitor: one call per step fans a flat metric dict out to every sink.
 
 ``metrics.jsonl`` in the run directory is always written (one JSON object per step, with ``step``
-and ``time``); the console, TensorBoard, wandb and Prometheus sinks (``common/sinks.py``, turned on
+and ``time``); the console, TensorBoard, wandb and Prometheus sinks (``learner/sinks.py``, turned on
 in the ``telemetry`` section) plug in through the same ``Sink`` interface.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fleetrl.common.schema import JobConfig
-from fleetrl.common.sinks import ConsoleSink, JsonlSink, Sink, make_sinks
+from fleetrl.common.config.schema import JobConfig
+from fleetrl.learner.sinks import ConsoleSink, JsonlSink, Sink, make_sinks
 
 __all__ = ["ConsoleSink", "JsonlSink", "Monitor", "Sink"]
 

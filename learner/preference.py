@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from fleetrl.common import messages as m
-from fleetrl.common.schema import JobConfig
-from fleetrl.common.tables import DataError, load_rows
+from fleetrl.common.config.schema import JobConfig
+from fleetrl.common.data.tables import DataError, load_rows
 from fleetrl.learner.batch import batch_from_groups
 from fleetrl.learner.source import Interrupted, Leased, share_of
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fleetrl.common.schema import JobConfig
+from fleetrl.common.config.schema import JobConfig
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from fleetrl.common import messages as m
-from fleetrl.common.schema import JobConfig
+from fleetrl.common.config.schema import JobConfig
 from fleetrl.learner.algorithms import dynamic_sampling_filter
 
 log = logging.getLogger(__name__)

@@ -26,9 +26,9 @@ import torch.distributed as tdist
 from fleetrl.broker.metrics import status_metrics
 from fleetrl.common import telemetry
 from fleetrl.common.config import load_config, save_resolved
-from fleetrl.common.launch import needs_fleet
+from fleetrl.common.launch.run import needs_fleet
 from fleetrl.common.log import setup_logging
-from fleetrl.common.schema import JobConfig
+from fleetrl.common.config.schema import JobConfig
 from fleetrl.learner.actor import Actor
 from fleetrl.learner.batch import batch_from_groups
 from fleetrl.learner.checkpoint import Checkpointer, export_hf, rng_state, set_rng_state, tag_of

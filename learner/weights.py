@@ -34,7 +34,7 @@ from torch.distributed import PrefixStore, TCPStore
 from fleetrl.common import messages, telemetry
 from fleetrl.common import weightsync as ws
 from fleetrl.common.registry import Registry
-from fleetrl.common.schema import JobConfig, SyncConfig
+from fleetrl.common.config.schema import JobConfig, SyncConfig
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ class BroadcastSender:
                      self._store.port)
         return self._store
 
-    def _close_round(self, store: TCPStore, round_id: int, expected: int, deadline: float) -> list[ws.JoinRecord]:
+    def _close_round(self, store: TCPStore, round_id: int, expected: int, deadline: float) -> list[messages.JoinRecord]:
         """Wait for ``expected`` joins (at most JOIN_WINDOW_S), close the round, read who joined."""
         window_end = min(time.monotonic() + ws.JOIN_WINDOW_S, deadline)
         while expected > 0 and store.add(ws.count_key(round_id), 0) < expected and time.monotonic() < window_end:
@@ -247,26 +247,26 @@ class BroadcastSender:
                 store.wait(keys, timedelta(seconds=max(0.1, min(2.0, deadline - time.monotonic()))))
             except Exception:  # noqa: BLE001 - a receiver died between joining and writing its record
                 pass
-        members = [ws.decode_join(store.get(k)) for k in keys if store.check([k])]
+        members = [messages.decode_join(store.get(k)) for k in keys if store.check([k])]
         if joined and len(members) < joined:
             log.warning("weight sync round %d: %d receivers joined but only %d wrote their record", round_id, joined,
                         len(members))
         if joined and not members:
-            store.set(ws.plan_key(round_id), ws.encode_record(ws.RoundPlan(group="", size=1, ranks={})))
+            store.set(ws.plan_key(round_id), messages.encode_record(messages.RoundPlan(group="", size=1, ranks={})))
         return members
 
-    def _group_for(self, store: TCPStore, round_id: int, members: list[ws.JoinRecord], deadline: float) -> _Group:
+    def _group_for(self, store: TCPStore, round_id: int, members: list[messages.JoinRecord], deadline: float) -> _Group:
         """The previous group when the same members hold it, else a new one (published in the plan)."""
         prev = self._group
         idents = list(dict.fromkeys(m.identity for m in members))
         if prev is not None and set(idents) == set(prev.ranks) and all(m.group == prev.id for m in members):
-            plan = ws.RoundPlan(group=prev.id, size=prev.size, ranks=prev.ranks, reuse=True)
-            store.set(ws.plan_key(round_id), ws.encode_record(plan))
+            plan = messages.RoundPlan(group=prev.id, size=prev.size, ranks=prev.ranks, reuse=True)
+            store.set(ws.plan_key(round_id), messages.encode_record(plan))
             return prev
         self._drop_group()
         ranks = {ident: i for i, ident in enumerate(idents, start=1)}
-        plan = ws.RoundPlan(group=str(round_id), size=len(ranks) + 1, ranks=ranks)
-        store.set(ws.plan_key(round_id), ws.encode_record(plan))
+        plan = messages.RoundPlan(group=str(round_id), size=len(ranks) + 1, ranks=ranks)
+        store.set(ws.plan_key(round_id), messages.encode_record(plan))
         pg = ws.new_group(self.cfg.transport, PrefixStore(ws.group_prefix(plan.group), store), 0, plan.size,
                           deadline - time.monotonic(), self.cfg.master_addr)
         self._group = _Group(plan.group, plan.size, ranks, pg)

@@ -28,8 +28,8 @@ from typing import Any, Sequence
 
 from fleetrl.common.config import load_config
 from fleetrl.common.log import setup_logging
-from fleetrl.common.schema import JobConfig, ModelConfig, RewardSpec
-from fleetrl.common.tables import load_rows
+from fleetrl.common.config.schema import JobConfig, ModelConfig, RewardSpec
+from fleetrl.common.data.tables import load_rows
 from fleetrl.rollout.engines import SamplingParams, create_engine
 from fleetrl.rollout.loop import check_chat_template, encode_prompt
 from fleetrl.rollout.rewards import RewardInput, RewardScorer

@@ -32,7 +32,7 @@ from fleetrl.common import messages as m
 from fleetrl.common import telemetry
 from fleetrl.common.config import load_config
 from fleetrl.common.log import setup_logging
-from fleetrl.common.schema import JobConfig
+from fleetrl.common.config.schema import JobConfig
 from fleetrl.rollout.engines import SamplingParams, create_engine
 from fleetrl.rollout.loop import (
     Batch, Finisher, MetricsFile, OpenLeases, Stats, check_chat_template, encode_prompt, return_leases, reward_inputs,

@@ -31,7 +31,7 @@ from torch.distributed import PrefixStore, TCPStore
 
 from fleetrl.common import messages
 from fleetrl.common import weightsync as ws
-from fleetrl.common.schema import JobConfig
+from fleetrl.common.config.schema import JobConfig
 from fleetrl.rollout.engines.base import Engine, ParamSpec
 
 log = logging.getLogger(__name__)
@@ -220,9 +220,9 @@ class WeightReceiver:
         if n > ws.CLOSED:
             raise RoundSkipped(f"round {rid} closed before this server joined")
         held = self._group.id if self._group is not None and self._group.store == key else ""
-        store.set(ws.member_key(rid, n), ws.encode_record(ws.JoinRecord(self.identity, held)))
+        store.set(ws.member_key(rid, n), messages.encode_record(messages.JoinRecord(self.identity, held)))
         store.wait([ws.plan_key(rid)], _remaining(deadline))
-        plan = ws.decode_plan(store.get(ws.plan_key(rid)))
+        plan = messages.decode_plan(store.get(ws.plan_key(rid)))
         if self.identity not in plan.ranks:
             raise RoundSkipped(f"the learner left this server out of round {rid}")
         if not (plan.reuse and held == plan.group):

@@ -29,7 +29,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def arith_data(tmp_path_factory) -> str:
-    from fleetrl.common.tasks import init_data
+    from fleetrl.common.data.tasks import init_data
 
     train, _ = init_data("arithmetic", str(tmp_path_factory.mktemp("data") / "arith.jsonl"), 2000, 100, 0, 99)
     return str(train)

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from fleetrl.common.registry import Registry
-from fleetrl.common.schema_learner import AlgorithmConfig
+from fleetrl.common.config.learner import AlgorithmConfig
 from fleetrl.learner.algorithms.common import group_stats, masked_whiten
 
 AdvEstimator = Callable[[Tensor, Tensor, Tensor, "Tensor | None", AlgorithmConfig], "tuple[Tensor, Tensor]"]

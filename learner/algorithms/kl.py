@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from fleetrl.common.registry import Registry
-from fleetrl.common.schema_learner import AlgorithmConfig, KlConfig
+from fleetrl.common.config.learner import AlgorithmConfig, KlConfig
 
 KlEstimator = Callable[[Tensor, Tensor], Tensor]
 KL_ESTIMATORS: Registry[KlEstimator] = Registry("KL estimator", config_key="algorithm.kl.estimator")

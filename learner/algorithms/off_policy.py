@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from fleetrl.common.schema_learner import OffPolicyConfig
+from fleetrl.common.config.learner import OffPolicyConfig
 from fleetrl.learner.algorithms.common import masked_mean
 from fleetrl.learner.algorithms.kl import k3
 

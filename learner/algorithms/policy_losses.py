@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from fleetrl.common.registry import Registry
-from fleetrl.common.schema_learner import AlgorithmConfig
+from fleetrl.common.config.learner import AlgorithmConfig
 from fleetrl.learner.algorithms.aggregation import aggregate
 from fleetrl.learner.algorithms.common import masked_mean, masked_min_mean_max, to_floats
 from fleetrl.learner.algorithms.kl import k3

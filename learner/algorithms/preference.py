@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fleetrl.common.registry import Registry
-from fleetrl.common.schema_learner import AlgorithmConfig
+from fleetrl.common.config.learner import AlgorithmConfig
 from fleetrl.learner.algorithms.common import to_floats
 from fleetrl.learner.algorithms.structs import PreferenceInputs, PreferenceOutputs
 

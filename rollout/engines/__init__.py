@@ -15,7 +15,7 @@ from fleetrl.common.registry import Registry
 from fleetrl.rollout.engines.base import Engine, Generation, ParamSpec, SamplingParams
 
 if TYPE_CHECKING:
-    from fleetrl.common.schema import ModelConfig, RolloutConfig
+    from fleetrl.common.config.schema import ModelConfig, RolloutConfig
 
 __all__ = ["ENGINES", "Engine", "Generation", "ParamSpec", "SamplingParams", "create_engine"]
 

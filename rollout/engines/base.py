@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 if TYPE_CHECKING:
     import torch
 
-    from fleetrl.common.schema import RolloutConfig
+    from fleetrl.common.config.schema import RolloutConfig
 
 ParamSpec = tuple[str, tuple[int, ...], "torch.dtype"]
 

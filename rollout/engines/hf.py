@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from fleetrl.common.schema import ModelConfig, RolloutConfig
+from fleetrl.common.config.schema import ModelConfig, RolloutConfig
 from fleetrl.rollout.engines.base import (
     Engine,
     Generation,

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from fleetrl.common.schema import ModelConfig, RolloutConfig
+from fleetrl.common.config.schema import ModelConfig, RolloutConfig
 from fleetrl.rollout.engines.base import (
     Engine,
     Generation,

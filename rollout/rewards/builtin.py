@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta
 
-from fleetrl.common.schema_base import doc
+from fleetrl.common.config.base import doc
 from fleetrl.rollout.rewards.base import (
     RewardArgs,
     RewardArgsError,

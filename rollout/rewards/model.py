@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fleetrl.common.schema_base import doc
+from fleetrl.common.config.base import doc
 from fleetrl.rollout.rewards.base import Reward, RewardArgs, RewardArgsError, RewardInput, register_reward
 
 

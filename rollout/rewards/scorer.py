@@ -27,7 +27,7 @@ from fleetrl.rollout.rewards.base import REWARDS, Reward, RewardArgsError, Rewar
 from fleetrl.rollout.rewards.runner import CallRunner, CallTimeout
 
 if TYPE_CHECKING:
-    from fleetrl.common.schema import RewardSpec, RolloutConfig
+    from fleetrl.common.config.schema import RewardSpec, RolloutConfig
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Callable
 
 from msgspec import field
 
-from fleetrl.common.schema_base import doc
+from fleetrl.common.config.base import doc
 from fleetrl.rollout.rewards.base import RewardArgs, RewardArgsError, RewardInput, SampleReward, register_reward
 
 FIELDS = ("prompt", "response", "answer", "metadata", "finish_reason", "num_tokens")

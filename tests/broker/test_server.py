@@ -229,7 +229,7 @@ def test_curve_known_key_served_unknown_refused(tmp_path, arith_data):
              "authorized_keys_dir": str(allowed)}
     job = write_job(tmp_path, arith_data, broker={"curve": curve})
     proc = BrokerProcess(job, tmp_path / "run").start()
-    from fleetrl.common.schema import CurveConfig
+    from fleetrl.common.config.schema import CurveConfig
 
     try:
         good = CurveConfig(**curve, client_secret_key=str(keys / "client.key_secret"))

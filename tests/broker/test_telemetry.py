@@ -9,7 +9,7 @@ from fleetrl.broker.metrics import status_metrics
 from fleetrl.broker.server import trace_batch_lease, trace_ingest
 from fleetrl.common import messages as m
 from fleetrl.common import telemetry
-from fleetrl.common.schema import TelemetryConfig
+from fleetrl.common.config.schema import TelemetryConfig
 from tests.broker.conftest import make_state
 from tests.helpers import make_group
 

@@ -15,7 +15,7 @@ def _loaded_after(code: str) -> list[str]:
 
 
 def test_config_and_messages_import_light():
-    assert _loaded_after("import fleetrl.common.config, fleetrl.common.messages, fleetrl.common.tasks") == []
+    assert _loaded_after("import fleetrl.common.config, fleetrl.common.messages, fleetrl.common.data.tasks") == []
 
 
 def test_cli_help_imports_light():

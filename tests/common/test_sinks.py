@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from fleetrl.common.config import ConfigError, load_config
-from fleetrl.common.sinks import ConsoleSink, JsonlSink, make_sinks, prometheus_name
+from fleetrl.learner.sinks import ConsoleSink, JsonlSink, make_sinks, prometheus_name
 from fleetrl.learner.monitor import Monitor
 from tests.conftest import free_port
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from fleetrl.common.tasks import arithmetic_problems, eval_path, init_data, make_splits
+from fleetrl.common.data.tasks import arithmetic_problems, eval_path, init_data, make_splits
 
 
 def test_arithmetic_problems_are_zero_padded_and_correct():

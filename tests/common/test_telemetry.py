@@ -20,7 +20,7 @@ from opentelemetry import trace
 
 from fleetrl.common import telemetry
 from fleetrl.common.config import ConfigError
-from fleetrl.common.schema import TelemetryConfig
+from fleetrl.common.config.schema import TelemetryConfig
 from fleetrl.common.trace_cli import Spans, main as trace_main
 from tests.helpers import make_group
 
@@ -44,7 +44,7 @@ def tracing(tmp_path):
 def test_telemetry_modules_import_without_torch():
     from tests.common.test_imports import _loaded_after
 
-    assert _loaded_after("import fleetrl.common.telemetry, fleetrl.common.sinks, fleetrl.common.trace_cli") == []
+    assert _loaded_after("import fleetrl.common.telemetry, fleetrl.learner.sinks, fleetrl.common.trace_cli") == []
 
 
 def test_exporter_none_is_a_no_op(tmp_path):
@@ -162,7 +162,7 @@ def test_otlp_exporter_posts_spans_to_the_collector_over_http():
 SEEDED_CHILD = textwrap.dedent("""
     import random, sys
     from fleetrl.common import telemetry
-    from fleetrl.common.schema import TelemetryConfig
+    from fleetrl.common.config.schema import TelemetryConfig
     random.seed(0)
     telemetry.setup_tracing("rollout", TelemetryConfig(exporter="jsonl"), sys.argv[1])
     for _ in range(5):

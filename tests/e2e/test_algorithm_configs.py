@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetrl.common.tasks import eval_path, init_data
+from fleetrl.common.data.tasks import eval_path, init_data
 from tests.e2e.conftest import RunProcess, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]

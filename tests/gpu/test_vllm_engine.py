@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from fleetrl.common.schema import ModelConfig, RolloutConfig, VllmConfig  # noqa: E402
+from fleetrl.common.config.schema import ModelConfig, RolloutConfig, VllmConfig  # noqa: E402
 from fleetrl.learner.init_model import init_model  # noqa: E402
 from fleetrl.rollout.engines import SamplingParams, create_engine  # noqa: E402
 

@@ -11,7 +11,7 @@ import torch
 
 from fleetrl.common import messages as m
 from fleetrl.common.config import ConfigError, load_config
-from fleetrl.common.tasks import init_data
+from fleetrl.common.data.tasks import init_data
 from fleetrl.learner.algorithms import PREFERENCE_LOSSES, PreferenceInputs
 from fleetrl.learner.batch import batch_from_groups
 from fleetrl.learner.dpo import pairs_from_groups

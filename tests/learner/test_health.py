@@ -12,7 +12,7 @@ import pytest
 
 from fleetrl.common.config import ConfigError, load_config
 from fleetrl.common.registry import RegistryError
-from fleetrl.common.schema_learner import HealthConfig, HealthRule
+from fleetrl.common.config.learner import HealthConfig, HealthRule
 from fleetrl.learner.health import HEALTH_RULES, HealthEvent, HealthMonitor
 
 EVENT_FIELDS = {"step", "rule", "action", "metric", "value", "threshold", "message", "time"}

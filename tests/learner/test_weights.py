@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from fleetrl.common import weightsync as ws
 from fleetrl.common.messages import ParamSpec, WeightsInfo
-from fleetrl.common.schema import JobConfig, SyncConfig
+from fleetrl.common.config.schema import JobConfig, SyncConfig
 from fleetrl.learner.weights import WeightPublisher
 
 MB = ws.MB

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fleetrl.common.schema import ModelConfig, RolloutConfig
+from fleetrl.common.config.schema import ModelConfig, RolloutConfig
 from fleetrl.rollout.engines import create_engine
 
 

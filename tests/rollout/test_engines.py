@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from fleetrl.common.registry import RegistryError
-from fleetrl.common.schema import ModelConfig, RolloutConfig
+from fleetrl.common.config.schema import ModelConfig, RolloutConfig
 from fleetrl.learner.init_model import init_model
 from fleetrl.rollout.engines import ENGINES, Generation, SamplingParams, create_engine
 from fleetrl.rollout.engines.hf import draw, filter_top_k_top_p

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from fleetrl.common.registry import RegistryError
-from fleetrl.common.schema import RewardSpec
+from fleetrl.common.config.schema import RewardSpec
 from fleetrl.rollout.rewards import REWARDS, RewardArgsError, RewardInput, RewardResult, RewardScorer
 from tests.rollout import user_rewards
 

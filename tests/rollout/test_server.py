@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from fleetrl.broker.client import BrokerClient
 from fleetrl.broker.inproc import InprocBroker
 from fleetrl.common import messages as m
-from fleetrl.common.schema import ModelConfig, RolloutConfig
+from fleetrl.common.config.schema import ModelConfig, RolloutConfig
 from fleetrl.rollout.engines import SamplingParams, create_engine
 from fleetrl.rollout.loop import encode_prompt
 from fleetrl.rollout.rewards import RewardScorer

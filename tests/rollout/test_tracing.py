@@ -10,7 +10,7 @@ import pytest
 
 from fleetrl.common import messages as m
 from fleetrl.common import telemetry
-from fleetrl.common.schema import TelemetryConfig
+from fleetrl.common.config.schema import TelemetryConfig
 from fleetrl.rollout.engines.base import Generation
 from fleetrl.rollout.loop import Batch, build_groups
 from fleetrl.rollout.rewards import RewardResult

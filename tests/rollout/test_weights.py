@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from fleetrl.common import weightsync as ws
 from fleetrl.common.messages import VersionAnnouncement, WeightsInfo, encode
-from fleetrl.common.schema import JobConfig, ModelConfig, RolloutConfig, SyncConfig
+from fleetrl.common.config.schema import JobConfig, ModelConfig, RolloutConfig, SyncConfig
 from fleetrl.learner.weights import WeightPublisher
 from fleetrl.rollout.engines import SamplingParams, create_engine
 from fleetrl.rollout.weights import WeightReceiver

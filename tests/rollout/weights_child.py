@@ -38,7 +38,7 @@ class CaptureEngine:
 
 
 def _greedy(engine, ref_dir, tokenizer_dir):
-    from fleetrl.common.schema import ModelConfig, RolloutConfig
+    from fleetrl.common.config.schema import ModelConfig, RolloutConfig
     from fleetrl.rollout.engines import SamplingParams, create_engine
 
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -59,7 +59,7 @@ def run_receiver(cfg, client_id, model_dir, specs, cmd_q, out_q):
 
     torch.set_num_threads(1)
     if model_dir:
-        from fleetrl.common.schema import ModelConfig
+        from fleetrl.common.config.schema import ModelConfig
         from fleetrl.rollout.engines import create_engine
 
         engine = create_engine("hf", ModelConfig(path=model_dir), cfg.rollout, "cpu", 0)

@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from fleetrl.common.schema_learner import AlgorithmConfig
+from fleetrl.common.config.learner import AlgorithmConfig
 from fleetrl.learner.algorithms import ADV_ESTIMATORS
 
 GROUP_ESTIMATORS = ["grpo", "drgrpo", "rloo", "reinforce_pp_baseline"]

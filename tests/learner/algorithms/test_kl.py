@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetrl.common.schema_learner import AdaptiveKlConfig, AlgorithmConfig, KlConfig
+from fleetrl.common.config.learner import AdaptiveKlConfig, AlgorithmConfig, KlConfig
 from fleetrl.learner.algorithms import (
     KL_ESTIMATORS,
     AdaptiveKLController,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fleetrl.common.schema_learner import AlgorithmConfig, OffPolicyConfig
+from fleetrl.common.config.learner import AlgorithmConfig, OffPolicyConfig
 from fleetrl.learner.algorithms import POLICY_LOSSES, LossInputs
 
 METRIC_KEYS = {

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fleetrl.common.schema_learner import AlgorithmConfig, DpoConfig
+from fleetrl.common.config.learner import AlgorithmConfig, DpoConfig
 from fleetrl.learner.algorithms import PREFERENCE_LOSSES, PreferenceInputs
 
 

@@ -7,7 +7,7 @@ import typing
 import pytest
 
 from fleetrl.common.registry import RegistryError
-from fleetrl.common.schema_learner import AlgorithmConfig
+from fleetrl.common.config.learner import AlgorithmConfig
 from fleetrl.learner.algorithms import (
     ADV_ESTIMATORS,
     AGGREGATIONS,

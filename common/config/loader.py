@@ -1,6 +1,6 @@
 """Load, override, validate and print job configs.
 
-A job is one YAML file decoded into :class:`~fleetrl.common.schema.JobConfig`, with ``dotted.key=value``
+A job is one YAML file decoded into :class:`~fleetrl.common.config.schema.JobConfig`, with ``dotted.key=value``
 overrides from the command line applied first. Values in overrides are YAML scalars, so ints, floats
 (``1e-3`` included), bools, ``null`` and flow lists/maps (``[a, b]``, ``{name: exact}``) all work.
 Every error names the key, the bad value and what to do, e.g.::
@@ -20,8 +20,8 @@ from typing import Any, Literal, Union
 import msgspec
 import yaml
 
-from fleetrl.common.schema import JobConfig
-from fleetrl.common.schema_base import Section
+from fleetrl.common.config.schema import JobConfig
+from fleetrl.common.config.base import Section
 
 __all__ = [
     "ConfigError",
@@ -305,7 +305,7 @@ def config_docs() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `common/schema.py` by `fleetrl config docs` — do not edit by hand.",
+        "Generated from `common/config/schema.py` by `fleetrl config docs` — do not edit by hand.",
         "Every key can be set in the YAML file or overridden as `section.key=value` on the command line.",
         "",
     ]

@@ -8,7 +8,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from fleetrl.common.schema import JobConfig
+from fleetrl.common.config.schema import JobConfig
 
 
 class MetricsTail:

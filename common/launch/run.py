@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetrl.common.config import dump_yaml, load_config
-from fleetrl.common.schema import JobConfig
+from fleetrl.common.config.schema import JobConfig
 
 POLL_S = 0.25
 
@@ -238,7 +238,7 @@ class Launcher:
             child.stop(timeout=120 if child.name == "learner" else 30)
 
     def run(self) -> int:
-        from fleetrl.common.status import StatusLine
+        from fleetrl.common.launch.status import StatusLine
 
         old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         learner = next(c for c in self.children if c.name == "learner")

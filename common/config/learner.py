@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, field
 
-from fleetrl.common.schema_base import Section, doc
+from fleetrl.common.config.base import Section, doc
 
 
 # ------------------------------------------------------------------------------------- learner

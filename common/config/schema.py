@@ -16,8 +16,8 @@ from typing import Annotated, Any, Literal
 
 from msgspec import field
 
-from fleetrl.common.schema_base import Section, doc
-from fleetrl.common.schema_learner import AlgorithmConfig, HealthConfig, LearnerConfig
+from fleetrl.common.config.base import Section, doc
+from fleetrl.common.config.learner import AlgorithmConfig, HealthConfig, LearnerConfig
 
 
 # --------------------------------------------------------------------------------------- model

@@ -1,11 +1,10 @@
-"""What the learner's weight publisher and the rollout's weight receiver agree on (docs/weight_sync.md).
+"""The plan of weight sync: what the learner's weight publisher and the rollout's weight receiver agree on (docs/weight_sync.md).
 
 - the **bucket plan**: parameters cut into runs of one dtype, each at most ``sync.bucket_mb``, that
   travel as one flat tensor each (one collective per bucket, not one per parameter);
 - the **round protocol** on the TCPStore that learner rank 0 hosts: key names, the join record a
   receiver writes, the plan of the round the learner writes back;
 - the **safetensors header** of the filesystem transport, written before the tensors stream in;
-- the **process-group helpers** both ends call, so that both build the group the same way.
 
 Round ``r`` on the store (``n`` counts from 1 in join order)::
 
@@ -17,8 +16,8 @@ Round ``r`` on the store (``n`` counts from 1 in join order)::
     both:    reuse the previous group (plan.reuse) or form ProcessGroup(prefix group/<id>/, rank, size)
     both:    one broadcast per bucket, root = learner rank 0
 
-This module is pure Python at import time (``common/`` must import without torch); only the
-process-group helpers at the bottom import torch, inside the functions.
+The records themselves (``JoinRecord``, ``RoundPlan``) are wire messages (``common/messages/weights.py``);
+the process groups both ends build are in ``groups.py``. Pure Python: nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -26,18 +25,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import socket
 import struct
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-import msgspec
 
 from fleetrl.common.messages import ParamSpec
-
-if TYPE_CHECKING:
-    import torch
 
 MB = 1 << 20  # one "MB" of sync.bucket_mb and of the sync/* metrics
 JOIN_WINDOW_S = 5.0  # longest wait for `expected_receivers` to join a round
@@ -177,38 +170,6 @@ def group_prefix(group_id: str) -> str:
     return f"group/{group_id}/"
 
 
-class JoinRecord(msgspec.Struct, gc=False):
-    """Receiver -> learner (TCPStore): who joined, and which group it still holds ("" = none)."""
-
-    identity: str  # client id plus a per-process nonce: a restarted rollout is a new member
-    group: str = ""
-
-
-class RoundPlan(msgspec.Struct, gc=False):
-    """Learner -> receivers (TCPStore): the group of this round and each member's rank in it."""
-
-    group: str
-    size: int  # 1 + receivers
-    ranks: dict[str, int]  # identity -> rank (1..size-1); the learner is rank 0
-    reuse: bool = False  # the members already hold `group` from an earlier round
-
-
-_join_decoder = msgspec.json.Decoder(JoinRecord)
-_plan_decoder = msgspec.json.Decoder(RoundPlan)
-
-
-def encode_record(record: JoinRecord | RoundPlan) -> bytes:
-    return msgspec.json.encode(record)
-
-
-def decode_join(buf: bytes) -> JoinRecord:
-    return _join_decoder.decode(buf)
-
-
-def decode_plan(buf: bytes) -> RoundPlan:
-    return _plan_decoder.decode(buf)
-
-
 # ------------------------------------------------------------------------------ filesystem
 
 WEIGHTS_FILE = "model.safetensors"
@@ -242,76 +203,3 @@ def safetensors_header(specs: Sequence[ParamSpec], metadata: Mapping[str, str] |
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
-
-
-# ------------------------------------------------------------------- process groups (torch)
-
-
-def local_address_towards(host: str, port: int) -> str:
-    """The address of this machine's interface that reaches ``host`` (no packet is sent)."""
-    try:
-        family, kind, _, _, addr = socket.getaddrinfo(host, port or 9, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, kind) as s:
-            s.connect(addr)
-            return s.getsockname()[0]
-    except OSError:
-        return host
-
-
-def new_group(backend: str, store: Any, rank: int, size: int, timeout_s: float, host: str) -> Any:
-    """A process group of its own (no ``init_process_group``: the default group is DeepSpeed's),
-    rendezvousing through ``store`` (a PrefixStore unique to the group). ``host`` is the address
-    this process's gloo device binds to. Blocks until every member arrived or ``timeout_s``."""
-    from torch.distributed import ProcessGroupGloo
-
-    timeout = timedelta(seconds=max(timeout_s, 0.1))
-    if backend == "gloo":
-        opts = ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
-        return ProcessGroupGloo(store, rank, size, opts)
-    if backend == "nccl":
-        import os
-
-        from torch.distributed import ProcessGroupNCCL
-
-        opts = ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        # A timed-out collective must fail this group, not kill the process (torch's default mode 3
-        # tears the process down). The mode is read when the group is built, so scope it to ours.
-        before = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # CleanUpOnly: abort the comm, raise in wait()
-        try:
-            return ProcessGroupNCCL(store, rank, size, opts)
-        finally:
-            if before is None:
-                del os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
-            else:
-                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = before
-    raise ValueError(f"sync.transport: unknown broadcast backend {backend!r}; valid: gloo, nccl")
-
-
-def broadcast(pg: Any, tensor: torch.Tensor, timeout_s: float) -> Any:
-    """Start a broadcast of ``tensor`` from rank 0 of ``pg``; returns the work (see `wait`)."""
-    from torch._C._distributed_c10d import BroadcastOptions
-
-    opts = BroadcastOptions()
-    opts.rootRank = 0
-    opts.rootTensor = 0
-    opts.timeout = timedelta(seconds=max(timeout_s, 0.1))
-    return pg.broadcast([tensor], opts)
-
-
-def wait(work: Any, timeout_s: float) -> None:
-    """Block until ``work`` is done (NCCL too: the data is in place when this returns); raises on
-    failure or after ``timeout_s``."""
-    work.wait(timedelta(seconds=max(timeout_s, 0.1)))
-
-
-def release_group(pg: Any) -> None:
-    """Drop a group after a failure: NCCL needs an explicit abort or its destructor may hang."""
-    if pg is not None and type(pg).__name__ == "ProcessGroupNCCL":
-        try:
-            pg.abort()
-        except Exception:  # noqa: BLE001 - best effort on a group that already failed
-            pass

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fleetrl.common.config import ConfigError
-from fleetrl.common.schema import JobConfig
+from fleetrl.common.config.schema import JobConfig
 
 log = logging.getLogger("fleetrl.learner")  # the monitor runs in the learner
 

@@ -1,0 +1,26 @@
+"""Typed job config: the schema (msgspec Structs), YAML loading with ``section.key=value`` overrides,
+validation with messages that name the key, and the generated reference (docs/config.md).
+
+- ``base.py``: ``Section`` (the Struct base) and ``doc`` (field metadata);
+- ``schema.py``: ``JobConfig`` and the model, data, rollout, broker, sync, checkpoint, telemetry and
+  run sections; ``learner.py``: the learner, algorithm and health sections;
+- ``loader.py``: reading, overriding, validating and printing configs; ``cli.py``: `fleetrl config`.
+
+Nothing here imports torch: the broker, the CLI and tests load configs without it.
+"""
+
+from fleetrl.common.config.loader import (
+    ConfigError,
+    apply_overrides,
+    config_docs,
+    dump_yaml,
+    load_config,
+    parse_value,
+    save_resolved,
+    to_dict,
+    validate,
+)
+from fleetrl.common.config.schema import JobConfig
+
+__all__ = ["ConfigError", "JobConfig", "apply_overrides", "config_docs", "dump_yaml", "load_config", "parse_value",
+           "save_resolved", "to_dict", "validate"]

@@ -1,0 +1,41 @@
+"""Protocol constants, the error codes, ``ProtocolError`` and the ``Message`` base of every frame."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = 1
+TOKEN_DTYPE = np.dtype("<i4")
+LOGPROB_DTYPE = np.dtype("<f4")
+
+TOPIC_VERSION = b"version"
+TOPIC_CONTROL = b"control"
+
+Role = Literal["rollout", "learner", "monitor"]
+FinishReason = Literal["stop", "length", "abort"]
+ErrorCode = Literal[
+    "bad_frame",  # not a message of this protocol
+    "protocol_mismatch",  # client speaks another PROTOCOL_VERSION
+    "too_large",  # frame over broker.max_message_bytes
+    "invalid_group",  # a SampleGroup that fails validation
+    "unknown_lease",  # lease id the broker does not hold (expired and re-issued, or never existed)
+    "data_exhausted",  # every epoch of the prompt set has been leased and returned
+    "unauthorized",  # not allowed for this client
+    "bad_request",  # well-formed but not acceptable (e.g. n <= 0)
+    "internal",  # a broker bug; the request changed nothing
+]
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message; ``reason`` says what was wrong with it."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Message(msgspec.Struct, array_like=True, gc=False, omit_defaults=True, tag_field="t"):
+    """Base of every wire message (tagged by a small integer)."""

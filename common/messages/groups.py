@@ -1,0 +1,156 @@
+"""The payloads: ``Prompt`` (broker -> rollout) and ``SampleGroup`` (rollout -> broker -> learner), the
+zero-copy array helpers and the deep checks of a group the broker runs at ingest."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Union
+
+import msgspec
+import numpy as np
+
+from fleetrl.common.messages.base import LOGPROB_DTYPE, TOKEN_DTYPE, FinishReason
+
+class Prompt(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """One prompt of the data set. ``prompt_id`` is stable across re-issues ("<epoch>:<index>")."""
+
+    prompt_id: str
+    prompt: Union[str, list[dict[str, str]]]  # raw text, or chat messages [{role, content}]
+    answer: Union[str, None] = None
+    metadata: dict[str, Any] = {}
+
+
+class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """All responses to one prompt, produced by one policy version: a ragged batch.
+
+    The responses' token ids and behaviour log-probs lie back to back in two flat arrays; response
+    ``i`` is ``tokens[offsets[i]:offsets[i + 1]]`` with ``offsets = cumsum([0] + lengths)``. Decoded
+    arrays are memoryviews into the frame they arrived in (no copy); use :meth:`token_array`,
+    :meth:`logprob_array` and :meth:`response_tokens` to read them.
+    """
+
+    group_id: str  # unique per group; a retried push keeps it, so the broker de-duplicates
+    prompt_id: str
+    policy_version: int
+    prompt_tokens: memoryview  # int32 LE [P]
+    lengths: list[int]  # [G] response lengths in tokens
+    tokens: memoryview  # int32 LE [sum(lengths)]: sampled token ids
+    logprobs: memoryview  # float32 LE [sum(lengths)]: log mu(token | prefix) from the engine's raw logits
+    rewards: list[float]  # [G]
+    finish_reasons: list[FinishReason] = []  # [G]; empty = every response ended with "stop"
+    reward_parts: list[dict[str, float]] = []  # [G] per reward function, for logging
+    failed: list[bool] = []  # [G] a reward function failed on this sample
+    lease_id: str = ""
+    server_id: str = ""
+    trace: dict[str, str] = {}  # W3C trace context (traceparent, tracestate)
+    created_at: float = 0.0
+    metadata: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        gid, n = self.group_id, len(self.lengths)
+        if not gid:
+            raise ValueError("group has an empty group_id")
+        if n == 0:
+            raise ValueError(f"group {gid} has no responses; push groups of at least one response")
+        if len(self.rewards) != n:
+            raise ValueError(f"group {gid} has {n} responses but {len(self.rewards)} rewards; send one reward per response")
+        for name in ("finish_reasons", "reward_parts", "failed"):
+            if getattr(self, name) and len(getattr(self, name)) != n:
+                raise ValueError(f"group {gid} has {n} responses but {len(getattr(self, name))} {name}")
+        if min(self.lengths) < 0:
+            raise ValueError(f"group {gid} has a negative response length")
+        total = 4 * sum(self.lengths)
+        if len(self.tokens) != total:
+            raise ValueError(f"group {gid} lengths sum to {total // 4} tokens but tokens holds {len(self.tokens)} bytes "
+                             f"({len(self.tokens) / 4:g} int32)")
+        if len(self.logprobs) != total:
+            raise ValueError(f"group {gid} has {total // 4} tokens but {len(self.logprobs) / 4:g} log-probs; "
+                             "send one behaviour log-prob per sampled token")
+        if not all(map(math.isfinite, self.rewards)):
+            raise ValueError(f"group {gid} has a reward that is not finite ({self.rewards}); rewards must be finite numbers")
+        if not len(self.prompt_tokens) or len(self.prompt_tokens) % 4:
+            raise ValueError(f"group {gid} prompt_tokens is {len(self.prompt_tokens)} bytes, not int32 ids")
+        if self.policy_version < 0:
+            raise ValueError(f"group {gid} has negative policy_version {self.policy_version}")
+
+    @property
+    def num_responses(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // 4
+
+    def offsets(self) -> np.ndarray:
+        """[G + 1] start of each response in the flat arrays, then the total."""
+        return np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+
+    def prompt_array(self) -> np.ndarray:
+        return np.frombuffer(self.prompt_tokens, dtype=TOKEN_DTYPE)
+
+    def token_array(self) -> np.ndarray:
+        return np.frombuffer(self.tokens, dtype=TOKEN_DTYPE)
+
+    def logprob_array(self) -> np.ndarray:
+        return np.frombuffer(self.logprobs, dtype=LOGPROB_DTYPE)
+
+    def response_tokens(self, i: int) -> np.ndarray:
+        start = sum(self.lengths[:i])
+        return self.token_array()[start : start + self.lengths[i]]
+
+    def finish_reason(self, i: int) -> str:
+        return self.finish_reasons[i] if self.finish_reasons else "stop"
+
+
+def build_group(group_id: str, prompt_id: str, policy_version: int, prompt_ids: Any, responses: list[tuple[Any, Any]],
+                rewards: list[float], finish_reasons: list[str] | None = None, **fields: Any) -> SampleGroup:
+    """A SampleGroup from per-response (token ids, log-probs) pairs (lists or arrays)."""
+    tokens = [np.asarray(t, dtype=TOKEN_DTYPE) for t, _ in responses]
+    logprobs = [np.asarray(lp, dtype=LOGPROB_DTYPE) for _, lp in responses]
+    return SampleGroup(
+        group_id=group_id, prompt_id=prompt_id, policy_version=policy_version,
+        prompt_tokens=np.asarray(prompt_ids, dtype=TOKEN_DTYPE).tobytes(), lengths=[len(t) for t in tokens],
+        tokens=b"".join(t.tobytes() for t in tokens), logprobs=b"".join(lp.tobytes() for lp in logprobs),
+        rewards=[float(r) for r in rewards], finish_reasons=list(finish_reasons or []), **fields,
+    )
+
+
+# ---------------------------------------------------------------------------- array helpers
+
+
+def pack_tokens(ids: Any) -> bytes:
+    """Token ids (list or array) -> int32 little-endian bytes."""
+    return np.asarray(ids, dtype=TOKEN_DTYPE).tobytes()
+
+
+def unpack_tokens(buf: bytes) -> np.ndarray:
+    """int32 little-endian bytes -> read-only int32 array [T]."""
+    return np.frombuffer(buf, dtype=TOKEN_DTYPE)
+
+
+def pack_logprobs(values: Any) -> bytes:
+    """Log-probs (list or array) -> float32 little-endian bytes."""
+    return np.asarray(values, dtype=LOGPROB_DTYPE).tobytes()
+
+
+def unpack_logprobs(buf: bytes) -> np.ndarray:
+    """float32 little-endian bytes -> read-only float32 array [T]."""
+    return np.frombuffer(buf, dtype=LOGPROB_DTYPE)
+
+
+def check_group(group: SampleGroup, vocab_size: int = 0) -> str | None:
+    """Deeper checks than decoding does (token range, finite log-probs); returns a reason or None.
+
+    Decoding already guarantees matching lengths, finite rewards and a non-empty group. Three
+    reductions over zero-copy views: ids read as *unsigned* so that a negative id shows up as huge,
+    and the sum of the log-probs, which is finite only if every one of them is.
+    """
+    hi = max(int(np.frombuffer(group.prompt_tokens, dtype="<u4").max()),
+             int(np.frombuffer(group.tokens, dtype="<u4").max()) if len(group.tokens) else 0)
+    if hi >= 2**31:
+        return f"group {group.group_id} has a negative token id {hi - 2**32}"
+    if vocab_size and hi >= vocab_size:
+        return f"group {group.group_id} has token id {hi} outside the vocabulary of {vocab_size}"
+    if len(group.logprobs) and not np.isfinite(np.frombuffer(group.logprobs, dtype=LOGPROB_DTYPE).sum(dtype=np.float64)):
+        return f"group {group.group_id} has log-probs that are not finite"
+    return None

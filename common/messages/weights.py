@@ -1,0 +1,58 @@
+"""What weight sync puts on the wire: the parameter specs and ``WeightsInfo`` of a version (in broker
+messages), and the records a receiver and the learner exchange on the learner's TCPStore for one
+broadcast round (docs/weight_sync.md)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+class ParamSpec(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    name: str
+    shape: list[int]
+    dtype: str  # torch dtype name without "torch.", e.g. "float32"
+
+
+class WeightsInfo(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """What a rollout server needs to fetch one weight version."""
+
+    transport: Literal["filesystem", "gloo", "nccl", "none"] = "none"
+    path: str = ""  # filesystem: directory with model.safetensors
+    master_addr: str = ""  # broadcast: TCPStore host of learner rank 0
+    master_port: int = 0
+    buckets: list[list[ParamSpec]] = []  # broadcast: parameters of each flat bucket, in order
+    round_id: int = 0  # broadcast: which round of the group to join
+    published_at: float = 0.0  # learner wall clock at publishing: orders versions across resumes and rollbacks
+
+
+class JoinRecord(msgspec.Struct, gc=False):  # Rollout -> Learner (TCPStore)
+    """Who joined a broadcast round, and which group it still holds ("" = none)."""
+
+    identity: str  # client id plus a per-process nonce: a restarted rollout is a new member
+    group: str = ""
+
+
+class RoundPlan(msgspec.Struct, gc=False):  # Learner -> Rollout (TCPStore)
+    """The group of this round and each member's rank in it."""
+
+    group: str
+    size: int  # 1 + receivers
+    ranks: dict[str, int]  # identity -> rank (1..size-1); the learner is rank 0
+    reuse: bool = False  # the members already hold `group` from an earlier round
+
+
+_join_decoder = msgspec.json.Decoder(JoinRecord)
+_plan_decoder = msgspec.json.Decoder(RoundPlan)
+
+
+def encode_record(record: JoinRecord | RoundPlan) -> bytes:
+    return msgspec.json.encode(record)
+
+
+def decode_join(buf: bytes) -> JoinRecord:
+    return _join_decoder.decode(buf)
+
+
+def decode_plan(buf: bytes) -> RoundPlan:
+    return _plan_decoder.decode(buf)

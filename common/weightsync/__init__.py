@@ -1,0 +1,35 @@
+"""Weight sync shared by the learner's publisher and the rollout's receiver (docs/weight_sync.md):
+the bucket plan, the round protocol's store keys and the filesystem layout (``plan.py``), and the
+process groups of a broadcast (``groups.py``). Imports without torch."""
+
+from fleetrl.common.weightsync.plan import (  # noqa: F401
+    BucketLayout,
+    CLOSED,
+    JOIN_WINDOW_S,
+    MB,
+    Slot,
+    WEIGHTS_FILE,
+    bucket_layout,
+    check_plan,
+    count_key,
+    dtype_bytes,
+    dtype_name,
+    group_prefix,
+    make_spec,
+    member_key,
+    plan_buckets,
+    plan_bytes,
+    plan_key,
+    safetensors_header,
+    spec_bytes,
+    spec_numel,
+    version_dir,
+    versions_to_prune,
+)
+from fleetrl.common.weightsync.groups import (  # noqa: F401
+    broadcast,
+    local_address_towards,
+    new_group,
+    release_group,
+    wait,
+)
