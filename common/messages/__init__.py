@@ -22,6 +22,7 @@ from fleetrl.common.messages.base import (  # noqa: F401
     ErrorCode,
     FinishReason,
     LOGPROB_DTYPE,
+    MASK_DTYPE,
     Message,
     PROTOCOL_VERSION,
     ProtocolError,

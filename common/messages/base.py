@@ -10,6 +10,7 @@ import numpy as np
 PROTOCOL_VERSION = 1
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
+MASK_DTYPE = np.dtype("u1")
 
 TOPIC_VERSION = b"version"
 TOPIC_CONTROL = b"control"

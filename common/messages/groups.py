@@ -9,7 +9,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-from fleetrl.common.messages.base import LOGPROB_DTYPE, TOKEN_DTYPE, FinishReason
+from fleetrl.common.messages.base import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, FinishReason
 
 class Prompt(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """One prompt of the data set. ``prompt_id`` is stable across re-issues ("<epoch>:<index>")."""
@@ -27,6 +27,15 @@ class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     ``i`` is ``tokens[offsets[i]:offsets[i + 1]]`` with ``offsets = cumsum([0] + lengths)``. Decoded
     arrays are memoryviews into the frame they arrived in (no copy); use :meth:`token_array`,
     :meth:`logprob_array` and :meth:`response_tokens` to read them.
+
+    Two optional per-token arrays ride the same way (empty = the default for every token):
+
+    - ``loss_mask`` (uint8): 1 for tokens the policy sampled and the learner trains on, 0 for tokens
+      that were appended, not sampled (a multi-turn episode's observations and tool results). Their
+      log-probs are not behaviour log-probs; the learner never reads them. Default: all 1.
+    - ``token_versions`` (int32): the policy version that produced each token; a response generated
+      across an in-flight weight update spans versions. ``policy_version`` is the oldest of them (the
+      group's staleness), so every entry is ``>= policy_version``. Default: all ``policy_version``.
     """
 
     group_id: str  # unique per group; a retried push keeps it, so the broker de-duplicates
@@ -45,6 +54,8 @@ class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     trace: dict[str, str] = {}  # W3C trace context (traceparent, tracestate)
     created_at: float = 0.0
     metadata: dict[str, Any] = {}
+    loss_mask: memoryview = b""  # uint8 [sum(lengths)] or empty (= all 1): 0 marks appended, untrained tokens
+    token_versions: memoryview = b""  # int32 LE [sum(lengths)] or empty (= all policy_version)
 
     def __post_init__(self) -> None:
         gid, n = self.group_id, len(self.lengths)
@@ -66,6 +77,12 @@ class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
         if len(self.logprobs) != total:
             raise ValueError(f"group {gid} has {total // 4} tokens but {len(self.logprobs) / 4:g} log-probs; "
                              "send one behaviour log-prob per sampled token")
+        if len(self.loss_mask) and len(self.loss_mask) != total // 4:
+            raise ValueError(f"group {gid} has {total // 4} tokens but a loss_mask of {len(self.loss_mask)} bytes; "
+                             "send one uint8 per token, or none")
+        if len(self.token_versions) and len(self.token_versions) != total:
+            raise ValueError(f"group {gid} has {total // 4} tokens but token_versions of {len(self.token_versions)} "
+                             "bytes; send one int32 per token, or none")
         if not all(map(math.isfinite, self.rewards)):
             raise ValueError(f"group {gid} has a reward that is not finite ({self.rewards}); rewards must be finite numbers")
         if not len(self.prompt_tokens) or len(self.prompt_tokens) % 4:
@@ -101,12 +118,32 @@ class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     def finish_reason(self, i: int) -> str:
         return self.finish_reasons[i] if self.finish_reasons else "stop"
 
+    def loss_mask_array(self) -> np.ndarray:
+        """uint8 [sum(lengths)]: 1 where the learner trains (all ones when the group sent none)."""
+        if not len(self.loss_mask):
+            return np.ones(self.num_tokens, dtype=MASK_DTYPE)
+        return np.frombuffer(self.loss_mask, dtype=MASK_DTYPE)
+
+    def version_array(self) -> np.ndarray:
+        """int32 [sum(lengths)]: the policy version of each token (``policy_version`` when none was sent)."""
+        if not len(self.token_versions):
+            return np.full(self.num_tokens, self.policy_version, dtype=TOKEN_DTYPE)
+        return np.frombuffer(self.token_versions, dtype=TOKEN_DTYPE)
+
 
 def build_group(group_id: str, prompt_id: str, policy_version: int, prompt_ids: Any, responses: list[tuple[Any, Any]],
-                rewards: list[float], finish_reasons: list[str] | None = None, **fields: Any) -> SampleGroup:
-    """A SampleGroup from per-response (token ids, log-probs) pairs (lists or arrays)."""
+                rewards: list[float], finish_reasons: list[str] | None = None, loss_masks: list[Any] | None = None,
+                token_versions: list[Any] | None = None, **fields: Any) -> SampleGroup:
+    """A SampleGroup from per-response (token ids, log-probs) pairs (lists or arrays).
+
+    ``loss_masks`` / ``token_versions``: one array per response (or None for the defaults).
+    """
     tokens = [np.asarray(t, dtype=TOKEN_DTYPE) for t, _ in responses]
     logprobs = [np.asarray(lp, dtype=LOGPROB_DTYPE) for _, lp in responses]
+    if loss_masks is not None:
+        fields["loss_mask"] = b"".join(np.asarray(x, dtype=MASK_DTYPE).tobytes() for x in loss_masks)
+    if token_versions is not None:
+        fields["token_versions"] = b"".join(np.asarray(x, dtype=TOKEN_DTYPE).tobytes() for x in token_versions)
     return SampleGroup(
         group_id=group_id, prompt_id=prompt_id, policy_version=policy_version,
         prompt_tokens=np.asarray(prompt_ids, dtype=TOKEN_DTYPE).tobytes(), lengths=[len(t) for t in tokens],
@@ -151,6 +188,11 @@ def check_group(group: SampleGroup, vocab_size: int = 0) -> str | None:
         return f"group {group.group_id} has a negative token id {hi - 2**32}"
     if vocab_size and hi >= vocab_size:
         return f"group {group.group_id} has token id {hi} outside the vocabulary of {vocab_size}"
+    if len(group.loss_mask) and int(np.frombuffer(group.loss_mask, dtype=MASK_DTYPE).max()) > 1:
+        return f"group {group.group_id} has a loss_mask value other than 0 or 1"
+    if len(group.token_versions) and int(np.frombuffer(group.token_versions, dtype=TOKEN_DTYPE).min()) < group.policy_version:
+        return (f"group {group.group_id} has a token version below its policy_version {group.policy_version}; "
+                "policy_version must be the oldest version of any token")
     if len(group.logprobs) and not np.isfinite(np.frombuffer(group.logprobs, dtype=LOGPROB_DTYPE).sum(dtype=np.float64)):
         return f"group {group.group_id} has log-probs that are not finite"
     return None

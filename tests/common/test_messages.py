@@ -167,3 +167,24 @@ def test_check_group_finds_vocab_and_logprob_problems():
     assert "not finite" in m.check_group(msgspec.structs.replace(g, logprobs=lp.tobytes()))
     g3 = msgspec.structs.replace(g, prompt_tokens=m.pack_tokens([-3]))
     assert "negative token id -3" in m.check_group(g3)
+
+
+def test_loss_mask_and_token_versions_travel_zero_copy_and_default_when_absent():
+    g = m.build_group("g", "p", 3, [1, 2], [([5, 6, 7], [-1, -2, -3]), ([8], [-0.5])], [1.0, 0.0],
+                      loss_masks=[[1, 0, 1], [1]], token_versions=[[3, 4, 4], [5]])
+    back = m.decode_request(m.encode(m.PushGroup(req_id=1, client_id="c", group=g))).group
+    assert back.loss_mask_array().tolist() == [1, 0, 1, 1]
+    assert back.version_array().tolist() == [3, 4, 4, 5]
+    assert isinstance(back.loss_mask, memoryview) and m.check_group(back) is None
+    plain = m.decode_group(m.encode(m.build_group("h", "p", 2, [1], [([5, 6], [-1, -1])], [1.0])))
+    assert plain.loss_mask_array().tolist() == [1, 1] and plain.version_array().tolist() == [2, 2]
+
+
+def test_bad_loss_mask_or_token_versions_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="loss_mask of 2 bytes"):
+        m.build_group("g", "p", 3, [1], [([5, 6, 7], [-1, -2, -3])], [1.0], loss_masks=[[1, 0]])
+    with pytest.raises(ValueError, match="token_versions of 4 bytes"):
+        m.build_group("g", "p", 3, [1], [([5, 6], [-1, -2])], [1.0], token_versions=[[3]])
+    older = m.build_group("g", "p", 3, [1], [([5], [-1])], [1.0], token_versions=[[2]])
+    assert "oldest version" in m.check_group(older)
+    assert "0 or 1" in m.check_group(m.build_group("g", "p", 3, [1], [([5], [-1])], [1.0], loss_masks=[[2]]))
