@@ -24,9 +24,15 @@ import zmq
 import zmq.auth
 from zmq.utils.monitor import parse_monitor_message
 
+from fleetrl.broker.address import default_client_id, resolve_address
+from fleetrl.broker.metrics import fleet_metrics, status_metrics
 from fleetrl.broker.zio import LoopSocket
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import CurveConfig
+
+# What other components use of the broker comes through this module (they import nothing else of it).
+__all__ = ["AsyncBrokerClient", "BrokerClient", "BrokerError", "BrokerUnauthorized", "BrokerUnavailable",
+           "Subscription", "default_client_id", "fleet_metrics", "resolve_address", "status_metrics"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from fleetrl.broker.address import resolve_address
-from fleetrl.broker.client import BrokerClient
+from fleetrl.broker.client import BrokerClient, resolve_address
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.learner.runtime import Dist
 

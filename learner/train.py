@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
-from fleetrl.broker.metrics import status_metrics
+from fleetrl.broker.client import status_metrics
 from fleetrl.common import telemetry
 from fleetrl.common.config import load_config, save_resolved
 from fleetrl.common.launch.run import needs_fleet

@@ -26,8 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fleetrl.broker.address import default_client_id, resolve_address
-from fleetrl.broker.client import BrokerClient, BrokerError, BrokerUnavailable
+from fleetrl.broker.client import BrokerClient, BrokerError, BrokerUnavailable, default_client_id, resolve_address
 from fleetrl.common import messages as m
 from fleetrl.common import telemetry
 from fleetrl.common.config import load_config
