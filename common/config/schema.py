@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from msgspec import field
 
 from fleetrl.common.config.base import Section, doc
+from fleetrl.common.config.cluster import ClusterConfig
 from fleetrl.common.config.learner import AlgorithmConfig, HealthConfig, LearnerConfig
 
 
@@ -277,6 +278,9 @@ class JobConfig(Section):
     )
     health: Annotated[HealthConfig, doc("Health monitor and circuit breaker.")] = field(default_factory=HealthConfig)
     run: Annotated[RunConfig, doc("The `fleetrl run` launcher.")] = field(default_factory=RunConfig)
+    cluster: Annotated[ClusterConfig, doc("Placement across machines by `fleetrl launch slurm|ray|k8s`.")] = field(
+        default_factory=ClusterConfig
+    )
 
     def __post_init__(self) -> None:
         if self.broker.max_staleness > 0 and self.algorithm.off_policy.mode == "none" and self.algorithm.policy_loss != "dpo":
