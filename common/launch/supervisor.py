@@ -29,6 +29,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -156,7 +157,8 @@ class Supervisor:
 
     def run(self) -> int:
         handled = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-        old = {sig: signal.signal(sig, self._on_signal) for sig in handled}
+        main = threading.current_thread() is threading.main_thread()  # signals can be caught only there
+        old = {sig: signal.signal(sig, self._on_signal) for sig in handled} if main else {}
         try:
             if self.world.role != "broker":
                 wait_for_broker(self.world.broker_address, self.cfg.cluster.broker_wait_s, self.world.interface)
