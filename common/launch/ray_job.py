@@ -303,7 +303,8 @@ def main(args) -> int:
         return 0
     ray = import_ray()
     address = args.address or cfg.cluster.ray.address
-    init = {"address": address} if address else {"num_cpus": cfg.cluster.ray.num_cpus, "include_dashboard": False}
+    init = {"address": address} if address else {"address": "local", "num_cpus": cfg.cluster.ray.num_cpus,
+                                                 "include_dashboard": False}  # "local": a new cluster, always
     for stale in ("learner.ready", "broker.json", *(f"rollout-{i}.ready" for i in range(200))):
         (run_dir / stale).unlink(missing_ok=True)
     ray.init(namespace=cfg.cluster.ray.namespace, log_to_driver=False, **init)

@@ -94,7 +94,7 @@ class LocalSlurm:
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
     def write_config(self) -> None:
-        for d in ("state", "spool", "munge"):
+        for d in ("state", "spool"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         mem = max(1000, int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20 * 0.9))
         self.conf.write_text(SLURM_CONF.format(host=self.host, node=self.node, root=self.root, cpus=self.cpus, mem=mem,
@@ -114,27 +114,21 @@ class LocalSlurm:
         return self
 
     def _start_munge(self) -> None:
-        run = Path("/run/munge")
-        run.mkdir(parents=True, exist_ok=True)
+        """munged as the munge user, with Debian's default paths (/run/munge, /var/log/munge, /var/lib/munge:
+        the package creates them owned by munge); its socket is where slurm's auth/munge plugin looks."""
         user = pwd.getpwnam("munge")
-        os.chown(run, user.pw_uid, user.pw_gid)
-        sock = self.root / "munge" / "munge.socket"
-        os.chown(self.root / "munge", user.pw_uid, user.pw_gid)
-        # The default socket path is what slurm's auth/munge plugin connects to; a munged already serving
-        # it (another test session) is reused rather than replaced.
-        if Path("/run/munge/munge.socket.2").exists() and self._munge_ok():
+        for d in ("/run/munge", "/var/log/munge", "/var/lib/munge"):
+            Path(d).mkdir(parents=True, exist_ok=True)
+            os.chown(d, user.pw_uid, user.pw_gid)
+        if self._munge_ok():  # one already serving the socket (another session's): use it, leave it alone
             return
-        self.procs["munged"] = subprocess.Popen(
-            ["munged", "-F", "--force", f"--pid-file={self.root / 'munge' / 'munged.pid'}",
-             f"--log-file={self.root / 'munge' / 'munged.log'}", f"--seed-file={self.root / 'munge' / 'seed'}"],
-            user=user.pw_uid, group=user.pw_gid, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self.procs["munged"] = subprocess.Popen(["munged", "-F", "--force"], user=user.pw_uid, group=user.pw_gid,
+                                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 20
         while not self._munge_ok():
             if self.procs["munged"].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"munged did not start (exit {self.procs['munged'].poll()}); "
-                                   f"see {self.root / 'munge' / 'munged.log'}")
+                raise RuntimeError(f"munged did not start (exit {self.procs['munged'].poll()}); see /var/log/munge/munged.log")
             time.sleep(0.1)
-        del sock
 
     @staticmethod
     def _munge_ok() -> bool:
@@ -182,7 +176,22 @@ class LocalSlurm:
             time.sleep(0.5)
         raise AssertionError(f"job {job_id} is {state!r} after {timeout:.0f} s, wanted one of {sorted(states)}")
 
+    def cancel_all(self, timeout: float = 90) -> None:
+        """Cancel every job of this cluster and wait for them to leave: slurmd does not take running jobs
+        down with it, so stopping the daemons first would orphan them."""
+        if self.procs.get("slurmctld") is None or self.procs["slurmctld"].poll() is not None:
+            return
+        queue = lambda: subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True,  # noqa: E731
+                                       env=self.env).stdout.split()
+        jobs = queue()
+        if jobs:
+            subprocess.run(["scancel", "--full", *jobs], env=self.env, capture_output=True)
+        deadline = time.monotonic() + timeout
+        while queue() and time.monotonic() < deadline:
+            time.sleep(0.5)
+
     def stop(self) -> None:
+        self.cancel_all()
         for name in reversed(DAEMONS):
             proc = self.procs.pop(name, None)
             if proc is None or proc.poll() is not None:
