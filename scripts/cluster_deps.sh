@@ -13,5 +13,5 @@ for tool in sbatch srun scontrol slurmctld slurmd munged; do
     command -v "$tool" >/dev/null || { echo "cluster_deps: $tool is missing after the install" >&2; exit 1; }
 done
 "$PY" -c "import ray" 2>/dev/null || "$PY" -m pip install -q -e '.[ray]'
-"$PY" -c "import ray; print('cluster_deps: slurm', end=' '); import subprocess; subprocess.run(['sbatch', '--version'])" \
-    || { echo "cluster_deps: ray did not install" >&2; exit 1; }
+"$PY" -c "import ray; print('cluster_deps: ray', ray.__version__)" || { echo "cluster_deps: ray did not install" >&2; exit 1; }
+echo "cluster_deps: $(slurmd -V)"
