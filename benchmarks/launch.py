@@ -73,7 +73,11 @@ class Load:
     sampled (the job's processes are not our children, so their rusage is not ours to read)."""
 
     def __init__(self, run: Path):
-        self.run, self.t0, self.busy0, self.ours = str(run), time.monotonic(), self._busy(), {}
+        self.run, self.t0, self.busy0 = str(run), time.monotonic(), self._busy()
+        self.base: dict[int, float] = {}  # CPU seconds a process had already used before the trial
+        self.ours: dict[int, float] = {}
+        self.sample()
+        self.base = dict(self.ours)
 
     @staticmethod
     def _busy() -> float:
@@ -81,16 +85,18 @@ class Load:
         return sum(t.get(k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
 
     def sample(self) -> None:
+        """The job's processes (its run dir in the command line), the Slurm daemons and Ray's own."""
         for p in psutil.process_iter(["cmdline", "cpu_times"]):
             cmd = " ".join(p.info["cmdline"] or [])
-            if self.run in cmd or "slurm" in cmd or "ray" in cmd.split(" ")[0] or "raylet" in cmd or "gcs_server" in cmd:
+            if self.run in cmd or "slurm" in cmd or "ray" in cmd or "gcs_server" in cmd:
                 if p.info["cpu_times"] is not None:
                     self.ours[p.pid] = p.info["cpu_times"].user + p.info["cpu_times"].system
 
     def others_share(self) -> float:
         wall = time.monotonic() - self.t0
         busy = self._busy() - self.busy0
-        return round(max(0.0, busy - sum(self.ours.values())) / max(1e-9, wall * (os.cpu_count() or 1)), 3)
+        ours = sum(t - self.base.get(pid, 0.0) for pid, t in self.ours.items())
+        return round(max(0.0, busy - ours) / max(1e-9, wall * (os.cpu_count() or 1)), 3)
 
 
 def measure(run: Path, kill_rollout, load: Load) -> dict:
