@@ -123,3 +123,39 @@ def test_resume_reproduces_the_same_loss_on_the_same_batch(dist, tiny_model_dir,
     for key in ("actor/loss", "actor/grad_norm", "actor/clipfrac", "actor/entropy"):
         assert replay[key] == after_save[key], key
     again.close()
+
+
+def _holey_groups(garbage: float):
+    """Two groups whose responses have appended (loss-mask 0) tokens inside and at the end."""
+    import numpy as np
+
+    from fleetrl.common import messages as m
+
+    rng = np.random.default_rng(3)
+    groups = []
+    for g in range(2):
+        responses, masks = [], []
+        for i in range(4):
+            mask = np.array([1, 1, 0, 0, 1, 1, 0])  # sampled, an observation, sampled, a trailing observation
+            logp = np.where(mask == 1, -1.5 - 0.1 * i, garbage)  # appended tokens carry no behaviour log-prob
+            responses.append((rng.integers(7, 200, 7), logp))
+            masks.append(mask)
+        groups.append(m.build_group(f"h{g}", f"0:{g}", 0, rng.integers(7, 200, 5), responses,
+                                    [float(i % 2) for i in range(4)], loss_masks=masks))
+    return groups
+
+
+def test_loss_mask_holes_are_trained_around_and_never_read(dist, tiny_model_dir, tmp_path):
+    cfg = job(tiny_model_dir, tmp_path)
+    stats = []
+    for garbage in (0.0, -1e4):  # what sits at the appended tokens must not matter
+        torch.manual_seed(0)
+        learner = Learner(cfg, tmp_path, inproc_client([])[0], dist)
+        batch = learner.actor.plan(Leased(groups=_holey_groups(garbage)))
+        assert batch.last.tolist() == [5] * 8  # the reward sits on the last *sampled* token, not the trailing one
+        assert batch.mask[0].tolist() == [1, 1, 0, 0, 1, 1, 0]
+        stats.append(learner.actor.step(batch, 0))
+        learner.close()
+    for key in ("actor/loss", "actor/grad_norm", "off_policy/mismatch_kl", "adv/abs_mean"):
+        assert stats[0][key] == stats[1][key] and math.isfinite(stats[0][key]), key
+    assert stats[0]["adv/abs_mean"] > 0
