@@ -208,7 +208,7 @@ def _rollout_errors(cfg) -> list[str]:
                       f"cluster.rollout.gpus_per_node={r.gpus_per_node}; lower servers_per_node or set it to null")
     if r.servers_per_node is not None and r.servers_per_node < 1:
         errors.append(f"cluster.rollout.servers_per_node={r.servers_per_node}: must be >= 1 (or null)")
-    if r.nodes == 0 and not (cfg.algorithm.policy_loss == "dpo" and cfg.data.preference):
+    if r.nodes == 0 and cfg.needs_fleet:
         errors.append("cluster.rollout.nodes=0 leaves an RL job without rollout servers; set cluster.rollout.nodes >= 1")
     return errors
 

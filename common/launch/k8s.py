@@ -30,7 +30,6 @@ import yaml
 from fleetrl.common.config import ConfigError, dump_yaml, load_config
 from fleetrl.common.config.cluster import check_placement
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.common.launch.run import needs_fleet
 from fleetrl.common.launch.world import Layout
 
 CONFIG_DIR = "/etc/fleetrl"
@@ -139,7 +138,7 @@ class Renderer:
 
     def objects(self) -> list[dict[str, Any]]:
         objs = [self.config_map(), *self.pvc()]
-        if needs_fleet(self.cfg):
+        if self.cfg.needs_fleet:
             objs += [*self.broker(), *self.rollout()]
         return objs + self.learner()
 

@@ -30,7 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from fleetrl.common.config import ConfigError, load_config
-from fleetrl.common.launch.run import Child, child_env, needs_fleet
+from fleetrl.common.launch.run import Child, child_env
 from fleetrl.common.launch.slurm import prepare, resolve_run_dir
 from fleetrl.common.launch.supervisor import log_event
 from fleetrl.common.launch.world import Layout, world_map
@@ -211,7 +211,7 @@ class RayJob:
     def run(self) -> int:
         old = {s: signal.signal(s, lambda *a: setattr(self, "stop_requested", True)) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            broker = self.start_broker() if needs_fleet(self.cfg) else ""
+            broker = self.start_broker() if self.cfg.needs_fleet else ""
             print(f"fleetrl launch ray: broker at {broker}", flush=True)
             self.start_rollouts(broker)
             self.start_learners(broker)

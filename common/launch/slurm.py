@@ -43,10 +43,8 @@ def resolve_run_dir(cfg: JobConfig, override: str | None = None) -> Path:
 
 def role_steps(cfg: JobConfig, layout: Layout) -> list[dict]:
     """The job's srun steps in start order: the broker, the learner nodes, the rollout nodes."""
-    from fleetrl.common.launch.run import needs_fleet
-
     steps = [{"role": "learner", "nodes": layout.learner_nodes}]
-    if needs_fleet(cfg):
+    if cfg.needs_fleet:
         steps = [{"role": "broker", "nodes": 1}, *steps, {"role": "rollout", "nodes": layout.rollout_nodes}]
     return [s for s in steps if s["nodes"] > 0]
 
