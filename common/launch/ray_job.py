@@ -305,8 +305,8 @@ def main(args) -> int:
     address = args.address or cfg.cluster.ray.address
     init = {"address": address} if address else {"address": "local", "num_cpus": cfg.cluster.ray.num_cpus,
                                                  "include_dashboard": False}  # "local": a new cluster, always
-    for stale in ("learner.ready", "broker.json", *(f"rollout-{i}.ready" for i in range(200))):
-        (run_dir / stale).unlink(missing_ok=True)
+    for stale in [run_dir / "learner.ready", run_dir / "broker.json", *run_dir.glob("rollout-*.ready")]:
+        stale.unlink(missing_ok=True)  # a previous run's signals must not count
     ray.init(namespace=cfg.cluster.ray.namespace, log_to_driver=False, **init)
     print(f"fleetrl launch ray: {cfg.run.name} -> {run_dir} on {'Ray at ' + address if address else 'a local Ray'}",
           flush=True)
