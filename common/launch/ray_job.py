@@ -67,6 +67,10 @@ class ProcessActor:
         self.ctx.setdefault("node_ip", self.node_ip)
         self.child: Child | None = None
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if self.restarted and role == "rollout":  # Ray re-ran the constructor only: start from the record
+            world = json.loads((self.run_dir / "launch" / "world.json").read_text())
+            self.ctx["broker_address"] = world["broker_address"]
+            autostart = True
         if autostart:
             self.start(self.ctx)
 
@@ -171,50 +175,56 @@ class RayJob:
         return {"name": f"{self.layout.name}-{name}", "namespace": self.cfg.cluster.ray.namespace,
                 "runtime_env": {"env_vars": {"FLEETRL_ALLOC_START": str(self.alloc_start)}}, **kw}
 
-    def start_broker(self) -> str:
-        actor = self.remote.options(**self.opts("broker", num_cpus=1, max_restarts=0)).remote(
-            "broker", "broker", self.plan, {"run_dir": str(self.run_dir)}, True)
-        self.actors["broker"] = actor
-        return self.ray.get(actor.wait_ready.remote(READY_TIMEOUT_S))["address"]
-
-    def start_rollouts(self, broker: str) -> None:
-        c = self.cfg.cluster.rollout
-        for i in range(self.layout.num_servers):
-            name = f"rollout-{i}"
-            ctx = {"broker_address": broker, "server_index": i, "rank": i, "run_dir": str(self.run_dir)}
-            self.actors[name] = self.remote.options(**self.opts(
-                name, num_cpus=c.cpus_per_server, num_gpus=self.gpus_per_server, max_restarts=c.max_restarts)).remote(
-                "rollout", name, self.plan, ctx, True)
-
-    def start_learners(self, broker: str) -> None:
+    def create_actors(self) -> None:
+        """Every actor at once, so that Ray starts their worker processes in parallel with the broker's
+        start-up; only the broker starts its process now, the others once they know its address."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        run = {"run_dir": str(self.run_dir)}
+        if self.cfg.needs_fleet:
+            self.actors["broker"] = self.remote.options(**self.opts("broker", num_cpus=1, max_restarts=0)).remote(
+                "broker", "broker", self.plan, run, True)
+        r = self.cfg.cluster.rollout
+        for i in range(self.layout.num_servers if self.cfg.needs_fleet else 0):
+            name = f"rollout-{i}"
+            self.actors[name] = self.remote.options(**self.opts(
+                name, num_cpus=r.cpus_per_server, num_gpus=self.gpus_per_server, max_restarts=r.max_restarts)).remote(
+                "rollout", name, self.plan, {**run, "server_index": i, "rank": i}, False)
         c, world = self.cfg.cluster.learner, self.layout.world_size
         bundle = {"CPU": c.cpus_per_rank, **({"GPU": 1} if c.gpus_per_node else {})}
         self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK", name=f"{self.layout.name}-learner")
-        self.ray.get(self.pg.ready(), timeout=READY_TIMEOUT_S)
-        ranks = []
         for rank in range(world):
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
-            ranks.append(self.remote.options(**self.opts(
+            name = "learner" if rank == 0 else f"learner-{rank}"
+            self.actors[name] = self.remote.options(**self.opts(
                 f"learner-{rank}", num_cpus=c.cpus_per_rank, num_gpus=1 if c.gpus_per_node else 0, max_restarts=0,
-                scheduling_strategy=strategy)).remote("learner", f"learner-{rank}" if rank else "learner", self.plan,
-                                                      {"rank": rank, "broker_address": broker}, False))
+                scheduling_strategy=strategy)).remote("learner", name, self.plan, {**run, "rank": rank}, False)
+
+    def broker_address(self) -> str:
+        """Wait for the broker actor's process; record its address for restarted rollout actors."""
+        if "broker" not in self.actors:
+            return ""
+        address = self.ray.get(self.actors["broker"].wait_ready.remote(READY_TIMEOUT_S))["address"]
+        (self.run_dir / "launch" / "world.json").write_text(json.dumps({"broker_address": address}))
+        return address
+
+    def start_rest(self, broker: str) -> None:
+        """Rollout servers with the broker's address; learner ranks with rank 0's MASTER_ADDR/PORT."""
+        rollouts = [a.start.remote({"broker_address": broker}) for n, a in self.actors.items() if n.startswith("rollout")]
+        ranks = [self.actors["learner" if r == 0 else f"learner-{r}"] for r in range(self.layout.world_size)]
+        self.ray.get(self.pg.ready(), timeout=READY_TIMEOUT_S)
         master_addr, master_port = self.ray.get(ranks[0].pick_master.remote())
-        ctx = {"broker_address": broker, "world_size": world, "master_addr": master_addr, "master_port": master_port,
-               "run_dir": str(self.run_dir)}
-        self.ray.get([a.start.remote({**ctx, "rank": r}) for r, a in enumerate(ranks)])
-        for rank, actor in enumerate(ranks):
-            self.actors["learner" if rank == 0 else f"learner-{rank}"] = actor
+        ctx = {"broker_address": broker, "world_size": len(ranks), "master_addr": master_addr, "master_port": master_port}
+        self.ray.get([a.start.remote({**ctx, "rank": r}) for r, a in enumerate(ranks)] + rollouts)
 
     def run(self) -> int:
         old = {s: signal.signal(s, lambda *a: setattr(self, "stop_requested", True)) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            broker = self.start_broker() if self.cfg.needs_fleet else ""
+            self.create_actors()
+            broker = self.broker_address()
             print(f"fleetrl launch ray: broker at {broker}", flush=True)
-            self.start_rollouts(broker)
-            self.start_learners(broker)
+            self.start_rest(broker)
             return self.watch()
         except ConfigError:
             raise
