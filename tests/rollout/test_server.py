@@ -266,7 +266,7 @@ def test_new_weights_are_loaded_between_batches(engine, tiny_model_dir, tmp_path
     greedy = SamplingParams(temperature=0, max_new_tokens=MAX_NEW)
     try:
         prompts = [encode_prompt(engine.tokenizer, fleet.prompt_text(f"0:{i}"), False, 100) for i in range(50)]
-        before = {tuple(p): s[0].token_ids for p, s in zip(prompts, engine.generate(prompts, greedy, 1))}
+        before = {tuple(p): s[0].token_ids for p, s in zip(prompts, engine.generate_batch(prompts, greedy, 1))}
         fleet.start_thread()
         wait_for(lambda: fleet.state.counters["groups_in"] >= B, what="version-0 groups")
         fleet.learner.publish_version(1, 1, m.WeightsInfo(transport="filesystem", path=other))
@@ -274,7 +274,7 @@ def test_new_weights_are_loaded_between_batches(engine, tiny_model_dir, tmp_path
         fleet.drain()
         new = wait_for(lambda: [g for g in fleet.drain() if g.policy_version == 1], what="version-1 groups")
         for g in new:
-            [[want]] = reference.generate([g.prompt_array().tolist()], greedy, 1)
+            [[want]] = reference.generate_batch([g.prompt_array().tolist()], greedy, 1)
             assert all(g.response_tokens(i).tolist() == want.token_ids for i in range(G))
         assert any(g.response_tokens(0).tolist() != before[tuple(g.prompt_array().tolist())] for g in new)
         client = fleet.state.clients["rollout-0-test"]
