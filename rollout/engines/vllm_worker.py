@@ -54,6 +54,7 @@ class WorkerLoader:
         files = safetensors_files(path)
         shapes = safetensors_shapes(files)
         check_named_shapes(shapes, self.shapes, f"load_weights_from_dir({path!r})")
+        self._check_file_dtypes(files, path)
         missing = missing_weights([(n, s, d) for n, s, d in self.specs], [name for name, _ in shapes], self.aliases)
         if missing:
             raise ValueError(f"load_weights_from_dir({path!r}): {len(missing)} weights are missing, e.g. {missing[:3]}. "
@@ -63,6 +64,17 @@ class WorkerLoader:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 named += [(name, f.get_tensor(name)) for name in f.keys()]
         self._reload(named)
+
+    def _check_file_dtypes(self, files: list[Any], path: str) -> None:
+        from safetensors import safe_open
+
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    dtype = f.get_slice(name).get_dtype()
+                    if name in self.floats and not dtype.startswith(("F", "BF")):
+                        raise ValueError(f"load_weights_from_dir({path!r}): weight {name!r} is stored as {dtype} but "
+                                         "the model's is floating point. No weight was changed.")
 
     def _reload(self, named: list[tuple[str, Any]]) -> None:
         """Into the model, with every tied alias present: vLLM keeps the old head when it is missing."""
@@ -90,6 +102,7 @@ class FleetrlWorkerExtension:
         from fleetrl.rollout.weights import WeightReceiver
 
         cfg = msgspec.json.decode(cfg_json, type=JobConfig)
+        self.fleetrl_close()  # a receiver built earlier (a second engine.weight_receiver call) stops
         rank = int(getattr(self, "rank", 0) or 0)
         self._fleetrl_loader = WorkerLoader(self, specs, aliases)
         self._fleetrl_receiver = WeightReceiver(cfg, specs, str(self.device), f"{client_id}/tp{rank}")

@@ -311,32 +311,34 @@ def test_vllm_logprobs_mode_choice():
 
 
 def test_vllm_outputs_become_generations():
-    from fleetrl.rollout.engines.vllm import to_generations
+    from fleetrl.rollout.engines.vllm import span_versions, to_generation
 
-    def completion(index, tokens, reason, text):
+    def completion(tokens, reason, text, spans=None):
         logprobs = [{tok: SimpleNamespace(logprob=-0.5 * tok), 99: SimpleNamespace(logprob=-9.0)} for tok in tokens]
-        return SimpleNamespace(index=index, token_ids=tuple(tokens), logprobs=logprobs, finish_reason=reason, text=text)
+        return SimpleNamespace(token_ids=tuple(tokens), logprobs=logprobs, finish_reason=reason, text=text,
+                               weight_versions=spans)
 
-    out = SimpleNamespace(outputs=[completion(1, [4, 2], "stop", "b"), completion(0, [3, 5, 6], "length", "abc")])
-    assert to_generations(out) == [
-        Generation([3, 5, 6], [-1.5, -2.5, -3.0], "length", "abc"),
-        Generation([4, 2], [-2.0, -1.0], "stop", "b"),
-    ]
+    span = lambda v, a, b: SimpleNamespace(version=v, start=a, end=b)  # noqa: E731
+    out = to_generation(completion([3, 5, 6], "length", "abc", [span("2", 0, 1), span("3", 1, 3)]), "r1", 2)
+    assert out == Generation([3, 5, 6], [-1.5, -2.5, -3.0], "length", "abc", versions=[2, 3, 3])
+    assert out.request_id == "r1"
+    assert to_generation(completion([4], "stop", "b"), "r2", 5).versions == [5]  # no spans: the engine's version
+    assert span_versions([span("default", 0, 2)], 2, 0) == [0, 0]
     with pytest.raises(RuntimeError, match="abort"):
-        to_generations(SimpleNamespace(outputs=[completion(0, [3], "abort", "")]))
+        to_generation(completion([3], "abort", ""), "r3", 0)
 
 
-def test_vllm_specs_and_buckets_without_vllm(engine, tiny_model_dir):
-    from fleetrl.rollout.engines.vllm import buckets, hf_state_specs
+def test_vllm_specs_without_vllm(engine, tiny_model_dir):
+    from fleetrl.rollout.engines.vllm import hf_state_specs
 
     specs, aliases = hf_state_specs(ModelConfig(path=tiny_model_dir), torch.bfloat16)
     assert [(n, s) for n, s, _ in specs] == [(n, s) for n, s, _ in engine.param_specs()]
     assert {d for _, _, d in specs} == {torch.bfloat16} and aliases == {"lm_head.weight": "model.embed_tokens.weight"}
-    named = [(str(i), torch.zeros(n)) for i, n in enumerate([3, 3, 10, 1, 1])]  # float32: 4 bytes each
-    assert [[name for name, _ in b] for b in buckets(named, 24)] == [["0", "1"], ["2"], ["3", "4"]]
-    assert [[name for name, _ in b] for b in buckets(named, 1 << 20)] == [["0", "1", "2", "3", "4"]]
 
 
-def test_vllm_engine_refuses_cpu(tiny_model_dir):
-    with pytest.raises(ValueError, match="needs a CUDA GPU.*rollout.engine=hf"):
+def test_vllm_engine_without_vllm_names_the_lane_that_installs_it(tiny_model_dir):
+    pytest.importorskip("transformers")
+    if __import__("importlib").util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here (the vLLM lane's environment)")
+    with pytest.raises(ImportError, match=r"scripts/vllm_env.sh.*fleetrl\[gpu\]"):
         create_engine("vllm", ModelConfig(path=tiny_model_dir), RolloutConfig(), "cpu", 0)

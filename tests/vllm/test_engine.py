@@ -29,7 +29,7 @@ def test_logprobs_equal_an_hf_teacher_forced_forward(vllm_engine, small_dir):
     prompts = encode(vllm_engine)
     groups = vllm_engine.generate_batch(prompts, SamplingParams(max_new_tokens=24, seed=3), 4)
     assert all(len(g) == 4 and all(1 <= len(s.token_ids) == len(s.logprobs) <= 24 for s in g) for g in groups)
-    assert all(s.versions == [0] * len(s.token_ids) for g in groups for s in g)
+    assert all(s.versions == [vllm_engine.version] * len(s.token_ids) for g in groups for s in g)
     assert max_logprob_error(hf_model(small_dir), prompts, groups) <= ATOL
     greedy = vllm_engine.generate_batch(prompts, SamplingParams(temperature=0, max_new_tokens=16), 1)
     assert max_logprob_error(hf_model(small_dir), prompts, greedy) <= ATOL  # greedy: log-probs at T = 1
