@@ -29,6 +29,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -59,6 +60,19 @@ log = logging.getLogger(__name__)
 
 # Drop finished rows from the batch once this fraction of it is finished.
 COMPACT_FRACTION = 0.25
+IDLE_S = 2.0  # a decode thread without work for this long ends (engines over a learner's model are never closed)
+
+_LOOP: EngineLoop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def shared_loop() -> EngineLoop:
+    """One event loop thread for every `hf` engine of the process (their work runs on decode threads)."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None:
+            _LOOP = EngineLoop("hf-engines-loop")
+        return _LOOP
 
 
 def resolve_device(device: str) -> torch.device:
@@ -195,16 +209,31 @@ class HFEngine(Engine):
     ):
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        self.device = resolve_device(device)
-        self.tokenizer = AutoTokenizer.from_pretrained(
+        device_ = resolve_device(device)
+        tokenizer = AutoTokenizer.from_pretrained(
             model_cfg.tokenizer or model_cfg.path, trust_remote_code=model_cfg.trust_remote_code
         )
-        self.model = AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             model_cfg.path,
-            dtype=resolve_dtype(model_cfg.dtype, self.device),
+            dtype=resolve_dtype(model_cfg.dtype, device_),
             trust_remote_code=model_cfg.trust_remote_code,
-        ).to(self.device)
-        self.model.eval().requires_grad_(False)
+        ).to(device_)
+        model.eval().requires_grad_(False)
+        self._attach(model, tokenizer, device_, seed)
+        log.info("hf engine: %s on %s (%s)", model_cfg.path, self.device, self.model.dtype)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, tokenizer, device: torch.device, seed: int = 0) -> "HFEngine":
+        """An engine over a model already in memory (the learner's evaluation: its weights, not a copy).
+
+        The caller owns the model's train/eval mode; the engine never changes the weights.
+        """
+        engine = cls.__new__(cls)
+        engine._attach(model, tokenizer, device, seed)
+        return engine
+
+    def _attach(self, model: torch.nn.Module, tokenizer, device: torch.device, seed: int) -> None:
+        self.device, self.tokenizer, self.model = device, tokenizer, model
         self._rust_tokenizer = getattr(self.tokenizer, "backend_tokenizer", None)  # None for Python tokenizers
         self.max_positions = self.model.config.max_position_embeddings
         self._generator = torch.Generator(self.device).manual_seed(seed)
@@ -217,10 +246,8 @@ class HFEngine(Engine):
         self._pause_mode: str | None = None  # set by pause(): the decode thread parks at the next point
         self._parked = threading.Event()
         self._closed = False
-        self.loop = EngineLoop("hf-engine-loop")
-        self._thread = threading.Thread(target=self._serve, name="hf-engine-decode", daemon=True)
-        self._thread.start()
-        log.info("hf engine: %s on %s (%s)", model_cfg.path, self.device, self.model.dtype)
+        self._thread: threading.Thread | None = None  # started on demand, ends after IDLE_S without work
+        self.loop = shared_loop()
 
     # ------------------------------------------------------------------------- the interface
 
@@ -239,6 +266,9 @@ class HFEngine(Engine):
             if self._closed:
                 raise RuntimeError("the hf engine is closed")
             self._pending.extend(jobs)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="hf-engine-decode", daemon=True)
+                self._thread.start()
             self._cv.notify_all()
         return list(await asyncio.gather(*(job.future for job in jobs)))
 
@@ -246,6 +276,8 @@ class HFEngine(Engine):
         with self._cv:
             self._parked.clear()
             self._pause_mode = mode
+            if self._thread is None:  # no decode thread: nothing runs
+                self._parked.set()
             self._cv.notify_all()
         while not self._parked.is_set():
             await asyncio.to_thread(self._parked.wait, 0.05)
@@ -260,10 +292,15 @@ class HFEngine(Engine):
     def _serve(self) -> None:
         while True:
             with self._cv:
+                idle_since = time.monotonic()
                 while not self._closed and (self._pause_mode is not None or not self._pending):
                     if self._pause_mode is not None:
                         self._parked.set()  # idle or between waves: nothing runs
-                    self._cv.wait()
+                        idle_since = time.monotonic()
+                    elif time.monotonic() - idle_since > IDLE_S:
+                        self._thread = None  # the next request starts a new one
+                        return
+                    self._cv.wait(IDLE_S)
                 if self._closed:
                     break
                 jobs = self._take_wave()
@@ -288,6 +325,8 @@ class HFEngine(Engine):
         """At a step boundary: park while paused when the pause mode acts inside a wave; returns the
         mode it parked for (None: not paused, or ``finish``, which waits for the wave's end)."""
         with self._cv:
+            if self._closed:
+                return "closed"
             mode = self._pause_mode
             if mode is None or (mode == "finish" and mode_in_wave):
                 return None
@@ -328,8 +367,13 @@ class HFEngine(Engine):
                 if live <= (1 - COMPACT_FRACTION) * batch.live_R.numel():
                     token_R = token_R[batch.live_R]
                     batch.select(batch.live_R)
-            if self._park(mode_in_wave=True) == "recompute":
+            parked = self._park(mode_in_wave=True)
+            if parked == "recompute":
                 self._requeue(wave, batch, step + 1)
+                return
+            if parked == "closed":
+                for row in batch.rows_R[batch.live_R].tolist():
+                    jobs[row].resolve(RuntimeError("the hf engine was closed"))
                 return
             logits_RV = self._step(batch, token_R, step)
 
@@ -487,9 +531,10 @@ class HFEngine(Engine):
     def close(self) -> None:
         with self._cv:
             self._closed = True
+            thread = self._thread
             self._cv.notify_all()
-        self._thread.join(timeout=30.0)
-        self.loop.close()
+        if thread is not None:
+            thread.join(timeout=30.0)
         self.model = None
         self._targets = {}
         if self.device.type == "cuda":
