@@ -34,6 +34,7 @@ import asyncio
 import logging
 import os
 import pickle
+import time
 from typing import Any
 
 from fleetrl.common import messages
@@ -49,6 +50,7 @@ INSTALL_HINT = ("rollout.engine=vllm needs vLLM, which is not installed in this 
                 "vLLM lane's environment with `bash scripts/vllm_env.sh` (or `make test-vllm`) and run from "
                 "`.venv-vllm`; on a GPU install the extra: `pip install 'fleetrl[gpu]'` (see docs/gpu.md, "
                 "scripts/gpu_check.sh). Or use rollout.engine=hf.")
+POLL_S = 0.2  # how often the server asks the workers whether a version is complete
 # vLLM's CPU backend: settings read when the engine starts (an explicit environment wins).
 CPU_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the worker inside the engine-core process: ~2x faster start-up
@@ -281,19 +283,27 @@ class WorkerReceivers:
         engine.rpc("fleetrl_init", msgspec.json.encode(cfg), client_id, specs, dict(engine._aliases))
         self._stats: dict[str, float] = {}
         self._failed = 0
+        self._polled = (0.0, None)  # (monotonic time, pending version) of the last poll
 
     def on_version(self, version: int, weights: messages.WeightsInfo) -> None:
         if weights.transport != "none":
             self.engine.rpc("fleetrl_on_version", version, _encode_info(weights))
 
-    def pending_version(self) -> int | None:
+    def pending_version(self, max_age_s: float = POLL_S) -> int | None:
+        """The version every worker holds complete, or None (asked at most every ``max_age_s``)."""
+        at, pending = self._polled
+        if time.monotonic() - at < max_age_s:
+            return pending
         replies = self.engine.rpc("fleetrl_poll")
         self._stats = _merge_stats([stats for _, stats in replies])
-        pending = {version for version, _ in replies}
-        return pending.pop() if len(pending) == 1 else None
+        versions = {version for version, _ in replies}
+        pending = versions.pop() if len(versions) == 1 else None
+        self._polled = (time.monotonic(), pending)
+        return pending
 
     def apply(self, engine: Engine) -> int | None:
-        version = self.pending_version()
+        version = self.pending_version(max_age_s=0.0)
+        self._polled = (0.0, None)
         if version is None:
             return None
         try:

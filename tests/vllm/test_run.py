@@ -14,33 +14,34 @@ import pytest
 
 from tests.vllm.conftest import DEVICE
 
-RL_MINUTES = 3.5
+RL_STEPS = 240  # the demo (docs/benchmarks.md) climbs ~+15 points by here; a fixed amount of learning, not of time
 
 
 def fleetrl(*args: str, timeout: float) -> None:
     subprocess.run([sys.executable, "-m", "fleetrl.common.cli", *args], check=True, timeout=timeout)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_fleetrl_run_with_the_vllm_engine_raises_held_out_accuracy(tmp_path):
     models, data = tmp_path / "models", tmp_path / "data"
     fleetrl("init-model", "--out", str(models / "demo"), "--preset", "small", timeout=120)
     fleetrl("init-data", "--task", "arithmetic", "--out", str(data / "arith.jsonl"), "--n", "20000", "--eval-n", "300",
             timeout=120)
     fleetrl("sft", "--model", str(models / "demo"), "--data", str(data / "arith.jsonl"), "--eval-data",
-            str(data / "arith.eval.jsonl"), "--out", str(models / "warm"), "--target-acc", "0.25", "--max-minutes", "4",
-            "--threads", "2", timeout=400)
+            str(data / "arith.eval.jsonl"), "--out", str(models / "warm"), "--target-acc", "0.25", "--max-steps", "800",
+            "--max-minutes", "10", "--threads", "2", timeout=700)
     run_dir = tmp_path / "run"
     overrides = [
         f"model.path={models / 'warm'}", f"data.train={data / 'arith.jsonl'}", f"data.eval={data / 'arith.eval.jsonl'}",
         "rollout.engine=vllm", f"rollout.device={DEVICE}", "rollout.vllm.enforce_eager=true",
-        "rollout.vllm.max_model_len=128", f"learner.max_minutes={RL_MINUTES}", "run.eval_n=300", "run.eval_interval=20",
+        "rollout.vllm.max_model_len=128", f"learner.total_steps={RL_STEPS}", "learner.max_minutes=10", "run.eval_n=300",
+        "run.eval_interval=40",
         "run.ready_timeout_s=300", "checkpoint.interval=0", "checkpoint.export_hf=false",
     ]
     out = (tmp_path / "run.out").open("w")
     proc = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "run", "--config", "configs/demo.yaml",
                            "--run-dir", str(run_dir), "--no-status", *overrides],
-                          stdout=out, stderr=subprocess.STDOUT, timeout=60 * (RL_MINUTES + 5),
+                          stdout=out, stderr=subprocess.STDOUT, timeout=60 * 13,
                           cwd=Path(__file__).parents[2])
     out.close()
     log = (tmp_path / "run.out").read_text()
@@ -48,7 +49,7 @@ def test_fleetrl_run_with_the_vllm_engine_raises_held_out_accuracy(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     curve = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     print("held-out accuracy during RL with the vllm engine:", [round(a, 3) for a in curve])
-    assert len(curve) >= 4, curve
+    assert len(curve) >= 6 and curve[0] >= 0.15, curve  # the warm start reached ~25% (sft stops at 25%)
     assert sum(curve[-2:]) / 2 >= curve[0] + 0.08, curve  # rising: the last two evaluations beat the warm start
 
     rollout = [json.loads(line) for line in (run_dir / "rollout-0.metrics.jsonl").read_text().splitlines()]

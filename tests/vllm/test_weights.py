@@ -68,7 +68,7 @@ def test_gloo_broadcast_lands_in_the_worker_with_no_tensor_through_collective_rp
         dead = WeightsInfo(transport="gloo", master_addr="127.0.0.1", master_port=free_port(), round_id=1,
                            buckets=pub.plan, published_at=time.time())
         receivers.on_version(1, dead)
-        wait_for(lambda: receivers.pending_version() is None and receivers.stats().get("weights/rounds_missed", 0) >= 1,
+        wait_for(lambda: receivers.pending_version(0) is None and receivers.stats().get("weights/rounds_missed", 0) >= 1,
                  what="the failed round to be counted")
         assert greedy(vllm_engine) == before
 
@@ -76,7 +76,7 @@ def test_gloo_broadcast_lands_in_the_worker_with_no_tensor_through_collective_rp
         rpc_before = vllm_engine.rpc_bytes
         metrics = pub.publish(2, 2, learner.named_parameters(), lambda info: receivers.on_version(2, info), 1)
         assert metrics["sync/receivers"] == 1 and metrics["sync/failed"] == 0
-        wait_for(lambda: receivers.pending_version() == 2, what="version 2 received")
+        wait_for(lambda: receivers.pending_version(0) == 2, what="version 2 received")
         assert update(vllm_engine, receivers, "keep") == 2 and vllm_engine.version == 2
         rpc_bytes = vllm_engine.rpc_bytes - rpc_before
         model_bytes = sum(p.numel() * p.element_size() for p in learner.parameters())
@@ -104,7 +104,7 @@ def test_a_version_switch_mid_request_is_recorded_per_token(vllm_engine, small_d
         for mode, old_dir, new_dir, version in [("keep", None, small_dir, 10), ("recompute", small_dir, small_new_dir, 11)]:
             old = vllm_engine.version
             receivers.on_version(version, fs_info(new_dir))
-            wait_for(lambda: receivers.pending_version() == version, what=f"version {version} pending")
+            wait_for(lambda: receivers.pending_version(0) == version, what=f"version {version} pending")
             long = vllm_engine.submit(Request(prompt, SamplingParams(temperature=0, max_new_tokens=480)))
             vllm_engine.submit(Request(prompt, SamplingParams(temperature=0, max_new_tokens=3))).result(60)
             assert update(vllm_engine, receivers, mode) == version and not long.done()
@@ -138,7 +138,7 @@ def test_wrong_names_shapes_or_dtypes_are_refused_before_any_weight_changes(vllm
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
             version = 100 + i
             receivers.on_version(version, fs_info(path))
-            wait_for(lambda: receivers.pending_version() == version, what="the bad version pending")
+            wait_for(lambda: receivers.pending_version(0) == version, what="the bad version pending")
             assert update(vllm_engine, receivers) is None
             assert receivers.stats()["weights/load_failed"] == i + 1
             assert greedy(vllm_engine) == before, what
