@@ -26,7 +26,6 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from fleetrl.rollout.engines import Generation, Request, SamplingParams, create_
 from fleetrl.rollout.loop import (
     Batch, Finisher, MetricsFile, OpenLeases, Stats, check_chat_template, encode_prompt, return_leases, reward_inputs,
 )
+from fleetrl.rollout.inflight import InFlight, max_inflight, trace_carrier
 from fleetrl.rollout.rewards import RewardScorer
 from fleetrl.rollout.tracing import LeaseTrace
 
@@ -55,24 +55,6 @@ THROTTLE_S = (0.05, 5.0)  # bounds on a Throttle's retry_after_s
 
 class Abort(BaseException):
     """A second SIGTERM / SIGINT: abandon the groups in flight (their prompts are returned)."""
-
-
-@dataclass
-class InFlight:
-    """One admitted prompt: its ``group_size`` requests in the engine and the samples done so far."""
-
-    lease: m.PromptLease
-    prompt: m.Prompt
-    prompt_ids: list[int]
-    version: int  # the engine's version at admission
-    started: float
-    trace: LeaseTrace | None
-    samples: list[Generation | None] = field(default_factory=list)
-    failed: BaseException | None = None
-
-    @property
-    def done(self) -> bool:
-        return all(s is not None for s in self.samples)
 
 
 class RolloutServer:
@@ -417,20 +399,6 @@ class RolloutServer:
         stats = {**self.stats.heartbeat(), **self.weight_stats(), "rollout/policy_version": float(self.version),
                  "rollout/paused": float(self.paused), "rollout/inflight": float(unpushed)}
         return self.version, stats
-
-
-def max_inflight(cfg: JobConfig) -> int:
-    """``rollout.max_inflight``, by default the broker's admission window in groups (the formula of
-    ``broker/staleness.py: admission_capacity``: groups trained per version x the versions a group may
-    lag, plus the current one). More would only wait for the broker's throttle."""
-    if cfg.rollout.max_inflight is not None:
-        return cfg.rollout.max_inflight
-    return cfg.learner.groups_per_step * cfg.sync.interval * (cfg.broker.max_staleness + 1)
-
-
-def trace_carrier(trace: LeaseTrace | None, prompt_id: str) -> dict[str, str] | None:
-    """The W3C context of a prompt's span, for the engine's requests (None when tracing is off)."""
-    return trace.carrier(prompt_id) if trace is not None else None
 
 
 # ------------------------------------------------------------------------------------- helpers

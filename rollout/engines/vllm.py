@@ -214,7 +214,9 @@ class VllmEngine(Engine):
     async def pause(self, mode: str) -> None:
         # finish: in-flight requests run to their end on the old weights (new ones queue meanwhile);
         # keep / recompute: every request is frozen where it is, its KV cache kept.
-        await self._llm.pause_generation(mode="wait" if mode == "finish" else "keep", clear_cache=False)
+        # The engine core's own pause: AsyncLLM.pause_generation adds a fixed 20 ms sleep for output
+        # ordering, which the versions do not need (they are labelled by the engine core itself).
+        await self._llm.engine_core.pause_scheduler_async(mode="wait" if mode == "finish" else "keep", clear_cache=False)
 
     async def resume(self, new_version: int | None, mode: str) -> None:
         try:
@@ -264,6 +266,9 @@ class VllmEngine(Engine):
         if ids:
             await llm.abort(ids)
         await asyncio.sleep(0)
+        handler = getattr(llm, "output_handler", None)
+        if handler is not None:  # stopped first, so that the engine core going away is not logged as an error
+            handler.cancel()
 
 
 class WorkerReceivers:
@@ -302,7 +307,8 @@ class WorkerReceivers:
         return pending
 
     def apply(self, engine: Engine) -> int | None:
-        version = self.pending_version(max_age_s=0.0)
+        """Load the version the last poll found complete (each worker checks it still is); called paused."""
+        version = self.pending_version()
         self._polled = (0.0, None)
         if version is None:
             return None
