@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -53,7 +53,6 @@ from fleetrl.rollout.engines.base import (
     Generation,
     ParamSpec,
     Request,
-    SamplingParams,
     check_named_shapes,
     check_named_tensors,
     eos_token_ids,
