@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
