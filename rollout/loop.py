@@ -90,6 +90,7 @@ class Batch:
     submitted: float = field(default_factory=time.monotonic)
     rewards_done: float = 0.0  # monotonic time the scorer finished (set by a callback)
     trace: LeaseTrace | None = None  # the lease's spans (None when tracing is off)
+    baselines: list[Generation] | None = None  # [B] a greedy response per prompt (remax), scored after the samples
 
     @property
     def num_tokens(self) -> int:
@@ -110,7 +111,9 @@ def build_groups(batch: Batch, results: Sequence[RewardResult], server_id: str,
     """The batch's groups, one per prompt, and the prompt ids whose group is dropped (``should_drop``)."""
     groups, dropped = [], []
     at = 0
-    for prompt, ids, samples in zip(batch.lease.prompts, batch.prompt_ids, batch.samples):
+    sampled = sum(len(row) for row in batch.samples)
+    baseline_rewards = [r.reward for r in results[sampled:]] if batch.baselines else None
+    for b, (prompt, ids, samples) in enumerate(zip(batch.lease.prompts, batch.prompt_ids, batch.samples)):
         res = results[at : at + len(samples)]
         at += len(samples)
         if should_drop(res):
@@ -126,7 +129,8 @@ def build_groups(batch: Batch, results: Sequence[RewardResult], server_id: str,
             [s.finish_reason for s in samples], token_versions=versions,
             reward_parts=[dict(r.parts) for r in res], failed=[r.failed for r in res],
             lease_id=batch.lease.lease_id, server_id=server_id, trace=trace_context(batch, prompt, gid),
-            created_at=time.time(), metadata={"server": server_id, "gen_s": round(batch.gen_s, 4)},
+            created_at=time.time(), metadata={"server": server_id, "gen_s": round(batch.gen_s, 4),
+                                              **({"baseline_reward": baseline_rewards[b]} if baseline_rewards else {})},
         ))
     return groups, dropped
 
@@ -307,6 +311,7 @@ class Finisher:
         for batch in batches:
             results = batch.rewards.result()
             groups, dropped = build_groups(batch, results, self.server_id, self.scorer.should_drop)
+            results = results[: sum(len(row) for row in batch.samples)]  # the greedy baselines are not samples
             if dropped:
                 self.client.return_prompts(batch.lease.lease_id, dropped)
                 self.leases.close(batch.lease.lease_id, dropped)

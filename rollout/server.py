@@ -18,6 +18,7 @@ caught up by asking the broker for its current version every `CATCHUP_S` seconds
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -70,6 +71,9 @@ class RolloutServer:
         self.server_index, self.client_id = server_index, client.client_id
         self.run_dir = Path(run_dir) if run_dir else None
         self.params = SamplingParams.from_config(cfg.rollout)
+        # ReMax's baseline: one greedy response per prompt, scored with the group (its reward rides along)
+        self.greedy_baseline = getattr(cfg.algorithm, "adv_estimator", None) == "remax"
+        self.greedy_params = dataclasses.replace(self.params, temperature=0.0, seed=None)
         self.max_inflight = max_inflight(cfg)
         self.version = 0  # the weights the engine holds: model.path until a new version is applied
         self.paused = False
@@ -226,16 +230,18 @@ class RolloutServer:
     def generate(self, lease: m.PromptLease, trace: LeaseTrace | None = None) -> list[InFlight]:
         """Admit the lease's prompts: ``group_size`` requests each, handed to the engine at once."""
         data, g = self.cfg.data, self.cfg.rollout.group_size
+        n = g + int(self.greedy_baseline)  # the last request of a group is the greedy baseline (remax)
         admitted = []
         for prompt in lease.prompts:
             ids = encode_prompt(self.engine.tokenizer, prompt.prompt, data.apply_chat_template, data.max_prompt_tokens)
             key, self._next_id = self._next_id, self._next_id + 1
-            item = InFlight(lease, prompt, ids, self.version, time.monotonic(), trace, [None] * g)
+            item = InFlight(lease, prompt, ids, self.version, time.monotonic(), trace, [None] * n)
             self.inflight[key] = item
             with self._count_lock:
                 self._unpushed += 1
-            for j in range(g):
-                future = self.engine.submit(Request(ids, self.params, request_id=f"{self.client_id}/{key}/{j}",
+            for j in range(n):
+                params = self.greedy_params if j == g else self.params
+                future = self.engine.submit(Request(ids, params, request_id=f"{self.client_id}/{key}/{j}",
                                                     trace=trace_carrier(trace, prompt.prompt_id)))
                 future.add_done_callback(functools.partial(self._sample_done, key, j))
             admitted.append(item)
@@ -271,16 +277,18 @@ class RolloutServer:
             self._give_back(item)
             return
         now = time.monotonic()
-        samples = [list(item.samples)]
+        g = self.cfg.rollout.group_size
+        samples, baselines = [list(item.samples[:g])], ([item.samples[g]] if self.greedy_baseline else None)
         if item.trace is not None:
             item.trace.record("generate", item.started, now, prompt_id=item.prompt.prompt_id,
                               group_size=len(item.samples), tokens=sum(len(s.token_ids) for s in item.samples),
                               policy_version=item.version)
         lease = m.PromptLease(req_id=item.lease.req_id, lease_id=item.lease.lease_id,
                               expires_in_s=item.lease.expires_in_s, prompts=[item.prompt])
-        rewards = self.scorer.submit(reward_inputs(lease.prompts, samples))
+        inputs = reward_inputs(lease.prompts, samples) + reward_inputs(lease.prompts, [baselines] if baselines else [])
+        rewards = self.scorer.submit(inputs)
         self.finisher.submit(Batch(lease, [item.prompt_ids], samples, item.version, now - item.started, rewards,
-                                   trace=item.trace))
+                                   trace=item.trace, baselines=baselines))
 
     def _give_back(self, item: InFlight) -> None:
         try:

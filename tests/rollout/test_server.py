@@ -28,7 +28,7 @@ from fleetrl.common import messages as m
 from fleetrl.common.config.schema import ModelConfig, RolloutConfig
 from fleetrl.rollout.engines import SamplingParams, create_engine
 from fleetrl.rollout.loop import encode_prompt
-from fleetrl.rollout.rewards import RewardScorer
+from fleetrl.rollout.rewards import RewardInput, RewardScorer
 from fleetrl.rollout.server import RolloutServer, broker_address
 from fleetrl.rollout.weights import WeightReceiver
 from tests.broker.conftest import make_state
@@ -436,3 +436,29 @@ def test_killed_server_leases_come_back_to_another_server(tmp_path, arith_data, 
     finally:
         learner.close()
     assert broker.stop() == 0
+
+
+def test_remax_groups_carry_the_reward_of_a_greedy_response(engine, tiny_model_dir):
+    """adv_estimator=remax: one extra greedy response per prompt, scored, its reward in the group's metadata."""
+    fleet = Fleet(engine, tiny_model_dir, "algorithm.adv_estimator=remax", "rollout.rewards=[{name: length, "
+                  "args: {target: 3, penalty_per_token: 0.1}}]")
+    try:
+        fleet.server.start()
+        lease = fleet.server.step()
+        fleet.server.shutdown(finish=True, give_back=True)
+        groups = fleet.drain()
+        assert len(groups) == len(lease.prompts) and all(g.num_responses == G for g in groups)  # not G + 1
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
+        scorer = RewardScorer.from_config(fleet.cfg.rollout)
+        try:
+            for g in groups:
+                ids = g.prompt_array().tolist()
+                (out,), = engine.generate_batch([ids], greedy, 1)
+                want = scorer.score([RewardInput(prompt=fleet.prompt_text(g.prompt_id), response=out.text, answer=None,
+                                                 metadata={},
+                                                 finish_reason=out.finish_reason, num_tokens=len(out.token_ids))])[0]
+                assert g.metadata["baseline_reward"] == pytest.approx(want.reward)
+        finally:
+            scorer.close()
+    finally:
+        fleet.stop()
