@@ -36,10 +36,10 @@ from fleetrl.common import telemetry
 from fleetrl.common.config import load_config
 from fleetrl.common.log import setup_logging
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.rollout.engines import Generation, Request, SamplingParams, create_engine
-from fleetrl.rollout.loop import (
-    Batch, Finisher, MetricsFile, OpenLeases, Stats, check_chat_template, encode_prompt, return_leases, reward_inputs,
-)
+from fleetrl.rollout.engines import Generation, SamplingParams, create_engine
+from fleetrl.rollout.envs import Environment, create_env
+from fleetrl.rollout.envs import groups as env_groups
+from fleetrl.rollout.loop import Batch, Finisher, MetricsFile, OpenLeases, Stats, return_leases, reward_inputs
 from fleetrl.rollout.inflight import InFlight, max_inflight, trace_carrier
 from fleetrl.rollout.rewards import RewardScorer
 from fleetrl.rollout.tracing import LeaseTrace
@@ -66,8 +66,11 @@ class RolloutServer:
     """
 
     def __init__(self, cfg: JobConfig, client: Any, engine: Any, scorer: RewardScorer, *, server_index: int = 0,
-                 run_dir: str | Path | None = None, receiver: Any = None, stop_event: threading.Event | None = None):
+                 run_dir: str | Path | None = None, receiver: Any = None, stop_event: threading.Event | None = None,
+                 env: Environment | None = None):
         self.cfg, self.client, self.engine, self.scorer, self.receiver = cfg, client, engine, scorer, receiver
+        # how each sample is produced (rollout.env); built and checked here unless the caller brings one
+        self.env = env if env is not None else create_env(cfg, engine.tokenizer)
         self.server_index, self.client_id = server_index, client.client_id
         self.run_dir = Path(run_dir) if run_dir else None
         self.params = SamplingParams.from_config(cfg.rollout)
@@ -92,7 +95,6 @@ class RolloutServer:
         self._next_catchup = 0.0
         self._warned_no_receiver = False
         self._update_stats = {"weights/pause_ms": 0.0, "weights/updates_inflight": 0.0}
-        check_chat_template(engine.tokenizer, cfg.data.apply_chat_template, cfg.model.tokenizer or cfg.model.path)
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -120,7 +122,7 @@ class RolloutServer:
         self.client.start_heartbeat(self.heartbeat_stats, reg.heartbeat_s or self.cfg.broker.heartbeat_s)
         push_deadline = max(self.cfg.broker.prompt_lease_s, 3 * self.cfg.broker.request_timeout_s)
         self.finisher = Finisher(self.client, self.scorer, self.client_id, self.leases, self.stats, self.metrics,
-                                 push_deadline, self.weight_stats, on_done=self._pushed)
+                                 push_deadline, self.batch_stats, on_done=self._pushed)
         self.on_current(reg.policy_version, reg.weights, reg.paused)
         self._next_catchup = time.monotonic() + CATCHUP_S
         if self.run_dir is not None:
@@ -228,21 +230,22 @@ class RolloutServer:
         return reply
 
     def generate(self, lease: m.PromptLease, trace: LeaseTrace | None = None) -> list[InFlight]:
-        """Admit the lease's prompts: ``group_size`` requests each, handed to the engine at once."""
-        data, g = self.cfg.data, self.cfg.rollout.group_size
-        n = g + int(self.greedy_baseline)  # the last request of a group is the greedy baseline (remax)
+        """Admit the lease's prompts: ``group_size`` episodes each (rollout.env; single_turn: one request)."""
+        g = self.cfg.rollout.group_size
+        n = g + int(self.greedy_baseline)  # the last sample of a group is the greedy baseline (remax)
         admitted = []
         for prompt in lease.prompts:
-            ids = encode_prompt(self.engine.tokenizer, prompt.prompt, data.apply_chat_template, data.max_prompt_tokens)
+            task = self.env.task(prompt)
             key, self._next_id = self._next_id, self._next_id + 1
-            item = InFlight(lease, prompt, ids, self.version, time.monotonic(), trace, [None] * n)
+            item = InFlight(lease, prompt, task.prompt_ids, self.version, time.monotonic(), trace, [None] * n)
             self.inflight[key] = item
             with self._count_lock:
                 self._unpushed += 1
             for j in range(n):
                 params = self.greedy_params if j == g else self.params
-                future = self.engine.submit(Request(ids, params, request_id=f"{self.client_id}/{key}/{j}",
-                                                    trace=trace_carrier(trace, prompt.prompt_id)))
+                episode = self.env.episode(self.engine, task, params, f"{self.client_id}/{key}/{j}",
+                                           trace_carrier(trace, prompt.prompt_id))
+                future = self.engine.loop.submit(episode)
                 future.add_done_callback(functools.partial(self._sample_done, key, j))
             admitted.append(item)
         return admitted
@@ -278,7 +281,16 @@ class RolloutServer:
             return
         now = time.monotonic()
         g = self.cfg.rollout.group_size
-        samples, baselines = [list(item.samples[:g])], ([item.samples[g]] if self.greedy_baseline else None)
+        kept = env_groups.survivors(item.samples[:g], self.cfg.rollout.env, g, self.env.stats)
+        baselines = [item.samples[g]] if self.greedy_baseline else None
+        if kept is None or (baselines and env_groups.is_dropped(baselines[0], "score")):
+            log.warning("prompt %s lost too many samples to failed environment steps (group rule: "
+                        "rollout.env.min_group_samples); it goes back to the broker", item.prompt.prompt_id)
+            self._give_back(item)
+            return
+        prompt_ids = env_groups.common_prompt(kept + (baselines or []), item.prompt_ids)
+        samples = [[env_groups.rebase(s, prompt_ids) for s in kept]]
+        baselines = [env_groups.rebase(s, prompt_ids) for s in baselines] if baselines else None
         if item.trace is not None:
             item.trace.record("generate", item.started, now, prompt_id=item.prompt.prompt_id,
                               group_size=len(item.samples), tokens=sum(len(s.token_ids) for s in item.samples),
@@ -286,8 +298,8 @@ class RolloutServer:
         lease = m.PromptLease(req_id=item.lease.req_id, lease_id=item.lease.lease_id,
                               expires_in_s=item.lease.expires_in_s, prompts=[item.prompt])
         inputs = reward_inputs(lease.prompts, samples) + reward_inputs(lease.prompts, [baselines] if baselines else [])
-        rewards = self.scorer.submit(inputs)
-        self.finisher.submit(Batch(lease, [item.prompt_ids], samples, item.version, now - item.started, rewards,
+        rewards = env_groups.score(self.scorer, inputs, samples[0] + (baselines or []))
+        self.finisher.submit(Batch(lease, [prompt_ids], samples, item.version, now - item.started, rewards,
                                    trace=item.trace, baselines=baselines))
 
     def _give_back(self, item: InFlight) -> None:
@@ -397,6 +409,10 @@ class RolloutServer:
 
     # --------------------------------------------------------------------------------- stats
 
+    def batch_stats(self) -> dict[str, float]:
+        """What each metrics line adds: the weights' and the environment's counters (finisher thread)."""
+        return {**self.weight_stats(), **self.env.metrics()}
+
     def weight_stats(self) -> dict[str, float]:
         return {**(self.receiver.stats() if self.receiver is not None else {}), **self._update_stats}
 
@@ -471,16 +487,17 @@ def main(args) -> int:
                             {"service.instance.id": f"rollout-{index}", "fleetrl.client_id": client_id,
                              "fleetrl.server_index": index})
     device = resolve_device(cfg.rollout.device)
-    engine = scorer = client = receiver = None
+    engine = scorer = client = receiver = env = None
     try:
         engine = create_engine(cfg.rollout.engine, cfg.model, cfg.rollout, device, cfg.rollout.seed + index)
+        env = create_env(cfg, engine.tokenizer)
         scorer = RewardScorer.from_config(cfg.rollout)
         receiver = engine.weight_receiver(cfg, device, client_id)
         address = broker_address(cfg, args.broker, args.run_dir)
         client = BrokerClient(address, client_id, "rollout", rank=index, timeout_s=cfg.broker.request_timeout_s,
                               curve=cfg.broker.curve, info={"engine": cfg.rollout.engine, "device": device})
         server = RolloutServer(cfg, client, engine, scorer, server_index=index, run_dir=args.run_dir,
-                               receiver=receiver, stop_event=stop)
+                               receiver=receiver, stop_event=stop, env=env)
         return server.run()
     except BrokerUnavailable as e:
         hint = "" if "request_timeout_s" in str(e) else (
@@ -490,6 +507,6 @@ def main(args) -> int:
     except Abort:
         return 0
     finally:
-        for part in (receiver, scorer, client, engine):
+        for part in (receiver, scorer, client, env, engine):
             if part is not None:
                 part.close()
