@@ -67,10 +67,11 @@ class RolloutServer:
 
     def __init__(self, cfg: JobConfig, client: Any, engine: Any, scorer: RewardScorer, *, server_index: int = 0,
                  run_dir: str | Path | None = None, receiver: Any = None, stop_event: threading.Event | None = None,
-                 env: Environment | None = None):
+                 env: Environment | None = None, endpoint: Any = None):
         self.cfg, self.client, self.engine, self.scorer, self.receiver = cfg, client, engine, scorer, receiver
         # how each sample is produced (rollout.env); built and checked here unless the caller brings one
         self.env = env if env is not None else create_env(cfg, engine.tokenizer)
+        self.endpoint = endpoint  # the OpenAI-compatible endpoint (rollout.openai), served while the server runs
         self.server_index, self.client_id = server_index, client.client_id
         self.run_dir = Path(run_dir) if run_dir else None
         self.params = SamplingParams.from_config(cfg.rollout)
@@ -125,6 +126,8 @@ class RolloutServer:
                                  push_deadline, self.batch_stats, on_done=self._pushed)
         self.on_current(reg.policy_version, reg.weights, reg.paused)
         self._next_catchup = time.monotonic() + CATCHUP_S
+        if self.endpoint is not None:
+            self.endpoint.start()
         if self.run_dir is not None:
             write_ready(self.run_dir, self.server_index, self.client_id, self.version)
         log.info("ready: %s registered with broker %s (broker at version %d%s), up to %d prompts x %d samples "
@@ -148,6 +151,7 @@ class RolloutServer:
         return lease
 
     def shutdown(self, finish: bool, give_back: bool) -> None:
+        self.env.begin_stop()
         if finish:
             try:
                 self.drain_inflight()
@@ -160,6 +164,8 @@ class RolloutServer:
                     give_back = False
             else:
                 self.finisher.abandon()
+        if self.endpoint is not None:
+            self.endpoint.close()
         if give_back and len(self.leases):
             n = return_leases(self.client, self.leases, self.stats)
             log.info("returned %d leased prompt(s) to the broker, which re-issues them", n)
@@ -284,7 +290,7 @@ class RolloutServer:
         kept = env_groups.survivors(item.samples[:g], self.cfg.rollout.env, g, self.env.stats)
         baselines = [item.samples[g]] if self.greedy_baseline else None
         if kept is None or (baselines and env_groups.is_dropped(baselines[0], "score")):
-            log.warning("prompt %s lost too many samples to failed environment steps (group rule: "
+            log.warning("prompt %s lost too many samples (failed environment steps or sessions; group rule: "
                         "rollout.env.min_group_samples); it goes back to the broker", item.prompt.prompt_id)
             self._give_back(item)
             return
@@ -411,7 +417,7 @@ class RolloutServer:
 
     def batch_stats(self) -> dict[str, float]:
         """What each metrics line adds: the weights' and the environment's counters (finisher thread)."""
-        return {**self.weight_stats(), **self.env.metrics()}
+        return {**self.weight_stats(), **self.env.metrics(), **(self.endpoint.metrics() if self.endpoint else {})}
 
     def weight_stats(self) -> dict[str, float]:
         return {**(self.receiver.stats() if self.receiver is not None else {}), **self._update_stats}
@@ -496,8 +502,13 @@ def main(args) -> int:
         address = broker_address(cfg, args.broker, args.run_dir)
         client = BrokerClient(address, client_id, "rollout", rank=index, timeout_s=cfg.broker.request_timeout_s,
                               curve=cfg.broker.curve, info={"engine": cfg.rollout.engine, "device": device})
+        endpoint = None
+        if cfg.rollout.openai.enabled:
+            from fleetrl.rollout.endpoint.server import Endpoint
+
+            endpoint = Endpoint(cfg, engine, env, index, args.run_dir)
         server = RolloutServer(cfg, client, engine, scorer, server_index=index, run_dir=args.run_dir,
-                               receiver=receiver, stop_event=stop, env=env)
+                               receiver=receiver, stop_event=stop, env=env, endpoint=endpoint)
         return server.run()
     except BrokerUnavailable as e:
         hint = "" if "request_timeout_s" in str(e) else (

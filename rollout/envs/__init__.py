@@ -57,7 +57,7 @@ def _http(cfg: JobConfig, tokenizer: Any) -> Environment:
 
 @ENVS.register("openai")
 def _openai(cfg: JobConfig, tokenizer: Any) -> Environment:
-    from fleetrl.rollout.openai.sessions import AgentEnv
+    from fleetrl.rollout.endpoint.sessions import AgentEnv
 
     return AgentEnv(cfg, tokenizer)
 

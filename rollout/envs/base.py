@@ -212,6 +212,9 @@ class Environment(abc.ABC):
     def metrics(self) -> dict[str, float]:
         return self.stats.take()
 
+    def begin_stop(self) -> None:
+        """The server admits no more prompts and finishes the samples in flight (sessions: the waiting ones fail)."""
+
     def close(self) -> None:
         """Release what the environment holds (HTTP sessions, thread pools)."""
 
