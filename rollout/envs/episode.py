@@ -131,8 +131,9 @@ async def _turns(engine: Any, session: EnvSession, codec: ChatCodec, b: EpisodeB
         b.ep.counts.update(result.info.get("_counts", {}))
         if result.done:
             return b.finish()
-        tail = codec.turn_tail(gen)
-        obs = codec.observation(b.ep.messages, result.observations)
-        b.appended(tail + obs, engine.version)
+        appended = codec.turn_tail(gen) + codec.observation(b.ep.messages, result.observations)
+        if len(b.ep.token_ids) + len(appended) >= budget.total:  # no room left to answer the observations
+            return b.finish(truncated="total_tokens")
+        b.appended(appended, engine.version)
         b.ep.messages += result.observations
     return b.finish(truncated="turns")

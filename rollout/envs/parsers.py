@@ -71,7 +71,7 @@ def hermes(text: str, params: dict[str, list[str]]) -> Parsed:
         try:
             call = _call_from_json(json.loads(block))
         except json.JSONDecodeError as e:
-            call = f"the tool call is not JSON ({e}): {block.strip()[:80]!r}"
+            call = f"the tool call is not JSON ({e.msg})"
         (out.calls if isinstance(call, ToolCall) else out.malformed).append(call)
     rest = HERMES.sub("", text)
     if "<tool_call>" in rest:
@@ -116,7 +116,7 @@ def pythonic(text: str, params: dict[str, list[str]]) -> Parsed:
     try:
         tree = ast.parse(stripped, mode="eval").body
     except SyntaxError as e:
-        return Parsed(content="", malformed=[f"the tool call is not a Python call: {e.msg} in {stripped[:80]!r}"])
+        return Parsed(content="", malformed=[f"not a Python call ({e.msg})"])
     nodes = tree.elts if isinstance(tree, ast.List) else [tree]
     out = Parsed(content="")
     for node in nodes:
