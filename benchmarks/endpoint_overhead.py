@@ -85,27 +85,33 @@ def main() -> int:
     eos = engine.tokenizer.eos_token_id
     params = SamplingParams(temperature=0, max_new_tokens=a.tokens)
 
-    def direct() -> int:
+    def direct() -> tuple[int, float]:
+        t0 = time.perf_counter()
         text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return len(engine.submit(Request(ids, params)).result().token_ids)
+        n = len(engine.submit(Request(ids, params)).result().token_ids)
+        return n, time.perf_counter() - t0
 
-    def via_endpoint() -> int:
+    def via_endpoint() -> tuple[int, float]:
+        t0 = time.perf_counter()
         r = client.chat.completions.create(model="m", messages=messages, max_tokens=a.tokens, temperature=0)
-        return r.usage.completion_tokens
+        return r.usage.completion_tokens, time.perf_counter() - t0
 
-    def via_session() -> int:  # one call in a fresh training session (a slot offered for it)
+    def via_session() -> tuple[int, float]:
+        """The first call of a fresh training session (its slot is offered and opened untimed, in-process)."""
         from fleetrl.common import messages as m
         from fleetrl.rollout.envs.base import Task
 
         task = Task(m.Prompt("bench:0", messages[0]["content"]))
         fut = engine.loop.submit(env.sessions.offer(task, params, "bench/0/0", engine))
         s = engine.loop.call(env.sessions.start(5.0))
-        r = openai.OpenAI(base_url=f"{endpoint.root}/sessions/{s.id}/v1", api_key="none", max_retries=0
-                          ).chat.completions.create(model="m", messages=messages, max_tokens=a.tokens)
+        t0 = time.perf_counter()
+        r = client.chat.completions.create(model="m", messages=messages, max_tokens=a.tokens,
+                                           extra_headers={"X-Session-Id": s.id})
+        took = time.perf_counter() - t0
         engine.loop.loop.call_soon_threadsafe(env.sessions.end, s.id, 1.0)
         fut.result(5)
-        return r.usage.completion_tokens
+        return r.usage.completion_tokens, took
 
     runs = {"direct": direct, "endpoint": via_endpoint, "session": via_session}
     for fn in runs.values():  # warm up
@@ -115,9 +121,8 @@ def main() -> int:
     load = Load()
     for _ in range(a.trials):
         for name, fn in runs.items():
-            t0 = time.perf_counter()
-            tokens[name] = fn()
-            times[name].append(time.perf_counter() - t0)
+            tokens[name], took = fn()
+            times[name].append(took)
     share = load.share()
     endpoint.close()
     engine.close()

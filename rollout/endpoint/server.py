@@ -177,11 +177,11 @@ class Endpoint:
         sid = (request.headers.get(self.opts.session_header) or body.get("user") or request.match_info.get("sid"))
         if not sid:
             return None
-        if self.sessions is None:
-            if request.match_info.get("sid") or request.headers.get(self.opts.session_header):
+        if self.sessions is None:  # inference only: a session header is routing affinity, nothing to train
+            if request.match_info.get("sid"):
                 raise ApiError(400, "this server has no training sessions (rollout.env.type is "
                                f"{self.cfg.rollout.env.type!r}; sessions need rollout.env.type=openai)", "no_sessions")
-            return None  # a `user` field is only a user name here
+            return None
         try:
             return self.sessions.get(sid)
         except ApiError:
