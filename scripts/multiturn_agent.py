@@ -45,7 +45,12 @@ def solve(client: openai.OpenAI, question: str, max_turns: int = 3) -> tuple[str
     messages = [{"role": "user", "content": question}]
     stats = {"turns": 0, "tool_calls": 0, "tool_errors": 0}
     for _ in range(max_turns):
-        reply = client.chat.completions.create(model="policy", messages=messages, tools=[CALC_TOOL], max_tokens=16)
+        try:
+            reply = client.chat.completions.create(model="policy", messages=messages, tools=[CALC_TOOL], max_tokens=16)
+        except openai.BadRequestError as e:
+            if e.code in ("context_length_exceeded", "session_budget_exceeded"):
+                return "", stats  # out of budget: no answer (the session is closed and scored as it stands)
+            raise
         msg = reply.choices[0].message
         stats["turns"] += 1
         messages.append(msg.model_dump(exclude_none=True))
