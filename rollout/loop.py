@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from fleetrl.broker.client import BrokerError, BrokerUnavailable
+from fleetrl.broker.client import BrokerClient, BrokerError, BrokerUnavailable
 from fleetrl.common import messages as m
 from fleetrl.common.config import ConfigError
 from fleetrl.rollout.engines.base import Generation
@@ -220,7 +220,7 @@ class Finisher:
     raises it. ``close()`` finishes every submitted batch; ``abandon()`` stops without finishing.
     """
 
-    def __init__(self, client: Any, scorer: Any, server_id: str, leases: OpenLeases, stats: Stats,
+    def __init__(self, client: BrokerClient, scorer: Any, server_id: str, leases: OpenLeases, stats: Stats,
                  metrics: MetricsFile, push_deadline_s: float, extra_metrics: Callable[[], dict[str, float]]):
         self.client, self.scorer, self.server_id = client, scorer, server_id
         self.leases, self.stats, self.metrics = leases, stats, metrics
@@ -360,7 +360,7 @@ class Finisher:
         }
 
 
-def return_leases(client: Any, leases: OpenLeases, stats: Stats) -> int:
+def return_leases(client: BrokerClient, leases: OpenLeases, stats: Stats) -> int:
     """Give every open prompt back to the broker (shutdown); returns how many it re-issues."""
     returned = 0
     for lease_id, prompt_ids in leases.take_all().items():

@@ -26,7 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fleetrl.broker.client import BrokerClient, BrokerError, BrokerUnavailable, default_client_id, resolve_address
+from fleetrl.broker.client import (
+    BrokerClient, BrokerError, BrokerUnavailable, SubscriptionLike, ZmqBrokerClient, client_identity, default_client_id,
+    resolve_address,
+)
 from fleetrl.common import messages as m
 from fleetrl.common import telemetry
 from fleetrl.common.config import load_config
@@ -59,7 +62,7 @@ class RolloutServer:
     ``run()`` registers, loops until stopped and returns the exit code. It closes none of them.
     """
 
-    def __init__(self, cfg: JobConfig, client: Any, engine: Any, scorer: RewardScorer, *, server_index: int = 0,
+    def __init__(self, cfg: JobConfig, client: BrokerClient, engine: Any, scorer: RewardScorer, *, server_index: int = 0,
                  run_dir: str | Path | None = None, receiver: Any = None, stop_event: threading.Event | None = None):
         self.cfg, self.client, self.engine, self.scorer, self.receiver = cfg, client, engine, scorer, receiver
         self.server_index, self.client_id = server_index, client.client_id
@@ -71,7 +74,7 @@ class RolloutServer:
         self._stop = stop_event or threading.Event()
         self.leases, self.stats = OpenLeases(), Stats()
         self.metrics = MetricsFile(self.run_dir / f"rollout-{server_index}.metrics.jsonl" if self.run_dir else None)
-        self.sub: Any = None
+        self.sub: SubscriptionLike | None = None
         self.finisher: Finisher | None = None
         self._next_catchup = 0.0
         self._warned_no_receiver = False
@@ -332,7 +335,7 @@ def main(args) -> int:
         ready_path(args.run_dir, index).unlink(missing_ok=True)  # a previous run's signal must not count
     stop = threading.Event()
     install_signals(stop)
-    client_id = default_client_id("rollout", index)
+    client_id = default_client_id("rollout", index, client_identity(cfg.broker.curve, "rollout"))
     telemetry.setup_tracing("rollout", cfg.telemetry, args.run_dir,
                             {"service.instance.id": f"rollout-{index}", "fleetrl.client_id": client_id,
                              "fleetrl.server_index": index})
@@ -345,7 +348,7 @@ def main(args) -> int:
 
         receiver = WeightReceiver(cfg, engine.param_specs(), device, client_id)
         address = broker_address(cfg, args.broker, args.run_dir)
-        client = BrokerClient(address, client_id, "rollout", rank=index, timeout_s=cfg.broker.request_timeout_s,
+        client = ZmqBrokerClient(address, client_id, "rollout", rank=index, timeout_s=cfg.broker.request_timeout_s,
                               curve=cfg.broker.curve, info={"engine": cfg.rollout.engine, "device": device})
         server = RolloutServer(cfg, client, engine, scorer, server_index=index, run_dir=args.run_dir,
                                receiver=receiver, stop_event=stop)

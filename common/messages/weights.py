@@ -23,7 +23,8 @@ class WeightsInfo(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     master_port: int = 0
     buckets: list[list[ParamSpec]] = []  # broadcast: parameters of each flat bucket, in order
     round_id: int = 0  # broadcast: which round of the group to join
-    published_at: float = 0.0  # learner wall clock at publishing: orders versions across resumes and rollbacks
+    published_at: float = 0.0  # stamped by the broker when it relays the version: orders versions across resumes and rollbacks
+    secret: str = ""  # broadcast: the round's secret (hex); only holders find the round's keys on the TCPStore
 
 
 class JoinRecord(msgspec.Struct, gc=False):  # Rollout -> Learner (TCPStore)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from fleetrl.broker.client import BrokerClient
+from fleetrl.broker.client import ZmqBrokerClient
 from tests.conftest import free_port
 from tests.helpers import BrokerProcess, write_job
 from tests.learner.conftest import synthetic_groups
@@ -29,7 +29,7 @@ def test_two_ranks_train_and_broadcast_exact_weights(zero_stage, tmp_path, tiny_
     broker = BrokerProcess(job, tmp_path / "broker").start()
     procs: list[subprocess.Popen] = []
     try:
-        rollout = BrokerClient(broker.address, "filler", "rollout")
+        rollout = ZmqBrokerClient(broker.address, "filler", "rollout")
         rollout.connect()
         acks = rollout.push_groups(synthetic_groups(8, seed=3))
         assert all(a.status == "accepted" for a in acks)

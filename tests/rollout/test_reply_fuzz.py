@@ -194,7 +194,7 @@ def test_real_client_survives_garbage_from_the_broker():
     """The BrokerClient of rollout servers and learners, on real sockets, under 2,000+ bad frames."""
     fake = GarbageBroker(burst=300)
     try:
-        with BrokerClient(fake.address, "fuzz-rollout", "rollout", timeout_s=10.0) as c:
+        with ZmqBrokerClient(fake.address, "fuzz-rollout", "rollout", timeout_s=10.0) as c:
             reg = c.connect()
             assert reg.broker_id == "garbage"
             assert c.heartbeat(1).ref == "ok"
