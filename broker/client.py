@@ -46,7 +46,7 @@ class SubscriptionLike(Protocol):
 
 
 @runtime_checkable
-class ZmqBrokerClient(Protocol):
+class BrokerClient(Protocol):
     """The synchronous broker client every component is written against (docs/broker.md#messages)."""
 
     client_id: str

@@ -45,6 +45,9 @@ class ClientTable:
     def __len__(self) -> int:
         return len(self.clients)
 
+    def __getitem__(self, client_id: str) -> ClientState:
+        return self.clients[client_id]
+
     def get(self, client_id: str) -> ClientState | None:
         return self.clients.get(client_id)
 

@@ -83,8 +83,8 @@ class InprocBrokerClient:
 
     def _call(self, make: Callable[[int], m.Message], wait_s: float = 0.0) -> Any:
         reply = self.broker.handle(make, wait_s, self.principal)
-        if isinstance(reply, m.Error) and reply.code == "unregistered" and self.registered is not None:
-            self.connect()  # the twin's broker evicted it: register again, like the socket client
+        if isinstance(reply, m.Error) and reply.code == "unregistered" and not isinstance(make(0), m.Register):
+            self.connect()  # not registered (or evicted): register, then retry, like the socket client
             reply = self.broker.handle(make, wait_s, self.principal)
         if isinstance(reply, m.Error):
             raise BrokerError(reply.code, reply.reason)

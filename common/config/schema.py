@@ -256,6 +256,10 @@ class SyncConfig(Section):
     max_clock_skew_s: Annotated[
         float, doc("A version announced with a published_at further in the future than this is ignored by rollouts.", gt=0)
     ] = 300.0
+    catchup: Annotated[
+        bool, doc("gloo/nccl: keep the last version in host memory (model size) and serve catch-up rounds to "
+                  "rollouts that missed a round; false = they wait for the next publish.")
+    ] = True
 
 
 # ---------------------------------------------------------------------------------- checkpoint

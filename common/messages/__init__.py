@@ -45,11 +45,13 @@ from fleetrl.common.messages.groups import (  # noqa: F401
     unpack_tokens,
 )
 from fleetrl.common.messages.weights import (  # noqa: F401
+    CatchupOffer,
     JoinRecord,
     ParamSpec,
     RoundPlan,
     WeightsInfo,
     decode_join,
+    decode_offer,
     decode_plan,
     encode_record,
 )

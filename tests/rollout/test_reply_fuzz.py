@@ -21,7 +21,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetrl.broker.client import AsyncBrokerClient, AsyncSubscription, BrokerClient
+from fleetrl.broker.client import AsyncBrokerClient, AsyncSubscription, ZmqBrokerClient
 from fleetrl.common import messages as m
 from tests.broker import fuzz_strategies as fs
 
