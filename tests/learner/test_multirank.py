@@ -22,7 +22,7 @@ HERE = Path(__file__).parent
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_two_ranks_train_and_broadcast_exact_weights(zero_stage, tmp_path, tiny_model_dir, arith_data):
     job = write_job(tmp_path, arith_data, model={"path": tiny_model_dir},
-                    broker={"max_staleness": 100, "queue_capacity": 10000, "vocab_size": 263},
+                    broker={"max_staleness": 100, "queue_capacity": 10000, "vocab_size": 263, "accept_unleased": True},
                     learner={"groups_per_step": 4, "total_steps": 2, "zero_stage": zero_stage, "lr": 1e-2,
                              "device": "cpu"},
                     sync={"transport": "gloo", "timeout_s": 60}, checkpoint={"interval": 0})
