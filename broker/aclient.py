@@ -161,9 +161,9 @@ class AsyncBrokerClient:
             return None
 
     async def request(self, make: Callable[[int], m.Message], *, timeout_s: float | None = None, retries: int = 2,
-                      raise_errors: bool = True, reregister: bool = True) -> Any:
-        """Send ``make(req_id)``; wait for its reply, retrying with backoff on timeouts and ``unavailable``,
-        registering again once on ``unregistered``."""
+                      raise_errors: bool = True, reregister: bool = True, retry_later: bool = True) -> Any:
+        """Send ``make(req_id)``; wait for its reply, retrying with backoff on timeouts and (``retry_later``)
+        ``unavailable``, registering again once on ``unregistered`` (``reregister``)."""
         timeout = timeout_s or self.timeout_s
         attempts, busy = retries + 1, 0
         while attempts > 0:
@@ -172,7 +172,7 @@ class AsyncBrokerClient:
                 reregister = False
                 await self._reregister()
                 continue
-            if isinstance(reply, m.Error) and reply.code in RETRY_LATER and busy < max(4, retries):
+            if isinstance(reply, m.Error) and reply.code in RETRY_LATER and retry_later and busy < max(4, retries):
                 busy += 1
                 log.warning("broker busy (%s); retrying in %.1f s", reply.reason, min(5.0, 0.5 * 2**busy))
                 await asyncio.sleep(min(5.0, 0.5 * 2**busy))

@@ -9,6 +9,7 @@ Register info and heartbeat stats are refused beyond ``broker.max_client_info_by
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -39,7 +40,7 @@ def info_size(values: Mapping[str, object]) -> int:
 class ClientTable:
     def __init__(self, bcfg: BrokerConfig):
         self.bcfg = bcfg
-        self.clients: dict[str, ClientState] = {}
+        self.clients: OrderedDict[str, ClientState] = OrderedDict()  # least recently seen first
         self.evicted = 0
 
     def __len__(self) -> int:
@@ -51,11 +52,23 @@ class ClientTable:
     def get(self, client_id: str) -> ClientState | None:
         return self.clients.get(client_id)
 
+    def seen(self, c: ClientState, now: float) -> None:
+        """A request from ``c``: it moves to the back (the front is the longest silent: the one to evict)."""
+        c.last_seen = now
+        if c.client_id in self.clients:
+            self.clients.move_to_end(c.client_id)
+
     def alive(self, c: ClientState, now: float) -> bool:
         return now - c.last_seen <= self.bcfg.client_timeout_s
 
     def dead(self, now: float) -> set[str]:
-        return {c.client_id for c in self.clients.values() if not self.alive(c, now)}
+        """Clients silent for client_timeout_s (from the front: O(dead))."""
+        out = set()
+        for c in self.clients.values():
+            if self.alive(c, now):
+                break
+            out.add(c.client_id)
+        return out
 
     def too_large(self, values: Mapping[str, object], what: str) -> str | None:
         size = info_size(values)
@@ -67,14 +80,15 @@ class ClientTable:
     def register(self, client: ClientState, now: float) -> str | None:
         """Add or replace a record; a reason when the table is full of live clients."""
         if client.client_id not in self.clients and len(self.clients) >= self.bcfg.max_clients:
-            dead = [c for c in self.clients.values() if not self.alive(c, now)]
-            if not dead:
+            oldest = next(iter(self.clients.values()))
+            if self.alive(oldest, now):
                 return (f"the broker holds {len(self.clients)} live clients (broker.max_clients="
                         f"{self.bcfg.max_clients}); retry later or raise that setting")
-            del self.clients[min(dead, key=lambda c: c.last_seen).client_id]
+            del self.clients[oldest.client_id]
             self.evicted += 1
         client.last_seen = now
         self.clients[client.client_id] = client
+        self.clients.move_to_end(client.client_id)
         return None
 
     def create(self, client_id: str, role: str, now: float) -> ClientState:
@@ -87,9 +101,10 @@ class ClientTable:
         return c
 
     def evict_dead(self, now: float) -> list[str]:
+        """Drop clients silent for EVICT_AFTER x client_timeout_s (from the front: O(evicted))."""
         limit = EVICT_AFTER * self.bcfg.client_timeout_s
-        gone = [cid for cid, c in self.clients.items() if now - c.last_seen > limit]
-        for cid in gone:
-            del self.clients[cid]
+        gone = []
+        while self.clients and now - next(iter(self.clients.values())).last_seen > limit:
+            gone.append(self.clients.popitem(last=False)[0])
         self.evicted += len(gone)
         return gone

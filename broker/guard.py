@@ -16,14 +16,13 @@ well-behaved client that is cut loses at most a request in flight, which it retr
 - A connection that delivered no request for ``broker.idle_timeout_s`` and has no long poll waiting
   is closed; so are the idlest ones beyond ``broker.max_connections``.
 
-Closing is ``shutdown(SHUT_RDWR)`` on a duplicate of the descriptor: libzmq sees the peer go away and
-frees the connection's buffers itself.
+Closing is ``shutdown(SHUT_RDWR)`` on the descriptor (never ``close``: it stays libzmq's): libzmq sees the
+peer go away and frees the connection and its buffers itself.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import struct
 from collections import Counter
@@ -124,8 +123,7 @@ class Guard:
         if not self.tcp_info:
             return None
         try:
-            with socket.socket(fileno=os.dup(fd)) as s:
-                info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+            info = _on_fd(fd, lambda s: s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256))
         except (OSError, AttributeError):
             return None
         if len(info) < TCPI_BYTES_RECEIVED + 8:  # pragma: no cover - an old kernel: only the idle rules apply
@@ -137,8 +135,7 @@ class Guard:
     def _close(self, fd: int, why: str) -> None:
         self.conns.pop(fd, None)
         try:
-            with socket.socket(fileno=os.dup(fd)) as s:
-                s.shutdown(socket.SHUT_RDWR)
+            _on_fd(fd, lambda s: s.shutdown(socket.SHUT_RDWR))
         except OSError:
             return
         self.counters["connections_closed"] += 1
@@ -148,4 +145,14 @@ class Guard:
         if self.monitor is not None:
             self.monitor.close(linger=0)
             self.monitor = None
+
+
+def _on_fd(fd: int, op):
+    """``op(socket)`` on libzmq's descriptor itself: no duplicate (there may be no descriptor left to make
+    one when they are exhausted), and detached afterwards so that libzmq's descriptor stays open."""
+    s = socket.socket(fileno=fd)
+    try:
+        return op(s)
+    finally:
+        s.detach()
 

@@ -204,7 +204,7 @@ class BrokerState:
 
     def _touch(self, client_id: str, now: float, role: str = "", version: int | None = None) -> ClientState:
         c = self.clients.get(client_id) or self.clients.create(client_id, role, now)
-        c.last_seen = now
+        self.clients.seen(c, now)
         if version is not None:
             c.policy_version = version
         return c
