@@ -324,3 +324,66 @@ def test_gloo_receiver_killed_mid_round_costs_one_bucket_timeout_and_the_survivo
         applied, state, stats, _ = kids[name].apply(5)
         assert applied == 5 and stats["weights/rounds_missed"] == 0
         assert_same_weights(model, state)
+
+
+# ------------------------------------------------------------------ the weight channel's defences
+
+
+def test_the_round_store_listens_on_sync_master_addr_only(learner_model, tmp_path):
+    import psutil
+
+    cfg = JobConfig(sync=SyncConfig(transport="gloo", master_addr="127.0.0.1", timeout_s=TIMEOUT_S))
+    pub = WeightPublisher(cfg, tmp_path, 0, specs_of(learner_model))
+    try:
+        pub.publish(1, 1, learner_model.named_parameters(), lambda info: None, 0)
+        port = pub._sender.port
+        listening = [c.laddr.ip for c in psutil.Process().net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert listening == ["127.0.0.1"]  # TCPStore alone listened on every interface
+    finally:
+        pub.close()
+
+
+def test_joiners_without_the_round_secret_get_nothing_and_stall_nothing(learner_model, tmp_path):
+    """An outsider that reaches the store: the old public keys lead nowhere, and a record under the real keys
+    without the secret's proof is ignored and counted. The real receiver gets the version; nobody waits."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from fleetrl.common import messages
+
+    cfg = JobConfig(sync=SyncConfig(transport="gloo", timeout_s=TIMEOUT_S, bucket_mb=0.1))
+    pub = WeightPublisher(cfg, tmp_path, 0, specs_of(learner_model))
+    specs = [(n, tuple(p.shape), p.dtype) for n, p in learner_model.named_parameters()]
+    engine, receiver = CaptureEngine(specs), WeightReceiver(cfg, specs, "cpu", "rollout-0")
+    try:
+        def announce(info):
+            outsider = TCPStore(info.master_addr, info.master_port, None, False, timeout=timedelta(seconds=2))
+            assert outsider.add("round/1/count", 1) == 1  # the keys of the old protocol: nobody reads them now
+            outsider.set("round/1/member/1", messages.encode_record(messages.JoinRecord("attacker/0")))
+            keys = ws.RoundKeys(info.secret, info.round_id)  # even knowing the key names, without the secret:
+            n = outsider.add(keys.count, 1)
+            outsider.set(keys.member(n), messages.encode_record(messages.JoinRecord("attacker/1", proof="00" * 12)))
+            receiver.on_version(1, info)
+
+        t0 = time.monotonic()
+        metrics = pub.publish(1, 1, perturb(learner_model, 1).named_parameters(), announce, 2)
+        assert time.monotonic() - t0 < ws.JOIN_WINDOW_S + 2.0
+        assert metrics["sync/receivers"] == 1 and metrics["sync/unknown_joiners"] == 1
+        wait_pending(receiver, 1)
+        assert receiver.apply(engine) == 1
+        assert_same_weights(learner_model, engine.state)
+    finally:
+        receiver.close()
+        pub.close()
+
+
+def test_versions_from_the_future_are_ignored(tiny_model_dir, tmp_path):
+    cfg = JobConfig(sync=SyncConfig(transport="filesystem"))
+    receiver = WeightReceiver(cfg, [], "cpu", "rollout-0")
+    future = WeightsInfo(transport="filesystem", path=str(tmp_path), published_at=time.time() + 10**6)
+    receiver.on_version(9, future)  # it pinned every rollout to the attacker's weights: real 5 and 6 were ignored
+    assert receiver.pending_version() is None and receiver.stats()["weights/rejected"] == 1
+    receiver.on_version(5, WeightsInfo(transport="filesystem", path=str(tmp_path), published_at=time.time()))
+    assert receiver.pending_version() == 5
