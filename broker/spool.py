@@ -36,6 +36,7 @@ from typing import Union
 
 import msgspec
 
+from fleetrl.common import chaos
 from fleetrl.common.messages import Prompt, SampleGroup, WeightsInfo
 
 log = logging.getLogger(__name__)
@@ -324,6 +325,9 @@ class Spool:
         data = encode_records(records)
         view, start = memoryview(data), self._size
         try:
+            if "broker.spool_write" in chaos.POINTS:  # a chaos run: stop with half of the record written
+                view = view[os.write(self._fd, view[: len(view) // 2]):]
+                chaos.pin("broker.spool_write")
             while view:
                 n = os.write(self._fd, view)
                 view = view[n:]

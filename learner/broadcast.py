@@ -35,7 +35,7 @@ import msgspec
 import torch
 from torch.distributed import PrefixStore, TCPStore
 
-from fleetrl.common import messages
+from fleetrl.common import chaos, messages
 from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import SyncConfig
 
@@ -244,6 +244,8 @@ class BroadcastSender:
                     ws.wait_work(inflight, self.cfg.bucket_timeout_s)
                 self._window(store, rnd, i)
                 inflight = ws.broadcast(rnd.group.pg, flat, self.cfg.bucket_timeout_s)
+                if i == 1:
+                    chaos.pin("learner.publish")
             except Exception as e:  # noqa: BLE001 - a receiver died or stalled: re-form without it
                 inflight = None
                 failed = not self._reform(store, rnd, i, e)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from torch.distributed import PrefixStore
 
-from fleetrl.common import messages
+from fleetrl.common import chaos, messages
 from fleetrl.common import weightsync as ws
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ def receive_buckets(pg: Any, buffers: list, store: Any, keys: ws.RoundKeys, star
             e.have = i
             raise
         store.add(keys.progress(i), 1)
+        chaos.pin("rollout.broadcast")
         if on_bucket is not None:
             on_bucket(i)
 

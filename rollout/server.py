@@ -30,8 +30,8 @@ from fleetrl.broker.client import (
     BrokerClient, BrokerError, BrokerUnavailable, SubscriptionLike, ZmqBrokerClient, client_identity, default_client_id,
     resolve_address,
 )
+from fleetrl.common import chaos, telemetry
 from fleetrl.common import messages as m
-from fleetrl.common import telemetry
 from fleetrl.common.config import load_config
 from fleetrl.common.log import setup_logging
 from fleetrl.common.config.schema import JobConfig
@@ -160,6 +160,7 @@ class RolloutServer:
         if self.paused:
             self.wait(PAUSED_POLL_S)
             return None
+        chaos.pin("rollout.idle")
         try:
             reply = self.client.lease_prompts(self.cfg.rollout.prompts_per_batch, self.version)
         except BrokerError as e:
@@ -185,6 +186,7 @@ class RolloutServer:
         prompt_ids = [encode_prompt(self.engine.tokenizer, p.prompt, data.apply_chat_template, data.max_prompt_tokens)
                       for p in lease.prompts]
         t0 = time.monotonic()
+        chaos.pin("rollout.generate")
         samples = self.engine.generate(prompt_ids, self.params, self.cfg.rollout.group_size)
         gen_s = time.monotonic() - t0
         if trace is not None:
