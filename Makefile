@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all install docs clean-venv
+.PHONY: demo test test-slow test-all install docs clean-venv
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not gpu" --ignore=tests/gpu $(PYTEST_ARGS)
+
+# the slow lane of .ci/run: the 100k-frame fuzz, unbounded long polls, chaos in pinned states (~15 min on 2 cores)
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m "slow and not gpu" --ignore=tests/gpu $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

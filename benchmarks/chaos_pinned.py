@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from chaos import check, last_step, pid_of, prepare, read_jsonl  # noqa: E402
 
 BUCKET_S = 3.0  # sync.bucket_timeout_s of these runs
+ARM_AT = 5  # the learner step after which the pinned point is armed
 
 
 @dataclass
@@ -57,13 +58,13 @@ class Scenario:
 
 
 SCENARIOS = {s.name: s for s in [
-    Scenario("rollout-idle", "rollout-0", "rollout.idle", 6, 60.0),
-    Scenario("rollout-generate", "rollout-0", "rollout.generate", 4, 60.0),
-    Scenario("rollout-broadcast", "rollout-0", "rollout.broadcast", 4, 2 * BUCKET_S + 30.0),
-    Scenario("broker-spool-write", "broker", "broker.spool_write", 300, 90.0),
+    Scenario("rollout-idle", "rollout", "rollout.idle", 2, 60.0),
+    Scenario("rollout-generate", "rollout", "rollout.generate", 1, 60.0),
+    Scenario("rollout-broadcast", "rollout", "rollout.broadcast", 2, 2 * BUCKET_S + 30.0),
+    Scenario("broker-spool-write", "broker", "broker.spool_write", 20, 90.0),
     Scenario("broker-disk-full", "broker", "", 0, 60.0),
-    Scenario("learner-step", "learner", "learner.step", 6, 180.0),
-    Scenario("learner-publish", "learner", "learner.publish", 6, 180.0),
+    Scenario("learner-step", "learner", "learner.step", 1, 180.0),
+    Scenario("learner-publish", "learner", "learner.publish", 1, 180.0),
 ]}
 
 
@@ -122,8 +123,8 @@ def finish(proc: subprocess.Popen, run_dir: Path, steps: int, deadline: float) -
 
 
 def run_pinned(workdir: Path, sc: Scenario, steps: int = 20, timeout_s: float = 900) -> dict:
-    pins = workdir / f"pins-{sc.name}"
-    pins.mkdir(exist_ok=True)
+    pins = workdir / f"pins-{sc.name}-{time.strftime('%H%M%S')}"
+    pins.mkdir()
     env = {"FLEETRL_PIN": sc.pin, "FLEETRL_PIN_DIR": str(pins), "FLEETRL_PIN_AFTER": str(sc.after)} if sc.pin else {}
     t0, load0 = time.monotonic(), os.getloadavg()[0]
     proc, run_dir = start(workdir, sc.name, steps, env)
@@ -131,16 +132,21 @@ def run_pinned(workdir: Path, sc: Scenario, steps: int = 20, timeout_s: float = 
     out = {"scenario": sc.name, "killed": None, "recover_s": None}
     if sc.pin:
         marker = pins / f"{sc.pin}.pinned"
+        if wait_for(lambda: last_step(run_dir)[0] >= ARM_AT, deadline, proc):
+            (pins / f"{sc.pin}.armed").write_text("")  # from now on the point pins (mid-run, not at start-up)
         if wait_for(marker.exists, deadline, proc):
             time.sleep(0.2)
             pid = int(marker.read_text())
             killed_at = time.time()
-            os.kill(pid, signal.SIGKILL)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it died by itself while pinned: reported as not killed
+                pid = None
             (pins / f"{sc.pin}.done").write_text("")
             out.update(killed=pid, killed_at_step=last_step(run_dir)[0])
             out["recover_s"] = recovery(run_dir, killed_at, deadline, proc)
     else:  # disk full: the broker's spool may not grow for 6 s
-        if wait_for(lambda: last_step(run_dir)[0] >= 4, deadline, proc):
+        if wait_for(lambda: last_step(run_dir)[0] >= ARM_AT, deadline, proc):
             pid = pid_of(run_dir, "broker")
             spool = run_dir.parent / (run_dir.name + "-spool")
             size = max(p.stat().st_size for p in spool.glob("segment-*.log"))
@@ -156,8 +162,8 @@ def run_pinned(workdir: Path, sc: Scenario, steps: int = 20, timeout_s: float = 
     out["survived"] = survived(out, sc)
     if sc.name == "rollout-broadcast":
         out.update(broadcast_checks(run_dir))
-    if sc.role.startswith("rollout") and sc.pin:
-        out["readmitted_with_current_weights"] = readmitted(run_dir, sc.role)
+    if sc.role == "rollout" and sc.pin:
+        out["readmitted_with_current_weights"] = readmitted(run_dir)
     return out
 
 
@@ -170,7 +176,8 @@ def broadcast_checks(run_dir: Path) -> dict:
     """The round the rollout died in: re-formed, the learner delayed <= 2 x bucket timeout, the other got it."""
     rows = read_jsonl(run_dir / "metrics.jsonl")
     reformed = [r for r in rows if r.get("sync/reforms", 0) >= 1]
-    other = read_jsonl(run_dir / "rollout-1.metrics.jsonl")
+    killed = {e["child"] for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "restart"}
+    other = read_jsonl(run_dir / f"rollout-{1 if 'rollout-0' in killed else 0}.metrics.jsonl")
     return {"reformed_rounds": len(reformed),
             "sync_s_of_reformed": [round(r.get("timing/sync_s", 0.0), 2) for r in reformed],
             "learner_delay_ok": bool(reformed) and all(r.get("timing/sync_s", 0.0) <= 2 * BUCKET_S + 1.0 for r in reformed),
@@ -179,12 +186,13 @@ def broadcast_checks(run_dir: Path) -> dict:
             "learner_final_version": rows[-1].get("policy/version") if rows else None}
 
 
-def readmitted(run_dir: Path, role: str) -> bool | None:
-    """After its restart, the rollout's first batch used at least the version the learner held then."""
-    restarts = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "restart" and e.get("child") == role]
+def readmitted(run_dir: Path) -> bool | None:
+    """After its restart, the killed rollout's first batch used at least the version the learner held then."""
+    restarts = [e for e in read_jsonl(run_dir / "events.jsonl")
+                if e.get("event") == "restart" and str(e.get("child", "")).startswith("rollout")]
     if not restarts:
         return None
-    t = restarts[0]["time"]
+    t, role = restarts[0]["time"], restarts[0]["child"]
     before = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["time"] <= t]
     current = before[-1]["policy/version"] if before else 0
     after = [r for r in read_jsonl(run_dir / f"{role}.metrics.jsonl") if r["time"] > t]

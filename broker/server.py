@@ -45,7 +45,7 @@ from fleetrl.common.log import setup_logging
 log = logging.getLogger("fleetrl.broker")
 
 TICK_S = 0.05
-GUARD_S = 0.1  # how often the connection guard looks
+GUARD_S = 0.05  # how often the connection guard looks (every tick)
 MAX_WAIT_S = 60.0  # longest a LeaseBatch is held: a larger wait_s (inf included) is cut to it, so every request is answered
 PUB_ROLES = ("rollout", "learner", "operator")  # who may subscribe to announcements (they carry round secrets)
 

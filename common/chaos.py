@@ -3,7 +3,8 @@ there (NeMo-RL's pinned-state chaos scripts; ``benchmarks/chaos.py`` drives it).
 
     FLEETRL_PIN=rollout.broadcast FLEETRL_PIN_DIR=/tmp/pins [FLEETRL_PIN_AFTER=3] fleetrl run ...
 
-``pin(point)`` costs one set lookup unless ``FLEETRL_PIN`` (a comma list) names the point. The
+``pin(point)`` costs one set lookup unless ``FLEETRL_PIN`` (a comma list) names the point. Once the
+controller has *armed* it (created ``<dir>/<point>.armed``, e.g. after the learner's 4th step), the
 ``FLEETRL_PIN_AFTER``-th time a process passes it, the first process to get there writes
 ``<dir>/<point>.pinned`` (its pid) and waits; the controller kills it and writes ``<dir>/<point>.done``,
 so the restarted process (same environment) passes through. Points: ``rollout.idle``,
@@ -26,8 +27,10 @@ def pin(point: str) -> None:
         return
     root = Path(os.environ.get("FLEETRL_PIN_DIR", "."))
     done = root / f"{point}.done"
+    if done.exists() or not (root / f"{point}.armed").exists():
+        return
     _hits[point] += 1
-    if done.exists() or _hits[point] < int(os.environ.get("FLEETRL_PIN_AFTER", "1")):
+    if _hits[point] < int(os.environ.get("FLEETRL_PIN_AFTER", "1")):
         return
     try:
         fd = os.open(root / f"{point}.pinned", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

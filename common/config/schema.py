@@ -223,12 +223,13 @@ class BrokerConfig(Section):
     ] = 5.0
     handshake_timeout_s: Annotated[float, doc("A connection that has not finished its ZMTP/CURVE handshake by then is closed.", gt=0)] = 10.0
     idle_timeout_s: Annotated[
-        float, doc("A connection that sent no complete request for this long (and has no long poll waiting) is closed.", gt=0)
-    ] = 120.0
+        float, doc("A connection that sent no complete request for this long (and has no long poll waiting) is closed; "
+                   "ZeroMQ clients reconnect by themselves.", gt=0)
+    ] = 60.0
     max_buffered_bytes: Annotated[
         int, doc("Bytes the broker may hold in unfinished frames across all connections; the largest holders are "
                  "disconnected beyond (one connection may hold 2 x max_message_bytes + 1 MiB).", ge=1 << 20)
-    ] = 256 << 20
+    ] = 128 << 20
     max_connections: Annotated[
         int | None, doc("Open request connections; beyond, the idlest are closed (null = the open-files limit minus 64).")
     ] = None
