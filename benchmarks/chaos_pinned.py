@@ -154,8 +154,11 @@ def run_pinned(workdir: Path, sc: Scenario, steps: int = 20, timeout_s: float = 
             full_at = time.time()
             time.sleep(6.0)
             resource.prlimit(pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-            out.update(full_for_s=6.0, alerted="ALERT" in (run_dir / "broker.log").read_text()
-                       if (run_dir / "broker.log").exists() else None)
+            events = [r["event"] for r in read_jsonl(run_dir / "audit.jsonl")]
+            log = run_dir / "logs" / "broker.log"
+            out.update(full_for_s=6.0, spool_unavailable="spool_unavailable" in events,
+                       spool_writable_again="spool_writable" in events,
+                       alerted=log.exists() and "ALERT" in log.read_text())
             out["recover_s"] = recovery(run_dir, full_at + 6.0, deadline, proc)
     out.update(finish(proc, run_dir, steps, deadline))
     out["wall_s"], out["load_before"], out["load_after"] = time.monotonic() - t0, load0, os.getloadavg()[0]
@@ -226,26 +229,39 @@ def run_random(workdir: Path, per_role: int, steps: int = 60, timeout_s: float =
     return out
 
 
-def run_join(workdir: Path, steps: int = 30, timeout_s: float = 900) -> dict:
-    """A brand-new rollout server joins mid-run and catches up with the current version."""
+def run_join(workdir: Path, steps: int = 600, timeout_s: float = 900) -> dict:
+    """A brand-new rollout server joins mid-run: from its ready signal, how long until it generates with
+    the version the learner held then (or newer)."""
     proc, run_dir = start(workdir, "join", steps, {})
     deadline = time.monotonic() + timeout_s
-    out: dict = {"scenario": "join"}
+    out: dict = {"scenario": "join", "caught_up_s": None}
     if wait_for(lambda: last_step(run_dir)[0] >= 8, deadline, proc):
-        joined_at = time.time()
         new = subprocess.Popen([sys.executable, "-m", "fleetrl.common.cli", "rollout", "--config", str(workdir / "job.yaml"),
                                 "--run-dir", str(run_dir), "--server-index", "7",
-                                *overrides(workdir, run_dir, steps)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        caught = wait_for(lambda: any(r.get("rollout/policy_version", 0) >= _learner_version(run_dir) - 1
-                                      for r in read_jsonl(run_dir / "rollout-7.metrics.jsonl")), deadline, proc)
-        out["caught_up_s"] = time.time() - joined_at if caught else None
-        rows = read_jsonl(run_dir / "rollout-7.metrics.jsonl")
-        out["first_batch_version"] = rows[0]["rollout/policy_version"] if rows else None
+                                *overrides(workdir, run_dir, steps)], stdout=(run_dir / "rollout-7.out").open("w"),
+                               stderr=subprocess.STDOUT)
+        ready = run_dir / "rollout-7.ready"
+        if wait_for(ready.exists, deadline, proc):
+            ready_at = time.time()
+            target = _learner_version_at(run_dir, ready_at)
+            caught = wait_for(lambda: any(r.get("rollout/policy_version", 0) >= target
+                                          for r in read_jsonl(run_dir / "rollout-7.metrics.jsonl")), deadline, proc)
+            rows = read_jsonl(run_dir / "rollout-7.metrics.jsonl")
+            out.update(caught_up_s=time.time() - ready_at if caught else None, learner_version_at_ready=target,
+                       registered_with_version=json.loads(ready.read_text()).get("policy_version"),
+                       first_batch_version=rows[0]["rollout/policy_version"] if rows else None,
+                       catchups=rows[-1].get("weights/catchups") if rows else None)
         new.send_signal(signal.SIGTERM)
         new.wait(timeout=60)
+    os.killpg(proc.pid, signal.SIGINT)  # enough: the run need not reach its last step
     out.update(finish(proc, run_dir, steps, deadline))
-    out["survived"] = out.get("caught_up_s") is not None and out["exit_code"] == 0 and out["lost"] == 0
+    out["survived"] = out["caught_up_s"] is not None and out["lost"] == 0 and out["duplicated"] == 0
     return out
+
+
+def _learner_version_at(run_dir: Path, t: float) -> int:
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["time"] <= t]
+    return int(rows[-1]["policy/version"]) if rows else 0
 
 
 def _learner_version(run_dir: Path) -> int:

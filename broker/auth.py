@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,7 +199,3 @@ def raise_open_files_limit() -> int:
             pass
     return soft
 
-
-def owner_only_umask() -> None:
-    """Files the process creates from now on are owner-only (weights, checkpoints, logs, spool)."""
-    os.umask(0o077)

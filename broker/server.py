@@ -412,7 +412,6 @@ async def run_broker(cfg: JobConfig, run_dir: str | None) -> int:
 
 
 def main(args) -> int:
-    auth.owner_only_umask()
     cfg = load_config(args.config, args.overrides)
     run_dir = args.run_dir
     if run_dir:

@@ -63,6 +63,7 @@ class BrokerState:
         self.clients = ClientTable(self.bcfg)
         self.controls = Controls(self)
         self.ingest = Ingest(self)
+        self.recovery: dict[str, int] = {}
         if spool is not None:
             self._recover(spool.recover())
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Callable
 
@@ -180,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    os.umask(0o077)  # every file a fleetrl process creates (weights, checkpoints, spool, keys, logs) is owner-only
     target, _, _ = COMMANDS[args.command]
     module_name, func_name = target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
