@@ -10,7 +10,7 @@ time. Only the ``algorithm.*`` keys differ:
 - ``ppo``: ``adv_estimator: gae`` (gamma 1, lambda 0.95, whitened) with a value model, a copy of the
   warm start plus a new head, trained by its own DeepSpeed engine (lr ``--critic-lr``, a few
   critic-only warm-up steps); no KL, like the demo;
-- ``dpo-online``: ``policy_loss: dpo`` (sigmoid, beta ``--dpo-beta``): each group's best and worst
+- ``dpo-online``: ``algorithm.type: dpo`` (sigmoid, beta ``--dpo-beta``): each group's best and worst
   response by reward make a pair; tied groups give none.
 
     python benchmarks/algorithms.py [--minutes 4] [--workdir DIR] [--algorithms grpo,ppo,dpo-online]
@@ -47,7 +47,8 @@ def overrides(name: str, args) -> list[str]:
                 "algorithm.whiten_advantages=true", f"algorithm.critic.lr={args.critic_lr}",
                 f"algorithm.critic.warmup_steps={args.critic_warmup}", "algorithm.critic.vf_coef=0.5",
                 "algorithm.critic.cliprange_value=0.2"]
-    return ["algorithm.policy_loss=dpo", "algorithm.dpo.loss=sigmoid", f"algorithm.dpo.beta={args.dpo_beta}"]
+    return ["algorithm=null", "algorithm.type=dpo", "algorithm.loss=sigmoid", f"algorithm.beta={args.dpo_beta}",
+            "algorithm.dynamic_sampling=true"]  # the demo's algorithm section is RL's: replaced whole
 
 
 def run_algorithm(name: str, work: dict, args) -> dict:

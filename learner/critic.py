@@ -3,13 +3,13 @@ architecture, trained by its own DeepSpeed engine inside the learner.
 
 Shape legend: B samples, T response positions, b / L a micro-batch's samples / length, H hidden size.
 
-    values = critic.values(batch)                        # V [B, T] by the current critic, no grad
-    adv, returns = ADV_ESTIMATORS["gae"](token_rewards, mask, group_index, values, alg)
-    for each mini-batch: actor update; critic.update(batch, idx, values, returns)
+    critic.fill_values(batch)                            # mb.values by the current critic, no grad
+    adv, returns = ADV_ESTIMATORS["gae"](token_rewards, mask, group_index, batch.gather("values"), alg)
+    for each mini-batch: actor update; critic.update(micro_batches)   # against mb.values, mb.returns
     critic.end_step(values, returns, mask)               # explained variance; counts warmup steps
 
 V_t is read from the hidden state at the position whose logits predict response token t (the
-batch's ``logit_pos``): the state before token t is emitted, as the GAE recursion
+micro-batch's ``logit_pos``): the state before token t is emitted, as the GAE recursion
 delta_t = r_t + gamma V_{t+1} - V_t needs. Values are computed for every leased batch by the current
 critic, so stale samples are valued by today's critic, not the one that was current when they were
 generated.
@@ -31,16 +31,17 @@ the policy.
 from __future__ import annotations
 
 import time
+from typing import Sequence
 from pathlib import Path
 
 import torch
 
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.learner.actor import _reduce, _sync_max
 from fleetrl.learner.algorithms import masked_mean, value_loss
 from fleetrl.learner.algorithms.common import masked_var
-from fleetrl.learner.batch import Batch, MicroBatch, micro_batches
+from fleetrl.learner.batch import MicroBatch, RolloutBatch
 from fleetrl.learner.runtime import build_engine
+from fleetrl.learner.update import Piece, accumulate_and_step, forward_passes
 
 HEAD_NAMES = ("score.weight", "v_head.weight", "v_head.summary.weight")
 TAG = "critic"
@@ -110,7 +111,6 @@ class Critic:
         self.cfg, self.cc, self.device = cfg, cfg.algorithm.critic, device
         model = load_value_model(self.cc.path or cfg.model.path, cfg, dtype)
         self.engine, self.optimizer, self.scheduler = build_engine(model, cfg, dtype, lr=self.cc.lr)
-        self.max_tokens = cfg.learner.max_tokens_per_microbatch
         self.steps = 0  # learner steps this critic has trained on (for critic.warmup_steps)
 
     @property
@@ -119,50 +119,27 @@ class Critic:
         return self.steps < self.cc.warmup_steps
 
     def _forward(self, mb: MicroBatch) -> torch.Tensor:
-        return self.engine(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device),
-                           logit_pos=mb.logit_pos.to(self.device))
+        return self.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logit_pos=mb.logit_pos)
 
-    @torch.no_grad()
-    def values(self, batch: Batch) -> torch.Tensor:
-        """V ``[B, T]`` of every response token under the current critic (0 where masked)."""
-        out = torch.zeros(batch.responses.shape)
-        mbs = micro_batches(batch, torch.arange(batch.size), self.max_tokens)
-        for k in range(_sync_max(len(mbs), self.device)):
-            mb = mbs[min(k, len(mbs) - 1)]
-            v = self._forward(mb)
-            if k < len(mbs):
-                out[mb.index, : mb.response_len] = v.cpu()
-        return out * batch.mask
+    def fill_values(self, batch: RolloutBatch) -> None:
+        """``mb.values`` ``[b, T]``: V of every response token under the current critic (0 where masked)."""
+        for mb, v in zip(batch.micro, forward_passes(self._forward, batch.micro, self.device)):
+            mb.values = torch.where(mb.mask > 0, v, 0.0)
 
-    def update(self, batch: Batch, idx: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
-        """One critic optimizer step on samples ``idx``: vf_coef x the clipped value loss (token-mean)."""
+    def update(self, items: Sequence[MicroBatch]) -> dict[str, float]:
+        """One critic optimizer step on ``items``: vf_coef x the clipped value loss (token-mean) against
+        each micro-batch's ``values`` (the old predictions) and ``returns``."""
         t0 = time.perf_counter()
-        mbs = micro_batches(batch, idx, self.max_tokens)
-        denom = max(float(batch.mask[idx].sum()), 1.0)
-        part: dict[str, list[tuple[float, float]]] = {}
-        for k in range(_sync_max(len(mbs), self.device)):
-            dummy = k >= len(mbs)
-            mb = mbs[0] if dummy else mbs[k]
-            sel, T = mb.index, mb.response_len
-            mask = batch.mask[sel, :T].to(self.device)
-            out = value_loss(self._forward(mb), old_values[sel, :T].to(self.device), returns[sel, :T].to(self.device),
-                             mask, self.cc.cliprange_value)
-            share = 0.0 if dummy else float(mask.sum()) / denom
-            self.engine.backward(self.cc.vf_coef * out.loss * share, scale_wrt_gas=False)
-            if not dummy:
-                for name, value in out.metrics.items():
-                    part.setdefault(name, []).append((value, share))
-        local_norm = self._local_grad_norm() if self.cfg.learner.zero_stage == 0 else None  # ZeRO-0: no global norm
-        self.engine.step()
-        norm = self.engine.get_global_grad_norm()
-        norm = local_norm if norm is None else float(norm)
-        result = {name: _reduce(name, [v for v, _ in vs], [s for _, s in vs]) for name, vs in part.items()}
-        result.update({"critic/grad_norm": float(norm), "timing/critic_update_s": time.perf_counter() - t0})
-        return result
+        denom = max(sum(mb.num_tokens for mb in items), 1.0)
 
-    def _local_grad_norm(self) -> float:
-        grads = [p.grad.detach().float().norm() for p in self.engine.module.parameters() if p.grad is not None]
-        return float(torch.stack(grads).norm()) if grads else 0.0
+        def loss_fn(mb: MicroBatch) -> Piece:
+            out = value_loss(self._forward(mb), mb.values, mb.returns, mb.mask, self.cc.cliprange_value)
+            return Piece(self.cc.vf_coef * out.loss, mb.num_tokens / denom, out.metrics)
+
+        result = accumulate_and_step(self.engine, items, loss_fn, self.device, self.cfg.learner.zero_stage,
+                                     norm_key="critic/grad_norm", timing="timing/critic_")
+        result["timing/critic_update_s"] = time.perf_counter() - t0
+        return result
 
     def end_step(self, values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
         """Step-level metrics (of the values the advantages were computed with); counts the step."""

@@ -1,35 +1,39 @@
-"""DPO in the learner (``algorithm.policy_loss: dpo``): one optimizer step on preference pairs.
+"""The ``dpo`` objective's step: one optimizer step on preference pairs.
 
-Shape legend: B samples in the batch, P pairs, T response positions.
+Shape legend: B leased samples, P pairs, n a chunk's pairs.
 
-Offline and online DPO share this step. A pair is a group's best and worst response by reward:
+Offline and online DPO share this step; only the pairs' origin differs:
 
-- online (the rollout fleet): each leased group of G >= 2 responses gives one pair (best vs worst);
-  a group whose rewards all tie gives none and is counted in ``dpo/tied_groups`` (turn on
+- online (the rollout fleet): each leased group of G >= 2 responses gives one pair (best vs worst by
+  reward); a group whose rewards all tie gives none and is counted in ``dpo/tied_groups`` (set
   ``algorithm.dynamic_sampling`` to lease replacements for them). Staleness and weight sync work as
-  for GRPO; the behaviour log-probs are not needed.
-- offline (``data.preference``, learner/preference.py): every pair arrives as a group of two
-  responses, chosen with reward 1 and rejected with reward 0.
+  for RL; the behaviour log-probs are not needed.
+- offline (``data.preference``, learner/preference.py): the source reads (prompt, chosen, rejected)
+  token ids itself; no broker, no groups.
 
-    ref log-prob sums of the paired responses (frozen reference, no grad)
-    -> chunks of whole pairs (token budget) -> summed policy log-probs -> PREFERENCE_LOSSES[dpo.loss]
-    -> engine.backward per chunk, weighted by its share of the pairs -> engine.step()
+    pairs -> PreferenceBatch: chunks of whole pairs, each one micro-batch on the device (batch.py)
+    -> summed reference log-probs per chunk (frozen reference, no grad; 0 with reference_free)
+    -> per chunk: summed policy log-probs -> PREFERENCE_LOSSES[algorithm.loss], weighted n / P
+    -> one engine.step() (learner/update.py)
 
 Log-probs are summed over each response's tokens (DPO's sequence log-likelihood) and follow the
-actor's convention (``log_softmax(logits / rollout.temperature)``).
+engines' convention (``log_softmax(logits / rollout.temperature)``).
 """
 
 from __future__ import annotations
 
-import sys
 import time
 
+import numpy as np
 import torch
 
+from fleetrl.common.config.algorithm import DpoAlgorithm
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.learner.actor import _reduce, _sync_max, response_logprobs
-from fleetrl.learner.algorithms import PREFERENCE_LOSSES, PreferenceInputs, kl_controller_from_config
-from fleetrl.learner.batch import Batch, micro_batches
+from fleetrl.learner.algorithms import PREFERENCE_LOSSES, PreferenceInputs
+from fleetrl.learner.batch import MicroBatch, PairChunk, PreferenceBatch, pack_pairs
+from fleetrl.learner.metrics import sample_metrics
+from fleetrl.learner.source import Leased
+from fleetrl.learner.update import Piece, accumulate_and_step, forward_passes, response_logprobs, sync_max
 
 METRICS = ("dpo/loss", "dpo/accuracy", "dpo/margin", "dpo/rewards_chosen", "dpo/rewards_rejected",
            "dpo/logp_chosen", "dpo/logp_rejected")
@@ -52,141 +56,122 @@ def pairs_from_groups(rewards_B: torch.Tensor, group_index_B: torch.Tensor) -> t
     return torch.tensor(chosen, dtype=torch.int64), torch.tensor(rejected, dtype=torch.int64), tied
 
 
-def sequence_logprobs(model, batch: Batch, temperature: float, device: torch.device, max_tokens: int,
-                      collective: bool = True) -> torch.Tensor:
-    """sum_t log pi(y_t | ...) of every response of ``batch`` under ``model``, ``[B]`` (no grad).
-
-    ``collective``: every rank runs the same number of forwards (ZeRO-3); False for rank-0-only passes.
-    """
-    out = torch.zeros(batch.size)
-    mbs = micro_batches(batch, torch.arange(batch.size), max_tokens)
-    n = _sync_max(len(mbs), device) if collective else len(mbs)
-    with torch.no_grad():
-        for k in range(n):
-            mb = mbs[min(k, len(mbs) - 1)]
-            logp = response_logprobs(model, mb, temperature, device, entropy=False).logp
-            if k < len(mbs):
-                mask = batch.mask[mb.index, : mb.response_len].to(device) > 0
-                out[mb.index] = torch.where(mask, logp, 0.0).sum(-1).float().cpu()
-    return out
+def sequence_sums(model, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    """sum_t log pi(y_t | ...) of every row of ``mb`` under ``model``, ``[b]``."""
+    logp, _ = response_logprobs(model, mb, temperature)
+    return torch.where(mb.mask > 0, logp, 0.0).sum(-1)
 
 
-def pair_chunks(batch: Batch, n_pairs: int, max_tokens: int) -> list[torch.Tensor]:
-    """Pair indices ``0..P-1`` split into runs whose 2k sequences fit ``max_tokens`` padded tokens.
-
-    ``batch`` holds the P chosen responses first, then the P rejected ones. A pair longer than the
-    budget gets a chunk of its own.
-    """
-    length = [len(batch.prompts[i]) + int(batch.lengths[i]) for i in range(batch.size)]
-    chunks, current, longest = [], [], 0
-    for p in range(n_pairs):
-        pair_len = max(length[p], length[n_pairs + p])
-        if current and 2 * (len(current) + 1) * max(longest, pair_len) > max_tokens:
-            chunks.append(torch.tensor(current))
-            current, longest = [], 0
-        current.append(p)
-        longest = max(longest, pair_len)
-    if current:
-        chunks.append(torch.tensor(current))
-    return chunks
+def online_pairs(leased: Leased, max_tokens: int, device: torch.device) -> PreferenceBatch:
+    """Best vs worst response of every leased group, with the metrics of all leased samples."""
+    rewards, gidx, versions, lengths, truncated, responses, prompts = [], [], [], [], [], [], []
+    for gi, g in enumerate(leased.groups):
+        tokens, offsets = g.token_array(), g.offsets()
+        for i in range(g.num_responses):
+            responses.append(tokens[offsets[i] : offsets[i + 1]].astype(np.int64))
+            prompts.append(g.prompt_array().astype(np.int64))
+            rewards.append(g.rewards[i])
+            gidx.append(gi)
+            versions.append(g.policy_version)
+            lengths.append(int(g.lengths[i]))
+            truncated.append(g.finish_reason(i) == "length")
+    rewards_B, gidx_B = torch.tensor(rewards, dtype=torch.float32), torch.tensor(gidx, dtype=torch.int64)
+    chosen, rejected, tied = pairs_from_groups(rewards_B, gidx_B)
+    pairs = [(prompts[c], responses[c], responses[r]) for c, r in zip(chosen.tolist(), rejected.tolist())]
+    if not pairs:  # nothing to train on: one placeholder keeps the collective passes of other ranks matched
+        pairs = [(prompts[0], responses[0], responses[-1])]
+    batch = pack_pairs(pairs, max_tokens, device, tied=tied, group_ids=[g.group_id for g in leased.groups],
+                       rewards=rewards_B, versions=torch.tensor(versions, dtype=torch.int64),
+                       truncated=torch.tensor(truncated, dtype=torch.bool))
+    batch.num_pairs = chosen.numel()
+    batch.lengths, batch.num_samples = torch.tensor(lengths, dtype=torch.int64), len(lengths)
+    batch.num_tokens = int(sum(lengths))
+    return batch
 
 
 class DpoActor:
-    """The learner's step for ``policy_loss: dpo`` (same interface as ``Actor``: ``step``, ``kl_ctl``)."""
+    """The learner's step for ``algorithm.type: dpo`` (same interface as ``PolicyActor``)."""
 
-    def __init__(self, engine, ref_model, cfg: JobConfig, device: torch.device, generator: torch.Generator,
-                 offline: bool):
-        if ref_model is None:
-            raise ValueError("policy_loss: dpo needs the frozen reference model")
-        self.engine, self.ref, self.cfg, self.device, self.gen = engine, ref_model, cfg, device, generator
-        self.alg, self.offline = cfg.algorithm, offline
-        self.loss_fn = PREFERENCE_LOSSES[cfg.algorithm.dpo.loss]
-        self.kl_ctl = kl_controller_from_config(self.alg)  # unused by DPO; saved with checkpoints like the Actor's
+    def __init__(self, engine, ref_model, cfg: JobConfig, device: torch.device, offline: bool):
+        alg: DpoAlgorithm = cfg.algorithm  # type: ignore[assignment]
+        if ref_model is None and not alg.reference_free:
+            raise ValueError("algorithm.type=dpo needs the frozen reference model (or algorithm.reference_free=true)")
+        self.engine, self.ref, self.cfg, self.device, self.alg, self.offline = engine, ref_model, cfg, device, alg, offline
+        self.loss_fn = PREFERENCE_LOSSES[alg.loss]
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.max_tokens = cfg.learner.max_tokens_per_microbatch
 
-    def step(self, batch: Batch, version: int) -> dict[str, float]:
+    def plan(self, leased: Leased) -> PreferenceBatch:
+        if leased.pairs is not None:  # offline: the source already holds token ids
+            return pack_pairs(leased.pairs, self.max_tokens, self.device, group_ids=leased.ids)
+        return online_pairs(leased, self.max_tokens, self.device)
+
+    def fill_reference(self, batch: PreferenceBatch) -> None:
+        """``chunk.ref_sum`` ``[2n]``: summed reference log-probs in chunk order (zeros when reference-free)."""
+        if self.ref is None:
+            for c in batch.chunks:
+                c.ref_sum = torch.zeros(2 * c.n, device=self.device)
+            return
+        sums = forward_passes(lambda c: sequence_sums(self.ref, c.mb, self.temperature), batch.chunks, self.device)
+        for c, s in zip(batch.chunks, sums):
+            c.ref_sum = s[c.rows]
+
+    def step(self, batch: PreferenceBatch, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        chosen, rejected, tied = pairs_from_groups(batch.rewards, batch.group_index)
-        P = chosen.numel()
-        pb = batch.select(torch.cat([chosen, rejected])) if P else batch.select(torch.arange(min(2, batch.size)))
-        ref_sum = sequence_logprobs(self.ref, pb, self.temperature, self.device, self.max_tokens)
-        chunks = pair_chunks(pb, P, self.max_tokens)
+        self.fill_reference(batch)
         t_fwd = time.perf_counter()
-        out = self._update(pb, P, ref_sum, chunks)
-        out.update(self._batch_metrics(batch, version, P, tied))
+        out = self._update(batch)
+        out.update(self._batch_metrics(batch, version))
         out["timing/forward_s"] = t_fwd - t0
         out["timing/update_s"] = time.perf_counter() - t_fwd
         return out
 
-    def _update(self, pb: Batch, P: int, ref_sum: torch.Tensor, chunks: list[torch.Tensor]) -> dict[str, float]:
-        """Backward over chunks of whole pairs, one optimizer step; nothing when no rank has a pair."""
-        n_chunks = _sync_max(len(chunks), self.device)
-        if n_chunks == 0:
+    def _update(self, batch: PreferenceBatch) -> dict[str, float]:
+        """Backward over chunks of whole pairs, one optimizer step; nothing when no rank has a pair.
+
+        A rank without pairs but with busier peers runs its placeholder chunk at weight 0, so the
+        collectives stay matched."""
+        P = batch.num_pairs
+        if sync_max(P, self.device) == 0:
             return {"actor/grad_norm": 0.0, "dpo/skipped_step": 1.0}
-        part: dict[str, list[tuple[float, float]]] = {}
-        t_bwd = 0.0
-        for k in range(n_chunks):
-            dummy = k >= len(chunks)  # another rank has more chunks: a zero-weight pass keeps collectives matched
-            if dummy:
-                n, idx = 1, torch.tensor([0, pb.size - 1])
-            else:
-                n, idx = chunks[k].numel(), torch.cat([chunks[k], chunks[k] + P])
-            mb = micro_batches(pb, idx, sys.maxsize)[0]  # one forward for the chunk's 2n sequences
-            fwd = response_logprobs(self.engine, mb, self.temperature, self.device, entropy=False)
-            mask = pb.mask[mb.index, : mb.response_len].to(self.device) > 0
-            seq = torch.where(mask, fwd.logp, 0.0).sum(-1)
-            row = {int(i): r for r, i in enumerate(mb.index.tolist())}
-            seq = seq[torch.tensor([row[int(i)] for i in idx], device=seq.device)]
-            ref = ref_sum[idx].to(seq.device)
+
+        def loss_fn(c: PairChunk) -> Piece:
+            seq = sequence_sums(self.engine, c.mb, self.temperature)[c.rows]  # chunk order: chosen, then rejected
+            n, ref = c.n, c.ref_sum
             inp = PreferenceInputs(chosen_logp=seq[:n], rejected_logp=seq[n:], ref_chosen_logp=ref[:n],
-                                   ref_rejected_logp=ref[n:])
+                                   ref_rejected_logp=ref[n:], chosen_len=c.lengths[:n], rejected_len=c.lengths[n:])
             res = self.loss_fn(inp, self.alg)
-            share = 0.0 if dummy else n / P
-            t = time.perf_counter()
-            self.engine.backward(res.loss * share, scale_wrt_gas=False)
-            t_bwd += time.perf_counter() - t
-            if not dummy:
-                extra = {"dpo/logp_chosen": float(inp.chosen_logp.detach().mean()),
-                         "dpo/logp_rejected": float(inp.rejected_logp.detach().mean())}
-                for name, value in {**res.metrics, **extra}.items():
-                    part.setdefault(name, []).append((value, share))
-        local_norm = self._local_grad_norm() if self.cfg.learner.zero_stage == 0 else None
-        t = time.perf_counter()
-        self.engine.step()
-        norm = self.engine.get_global_grad_norm()
-        result = {name: _reduce(name, [v for v, _ in vs], [s for _, s in vs]) for name, vs in part.items()}
-        result.update({"actor/grad_norm": float(norm) if norm is not None else local_norm, "dpo/skipped_step": 0.0,
-                       "timing/step_s": time.perf_counter() - t, "timing/backward_s": t_bwd})
+            if not P:
+                return Piece(res.loss, 0.0, {})
+            extra = {"dpo/logp_chosen": float(inp.chosen_logp.detach().mean()),
+                     "dpo/logp_rejected": float(inp.rejected_logp.detach().mean())}
+            return Piece(res.loss, n / P, {**res.metrics, **extra})
+
+        result = accumulate_and_step(self.engine, batch.chunks, loss_fn, self.device, self.cfg.learner.zero_stage)
+        result["dpo/skipped_step"] = 0.0
         for name in METRICS:  # a rank without pairs still reports every key (ranks average the same keys)
             result.setdefault(name, 0.0)
         result["actor/loss"] = result["dpo/loss"]
         return result
 
-    def _local_grad_norm(self) -> float:
-        grads = [p.grad.detach().float().norm() for p in self.engine.module.parameters() if p.grad is not None]
-        return float(torch.stack(grads).norm()) if grads else 0.0
-
-    def _batch_metrics(self, batch: Batch, version: int, pairs: int, tied: int) -> dict[str, float]:
+    def _batch_metrics(self, batch: PreferenceBatch, version: int) -> dict[str, float]:
+        lengths = batch.lengths.float()
         out = {
-            "dpo/pairs": float(pairs),
-            "dpo/tied_groups": float(tied),
+            "dpo/pairs": float(batch.num_pairs),
+            "dpo/tied_groups": float(batch.tied),
             "actor/lr": float(self.engine.get_lr()[0]),
-            "response/length_mean": float(batch.lengths.float().mean()),
-            "response/length_max": float(batch.lengths.max()),
-            "batch/samples": float(batch.size),
+            "response/length_mean": float(lengths.mean()),
+            "response/length_max": float(lengths.max()),
+            "batch/samples": float(batch.num_samples or lengths.numel()),
             "batch/groups": float(len(batch.group_ids)),
             "batch/tokens": float(batch.num_tokens),
         }
-        if not self.offline:  # offline rewards are the 1 / 0 labels of the pairs: nothing to report
-            lag = (version - batch.versions).clamp(min=0).float()
-            out.update({
-                "reward/mean": float(batch.rewards.mean()),
-                "reward/std": float(batch.rewards.std()) if batch.size > 1 else 0.0,
-                "reward/max": float(batch.rewards.max()),
-                "reward/min": float(batch.rewards.min()),
-                "response/truncated_frac": float(batch.truncated.float().mean()),
-                "off_policy/staleness_mean": float(lag.mean()),
-                "off_policy/staleness_max": float(lag.max()),
-            })
+        if batch.rewards is not None:  # online: what the fleet sampled; offline pairs carry no rewards
+            out.update(sample_metrics(batch.rewards, batch.lengths, batch.truncated, batch.versions, version))
         return out
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

@@ -1,7 +1,7 @@
 """Offline DPO's data: preference pairs from ``data.preference`` as batches, and the held-out check.
 
-A job with ``algorithm.policy_loss: dpo`` and ``data.preference`` set needs no rollout fleet and no
-broker (``common.launch.needs_fleet``): the learner reads the pairs itself.
+A job with ``algorithm.type: dpo`` and ``data.preference`` set needs no rollout fleet and no
+broker (``JobConfig.needs_fleet``): the learner reads the pairs itself.
 
 - Files: .jsonl / .json / .parquet or a saved HF ``datasets`` directory, with the columns
   ``data.prompt_key``, ``data.chosen_key`` and ``data.rejected_key``. A prompt is text (wrapped in
@@ -12,9 +12,9 @@ broker (``common.launch.needs_fleet``): the learner reads the pairs itself.
   cut at ``rollout.max_new_tokens`` tokens.
 - Batches: ``learner.groups_per_step`` pairs per step across all ranks (each rank its share), in a
   per-epoch order shuffled with ``data.seed + epoch`` when ``data.shuffle``; after ``data.epochs``
-  passes the run ends. Each pair is a group of two (chosen: reward 1, rejected: reward 0), so the
-  learner's DPO step (learner/dpo.py) treats offline and online pairs alike. The cursor is saved in
-  checkpoints and restored on resume.
+  passes the run ends. The source hands the DPO step (learner/dpo.py) the pairs' token ids, which it
+  packs into a ``PreferenceBatch`` like the online pairs. The cursor is saved in checkpoints and
+  restored on resume.
 - Held-out accuracy: the first ``run.eval_n`` pairs of ``data.preference_eval`` (``fleetrl
   init-data --task arithmetic-preference`` writes one next to the training file), every
   ``run.eval_interval`` steps on rank 0: ``dpo/heldout_accuracy`` is the share of pairs whose
@@ -30,14 +30,13 @@ import random
 import time
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
-from fleetrl.common import messages as m
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.common.data.tables import DataError, load_rows
-from fleetrl.learner.batch import batch_from_groups
+from fleetrl.learner.batch import pack_pairs
 from fleetrl.learner.source import Interrupted, Leased, share_of
+from fleetrl.learner.update import forward_passes
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +76,6 @@ def encode_pairs(rows: list[dict[str, Any]], tokenizer, cfg: JobConfig, source: 
         encode = lambda v: (list(tokenizer(_response_text(v), add_special_tokens=False)["input_ids"]) + eos)[:limit]  # noqa: E731
         out.append((ids, encode(row[d.chosen_key]), encode(row[d.rejected_key])))
     return out
-
-
-def pair_group(i: int, pair: tuple[list[int], ...], tag: str) -> m.SampleGroup:
-    """One pair as a group of two responses: chosen (reward 1) then rejected (reward 0)."""
-    prompt, chosen, rejected = pair
-    responses = [(chosen, np.zeros(len(chosen))), (rejected, np.zeros(len(rejected)))]
-    return m.build_group(f"{tag}-{i}", str(i), 0, prompt, responses, [1.0, 0.0], ["stop", "stop"])
 
 
 def load_tokenizer(cfg: JobConfig):
@@ -139,8 +131,8 @@ class PreferenceSource:
         except Interrupted:
             self.epoch, self.cursor, self.order = state
             raise
-        groups = [pair_group(i, self.pairs[i], f"pref-e{self.epoch}") for i in ids]
-        return Leased(groups=groups, wait_s=time.monotonic() - t0)
+        return Leased(groups=[], pairs=[self.pairs[i] for i in ids], pair_ids=[f"pref-e{self.epoch}-{i}" for i in ids],
+                      wait_s=time.monotonic() - t0)
 
     def ack(self, leased: Leased, step: int) -> None:
         """Nothing to acknowledge: the data is local."""
@@ -161,8 +153,7 @@ class PreferenceEvaluator:
         self.cfg, self.ref, self.device, self.then = cfg, ref_model, device, then
         rows = load_rows(cfg.data.preference_eval, "data.preference_eval")[: cfg.run.eval_n]
         pairs = encode_pairs(rows, load_tokenizer(cfg), cfg, cfg.data.preference_eval)
-        groups = [pair_group(i, p, "heldout") for i, p in enumerate(pairs)]
-        self.batch = batch_from_groups(groups)  # sample 2i chosen, 2i + 1 rejected
+        self.batch = pack_pairs(pairs, cfg.learner.max_tokens_per_microbatch, device)
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.ref_sum: torch.Tensor | None = None  # the reference never changes: computed once
         if cfg.learner.zero_stage == 3 or cfg.learner.num_ranks > 1:
@@ -170,10 +161,16 @@ class PreferenceEvaluator:
             self.batch = None
 
     def _sums(self, model) -> torch.Tensor:
-        from fleetrl.learner.dpo import sequence_logprobs
+        """Summed log-probs ``[2P]``: the chosen responses of pairs 0..P-1, then their rejected ones."""
+        from fleetrl.learner.dpo import sequence_sums
 
-        return sequence_logprobs(model, self.batch, self.temperature, self.device,
-                                 self.cfg.learner.max_tokens_per_microbatch, collective=False)
+        if model is None:  # reference-free DPO: the reference counts as 0
+            return torch.zeros(2 * self.batch.num_pairs, device=self.device)
+        per_chunk = forward_passes(lambda c: sequence_sums(model, c.mb, self.temperature)[c.rows], self.batch.chunks,
+                                   self.device, collective=False)
+        chosen = torch.cat([s[: c.n] for c, s in zip(self.batch.chunks, per_chunk)])
+        rejected = torch.cat([s[c.n :] for c, s in zip(self.batch.chunks, per_chunk)])
+        return torch.cat([chosen, rejected])
 
     def __call__(self, module) -> dict[str, float]:
         out = dict(self.then(module)) if self.then is not None else {}
@@ -187,11 +184,11 @@ class PreferenceEvaluator:
             logp = self._sums(module)
         finally:
             module.train()
-        beta = self.cfg.algorithm.dpo.beta
+        beta, P = self.cfg.algorithm.beta, self.batch.num_pairs
         reward = beta * (logp - self.ref_sum)
-        margin = reward[0::2] - reward[1::2]
+        margin = reward[:P] - reward[P:]
         out.update({"dpo/heldout_accuracy": float((margin > 0).float().mean()),
                     "dpo/heldout_margin": float(margin.mean()),
-                    "dpo/heldout_policy_accuracy": float((logp[0::2] > logp[1::2]).float().mean()),
+                    "dpo/heldout_policy_accuracy": float((logp[:P] > logp[P:]).float().mean()),
                     "timing/preference_eval_s": time.perf_counter() - t0})
         return out

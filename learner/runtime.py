@@ -84,12 +84,13 @@ def load_causal_lm(path: str, cfg: JobConfig, dtype: torch.dtype) -> torch.nn.Mo
 def lr_lambda(cfg: JobConfig):
     """Multiplier of the peak LR at each learner step: linear warmup, then constant / linear / cosine decay.
 
-    The scheduler counts optimizer steps; a learner step takes ``ppo_epochs x mini_batches`` of them
-    (one for DPO), so warmup and decay are measured in learner steps, as `learner.total_steps` is.
+    The scheduler counts optimizer steps; a learner step takes ``algorithm.optimizer_steps`` of them
+    (``ppo_epochs x mini_batches`` for RL, one for DPO), so warmup and decay are measured in learner
+    steps, as `learner.total_steps` is.
     """
     lc = cfg.learner
     total, warm, floor = lc.total_steps, lc.warmup_steps, lc.min_lr_ratio
-    per_step = 1 if cfg.algorithm.policy_loss == "dpo" else lc.ppo_epochs * lc.mini_batches
+    per_step = cfg.algorithm.optimizer_steps(lc)
 
     def factor(optimizer_step: int) -> float:
         step = optimizer_step // per_step

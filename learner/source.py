@@ -34,11 +34,20 @@ class Interrupted(Exception):
 
 @dataclass
 class Leased:
+    """What a source hands the learner for one step: leased groups, or (offline DPO) preference pairs."""
+
     groups: list[m.SampleGroup]  # kept for training
     leases: list[tuple[str, list[str]]] = field(default_factory=list)  # (lease id, group ids to ack after the step)
     filtered: int = 0  # groups dropped by dynamic sampling
     dropped_stale: int = 0
     wait_s: float = 0.0
+    pairs: list[tuple[list[int], list[int], list[int]]] | None = None  # offline DPO: (prompt, chosen, rejected) ids
+    pair_ids: list[str] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[str]:
+        """The ids of what this step trains on (group ids, or pair ids offline), for the trained log."""
+        return list(self.pair_ids) if self.pairs is not None else [g.group_id for g in self.groups]
 
 
 def share_of(total: int, rank: int, world: int) -> int:

@@ -1,9 +1,10 @@
 """`fleetrl learner`: one learner rank's training loop (also under torchrun / the deepspeed launcher).
 
-    learner = Learner(...)                     # models, DeepSpeed engine, batch source, publisher, checkpoints
+    learner = Learner(...)                     # model, DeepSpeed engine, the objective (OBJECTIVES), publisher
     while not done:
         leased = source.next()                 # batch leases from the broker (dynamic sampling inside)
-        stats = actor.step(batch, version)     # log-probs, advantages, clipped losses, optimizer step
+        batch = actor.plan(leased)             # packed once, on the device
+        stats = actor.step(batch, version)     # log-probs, advantages / pairs, losses, optimizer step
         source.ack(leased, step)               # the broker may now forget (or commit) those groups
         publisher.publish(...)                 # every sync.interval steps: weights to the rollout fleet
         monitor.log(step, stats); checkpoint when due
@@ -26,19 +27,13 @@ import torch.distributed as tdist
 from fleetrl.broker.client import status_metrics
 from fleetrl.common import telemetry
 from fleetrl.common.config import load_config, save_resolved
-from fleetrl.common.launch.run import needs_fleet
 from fleetrl.common.log import setup_logging
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.learner.actor import Actor
-from fleetrl.learner.batch import batch_from_groups
 from fleetrl.learner.checkpoint import Checkpointer, export_hf, rng_state, set_rng_state, tag_of
-from fleetrl.learner.critic import Critic
-from fleetrl.learner.dpo import DpoActor
-from fleetrl.learner.evaluate import Evaluator
 from fleetrl.learner.lifecycle import GracefulStop, connect_broker, write_ready
 from fleetrl.learner.lora import AdapterFreeReference, apply_lora, export_merged, lora_param_specs, merged_params
 from fleetrl.learner.monitor import Monitor
-from fleetrl.learner.preference import PreferenceEvaluator, PreferenceSource
+from fleetrl.learner.objectives import OBJECTIVES, Setup
 from fleetrl.learner.runtime import (
     Dist,
     build_engine,
@@ -50,7 +45,7 @@ from fleetrl.learner.runtime import (
     train_dtype,
     trainable_module,
 )
-from fleetrl.learner.source import BrokerBatchSource, Interrupted
+from fleetrl.learner.source import Interrupted
 
 log = logging.getLogger("fleetrl.learner")
 
@@ -63,22 +58,22 @@ class Learner:
         np.random.seed(seed)
         torch.manual_seed(seed)
         dtype = train_dtype(cfg, dist.device)
-        self.lora, self.fleet = cfg.model.lora is not None, needs_fleet(cfg)  # no fleet: offline DPO
+        self.lora, self.fleet = cfg.model.lora is not None, cfg.needs_fleet  # no fleet: offline DPO
         policy = load_causal_lm(cfg.model.path, cfg, dtype)
         if self.lora:  # only the adapters train (and sit in the optimizer)
             policy = apply_lora(policy, cfg.model.lora, cfg.model.gradient_checkpointing)
         self.engine, self.optimizer, self.scheduler = build_engine(policy, cfg, dtype)
-        dpo = cfg.algorithm.policy_loss == "dpo"
-        ref = None
-        if cfg.algorithm.kl.placement != "none" or dpo:  # LoRA: the base with adapters off is the reference
-            ref = AdapterFreeReference(self.module) if self.lora else \
-                build_frozen(load_causal_lm(cfg.model.path, cfg, dtype), cfg, dtype, dist.device)
         self.generator = torch.Generator().manual_seed(seed)
-        self.critic = Critic(cfg, dtype, dist.device) if cfg.algorithm.adv_estimator == "gae" and not dpo else None
-        self.actor = DpoActor(self.engine, ref, cfg, dist.device, self.generator, offline=not self.fleet) if dpo \
-            else Actor(self.engine, ref, cfg, dist.device, self.generator, self.critic)
-        self.source = BrokerBatchSource(client, cfg, dist.rank, dist.world) if self.fleet \
-            else PreferenceSource(cfg, dist.rank, dist.world)
+
+        def load_reference():  # LoRA: the base with adapters off is the reference
+            if self.lora:
+                return AdapterFreeReference(self.module)
+            return build_frozen(load_causal_lm(cfg.model.path, cfg, dtype), cfg, dtype, dist.device)
+
+        objective = OBJECTIVES[cfg.algorithm.type](Setup(cfg, self.run_dir, client, dist, self.engine, dtype,
+                                                         self.generator, load_reference))
+        self.actor, self.source, self.critic = objective.actor, objective.source, objective.critic
+        self.evaluator = objective.evaluator
         self.ckpt = Checkpointer(cfg, run_dir, dist.rank)
         self.monitor = Monitor.for_run(run_dir, dist.rank, cfg=cfg)
         from fleetrl.learner.weights import WeightPublisher
@@ -91,9 +86,6 @@ class Learner:
         # which groups each step trained (per rank); a resume marks the steps after it as replayed
         self.trained_log = JsonlLog(self.run_dir / f"trained-{dist.rank}.jsonl")
         self.stop_requested: Callable[[], bool] = lambda: False
-        self.evaluator = Evaluator(cfg) if dist.is_main and cfg.run.eval_interval and cfg.data.eval else None
-        if dpo and dist.is_main and cfg.run.eval_interval and cfg.data.preference_eval:
-            self.evaluator = PreferenceEvaluator(cfg, ref, dist.device, then=self.evaluator)
         from fleetrl.learner.health import HealthMonitor
 
         self.health = HealthMonitor(cfg.health, self.run_dir / "events.jsonl" if dist.is_main else None) \
@@ -110,23 +102,23 @@ class Learner:
         leased = self.source.next(self.step + 1, self.stop_requested)
         with telemetry.span("learner.step", telemetry.ROOT, {"fleetrl.step": self.step + 1},
                             telemetry.group_links(leased.groups), start_ns):  # linked to every group's trace
-            batch = batch_from_groups(leased.groups)
+            batch = self.actor.plan(leased)
             stats = self.actor.step(batch, self.version)
             self.step += 1
             self.source.ack(leased, self.step)
-            self.trained_log.write({"step": self.step, "version": self.version,
-                                    "group_ids": [g.group_id for g in leased.groups]})
+            self.trained_log.write({"step": self.step, "version": self.version, "group_ids": leased.ids})
             main_only = self.broker_metrics() if self.dist.is_main and self.fleet else {}  # sizes the broadcast
             if self.fleet and self.step % self.cfg.sync.interval == 0:
                 main_only.update(self.publish())
             if self.evaluator is not None and self.step % self.cfg.run.eval_interval == 0:
                 main_only.update(self.evaluator(self.module))
             wall = time.perf_counter() - t0
-            self.samples_seen += batch.size
+            samples = int(stats["batch/samples"])
+            self.samples_seen += samples
             stats.update({
                 "timing/wait_batch_s": leased.wait_s, "timing/step_total_s": wall,
-                "throughput/samples_per_s": batch.size / max(wall, 1e-9),
-                "throughput/tokens_per_s": batch.num_tokens / max(wall, 1e-9),
+                "throughput/samples_per_s": samples / max(wall, 1e-9),
+                "throughput/tokens_per_s": stats["batch/tokens"] / max(wall, 1e-9),
                 "batch/filtered_groups": float(leased.filtered), "batch/dropped_stale": float(leased.dropped_stale),
             })
             stats = self._mean_over_ranks(stats)  # every rank has the same keys here
@@ -172,7 +164,7 @@ class Learner:
     def save(self) -> Path:
         healthy = self.health.on_checkpoint(self.step) if self.health is not None else True
         state = {"step": self.step, "version": self.version, "rng": rng_state(), "generator": self.generator.get_state(),
-                 "kl_ctl": self.actor.kl_ctl.state_dict(), "samples_seen": self.samples_seen,
+                 "actor": self.actor.state_dict(), "samples_seen": self.samples_seen,
                  "history": self.monitor.history[-200:], "lr_scale": self.lr_scale,
                  "health": self.health.state_dict() if self.health is not None else None,
                  "source": self.source.state_dict()}
@@ -190,7 +182,7 @@ class Learner:
         self.step, self.version, self.samples_seen = state["step"], state["version"], state.get("samples_seen", 0)
         set_rng_state(state["rng"])
         self.generator.set_state(state["generator"])
-        self.actor.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.actor.load_state_dict(state["actor"])
         self.monitor.history = list(state.get("history", []))
         self.lr_scale = state.get("lr_scale", 1.0)
         if self.health is not None and state.get("health") is not None:
@@ -242,7 +234,7 @@ class Learner:
         if self.critic is not None:
             self.critic.load(target)
         bad_from, bad_to = state["version"] + 1, self.version
-        self.actor.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.actor.load_state_dict(state["actor"])
         self.lr_scale = state.get("lr_scale", 1.0) * self.cfg.health.lr_factor
         self._apply_lr_scale()
         if main:
@@ -301,7 +293,7 @@ def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None)
     dist = init_distributed(cfg)
     telemetry.setup_tracing("learner", cfg.telemetry, run_dir, {"service.instance.id": f"learner-{dist.rank}",
                                                                 "fleetrl.rank": dist.rank})
-    own_client = client is None and needs_fleet(cfg)  # offline DPO runs without a broker
+    own_client = client is None and cfg.needs_fleet  # offline DPO runs without a broker
     if own_client:
         client = connect_broker(cfg, run_dir, dist.rank)
     learner = Learner(cfg, run_dir, client, dist)

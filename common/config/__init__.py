@@ -4,15 +4,16 @@ validation with messages that name the key, and the generated reference (docs/co
 - ``base.py``: ``Section`` (the Struct base) and ``doc`` (field metadata);
 - ``schema.py``: ``JobConfig`` and the model, data, rollout, broker, sync, checkpoint, telemetry and
   run sections; ``learner.py``: the learner, algorithm and health sections;
-- ``loader.py``: reading, overriding, validating and printing configs; ``cli.py``: `fleetrl config`.
+- ``loader.py``: reading, overriding, validating and printing configs; ``docs.py``: the generated
+  reference; ``cli.py``: `fleetrl config`.
 
 Nothing here imports torch: the broker, the CLI and tests load configs without it.
 """
 
+from fleetrl.common.config.docs import config_docs
 from fleetrl.common.config.loader import (
     ConfigError,
     apply_overrides,
-    config_docs,
     dump_yaml,
     load_config,
     parse_value,

@@ -1,5 +1,5 @@
-"""The learner's config sections: ``learner`` (optimisation and batching), ``algorithm`` (advantages,
-losses, KL, off-policy correction, DPO and the PPO critic) and ``health`` (the monitor's rules).
+"""The learner's config sections: ``learner`` (optimisation and batching) and ``health`` (the monitor's
+rules). The ``algorithm`` section, the objective the learner trains, is in ``algorithm.py``.
 
 Part of the job schema, which ``schema.py`` assembles into ``JobConfig``; the conventions (a ``doc``
 on every field, ranges checked while decoding, cross-field rules in ``__post_init__``) are the same.
@@ -12,6 +12,10 @@ from typing import Annotated, Literal
 from msgspec import Meta, field
 
 from fleetrl.common.config.base import Section, doc
+
+HealthRuleName = Literal["reward_drop", "reward_floor", "reward_checkpoint_decline", "kl_ceiling", "mismatch_kl_ceiling",
+                         "entropy_floor", "length_collapse", "grad_spike", "non_finite"]
+"""The names of ``learner/health_rules.py``'s registry; a test keeps the two equal."""
 
 
 # ------------------------------------------------------------------------------------- learner
@@ -52,106 +56,11 @@ class LearnerConfig(Section):
     seed: Annotated[int, doc("Seed of the learner's RNGs.")] = 0
 
 
-# ----------------------------------------------------------------------------------- algorithm
-
-
-class OffPolicyConfig(Section):
-    mode: Annotated[
-        Literal["none", "tis", "decoupled"],
-        doc("Off-policy correction: none, truncated IS (min(pi_old/mu, C)), or AReaL's decoupled PPO."),
-    ] = "tis"
-    level: Annotated[
-        Literal["token", "sequence"], doc("Importance weights per token or per sequence (gspo always uses sequence).")
-    ] = "token"
-    cap: Annotated[
-        float, doc("Cap C of the importance weights: tis truncates them at C, decoupled drops tokens above C.", gt=0)
-    ] = 2.0
-
-
-class AdaptiveKlConfig(Section):
-    target: Annotated[float, doc("KL the adaptive controller steers towards.", gt=0)] = 0.01
-    horizon: Annotated[
-        int, doc("Samples over which the coefficient may move by 20% (Ziegler et al.; larger = slower).", ge=1)
-    ] = 10000
-
-
-class KlConfig(Section):
-    placement: Annotated[
-        Literal["none", "reward", "loss"],
-        doc("KL to the reference model: off, as a per-token reward penalty, or as a loss term."),
-    ] = "none"
-    estimator: Annotated[str, doc("KL estimator: k1, k2, k3 (aliases kl, mse, low_var_kl).")] = "k3"
-    coef: Annotated[float, doc("KL coefficient (initial value when adaptive).", ge=0)] = 0.001
-    adaptive: Annotated[AdaptiveKlConfig | None, doc("Adaptive KL controller (null = fixed coefficient).")] = None
-
-
-class OverlongConfig(Section):
-    enabled: Annotated[bool, doc("DAPO overlong shaping: penalise responses in the last `buffer_len` tokens.")] = False
-    buffer_len: Annotated[int, doc("Length of the penalty zone before max_new_tokens.", ge=1)] = 64
-    penalty: Annotated[float, doc("Penalty at max length (linear from 0 at the zone's start).", ge=0)] = 1.0
-
-
-class DpoConfig(Section):
-    beta: Annotated[float, doc("DPO temperature beta.", gt=0)] = 0.1
-    loss: Annotated[str, doc("Preference loss: sigmoid or ipo.")] = "sigmoid"
-    label_smoothing: Annotated[float, doc("Conservative-DPO label smoothing.", ge=0, lt=0.5)] = 0.0
-
-
-class CriticConfig(Section):
-    path: Annotated[str | None, doc("Value model initialisation (null = the policy's weights plus a new head).")] = None
-    lr: Annotated[float, doc("Critic learning rate.", gt=0)] = 1e-5
-    warmup_steps: Annotated[int, doc("Critic-only steps before the policy starts updating.", ge=0)] = 0
-    vf_coef: Annotated[float, doc("Weight of the value loss.", gt=0)] = 0.5
-    cliprange_value: Annotated[float, doc("Clip of value predictions around the old values.", gt=0)] = 0.2
-
-
-class AlgorithmConfig(Section):
-    adv_estimator: Annotated[str, doc("Advantage estimator: gae, grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline.")] = (
-        "grpo"
-    )
-    policy_loss: Annotated[str, doc("Policy loss: ppo_clip, dapo, gspo, dpo.")] = "ppo_clip"
-    loss_agg: Annotated[
-        Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
-        doc("How token losses become one number (see docs/algorithms.md)."),
-    ] = "token-mean"
-    loss_agg_norm_len: Annotated[
-        int | None, doc("Fixed length of seq-mean-token-sum-norm (null = rollout.max_new_tokens).")
-    ] = None
-    clip_low: Annotated[
-        float | None, doc("Clip epsilon below 1 (ratio >= 1 - clip_low); null = the loss's default (ppo_clip/dapo 0.2, gspo 3e-4).")
-    ] = None
-    clip_high: Annotated[
-        float | None, doc("Clip epsilon above 1; null = the loss's default (ppo_clip 0.2, dapo 0.28, gspo 4e-4).")
-    ] = None
-    dual_clip: Annotated[float | None, doc("Dual-clip constant c > 1 for negative advantages (null = off).")] = None
-    norm_by_std: Annotated[bool, doc("GRPO: divide the group-centred reward by the group std.")] = True
-    gamma: Annotated[float, doc("Discount factor.", ge=0, le=1)] = 1.0
-    lam: Annotated[float, doc("GAE lambda.", ge=0, le=1)] = 1.0
-    whiten_advantages: Annotated[bool, doc("GAE: whiten advantages over the batch's valid tokens.")] = True
-    entropy_coef: Annotated[float, doc("Entropy bonus coefficient (0 = off).", ge=0)] = 0.0
-    dynamic_sampling: Annotated[bool, doc("DAPO dynamic sampling: drop groups whose rewards are all equal.")] = False
-    overlong: Annotated[OverlongConfig, doc("DAPO overlong reward shaping.")] = field(default_factory=OverlongConfig)
-    off_policy: Annotated[OffPolicyConfig, doc("Correction for samples from older policies.")] = field(
-        default_factory=OffPolicyConfig
-    )
-    kl: Annotated[KlConfig, doc("KL penalty towards the frozen reference model.")] = field(default_factory=KlConfig)
-    dpo: Annotated[DpoConfig, doc("DPO settings (policy_loss: dpo).")] = field(default_factory=DpoConfig)
-    critic: Annotated[CriticConfig, doc("Value model settings (adv_estimator: gae).")] = field(default_factory=CriticConfig)
-
-    def __post_init__(self) -> None:
-        if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ValueError(f"algorithm.dual_clip must be > 1 (got {self.dual_clip}); set it to e.g. 3.0 or null")
-
-
 # -------------------------------------------------------------------------------------- health
 
 
 class HealthRule(Section):
-    name: Annotated[
-        str,
-        doc("Rule from the health registry: reward_drop, reward_floor, reward_checkpoint_decline, kl_ceiling, "
-            "mismatch_kl_ceiling, entropy_floor, length_collapse, grad_spike, non_finite (docs/monitoring.md)."),
-    ]
+    name: Annotated[HealthRuleName, doc("Rule from the health registry (docs/monitoring.md).")]
     action: Annotated[
         Literal["alert", "stop", "rollback"],
         doc("When the rule fires: alert (log and record), stop (checkpoint and end the run), or rollback "

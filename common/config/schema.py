@@ -4,8 +4,9 @@ Every field carries a one-line description (``doc(...)``) that `fleetrl config d
 docs/config.md, and range constraints that msgspec checks while decoding. Cross-field rules live in
 ``__post_init__`` and raise ``ValueError`` with the key to change.
 
-The learner's sections (learner, algorithm, health) are in ``schema_learner.py``, the ``Section``
-base and ``doc`` in ``schema_base.py``; ``JobConfig`` here puts them all together.
+The learner's sections (learner, health) are in ``learner.py``, the objective (``algorithm``, a
+tagged choice of ``rl`` or ``dpo``) in ``algorithm.py``, the ``Section`` base and ``doc`` in
+``base.py``; ``JobConfig`` here puts them all together.
 
 This module imports nothing heavy: the broker, the CLI and tests load configs without torch.
 """
@@ -17,7 +18,8 @@ from typing import Annotated, Any, Literal
 from msgspec import field
 
 from fleetrl.common.config.base import Section, doc
-from fleetrl.common.config.learner import AlgorithmConfig, HealthConfig, LearnerConfig
+from fleetrl.common.config.algorithm import AlgorithmConfig, DpoAlgorithm, RlAlgorithm
+from fleetrl.common.config.learner import HealthConfig, LearnerConfig
 
 
 # --------------------------------------------------------------------------------------- model
@@ -77,9 +79,12 @@ class DataConfig(Section):
 
 # ------------------------------------------------------------------------------------- rollout
 
+RewardName = Literal["math", "exact", "regex", "format", "length", "python", "model"]
+"""The names of the reward registry (``rollout/rewards``); a test keeps the two equal."""
+
 
 class RewardSpec(Section):
-    name: Annotated[str, doc("Reward function from the registry: math, exact, regex, length, python, model.")]
+    name: Annotated[RewardName, doc("Reward function from the registry (docs/rewards.md).")]
     weight: Annotated[float, doc("Weight of this reward in the weighted sum.")] = 1.0
     args: Annotated[dict[str, Any], doc("Keyword arguments of the reward function (see docs/rewards).")] = field(
         default_factory=dict
@@ -329,9 +334,9 @@ class JobConfig(Section):
         default_factory=BrokerConfig
     )
     learner: Annotated[LearnerConfig, doc("DeepSpeed learner ranks.")] = field(default_factory=LearnerConfig)
-    algorithm: Annotated[AlgorithmConfig, doc("Advantages, losses, KL, off-policy correction.")] = field(
-        default_factory=AlgorithmConfig
-    )
+    algorithm: Annotated[
+        AlgorithmConfig, doc("The objective: `type: rl` (advantages, clipped losses, KL, critic) or `type: dpo`.")
+    ] = field(default_factory=RlAlgorithm)
     sync: Annotated[SyncConfig, doc("Weight sync from learner to rollouts.")] = field(default_factory=SyncConfig)
     checkpoint: Annotated[CheckpointConfig, doc("Checkpoints and resume.")] = field(default_factory=CheckpointConfig)
     telemetry: Annotated[TelemetryConfig, doc("Traces, metric sinks and logging.")] = field(
@@ -341,23 +346,25 @@ class JobConfig(Section):
     run: Annotated[RunConfig, doc("The `fleetrl run` launcher.")] = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
-        if self.broker.max_staleness > 0 and self.algorithm.off_policy.mode == "none" and self.algorithm.policy_loss != "dpo":
+        alg = self.algorithm
+        if isinstance(alg, RlAlgorithm) and self.broker.max_staleness > 0 and alg.off_policy.mode == "none":
             # Validated here too (not only in the learner) so that every process refuses the job.
             raise ValueError(
                 f"broker.max_staleness={self.broker.max_staleness} trains on samples from older policies, but "
                 "algorithm.off_policy.mode is `none`; set algorithm.off_policy.mode=tis (or decoupled), "
                 "or broker.max_staleness=0 for a synchronous job"
             )
-        self._check_dpo_and_lora()
-
-    def _check_dpo_and_lora(self) -> None:
-        dpo = self.algorithm.policy_loss == "dpo"
-        if self.data.preference and not dpo:
+        if self.data.preference and not isinstance(alg, DpoAlgorithm):
             raise ValueError(f"data.preference={self.data.preference!r} is read only by offline DPO; set "
-                             "algorithm.policy_loss=dpo, or data.preference=null for an RL job")
-        if dpo and not self.data.preference and self.rollout.group_size < 2:
+                             "algorithm.type=dpo, or data.preference=null for an RL job")
+        if isinstance(alg, DpoAlgorithm) and not self.data.preference and self.rollout.group_size < 2:
             raise ValueError(f"online DPO pairs the best and worst response of each group, but rollout.group_size="
                              f"{self.rollout.group_size}; set rollout.group_size >= 2 (or data.preference for offline DPO)")
         if self.model.lora is not None and self.learner.zero_stage == 3:
             raise ValueError("model.lora with learner.zero_stage=3 is not supported (merging partitioned base weights "
                              "for weight sync); use learner.zero_stage=2, which shards the adapters' optimizer state")
+
+    @property
+    def needs_fleet(self) -> bool:
+        """Whether the job needs a broker and rollout servers: every job but offline DPO (``data.preference``)."""
+        return not (isinstance(self.algorithm, DpoAlgorithm) and self.data.preference)

@@ -136,7 +136,7 @@ def plan_children(cfg: JobConfig, run_dir: Path, config_path: Path) -> list[Chil
     logs = run_dir / "logs"
     learner_threads, rollout_threads = thread_plan(cfg)
     children = []
-    if needs_fleet(cfg):
+    if cfg.needs_fleet:
         children.append(Child("broker", [*py, "broker", *job], logs / "broker.log", child_env(1), run_dir / "broker.json"))
         for i in range(cfg.rollout.num_servers):
             children.append(Child(f"rollout-{i}", [*py, "rollout", *job, "--server-index", str(i)],
@@ -148,11 +148,6 @@ def plan_children(cfg: JobConfig, run_dir: Path, config_path: Path) -> list[Chil
         learner = [*py, "learner", *job]
     children.append(Child("learner", learner, logs / "learner.log", child_env(learner_threads), run_dir / "learner.ready"))
     return children
-
-
-def needs_fleet(cfg: JobConfig) -> bool:
-    """Offline DPO trains from a preference file: no broker, no rollouts."""
-    return not (cfg.algorithm.policy_loss == "dpo" and cfg.data.preference)
 
 
 def _free_port() -> int:

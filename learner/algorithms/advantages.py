@@ -4,14 +4,17 @@ Shape legend: B sequences, T padded response positions.
 
 Every estimator has one signature::
 
-    adv_BT, returns_BT = ADV_ESTIMATORS[name](token_rewards_BT, mask_BT, group_index_B, values_BT, cfg)
+    adv_BT, returns_BT = ADV_ESTIMATORS[name](token_rewards_BT, mask_BT, group_index_B, values_BT, cfg,
+                                              baselines_B=None)
 
 - ``token_rewards_BT`` ``[B, T]``: reward of each response token (the outcome reward on the last
   token, minus a per-token KL penalty when ``kl.placement: reward``).
 - ``mask_BT`` ``[B, T]`` bool or 0/1: valid response tokens.
 - ``group_index_B`` ``[B]`` integer ids: samples with the same id answer the same prompt.
 - ``values_BT`` ``[B, T]`` critic values, needed by ``gae`` only (``None`` elsewhere).
-- ``cfg``: the ``AlgorithmConfig``.
+- ``cfg``: the ``RlAlgorithm``.
+- ``baselines_B`` ``[B]`` a per-sample baseline reward, needed by ``remax`` only: the reward of the
+  policy's greedy response to the same prompt, which the rollout server scores with the group.
 
 Both outputs are ``[B, T]`` and exactly zero where masked. Outcome estimators (``grpo``, ``drgrpo``,
 ``rloo``, ``reinforce_pp_baseline``) score sequence i with R_i = sum_t mask_it * r_it and broadcast
@@ -32,13 +35,12 @@ import torch
 from torch import Tensor
 
 from fleetrl.common.registry import Registry
-from fleetrl.common.config.learner import AlgorithmConfig
+from fleetrl.common.config.algorithm import RlAlgorithm
 from fleetrl.learner.algorithms.common import group_stats, masked_whiten
 
-AdvEstimator = Callable[[Tensor, Tensor, Tensor, "Tensor | None", AlgorithmConfig], "tuple[Tensor, Tensor]"]
+AdvEstimator = Callable[..., "tuple[Tensor, Tensor]"]
 ADV_ESTIMATORS: Registry[AdvEstimator] = Registry("advantage estimator", config_key="algorithm.adv_estimator")
 
-GRPO_STD_EPS = 1e-6
 
 
 def _sequence_rewards(token_rewards_BT: Tensor, m_BT: Tensor) -> Tensor:
@@ -52,32 +54,71 @@ def _broadcast(adv_B: Tensor, m_BT: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _group_centred(
-    token_rewards_BT: Tensor, mask_BT: Tensor, group_index_B: Tensor, norm_by_std: bool
+    token_rewards_BT: Tensor, mask_BT: Tensor, group_index_B: Tensor, norm_by_std: bool, std_eps: float = 0.0,
+    var_floor: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(R_i - mean_g) [/ (std_g + eps)] per sequence, 0 for groups without signal; also returns the mask."""
+    """(R_i - mean_g) [/ (std_g + eps)] per sequence, 0 for groups without signal; also returns the mask.
+
+    ``var_floor``: the std is sqrt(max(var_g, var_floor)) (verl's vectorised GRPO)."""
     m_BT = mask_BT.to(token_rewards_BT.dtype)
     r_B = _sequence_rewards(token_rewards_BT, m_BT)
     g = group_stats(r_B, group_index_B)
     centred_B = r_B - g.mean
     if norm_by_std:
-        centred_B = centred_B / (g.std + GRPO_STD_EPS)
+        std_B = g.std if var_floor is None else g.std.square().clamp_min(var_floor).sqrt()
+        centred_B = centred_B / (std_B + std_eps)
     return torch.where(g.no_signal, 0.0, centred_B), m_BT
 
 
 @ADV_ESTIMATORS.register("grpo")
-def grpo(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: AlgorithmConfig):
+def grpo(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: RlAlgorithm, baselines_B=None):
     """GRPO outcome advantage (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, GRPO outcome supervision):
 
-        A_i = (R_i - mean_g R) / (std_g R + 1e-6)      (unbiased std; no division if not norm_by_std)
+        A_i = (R_i - mean_g R) / (std_g R + eps)      (unbiased std; no division if not norm_by_std)
 
-    Config: ``norm_by_std`` (default true). Groups of one and all-equal groups give 0.
+    Config: ``norm_by_std`` (default true), ``std_eps`` (eps, default 1e-6). Groups of one and
+    all-equal groups give 0.
     """
-    adv_B, m_BT = _group_centred(token_rewards_BT, mask_BT, group_index_B, cfg.norm_by_std)
+    adv_B, m_BT = _group_centred(token_rewards_BT, mask_BT, group_index_B, cfg.norm_by_std, cfg.std_eps)
+    return _broadcast(adv_B, m_BT)
+
+
+@ADV_ESTIMATORS.register("grpo_var_floor")
+def grpo_var_floor(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: RlAlgorithm, baselines_B=None):
+    """GRPO with the group variance floored, as verl's vectorised GRPO computes it (``group_mean_std``):
+
+        A_i = (R_i - mean_g R) / (sqrt(max(var_g R, floor)) + eps)
+
+    A group whose rewards barely differ (var_g << floor) then gets small advantages instead of +-1
+    from dividing tiny differences by a tiny std. Config: ``var_floor`` (1e-6), ``std_eps`` (1e-6),
+    ``norm_by_std``. Groups of one and all-equal groups give 0 (verl gives a singleton its raw reward).
+    """
+    adv_B, m_BT = _group_centred(token_rewards_BT, mask_BT, group_index_B, cfg.norm_by_std, cfg.std_eps,
+                                 var_floor=cfg.var_floor)
+    return _broadcast(adv_B, m_BT)
+
+
+@ADV_ESTIMATORS.register("remax")
+def remax(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: RlAlgorithm, baselines_B=None):
+    """ReMax (Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method
+    for Aligning Large Language Models", arXiv 2310.10505, Algorithm 1): REINFORCE with the reward of
+    the greedy response as baseline,
+
+        A_i = R_i - R(greedy response to the same prompt)
+
+    broadcast to every valid token. ``baselines_B`` holds the greedy reward per sample (the rollout
+    server scores a greedy response with each group when ``adv_estimator: remax``).
+    """
+    if baselines_B is None:
+        raise ValueError("adv_estimator remax needs each group's greedy-response reward (baselines_B); the rollout "
+                         "server sends it when algorithm.adv_estimator=remax")
+    m_BT = mask_BT.to(token_rewards_BT.dtype)
+    adv_B = _sequence_rewards(token_rewards_BT, m_BT) - baselines_B.to(token_rewards_BT.dtype)
     return _broadcast(adv_B, m_BT)
 
 
 @ADV_ESTIMATORS.register("drgrpo")
-def drgrpo(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: AlgorithmConfig):
+def drgrpo(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: RlAlgorithm, baselines_B=None):
     """Dr. GRPO advantage (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783,
     Dr. GRPO): A_i = R_i - mean_g R, no std division (which biases towards too easy / too hard
     prompts). Pair it with ``loss_agg: seq-mean-token-sum-norm`` to remove the length bias as well.
@@ -87,7 +128,7 @@ def drgrpo(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: AlgorithmCo
 
 
 @ADV_ESTIMATORS.register("rloo")
-def rloo(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: AlgorithmConfig):
+def rloo(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: RlAlgorithm, baselines_B=None):
     """REINFORCE leave-one-out (Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free";
     Ahmadian et al. 2024, arXiv 2402.14740, RLOO):
 
@@ -118,7 +159,7 @@ def discounted_returns(token_rewards_BT: Tensor, mask_BT: Tensor, gamma: float) 
 
 
 @ADV_ESTIMATORS.register("reinforce_pp")
-def reinforce_pp(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: AlgorithmConfig):
+def reinforce_pp(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: RlAlgorithm, baselines_B=None):
     """REINFORCE++ (Hu 2025, arXiv 2501.03262): per-token discounted return with the per-token
     KL penalty folded into the rewards, whitened over all valid tokens of the batch:
 
@@ -131,7 +172,7 @@ def reinforce_pp(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: Algor
 
 
 @ADV_ESTIMATORS.register("reinforce_pp_baseline")
-def reinforce_pp_baseline(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: AlgorithmConfig):
+def reinforce_pp_baseline(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: RlAlgorithm, baselines_B=None):
     """REINFORCE++-baseline (Hu 2025, arXiv 2501.03262, later versions): subtract the group-mean reward,
     broadcast to tokens, then whiten over all valid tokens of the batch:
 
@@ -145,7 +186,7 @@ def reinforce_pp_baseline(token_rewards_BT, mask_BT, group_index_B, values_BT, c
 
 
 @ADV_ESTIMATORS.register("gae")
-def gae(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: AlgorithmConfig):
+def gae(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: RlAlgorithm, baselines_B=None):
     """Generalised advantage estimation (Schulman et al. 2016, arXiv 1506.02438, Eq. 16):
 
         delta_t = r_t + gamma * V_{t+1} - V_t

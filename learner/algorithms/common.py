@@ -140,7 +140,9 @@ def value_loss(
         ``LossOutputs`` with ``critic/value_loss``, ``critic/clipfrac`` (share of tokens where the clipped
         term is the larger one) and ``critic/vpred_mean``.
     """
-    old_values, returns = old_values.detach(), returns.detach()
+    valid = mask.to(torch.bool)  # padding is replaced first: NaN there reaches neither the loss nor the gradient
+    values = torch.where(valid, values, 0.0)
+    old_values, returns = torch.where(valid, old_values.detach(), 0.0), torch.where(valid, returns.detach(), 0.0)
     clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
     loss_unclipped = (values - returns).square()
     loss_clipped = (clipped - returns).square()

@@ -14,6 +14,11 @@ that multiplies the clipped per-token policy objective:
 | ``decoupled`` | pi_theta / pi_prox | rho = pi_prox / mu, 0 where rho > C | Hilton et al. 2021 (arXiv 2110.00641); |
 | | | | AReaL, Fu et al. 2025 (arXiv 2505.24298) |
 
+``off_policy.batch_normalize`` divides the applied weights by their mean over the valid tokens of the
+loss call (a micro-batch), so they average 1 and only reweigh tokens against each other (the
+self-normalised importance sampling estimator; verl's batch-normalised rollout IS weights). The
+normalisation is per micro-batch: with the default token budget one step is one micro-batch.
+
 ``decoupled`` follows AReaL's ``ppo_actor_loss_fn``: tokens whose behaviour weight exceeds the cap get
 weight 0 but stay in the aggregation's denominator (the ``behav_imp_weight_cap`` filter). Levels:
 ``token`` uses log rho_t = old_t - mu_t; ``sequence`` uses log rho_i = sum_t (old_it - mu_it) for every
@@ -29,7 +34,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from fleetrl.common.config.learner import OffPolicyConfig
+from fleetrl.common.config.algorithm import OffPolicyConfig
 from fleetrl.learner.algorithms.common import masked_mean
 from fleetrl.learner.algorithms.kl import k3
 
@@ -99,8 +104,11 @@ def behaviour_weights(
     """The weights of ``cfg.mode`` at ``level`` (default ``cfg.level``), cap ``cfg.cap``; all ``[B, T]``."""
     log_rho = log_importance_ratio(old_logp, behav_logp, mask, level or cfg.level, seq_reduce)
     log_cap = math.log(cfg.cap)
+    weight = WEIGHT_RULES[cfg.mode](log_rho, log_cap)
+    if cfg.batch_normalize and cfg.mode != "none":
+        weight = weight / masked_mean(weight, mask).clamp_min(torch.finfo(weight.dtype).tiny)
     return BehaviourWeights(
-        weight=WEIGHT_RULES[cfg.mode](log_rho, log_cap),
+        weight=weight,
         rho=log_rho.clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP).exp(),
         capped=log_rho > log_cap,
     )

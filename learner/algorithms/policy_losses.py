@@ -4,7 +4,7 @@ Shape legend: B sequences, T padded response positions.
 
 Every loss has one signature::
 
-    out = POLICY_LOSSES[name](LossInputs(logp, old_logp, behav_logp, adv, mask), cfg)  # cfg: AlgorithmConfig
+    out = POLICY_LOSSES[name](LossInputs(logp, old_logp, behav_logp, adv, mask), cfg)  # cfg: RlAlgorithm
 
 and returns the aggregated scalar (``cfg.loss_agg``, ``cfg.loss_agg_norm_len``) and metrics, always
 with the same keys: ``actor/pg_loss``, ``actor/clipfrac``, ``actor/dual_clipfrac``, ``actor/approx_kl``,
@@ -31,27 +31,17 @@ import torch
 from torch import Tensor
 
 from fleetrl.common.registry import Registry
-from fleetrl.common.config.learner import AlgorithmConfig
+from fleetrl.common.config.algorithm import RlAlgorithm
 from fleetrl.learner.algorithms.aggregation import aggregate
 from fleetrl.learner.algorithms.common import masked_mean, masked_min_mean_max, to_floats
 from fleetrl.learner.algorithms.kl import k3
 from fleetrl.learner.algorithms.off_policy import BehaviourWeights, behaviour_weights, off_policy_metrics
 from fleetrl.learner.algorithms.structs import LossInputs, LossOutputs
 
-PolicyLoss = Callable[[LossInputs, AlgorithmConfig], LossOutputs]
+PolicyLoss = Callable[[LossInputs, RlAlgorithm], LossOutputs]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", config_key="algorithm.policy_loss")
 
 LOG_RATIO_CLAMP = 20.0
-PPO_CLIP = (0.2, 0.2)
-DAPO_CLIP = (0.2, 0.28)
-GSPO_CLIP = (3e-4, 4e-4)
-
-
-def clip_bounds(cfg: AlgorithmConfig, default: tuple[float, float]) -> tuple[float, float]:
-    """(eps_low, eps_high): ``cfg.clip_low`` / ``cfg.clip_high``, each falling back to the loss's default."""
-    low = default[0] if cfg.clip_low is None else cfg.clip_low
-    high = default[1] if cfg.clip_high is None else cfg.clip_high
-    return low, high
 
 
 def clipped_objective(
@@ -75,7 +65,7 @@ def clipped_objective(
 
 
 def _outputs(
-    inp: LossInputs, cfg: AlgorithmConfig, log_ratio: Tensor, clip: tuple[float, float], bw: BehaviourWeights
+    inp: LossInputs, cfg: RlAlgorithm, log_ratio: Tensor, clip: tuple[float, float], bw: BehaviourWeights
 ) -> LossOutputs:
     """Clip, weight, aggregate and measure: the part every clipped loss shares."""
     adv = inp.adv.detach()
@@ -96,35 +86,35 @@ def _outputs(
     return LossOutputs(loss=loss, metrics=to_floats(metrics))
 
 
-def _token_clip_loss(inp: LossInputs, cfg: AlgorithmConfig, default_clip: tuple[float, float]) -> LossOutputs:
+def _token_clip_loss(inp: LossInputs, cfg: RlAlgorithm, loss: str) -> LossOutputs:
     valid = inp.mask.to(torch.bool)
     log_ratio = torch.where(valid, inp.logp - inp.old_logp.detach(), 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     bw = behaviour_weights(inp.old_logp, inp.behav_logp, inp.mask, cfg.off_policy)
-    return _outputs(inp, cfg, log_ratio, clip_bounds(cfg, default_clip), bw)
+    return _outputs(inp, cfg, log_ratio, cfg.clip_bounds(loss), bw)
 
 
 @POLICY_LOSSES.register("ppo_clip")
-def ppo_clip(inp: LossInputs, cfg: AlgorithmConfig) -> LossOutputs:
+def ppo_clip(inp: LossInputs, cfg: RlAlgorithm) -> LossOutputs:
     """PPO's clipped surrogate per token, r_t = pi_theta / pi_old (Schulman et al. 2017, Eq. 7).
 
-    Config: ``clip_low`` / ``clip_high`` (default 0.2 / 0.2), ``dual_clip`` (off), ``loss_agg``,
+    Config: ``clip_low`` / ``clip_high`` (default 0.2 / 0.2, from ``CLIP_DEFAULTS``), ``dual_clip`` (off), ``loss_agg``,
     ``off_policy.{mode, level, cap}``.
     """
-    return _token_clip_loss(inp, cfg, PPO_CLIP)
+    return _token_clip_loss(inp, cfg, "ppo_clip")
 
 
 @POLICY_LOSSES.register("dapo")
-def dapo(inp: LossInputs, cfg: AlgorithmConfig) -> LossOutputs:
+def dapo(inp: LossInputs, cfg: RlAlgorithm) -> LossOutputs:
     """DAPO's clip-higher objective (Yu et al. 2025, arXiv 2503.14476, "Clip-Higher"): the PPO clip with
     eps_low 0.2 / eps_high 0.28 by default, so low-probability tokens can grow (against entropy
     collapse). The paper aggregates with ``loss_agg: token-mean`` (the default); the other DAPO pieces
     (dynamic sampling, overlong shaping) live in dapo.py.
     """
-    return _token_clip_loss(inp, cfg, DAPO_CLIP)
+    return _token_clip_loss(inp, cfg, "dapo")
 
 
 @POLICY_LOSSES.register("gspo")
-def gspo(inp: LossInputs, cfg: AlgorithmConfig) -> LossOutputs:
+def gspo(inp: LossInputs, cfg: RlAlgorithm) -> LossOutputs:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071), token form
     (the paper's GSPO-token variant):
 
@@ -144,4 +134,4 @@ def gspo(inp: LossInputs, cfg: AlgorithmConfig) -> LossOutputs:
     bw = behaviour_weights(
         inp.old_logp, inp.behav_logp, inp.mask, cfg.off_policy, level="sequence", seq_reduce="mean"
     )
-    return _outputs(inp, cfg, log_ratio, clip_bounds(cfg, GSPO_CLIP), bw)
+    return _outputs(inp, cfg, log_ratio, cfg.clip_bounds("gspo"), bw)

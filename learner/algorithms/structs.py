@@ -53,14 +53,18 @@ class PreferenceInputs:
     Attributes:
         chosen_logp: sum_t log pi_theta over the chosen response (carries gradient).
         rejected_logp: sum_t log pi_theta over the rejected response (carries gradient).
-        ref_chosen_logp: the same sum under the frozen reference model.
-        ref_rejected_logp: the same sum under the frozen reference model.
+        ref_chosen_logp: the same sum under the frozen reference model (0 with ``reference_free``).
+        ref_rejected_logp: the same sum under the frozen reference model (0 with ``reference_free``).
+        chosen_len: number of tokens of each chosen response (``ipo_norm`` averages over them).
+        rejected_len: number of tokens of each rejected response.
     """
 
     chosen_logp: Tensor
     rejected_logp: Tensor
     ref_chosen_logp: Tensor
     ref_rejected_logp: Tensor
+    chosen_len: Tensor | None = None
+    rejected_len: Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -140,23 +140,37 @@ class HFEngine(Engine):
     ):
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        self.device = resolve_device(device)
-        self.tokenizer = AutoTokenizer.from_pretrained(
+        device_ = resolve_device(device)
+        tokenizer = AutoTokenizer.from_pretrained(
             model_cfg.tokenizer or model_cfg.path, trust_remote_code=model_cfg.trust_remote_code
         )
-        self.model = AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             model_cfg.path,
-            dtype=resolve_dtype(model_cfg.dtype, self.device),
+            dtype=resolve_dtype(model_cfg.dtype, device_),
             trust_remote_code=model_cfg.trust_remote_code,
-        ).to(self.device)
-        self.model.eval().requires_grad_(False)
+        ).to(device_)
+        model.eval().requires_grad_(False)
+        self._attach(model, tokenizer, device_, seed)
+        log.info("hf engine: %s on %s (%s)", model_cfg.path, self.device, self.model.dtype)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, tokenizer, device: torch.device, seed: int = 0) -> "HFEngine":
+        """An engine over a model already in memory (the learner's evaluation: its weights, not a copy).
+
+        The caller owns the model's train/eval mode; the engine never changes the weights.
+        """
+        engine = cls.__new__(cls)
+        engine._attach(model, tokenizer, device, seed)
+        return engine
+
+    def _attach(self, model: torch.nn.Module, tokenizer, device: torch.device, seed: int) -> None:
+        self.device, self.tokenizer, self.model = device, tokenizer, model
         self._rust_tokenizer = getattr(self.tokenizer, "backend_tokenizer", None)  # None for Python tokenizers
         self.max_positions = self.model.config.max_position_embeddings
         self._generator = torch.Generator(self.device).manual_seed(seed)
         self._targets = self.model.state_dict(keep_vars=True)  # every name, tied aliases included
         self._shapes = {name: tuple(t.shape) for name, t in self._targets.items()}
         self._specs, self._aliases = state_specs(self._targets)
-        log.info("hf engine: %s on %s (%s)", model_cfg.path, self.device, self.model.dtype)
 
     # ------------------------------------------------------------------------------ generation
 

@@ -33,3 +33,18 @@ def inproc_client(groups: list[m.SampleGroup], *overrides: str):
     client = broker.client("learner-0", "learner")
     client.connect()
     return client, broker
+
+
+def pack(groups: list[m.SampleGroup], max_tokens: int = 40):
+    """The learner's packing of ``groups`` on the CPU (samples in group order)."""
+    import torch
+
+    from fleetrl.learner.batch import pack_groups
+
+    return pack_groups(groups, max_tokens, torch.device("cpu"))
+
+
+def samples(groups: list[m.SampleGroup]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(prompt ids, response ids) of every sample, in the batch order of ``pack``."""
+    return [(g.prompt_array().astype(np.int64), g.response_tokens(i).astype(np.int64))
+            for g in groups for i in range(g.num_responses)]

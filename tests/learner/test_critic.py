@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from fleetrl.common.config import load_config
 from fleetrl.learner.algorithms import ADV_ESTIMATORS
-from fleetrl.learner.batch import batch_from_groups, micro_batches
 from fleetrl.learner.critic import Critic, explained_variance, load_value_model
 from fleetrl.learner.runtime import init_distributed
 from fleetrl.learner.train import Learner
-from tests.learner.conftest import inproc_client, synthetic_groups
+from tests.learner.conftest import inproc_client, pack, samples, synthetic_groups
 
 PPO = ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.kl.placement=reward", "algorithm.kl.estimator=k1",
        "algorithm.kl.coef=0.05", "algorithm.critic.lr=1e-3"]
@@ -25,6 +25,11 @@ def job(tiny_model_dir, tmp_path, *overrides):
                               "checkpoint.interval=0", "learner.device=cpu", *PPO, *overrides])
 
 
+def values_of(critic, batch):
+    critic.fill_values(batch)
+    return batch.gather("values")
+
+
 @pytest.fixture(scope="module")
 def dist():
     return init_distributed(load_config(None, ["learner.device=cpu"]))
@@ -34,12 +39,13 @@ def test_values_come_from_the_hidden_state_that_predicts_each_token(dist, tiny_m
     critic = Critic(job(tiny_model_dir, tmp_path), torch.float32, dist.device)
     model = critic.engine.module
     torch.nn.init.normal_(model.v_head.weight, std=0.5)
-    batch = batch_from_groups(synthetic_groups(3, seed=1))
-    values = critic.values(batch)
+    groups = synthetic_groups(3, seed=1)
+    batch = pack(groups)
+    values = values_of(critic, batch)
     with torch.no_grad():
-        for i in range(batch.size):  # one sample at a time, no packing: V_t from the state before token t
-            p, n = len(batch.prompts[i]), int(batch.lengths[i])
-            ids = torch.cat([torch.from_numpy(batch.prompts[i]), batch.responses[i, :n]])[None]
+        for i, (prompt, response) in enumerate(samples(groups)):  # one sample at a time: V_t from the state before token t
+            p, n = len(prompt), len(response)
+            ids = torch.from_numpy(np.concatenate([prompt, response]))[None]
             hidden = model.backbone(input_ids=ids).last_hidden_state[0]
             expected = model.v_head(hidden[p - 1 : p - 1 + n]).squeeze(-1)
             torch.testing.assert_close(values[i, :n], expected, atol=1e-5, rtol=1e-4)
@@ -49,14 +55,15 @@ def test_values_come_from_the_hidden_state_that_predicts_each_token(dist, tiny_m
 def test_value_loss_falls_over_a_few_critic_steps_on_a_fixed_batch(dist, tiny_model_dir, tmp_path):
     cfg = job(tiny_model_dir, tmp_path)
     critic = Critic(cfg, torch.float32, dist.device)
-    batch = batch_from_groups(synthetic_groups(4, seed=2))
-    token_rewards = torch.zeros(batch.responses.shape)
+    batch = pack(synthetic_groups(4, seed=2))
+    token_rewards = torch.zeros(batch.mask.shape)
     token_rewards[torch.arange(batch.size), batch.lengths - 1] = batch.rewards  # outcome reward on the last token
     losses = []
     for _ in range(6):  # as successive learner steps on the same batch: re-valued by the current critic each time
-        old_values = critic.values(batch)
+        old_values = values_of(critic, batch)
         _, returns = ADV_ESTIMATORS["gae"](token_rewards, batch.mask, batch.group_index, old_values, cfg.algorithm)
-        stats = critic.update(batch, torch.arange(batch.size), old_values, returns)
+        batch.scatter("returns", returns)
+        stats = critic.update(batch.micro)
         losses.append(stats["critic/value_loss"])
         assert math.isfinite(stats["critic/grad_norm"]) and stats["critic/grad_norm"] > 0
     assert losses[-1] < 0.7 * losses[0], losses
@@ -66,11 +73,11 @@ def test_value_loss_falls_over_a_few_critic_steps_on_a_fixed_batch(dist, tiny_mo
 def test_packing_does_not_change_the_values(dist, tiny_model_dir, tmp_path):
     critic = Critic(job(tiny_model_dir, tmp_path), torch.float32, dist.device)
     torch.nn.init.normal_(critic.engine.module.v_head.weight, std=0.5)
-    batch = batch_from_groups(synthetic_groups(4, seed=3))
-    packed = critic.values(batch)
-    critic.max_tokens = 10**6
-    assert len(micro_batches(batch, torch.arange(batch.size), critic.max_tokens)) == 1
-    torch.testing.assert_close(critic.values(batch), packed, atol=1e-5, rtol=1e-4)
+    groups = synthetic_groups(4, seed=3)
+    packed = pack(groups, max_tokens=40)
+    whole = pack(groups, max_tokens=10**6)
+    assert len(packed.micro) > 1 and len(whole.micro) == 1
+    torch.testing.assert_close(values_of(critic, whole), values_of(critic, packed), atol=1e-5, rtol=1e-4)
 
 
 def test_explained_variance():
@@ -105,21 +112,21 @@ def test_ppo_step_warmup_then_policy_and_critic_train(dist, tiny_model_dir, tmp_
 
 def test_checkpoint_holds_the_critic_and_resume_restores_it(dist, tiny_model_dir, tmp_path):
     cfg = job(tiny_model_dir, tmp_path)
-    probe = batch_from_groups(synthetic_groups(2, seed=9))
+    probe = pack(synthetic_groups(2, seed=9))
     client, _ = inproc_client(synthetic_groups(12))
     first = Learner(cfg, tmp_path, client, dist)
     first.train_step()
     first.train_step()
     path = first.save()
     assert (path / "critic" / "mp_rank_00_model_states.pt").exists()
-    saved = first.critic.values(probe)
+    saved = values_of(first.critic, probe)
     first.train_step()
-    assert not torch.equal(first.critic.values(probe), saved)
+    assert not torch.equal(values_of(first.critic, probe), saved)
     first.close()
     again = Learner(cfg, tmp_path, client, dist)
     again.resume(path)
     assert again.critic.steps == 2
-    torch.testing.assert_close(again.critic.values(probe), saved, atol=0, rtol=0)
+    torch.testing.assert_close(values_of(again.critic, probe), saved, atol=0, rtol=0)
     again.close()
 
 

@@ -13,19 +13,18 @@ from fleetrl.common import messages as m
 from fleetrl.common.config import ConfigError, load_config
 from fleetrl.common.data.tasks import init_data
 from fleetrl.learner.algorithms import PREFERENCE_LOSSES, PreferenceInputs
-from fleetrl.learner.batch import batch_from_groups
 from fleetrl.learner.dpo import pairs_from_groups
 from fleetrl.learner.preference import PreferenceSource, encode_pairs, load_tokenizer
 from fleetrl.learner.runtime import init_distributed
-from fleetrl.learner.source import Interrupted
+from fleetrl.learner.source import Interrupted, Leased
 from fleetrl.learner.train import Learner
-from tests.learner.conftest import inproc_client, synthetic_groups
+from tests.learner.conftest import inproc_client, samples, synthetic_groups
 
 
 def job(tiny_model_dir, tmp_path, *overrides):
     return load_config(None, [f"model.path={tiny_model_dir}", "learner.groups_per_step=4", "learner.lr=1e-2",
                               "sync.transport=filesystem", f"run.dir={tmp_path}", "learner.max_tokens_per_microbatch=40",
-                              "checkpoint.interval=0", "learner.device=cpu", "algorithm.policy_loss=dpo", *overrides])
+                              "checkpoint.interval=0", "learner.device=cpu", "algorithm.type=dpo", *overrides])
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +53,15 @@ def test_chunked_dpo_loss_equals_the_loss_of_each_pair_computed_alone(dist, tiny
     with torch.no_grad():  # the trained model starts as the reference: nudge it so the margins are not all 0
         for p in learner.module.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    batch = batch_from_groups(groups)
-    chosen, rejected, _ = pairs_from_groups(batch.rewards, batch.group_index)
+    rewards = torch.tensor([r for g in groups for r in g.rewards])
+    index = torch.tensor([gi for gi, g in enumerate(groups) for _ in g.rewards])
+    chosen, rejected, _ = pairs_from_groups(rewards, index)
+    seqs = samples(groups)
 
     def seq_logp(model, i):  # one sequence alone, no padding: sum_t log pi(y_t)
-        p, n = len(batch.prompts[i]), int(batch.lengths[i])
-        ids = torch.cat([torch.from_numpy(batch.prompts[i]), batch.responses[i, :n]])[None]
+        prompt, response = seqs[i]
+        p, n = len(prompt), len(response)
+        ids = torch.from_numpy(np.concatenate([prompt, response]))[None]
         logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
         return sum(float(logp[p - 1 + t, ids[0, p + t]]) for t in range(n))
 
@@ -68,6 +70,8 @@ def test_chunked_dpo_loss_equals_the_loss_of_each_pair_computed_alone(dist, tiny
                                  ((learner.module, chosen), (learner.module, rejected),
                                   (learner.actor.ref, chosen), (learner.actor.ref, rejected))))
     expected = PREFERENCE_LOSSES["sigmoid"](inp, cfg.algorithm)
+    batch = learner.actor.plan(Leased(groups=groups))
+    assert len(batch.chunks) > 1  # the token budget cut the pairs into several chunks
     stats = learner.actor.step(batch, 0)
     assert stats["dpo/pairs"] == 6 and stats["dpo/loss"] == pytest.approx(float(expected.loss), abs=1e-5)
     assert stats["dpo/accuracy"] == pytest.approx(expected.metrics["dpo/accuracy"])
@@ -93,24 +97,26 @@ def test_online_dpo_step_trains_on_leased_groups_and_publishes(dist, tiny_model_
 
 def test_online_dpo_needs_groups_of_two(tiny_model_dir):
     with pytest.raises(ConfigError, match="rollout.group_size >= 2"):
-        load_config(None, ["algorithm.policy_loss=dpo", "rollout.group_size=1"])
-    with pytest.raises(ConfigError, match="algorithm.policy_loss=dpo"):
+        load_config(None, ["algorithm.type=dpo", "rollout.group_size=1"])
+    with pytest.raises(ConfigError, match="algorithm.type=dpo"):
         load_config(None, ["data.preference=x.jsonl"])
+    with pytest.raises(ConfigError, match="set algorithm.type=dpo and move the dpo keys up"):
+        load_config(None, ["algorithm.policy_loss=dpo"])  # the format before algorithm.type
 
 
 def test_preference_source_splits_steps_over_ranks_and_resumes(tiny_model_dir, pref_data):
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", "algorithm.policy_loss=dpo", f"data.preference={pref_data}",
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "algorithm.type=dpo", f"data.preference={pref_data}",
                              "learner.groups_per_step=5", "data.epochs=2"])
     ranks = [PreferenceSource(cfg, r, 2) for r in range(2)]
-    first = [[g.prompt_id for g in src.next(1).groups] for src in ranks]
+    first = [src.next(1).ids for src in ranks]
     assert [len(ids) for ids in first] == [3, 2] and not set(first[0]) & set(first[1])
     saved = ranks[0].state_dict()
-    after = [g.prompt_id for g in ranks[0].next(2).groups]
+    after = ranks[0].next(2)
     again = PreferenceSource(cfg, 0, 2)
     again.load_state_dict(saved)
-    assert [g.prompt_id for g in again.next(2).groups] == after
-    group = ranks[0].next(3).groups[0]
-    assert group.num_responses == 2 and group.rewards == [1.0, 0.0]
+    assert again.next(2).ids == after.ids and again.next(2).pairs is not None
+    prompt, chosen, rejected = ranks[0].next(3).pairs[0]  # token ids, no SampleGroup around them
+    assert prompt and chosen and rejected and chosen != rejected
     steps = 0
     with pytest.raises(Interrupted):  # data.epochs passes, then the run ends
         while True:

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from fleetrl.common.config import ConfigError, load_config
-from fleetrl.learner.batch import batch_from_groups, micro_batches
+from fleetrl.learner.batch import plan_micro_batches
 from fleetrl.learner.runtime import init_distributed
+from fleetrl.learner.source import Leased
 from fleetrl.learner.train import Learner
-from tests.learner.conftest import inproc_client, synthetic_groups
+from tests.learner.conftest import inproc_client, pack, samples, synthetic_groups
 
 ALGOS = {
     "grpo": ["algorithm.adv_estimator=grpo"],
@@ -68,26 +69,47 @@ def test_async_without_correction_is_refused(tiny_model_dir):
 
 
 def test_micro_batches_respect_the_token_budget_and_cover_every_sample():
-    batch = batch_from_groups(synthetic_groups(6))
-    mbs = micro_batches(batch, torch.arange(batch.size), max_tokens=30)
-    assert sorted(i for mb in mbs for i in mb.index.tolist()) == list(range(batch.size))
-    for mb in mbs:
+    groups = synthetic_groups(6)
+    batch = pack(groups, max_tokens=30)
+    seqs = samples(groups)
+    assert sorted(i for mb in batch.micro for i in mb.index.tolist()) == list(range(batch.size))
+    for mb in batch.micro:
         b, L = mb.input_ids.shape
         assert b * L <= 30 or b == 1
         for row, i in enumerate(mb.index.tolist()):  # logits at logit_pos predict the response tokens
-            n = int(batch.lengths[i])
-            assert torch.equal(mb.input_ids[row, mb.logit_pos[row, :n] + 1], batch.responses[i, :n])
+            response = torch.from_numpy(seqs[i][1])
+            n = len(response)
+            assert torch.equal(mb.input_ids[row, mb.logit_pos[row, :n] + 1], response)
+            assert torch.equal(mb.targets[row, :n], response) and mb.mask[row, :n].sum() == n
+
+
+def test_planning_takes_samples_in_order_then_sorts_by_length():
+    assert plan_micro_batches([5, 3, 5, 2], [2, 0, 1, 3], max_tokens=10) == [[3, 1], [2, 0]]
+    assert plan_micro_batches([12, 3], [0, 1], max_tokens=10) == [[1], [0]]  # too long for the budget: alone
+
+
+def test_mini_batches_get_a_micro_batch_each_and_every_pass_reuses_them(dist, tiny_model_dir, tmp_path):
+    cfg = job(tiny_model_dir, tmp_path, "learner.ppo_epochs=2", "learner.mini_batches=3",
+              "learner.max_tokens_per_microbatch=100000")  # the budget alone would give one micro-batch
+    client, _ = inproc_client(synthetic_groups(8))
+    learner = Learner(cfg, tmp_path, client, dist)
+    batch = learner.actor.plan(learner.source.next(1))
+    assert len(batch.micro) >= 3
+    stats = learner.actor.step(batch, 0)
+    assert all(mb.old_logp is not None and mb.adv is not None for mb in batch.micro)  # filled once, on the micro-batches
+    assert math.isfinite(stats["actor/loss"]) and learner.engine.global_steps == 6  # 2 epochs x 3 mini-batches
+    learner.close()
 
 
 def test_resume_reproduces_the_same_loss_on_the_same_batch(dist, tiny_model_dir, tmp_path):
     cfg = job(tiny_model_dir, tmp_path, "learner.ppo_epochs=2", "learner.mini_batches=2",
               "broker.commit_on_checkpoint=true")
-    fixed = batch_from_groups(synthetic_groups(4, seed=7))
+    fixed = synthetic_groups(4, seed=7)
     client, broker = inproc_client(synthetic_groups(12), "broker.commit_on_checkpoint=true")
     first = Learner(cfg, tmp_path, client, dist)
     first.train_step()
     path = first.save()
-    after_save = first.actor.step(fixed, first.version)  # the step a resumed learner must reproduce
+    after_save = first.actor.step(first.actor.plan(Leased(groups=fixed)), first.version)  # what a resume must reproduce
     first.train_step()
     first.close()
 
@@ -97,7 +119,43 @@ def test_resume_reproduces_the_same_loss_on_the_same_batch(dist, tiny_model_dir,
     again.resume(path)
     assert [broker.state.queue[i] for i in range(4)] == trained_after  # exactly the uncommitted groups, in order
     assert again.step == 1 and again.version == 3  # republished as a version newer than any the fleet saw
-    replay = again.actor.step(fixed, again.version)
+    replay = again.actor.step(again.actor.plan(Leased(groups=fixed)), again.version)
     for key in ("actor/loss", "actor/grad_norm", "actor/clipfrac", "actor/entropy"):
         assert replay[key] == after_save[key], key
     again.close()
+
+
+def _holey_groups(garbage: float):
+    """Two groups whose responses have appended (loss-mask 0) tokens inside and at the end."""
+    import numpy as np
+
+    from fleetrl.common import messages as m
+
+    rng = np.random.default_rng(3)
+    groups = []
+    for g in range(2):
+        responses, masks = [], []
+        for i in range(4):
+            mask = np.array([1, 1, 0, 0, 1, 1, 0])  # sampled, an observation, sampled, a trailing observation
+            logp = np.where(mask == 1, -1.5 - 0.1 * i, garbage)  # appended tokens carry no behaviour log-prob
+            responses.append((rng.integers(7, 200, 7), logp))
+            masks.append(mask)
+        groups.append(m.build_group(f"h{g}", f"0:{g}", 0, rng.integers(7, 200, 5), responses,
+                                    [float(i % 2) for i in range(4)], loss_masks=masks))
+    return groups
+
+
+def test_loss_mask_holes_are_trained_around_and_never_read(dist, tiny_model_dir, tmp_path):
+    cfg = job(tiny_model_dir, tmp_path)
+    stats = []
+    for garbage in (0.0, -1e4):  # what sits at the appended tokens must not matter
+        torch.manual_seed(0)
+        learner = Learner(cfg, tmp_path, inproc_client([])[0], dist)
+        batch = learner.actor.plan(Leased(groups=_holey_groups(garbage)))
+        assert batch.last.tolist() == [5] * 8  # the reward sits on the last *sampled* token, not the trailing one
+        assert batch.mask[0].tolist() == [1, 1, 0, 0, 1, 1, 0]
+        stats.append(learner.actor.step(batch, 0))
+        learner.close()
+    for key in ("actor/loss", "actor/grad_norm", "off_policy/mismatch_kl", "adv/abs_mean"):
+        assert stats[0][key] == stats[1][key] and math.isfinite(stats[0][key]), key
+    assert stats[0]["adv/abs_mean"] > 0

@@ -82,7 +82,7 @@ def test_permanent_collapse_stops_after_max_rollbacks(dist, tiny_model_dir, tmp_
 
 
 def test_nan_loss_triggers_the_non_finite_rule(dist, tiny_model_dir, tmp_path, monkeypatch):
-    from fleetrl.learner.actor import Actor
+    from fleetrl.learner.actor import PolicyActor as Actor
     from fleetrl.learner.algorithms import LossOutputs
 
     cfg = job(tiny_model_dir, tmp_path, "learner.total_steps=5")

@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from fleetrl.common.config.learner import AlgorithmConfig
+from fleetrl.common.config.algorithm import RlAlgorithm
 from fleetrl.learner.algorithms import ADV_ESTIMATORS
 
 GROUP_ESTIMATORS = ["grpo", "drgrpo", "rloo", "reinforce_pp_baseline"]
@@ -48,7 +48,7 @@ def _ragged(seed: int, holes: bool = False, dtype=torch.float32):
 
 def test_grpo_hand_computed():
     r, m, g = _outcome_batch([1.0, 0.0, 0.0], [2, 1, 3], [0, 0, 0])
-    adv, returns = ADV_ESTIMATORS["grpo"](r, m, g, None, AlgorithmConfig())
+    adv, returns = ADV_ESTIMATORS["grpo"](r, m, g, None, RlAlgorithm())
     # mean = 1/3; deviations 2/3, -1/3, -1/3; unbiased var = (4/9 + 1/9 + 1/9) / 2 = 1/3; std = 0.57735
     # A = (2/3) / 0.57735 = 1.15470, (-1/3) / 0.57735 = -0.57735   (eps 1e-6 is below the tolerance)
     expected = torch.tensor([[1.15470, 1.15470, 0.0], [-0.57735, 0.0, 0.0], [-0.57735, -0.57735, -0.57735]])
@@ -60,15 +60,15 @@ def test_grpo_without_std_and_drgrpo_only_centre():
     r, m, g = _outcome_batch([1.0, 0.0, 0.0], [1, 1, 1], [0, 0, 0])
     # A = R - mean = 1 - 1/3 = 2/3, 0 - 1/3 = -1/3
     expected = torch.tensor([[2 / 3], [-1 / 3], [-1 / 3]])
-    no_std, _ = ADV_ESTIMATORS["grpo"](r, m, g, None, AlgorithmConfig(norm_by_std=False))
-    drgrpo, _ = ADV_ESTIMATORS["drgrpo"](r, m, g, None, AlgorithmConfig(norm_by_std=True))  # ignores the switch
+    no_std, _ = ADV_ESTIMATORS["grpo"](r, m, g, None, RlAlgorithm(norm_by_std=False))
+    drgrpo, _ = ADV_ESTIMATORS["drgrpo"](r, m, g, None, RlAlgorithm(norm_by_std=True))  # ignores the switch
     torch.testing.assert_close(no_std, expected)
     torch.testing.assert_close(drgrpo, expected)
 
 
 def test_rloo_hand_computed():
     r, m, g = _outcome_batch([1.0, 0.0, 0.0, 4.0, 2.0], [1, 1, 1, 1, 1], [0, 0, 0, 1, 1])
-    adv, _ = ADV_ESTIMATORS["rloo"](r, m, g, None, AlgorithmConfig())
+    adv, _ = ADV_ESTIMATORS["rloo"](r, m, g, None, RlAlgorithm())
     # group 0: 1 - (0 + 0)/2 = 1;  0 - (1 + 0)/2 = -0.5 (twice);  group 1: 4 - 2 = 2;  2 - 4 = -2
     torch.testing.assert_close(adv[:, 0], torch.tensor([1.0, -0.5, -0.5, 2.0, -2.0]))
 
@@ -76,7 +76,7 @@ def test_rloo_hand_computed():
 def test_reinforce_pp_hand_computed():
     r = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
     m = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
-    adv, returns = ADV_ESTIMATORS["reinforce_pp"](r, m, torch.tensor([0, 1]), None, AlgorithmConfig(gamma=0.5))
+    adv, returns = ADV_ESTIMATORS["reinforce_pp"](r, m, torch.tensor([0, 1]), None, RlAlgorithm(gamma=0.5))
     # G row 0 = [0.5^2 * 1, 0.5 * 1, 1] = [0.25, 0.5, 1];  row 1 = [0.5 * 2, 2] = [1, 2]
     torch.testing.assert_close(returns, torch.tensor([[0.25, 0.5, 1.0], [1.0, 2.0, 0.0]]))
     # batch of 5 tokens: mean = 4.75 / 5 = 0.95; deviations -0.7, -0.45, 0.05, 0.05, 1.05
@@ -88,7 +88,7 @@ def test_reinforce_pp_hand_computed():
 
 def test_reinforce_pp_baseline_hand_computed():
     r, m, g = _outcome_batch([1.0, 0.0, 3.0], [2, 1, 2], [0, 0, 1])
-    adv, _ = ADV_ESTIMATORS["reinforce_pp_baseline"](r, m, g, None, AlgorithmConfig())
+    adv, _ = ADV_ESTIMATORS["reinforce_pp_baseline"](r, m, g, None, RlAlgorithm())
     # group-centred: [0.5, -0.5] and the singleton -> 0; tokens [0.5, 0.5 | -0.5 | 0, 0]
     # mean = 0.5 / 5 = 0.1; deviations 0.4, 0.4, -0.6, -0.1, -0.1; var = (0.16*2 + 0.36 + 0.01*2) / 4 = 0.175
     std = math.sqrt(0.175 + 1e-8)
@@ -97,7 +97,7 @@ def test_reinforce_pp_baseline_hand_computed():
 
 
 def test_gae_hand_computed():
-    cfg = AlgorithmConfig(gamma=1.0, lam=1.0, whiten_advantages=False)
+    cfg = RlAlgorithm(gamma=1.0, lam=1.0, whiten_advantages=False)
     r = torch.tensor([[0.0, 0.0, 1.0]])
     v = torch.tensor([[0.5, 0.6, 0.7]])
     adv, returns = ADV_ESTIMATORS["gae"](r, torch.ones(1, 3), torch.tensor([0]), v, cfg)
@@ -105,7 +105,7 @@ def test_gae_hand_computed():
     torch.testing.assert_close(adv, torch.tensor([[0.5, 0.4, 0.3]]))
     torch.testing.assert_close(returns, torch.ones(1, 3))
 
-    cfg = AlgorithmConfig(gamma=0.5, lam=0.5, whiten_advantages=False)
+    cfg = RlAlgorithm(gamma=0.5, lam=0.5, whiten_advantages=False)
     r, v = torch.tensor([[0.0, 1.0]]), torch.tensor([[1.0, 2.0]])
     adv, returns = ADV_ESTIMATORS["gae"](r, torch.ones(1, 2), torch.tensor([0]), v, cfg)
     # delta_1 = 1 + 0.5*0 - 2 = -1, A_1 = -1;  delta_0 = 0 + 0.5*2 - 1 = 0, A_0 = 0 + 0.25*(-1) = -0.25
@@ -117,7 +117,7 @@ def test_gae_hand_computed():
 def test_gae_whitening_gives_zero_mean_unit_std_over_valid_tokens():
     r, m, g, v = _ragged(4)
     m[0, 0] = m[0, -1] = True
-    adv, _ = ADV_ESTIMATORS["gae"](r, m, g, v, AlgorithmConfig())
+    adv, _ = ADV_ESTIMATORS["gae"](r, m, g, v, RlAlgorithm())
     valid = adv[m]
     assert abs(valid.mean().item()) < 1e-5
     assert valid.std().item() == pytest.approx(1.0, rel=1e-3)
@@ -193,14 +193,14 @@ def _returns_reference(r, mask, gamma):
 @pytest.mark.parametrize("name", GROUP_ESTIMATORS)
 def test_group_estimators_match_loop_reference(seed, name):
     r, m, g, _ = _ragged(seed)
-    adv, _ = ADV_ESTIMATORS[name](r, m, g, None, AlgorithmConfig())
+    adv, _ = ADV_ESTIMATORS[name](r, m, g, None, RlAlgorithm(), baselines_B=torch.zeros(r.shape[0]))
     torch.testing.assert_close(adv, _group_reference(r, m, g, name), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("seed", range(10))
 def test_gae_matches_loop_reference_with_interior_holes(seed):
     r, m, g, v = _ragged(seed, holes=True, dtype=torch.float64)
-    cfg = AlgorithmConfig(gamma=0.9, lam=0.8, whiten_advantages=False)
+    cfg = RlAlgorithm(gamma=0.9, lam=0.8, whiten_advantages=False)
     adv, returns = ADV_ESTIMATORS["gae"](r, m, g, v, cfg)
     expected = _gae_reference(r, v, m, 0.9, 0.8)
     torch.testing.assert_close(adv, expected)
@@ -210,7 +210,7 @@ def test_gae_matches_loop_reference_with_interior_holes(seed):
 @pytest.mark.parametrize("seed", range(10))
 def test_reinforce_pp_matches_loop_reference_with_interior_holes(seed):
     r, m, g, _ = _ragged(seed, holes=True, dtype=torch.float64)
-    adv, returns = ADV_ESTIMATORS["reinforce_pp"](r, m, g, None, AlgorithmConfig(gamma=0.7))
+    adv, returns = ADV_ESTIMATORS["reinforce_pp"](r, m, g, None, RlAlgorithm(gamma=0.7))
     expected = _returns_reference(r, m, 0.7)
     torch.testing.assert_close(returns, expected)
     torch.testing.assert_close(adv, _whiten_reference(expected, m))
@@ -222,14 +222,14 @@ def test_reinforce_pp_matches_loop_reference_with_interior_holes(seed):
 @pytest.mark.parametrize("name", ["grpo", "drgrpo", "rloo"])
 def test_group_of_one_has_zero_advantage(name):
     r, m, g = _outcome_batch([5.0, 1.0, 0.0], [2, 2, 2], [0, 1, 1])
-    adv, _ = ADV_ESTIMATORS[name](r, m, g, None, AlgorithmConfig())
+    adv, _ = ADV_ESTIMATORS[name](r, m, g, None, RlAlgorithm(), baselines_B=torch.zeros(r.shape[0]))
     assert torch.equal(adv[0], torch.zeros(2))
     assert (adv[1] > 0).all() and (adv[2] < 0).all()
 
 
 def test_batch_of_singletons_is_zero_even_after_whitening():
     r, m, g = _outcome_batch([5.0, 1.0, 0.0], [2, 1, 2], [0, 1, 2])
-    adv, _ = ADV_ESTIMATORS["reinforce_pp_baseline"](r, m, g, None, AlgorithmConfig())
+    adv, _ = ADV_ESTIMATORS["reinforce_pp_baseline"](r, m, g, None, RlAlgorithm())
     assert torch.equal(adv, torch.zeros(3, 2))
 
 
@@ -238,21 +238,21 @@ def test_all_equal_group_is_exactly_zero(name):
     # 0.1 is not exact in binary: in float32 the mean of seven 0.1s differs from 0.1 by 7.5e-9, which
     # (r - mean) / (0 + 1e-6) would turn into -0.0075. The estimator must return exactly 0.
     r, m, g = _outcome_batch([0.1] * 7 + [1.0, 0.0], [3, 1, 2, 3, 3, 1, 2, 1, 1], [4] * 7 + [9, 9])
-    adv, _ = ADV_ESTIMATORS[name](r, m, g, None, AlgorithmConfig())
+    adv, _ = ADV_ESTIMATORS[name](r, m, g, None, RlAlgorithm(), baselines_B=torch.zeros(r.shape[0]))
     assert torch.equal(adv[:7], torch.zeros(7, 3))
     assert adv[7, 0] > 0 > adv[8, 0]
 
 
 def test_nearly_equal_group_does_not_blow_up():
     r, m, g = _outcome_batch([0.3, 0.3 + 1e-7], [1, 1], [0, 0])
-    adv, _ = ADV_ESTIMATORS["grpo"](r, m, g, None, AlgorithmConfig())
+    adv, _ = ADV_ESTIMATORS["grpo"](r, m, g, None, RlAlgorithm())
     assert adv.abs().max() < 0.1  # std ~ 7e-8 < eps = 1e-6, so |A| <= ~0.07
 
 
 @pytest.mark.parametrize("name", sorted(ADV_ESTIMATORS))
 def test_empty_rows_give_zeros_and_no_nan(name):
     r, m, g = _outcome_batch([1.0, 0.0, 0.0, 2.0], [3, 0, 2, 0], [0, 0, 0, 1], T=3)
-    adv, returns = ADV_ESTIMATORS[name](r, m, g, torch.randn(4, 3), AlgorithmConfig())
+    adv, returns = ADV_ESTIMATORS[name](r, m, g, torch.randn(4, 3), RlAlgorithm(), baselines_B=torch.zeros(r.shape[0]))
     assert torch.isfinite(adv).all() and torch.isfinite(returns).all()
     assert torch.equal(adv[1], torch.zeros(3)) and torch.equal(adv[3], torch.zeros(3))
     assert torch.equal(returns[1], torch.zeros(3))
@@ -262,7 +262,7 @@ def test_empty_rows_give_zeros_and_no_nan(name):
 def test_fully_masked_batch_gives_zeros(name):
     r = torch.randn(3, 4)
     mask, groups = torch.zeros(3, 4, dtype=torch.bool), torch.tensor([0, 0, 1])
-    adv, returns = ADV_ESTIMATORS[name](r, mask, groups, torch.randn(3, 4), AlgorithmConfig())
+    adv, returns = ADV_ESTIMATORS[name](r, mask, groups, torch.randn(3, 4), RlAlgorithm(), baselines_B=torch.zeros(r.shape[0]))
     assert torch.equal(adv, torch.zeros(3, 4)) and torch.equal(returns, torch.zeros(3, 4))
 
 
@@ -270,7 +270,7 @@ def test_fully_masked_batch_gives_zeros(name):
 @pytest.mark.parametrize("seed", range(4))
 def test_zero_where_masked_and_finite(name, seed):
     r, m, g, v = _ragged(seed, holes=True)
-    adv, returns = ADV_ESTIMATORS[name](r, m, g, v, AlgorithmConfig())
+    adv, returns = ADV_ESTIMATORS[name](r, m, g, v, RlAlgorithm(), baselines_B=torch.zeros(r.shape[0]))
     assert adv.shape == returns.shape == m.shape
     assert torch.isfinite(adv).all() and torch.isfinite(returns).all()
     assert torch.equal(adv[~m], torch.zeros_like(adv[~m])) and torch.equal(returns[~m], torch.zeros_like(returns[~m]))
@@ -278,7 +278,7 @@ def test_zero_where_masked_and_finite(name, seed):
 
 def test_gae_without_values_says_what_to_configure():
     with pytest.raises(ValueError, match="algorithm.critic"):
-        ADV_ESTIMATORS["gae"](torch.zeros(1, 2), torch.ones(1, 2), torch.tensor([0]), None, AlgorithmConfig())
+        ADV_ESTIMATORS["gae"](torch.zeros(1, 2), torch.ones(1, 2), torch.tensor([0]), None, RlAlgorithm())
 
 
 # ------------------------------------------------------------------------------ gradcheck
@@ -287,7 +287,7 @@ def test_gae_without_values_says_what_to_configure():
 def test_gradcheck_gae_with_whitening():
     r, m, g, v = _ragged(6, holes=True, dtype=torch.float64)
     m[0, 0] = True
-    cfg = AlgorithmConfig(gamma=0.9, lam=0.95, whiten_advantages=True)
+    cfg = RlAlgorithm(gamma=0.9, lam=0.95, whiten_advantages=True)
     r.requires_grad_(True)
     v.requires_grad_(True)
     assert torch.autograd.gradcheck(lambda r_, v_: ADV_ESTIMATORS["gae"](r_, m, g, v_, cfg), (r, v))
@@ -296,4 +296,4 @@ def test_gradcheck_gae_with_whitening():
 def test_gradcheck_grpo():
     r, m, g = _outcome_batch([0.3, -1.2, 0.7, 2.0, 0.5], [2, 3, 1, 2, 2], [0, 0, 0, 1, 1])
     r = r.double().requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda r_: ADV_ESTIMATORS["grpo"](r_, m, g, None, AlgorithmConfig())[0], (r,))
+    assert torch.autograd.gradcheck(lambda r_: ADV_ESTIMATORS["grpo"](r_, m, g, None, RlAlgorithm())[0], (r,))

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetrl.common.config.learner import AdaptiveKlConfig, AlgorithmConfig, KlConfig
+from fleetrl.common.config.algorithm import AdaptiveKlConfig, RlAlgorithm, KlConfig
 from fleetrl.learner.algorithms import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -67,12 +67,25 @@ def test_log_ratios_of_50_stay_finite_with_finite_gradients(name, dtype):
     assert torch.isfinite(value).all() and torch.isfinite(logp.grad).all()
 
 
-def test_k3_clamp_only_acts_beyond_twenty():
-    # log r = -19 is inside the clamp: exact value e^-19 + 19 - 1; log r = -50 is clamped to -20
-    logp, ref = torch.tensor([19.0, 50.0], dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
-    value = KL_ESTIMATORS["k3"](logp, ref)
-    assert value[0].item() == pytest.approx(math.exp(-19) + 19 - 1)
-    assert value[1].item() == pytest.approx(math.exp(-20) + 20 - 1)
+def test_k3_is_exact_inside_its_bound_and_bounded_at_ten_outside():
+    # log r = -2: e^-2 + 2 - 1 = 1.1353; log r = 2: e^2 - 2 - 1 = 4.3891 (both inside [0, 10])
+    # log r = -19: e^-19 + 18 = 18 > 10 -> 10; log r = +20 (the reference far more likely than the
+    # policy): e^20 - 21 ~ 4.85e8 unbounded, 10 bounded (verl's low_var_kl bound)
+    logp = torch.tensor([2.0, -2.0, 19.0, -20.0, -50.0], dtype=torch.float64)
+    value = KL_ESTIMATORS["k3"](logp, torch.zeros(5, dtype=torch.float64))
+    assert value[0].item() == pytest.approx(math.exp(-2) + 2 - 1)
+    assert value[1].item() == pytest.approx(math.exp(2) - 2 - 1)
+    assert value[2:].tolist() == [10.0, 10.0, 10.0]
+
+
+def test_one_far_off_token_cannot_blow_up_the_kl_loss_or_the_logged_kl():
+    from fleetrl.learner.algorithms.kl import kl_loss
+
+    logp = torch.tensor([[-1.0, -1.0, -1.0, -25.0]], requires_grad=True)  # last token: ref e^24 x more likely
+    loss, kl = kl_loss(logp, torch.full((1, 4), -1.0), torch.ones(1, 4), "k3", "token-mean")
+    assert loss.item() == pytest.approx(10.0 / 4)  # was (e^20 - 21) / 4 ~ 1.2e8 with only the log-ratio clamp
+    loss.backward()
+    assert torch.isfinite(logp.grad).all()
 
 
 def test_gradcheck_k3():
@@ -114,6 +127,6 @@ def test_adaptive_controller_hand_computed():
 def test_controller_from_config():
     assert isinstance(kl_controller_from_config(KlConfig(coef=0.3)), FixedKLController)
     kl_cfg = KlConfig(coef=0.2, adaptive=AdaptiveKlConfig(target=0.05, horizon=50))
-    adaptive = kl_controller_from_config(AlgorithmConfig(kl=kl_cfg))
+    adaptive = kl_controller_from_config(RlAlgorithm(kl=kl_cfg))
     assert isinstance(adaptive, AdaptiveKLController)
     assert (adaptive.value, adaptive.target, adaptive.horizon) == (0.2, 0.05, 50)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fleetrl.common.config.learner import AlgorithmConfig, OffPolicyConfig
+from fleetrl.common.config.algorithm import RlAlgorithm, OffPolicyConfig
 from fleetrl.learner.algorithms import POLICY_LOSSES, LossInputs
 
 METRIC_KEYS = {
@@ -21,8 +21,8 @@ OFF_POLICY = [
 ]
 
 
-def _cfg(mode="none", level="token", cap=2.0, **kw) -> AlgorithmConfig:
-    return AlgorithmConfig(off_policy=OffPolicyConfig(mode=mode, level=level, cap=cap), **kw)
+def _cfg(mode="none", level="token", cap=2.0, **kw) -> RlAlgorithm:
+    return RlAlgorithm(off_policy=OffPolicyConfig(mode=mode, level=level, cap=cap), **kw)
 
 
 def _inputs(ratio, adv, mask=None, old=None, behav=None) -> tuple[LossInputs, torch.Tensor]:
