@@ -66,7 +66,8 @@ class Ingest:
         verdicts = self._judge(groups)
         kept = [v for v in verdicts if v.status in ("accepted", "stale")]
         try:
-            self.s._log(self._records(kept))
+            if self.s.spool is not None:
+                self.s._log(self._records(kept))
         except ValueError:  # some group cannot be encoded: find it, write the others one by one
             for v in kept:
                 try:

@@ -109,6 +109,7 @@ class BrokerServer:
         self.address = self.pub_address = ""
         self._stop = asyncio.Event()
         self._next_guard = 0.0
+        self._guard_chain = False  # a 10 ms guard chain is running (connections under pressure)
 
     # -------------------------------------------------------------- sockets
     def _bind(self, sock: zmq.Socket, port: int) -> str:
@@ -337,8 +338,17 @@ class BrokerServer:
                     log.error("spool compaction failed (%s); keeping the current segment, retrying later", e)
         if self.guard is not None and now >= self._next_guard:
             self._next_guard = now + GUARD_S
-            self.guard.check(now, self.waiting.fds())
+            self._guard_now()
         self._send(replies)
+
+    def _guard_now(self, chained: bool = False) -> None:
+        """The connection guard; while connections hold much, again every 10 ms (a flood fills fast)."""
+        if self.guard is None or (self._guard_chain and not chained):
+            return
+        self.guard.check(time.monotonic(), self.waiting.fds())
+        self._guard_chain = self.guard.under_pressure
+        if self._guard_chain:
+            asyncio.get_running_loop().call_later(0.01, self._guard_now, True)
 
     def stop(self) -> None:
         self._stop.set()

@@ -187,7 +187,7 @@ def check_group(group: SampleGroup, vocab_size: int = 0, *, max_abs_reward: floa
     """Deeper checks than decoding does; returns a reason or None. The broker runs it on every group.
 
     Decoding already guarantees matching lengths, rewards finite in float32 and a bounded version.
-    Here, in one pass over zero-copy views: token ids in ``[0, vocab_size)`` (read as *unsigned*, so a
+    Here, in a few reductions over zero-copy views: token ids in ``[0, vocab_size)`` (read as *unsigned*, so a
     negative id shows up as huge); behaviour log-probs finite and ``<= 0``; every response has at least
     one token (the empty-response rule); rewards within ``max_abs_reward``; ``policy_version`` and
     every token version at most ``max_version`` (the broker's current version plus its slack: a
@@ -219,12 +219,13 @@ def check_group(group: SampleGroup, vocab_size: int = 0, *, max_abs_reward: floa
         return (f"group {gid} claims policy version {newest}, ahead of the broker's newest version {max_version}; "
                 "a rollout can only hold versions the broker announced")
     logp = np.frombuffer(group.logprobs, dtype=LOGPROB_DTYPE)
-    if not np.isfinite(logp.sum(dtype=np.float64)):
+    lo, hi = float(logp.min()), float(logp.max())  # NaN propagates through both
+    if not (math.isfinite(lo) and math.isfinite(hi)):
         return f"group {gid} has log-probs that are not finite"
-    if float(logp.max()) > 0.0:
-        return f"group {gid} has a log-prob of {float(logp.max()):g} > 0; behaviour log-probs are log-probabilities"
+    if hi > 0.0:
+        return f"group {gid} has a log-prob of {hi:g} > 0; behaviour log-probs are log-probabilities"
     for name in ("metadata", "reward_parts"):
-        if nesting_depth(getattr(group, name)) > MAX_METADATA_DEPTH:
+        if getattr(group, name) and nesting_depth(getattr(group, name)) > MAX_METADATA_DEPTH:
             return f"group {gid} has {name} nested deeper than {MAX_METADATA_DEPTH} levels"
     return None
 
