@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleetrl.broker.client import (
     BrokerClient, BrokerError, BrokerUnavailable, SubscriptionLike, ZmqBrokerClient, client_identity, default_client_id,
@@ -41,6 +41,9 @@ from fleetrl.rollout.loop import (
 )
 from fleetrl.rollout.rewards import RewardScorer
 from fleetrl.rollout.tracing import LeaseTrace
+
+if TYPE_CHECKING:
+    from fleetrl.rollout.weights import WeightReceiver
 
 log = logging.getLogger("fleetrl.rollout")
 
@@ -63,7 +66,8 @@ class RolloutServer:
     """
 
     def __init__(self, cfg: JobConfig, client: BrokerClient, engine: Any, scorer: RewardScorer, *, server_index: int = 0,
-                 run_dir: str | Path | None = None, receiver: Any = None, stop_event: threading.Event | None = None):
+                 run_dir: str | Path | None = None, receiver: WeightReceiver | None = None,
+                 stop_event: threading.Event | None = None):
         self.cfg, self.client, self.engine, self.scorer, self.receiver = cfg, client, engine, scorer, receiver
         self.server_index, self.client_id = server_index, client.client_id
         self.run_dir = Path(run_dir) if run_dir else None

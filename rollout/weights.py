@@ -29,7 +29,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch.distributed import TCPStore

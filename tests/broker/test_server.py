@@ -30,7 +30,7 @@ def broker(tmp_path, job):
     assert proc.stop() == 0  # SIGTERM: clean exit
 
 
-def client(address, cid="r0", role="rollout", **kw) -> BrokerClient:
+def client(address, cid="r0", role="rollout", **kw) -> ZmqBrokerClient:
     c = ZmqBrokerClient(address, cid, role, timeout_s=kw.pop("timeout_s", 5.0), **kw)
     c.connect()
     return c
