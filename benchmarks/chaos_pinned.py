@@ -78,7 +78,7 @@ def overrides(workdir: Path, run_dir: Path, steps: int) -> list[str]:
         "checkpoint.keep_last=3", f"broker.spool_dir={run_dir.parent / (run_dir.name + '-spool')}",
         "broker.commit_on_checkpoint=true", "broker.max_staleness=1000", "broker.queue_capacity=40", "broker.fsync=never",
         "broker.prompt_lease_s=20", "broker.client_timeout_s=6", "broker.batch_lease_s=60", "broker.request_timeout_s=5",
-        "run.restart_policy=on-failure", "run.max_restarts=6", "run.ready_timeout_s=300", "health.enabled=false",
+        "run.restart_policy=on-failure", "run.max_restarts=8", "run.ready_timeout_s=300", "health.enabled=false",
     ]
 
 
@@ -154,12 +154,13 @@ def run_pinned(workdir: Path, sc: Scenario, steps: int = 20, timeout_s: float = 
             full_at = time.time()
             time.sleep(6.0)
             resource.prlimit(pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            out["recover_s"] = recovery(run_dir, full_at + 6.0, deadline, proc)
+            time.sleep(1.0)
             events = [r["event"] for r in read_jsonl(run_dir / "audit.jsonl")]
             log = run_dir / "logs" / "broker.log"
             out.update(full_for_s=6.0, spool_unavailable="spool_unavailable" in events,
                        spool_writable_again="spool_writable" in events,
                        alerted=log.exists() and "ALERT" in log.read_text())
-            out["recover_s"] = recovery(run_dir, full_at + 6.0, deadline, proc)
     out.update(finish(proc, run_dir, steps, deadline))
     out["wall_s"], out["load_before"], out["load_after"] = time.monotonic() - t0, load0, os.getloadavg()[0]
     out["survived"] = survived(out, sc)
@@ -202,30 +203,36 @@ def readmitted(run_dir: Path) -> bool | None:
     return bool(after) and after[0]["rollout/policy_version"] >= current
 
 
-def run_random(workdir: Path, per_role: int, steps: int = 60, timeout_s: float = 1800) -> dict:
-    """``per_role`` kills of each role at random moments of one run."""
+def run_random(workdir: Path, per_role: int, steps: int = 120, timeout_s: float = 2400) -> dict:
+    """``per_role`` kills of each role (both rollouts, the broker, the learner) at random moments of one run;
+    each kill waits until the role's current process is up (not the one killed before)."""
+    import psutil
+
     rng = random.Random(0)
     proc, run_dir = start(workdir, "random", steps, {})
     deadline = time.monotonic() + timeout_s
-    plan = sorted(((rng.uniform(4, steps - 6), role) for role in ("rollout-0", "rollout-1", "broker", "learner")
-                   for _ in range(per_role)))
-    kills = []
-    for at, role in plan:
-        if not wait_for(lambda: last_step(run_dir)[0] >= at, deadline, proc):
+    roles = ["rollout-0", "rollout-1", "broker", "learner"] * per_role
+    rng.shuffle(roles)
+    plan = sorted(rng.uniform(4, steps - 10) for _ in roles)
+    kills, killed = [], set()
+    for at, role in zip(plan, roles):
+        up = lambda: (p := pid_of(run_dir, role)) is not None and p not in killed and psutil.pid_exists(p)  # noqa: E731
+        if not (wait_for(lambda: last_step(run_dir)[0] >= at, deadline, proc) and wait_for(up, deadline, proc)):
             break
         time.sleep(rng.uniform(0, 1.5))
-        pid = pid_of(run_dir, role if role != "broker" else "broker")
-        if pid is None:
-            continue
+        pid = pid_of(run_dir, role)
         killed_at = time.time()
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             continue
+        killed.add(pid)
         kills.append({"role": role, "after_step": last_step(run_dir)[0],
                       "recover_s": recovery(run_dir, killed_at, deadline, proc)})
     out = {"scenario": "random", "kills": kills, **finish(proc, run_dir, steps, deadline)}
-    out["survived"] = out["exit_code"] == 0 and out["lost"] == 0 and out["duplicated"] == 0 and out["reached_final_step"]
+    out["kills_per_role"] = {r: sum(k["role"] == r for k in kills) for r in sorted(set(roles))}
+    out["survived"] = (out["exit_code"] == 0 and out["lost"] == 0 and out["duplicated"] == 0 and out["reached_final_step"]
+                       and out["versions_monotonic"])
     return out
 
 

@@ -105,8 +105,11 @@ def test_deeply_nested_metadata_is_refused_not_half_taken(state):
 def test_recovery_resynchronises_after_a_flipped_bit_and_quarantines_it(tmp_path):
     s = reopen(tmp_path)
     lease = lease_prompts(s, 100)
+    prompt_of = {}
     for p in lease.prompts:
-        assert push(s, make_group(p.prompt_id)).count == 1
+        g = make_group(p.prompt_id)
+        prompt_of[g.group_id] = p.prompt_id
+        assert push(s, g).count == 1
     s.spool.close()
     seg = tmp_path / "segment-00000001.log"
     data = bytearray(seg.read_bytes())
@@ -116,6 +119,8 @@ def test_recovery_resynchronises_after_a_flipped_bit_and_quarantines_it(tmp_path
     r = reopen(tmp_path)
     kept = set(r.groups)
     assert len(kept) >= 99, f"kept {len(kept)} of 100"  # only the damaged record is lost (before: 10 of 100)
+    lost = {prompt_of[g] for g in set(prompt_of) - kept}
+    assert lost <= {p.prompt_id for p in r.prompts.reissue}  # ... and its prompt is generated again
     assert r.recovery["regions_quarantined"] == 1 and 0 < r.recovery["bytes_skipped"] < 2000
     quarantined = list((tmp_path / "quarantine").iterdir())
     assert len(quarantined) == 1 and quarantined[0].stat().st_mode & 0o777 == 0o600
