@@ -182,9 +182,12 @@ def broadcast_checks(run_dir: Path) -> dict:
     reformed = [r for r in rows if r.get("sync/reforms", 0) >= 1]
     killed = {e["child"] for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "restart"}
     other = read_jsonl(run_dir / f"rollout-{1 if 'rollout-0' in killed else 0}.metrics.jsonl")
+    versions = [int(r.get("policy/version", 0)) for r in reformed]
     return {"reformed_rounds": len(reformed),
             "sync_s_of_reformed": [round(r.get("timing/sync_s", 0.0), 2) for r in reformed],
             "learner_delay_ok": bool(reformed) and all(r.get("timing/sync_s", 0.0) <= 2 * BUCKET_S + 1.0 for r in reformed),
+            "survivor_got_reformed_versions": bool(versions) and all(
+                any(r.get("rollout/policy_version", -1) >= v for r in other) for v in versions),
             "survivor_missed_rounds": other[-1].get("weights/rounds_missed") if other else None,
             "survivor_final_version": other[-1].get("rollout/policy_version") if other else None,
             "learner_final_version": rows[-1].get("policy/version") if rows else None}

@@ -99,6 +99,12 @@ class Guard:
         c.messages += 1
         c.last_request = now
 
+    def touch(self, fd: int, now: float) -> None:
+        """The broker answered a long poll on ``fd``: that connection was busy, not idle."""
+        c = self.conns.get(fd)
+        if c is not None:
+            c.last_request = now
+
     def check(self, now: float, busy: set[int]) -> list[tuple[int, str]]:
         """Close what costs too much (``busy``: descriptors with a long poll waiting); returns (fd, why)."""
         self.events(now)

@@ -266,7 +266,10 @@ class BrokerServer:
 
     def _serve_waiting(self, now: float) -> list[tuple[bytes, m.Message]]:
         """Answer the long polls: at their deadline, and all of them when groups arrived."""
-        out = [(w[2], self.state.lease_batch_final(w[3], now)) for w in self.waiting.due(now)]
+        out = []
+        for w in self.waiting.due(now):
+            out.append((w[2], self.state.lease_batch_final(w[3], now)))
+            self._answered(w[5], now)
         if self.state.q.grew and len(self.waiting):
             self.state.q.grew = False
             for deadline, _, ident, req, principal, fd in self.waiting.take_all():
@@ -275,8 +278,13 @@ class BrokerServer:
                     self.waiting.add(deadline, ident, req, principal, fd)
                 else:
                     out.append((ident, reply))
+                    self._answered(fd, now)
         self.state.q.grew = False
         return out
+
+    def _answered(self, fd: int, now: float) -> None:
+        if self.guard is not None:
+            self.guard.touch(fd, now)  # a connection whose long poll was just answered is not idle
 
     def _send(self, replies: list[tuple[bytes, m.Message]]) -> None:
         spool = self.state.spool

@@ -342,7 +342,10 @@ class BroadcastSender:
         version, missed = last
         ckeys = ws.CatchupKeys(missed.secret, missed.round_id)
         asked = store.add(ckeys.request, 0)
-        if asked <= self._served or not self._lock.acquire(blocking=False):
+        if asked <= self._served:
+            return
+        if not self._lock.acquire(blocking=False):
+            log.debug("weight sync: %d catch-up request(s) wait for the publish in progress", asked - self._served)
             return
         try:
             if self._last != last:  # a publish replaced the copy meanwhile

@@ -115,14 +115,15 @@ def receive_round(store: Any, keys: ws.RoundKeys, identity: str, buffers: list, 
 
 
 def request_catchup(store: Any, missed: ws.RoundKeys, version: int, timeout_s: float,
-                    tried: set[int] = frozenset()) -> ws.RoundKeys | None:
+                    tried: set[int] = frozenset(), give_up: Callable[[], bool] = lambda: False) -> ws.RoundKeys | None:
     """Ask for a fresh round of ``version`` (the round ``missed`` went by without this receiver); the keys
     of the round the learner offers (not one of ``tried``), or None when none came within ``timeout_s``
-    (the learner keeps no host copy, or is gone)."""
+    (the learner keeps no host copy, or is gone) or ``give_up()`` (a newer version was announced: its
+    round is the better way to catch up)."""
     keys = ws.CatchupKeys(missed.secret, missed.round_id)
     store.add(keys.request, 1)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not give_up():
         if store.check([keys.offer]):
             offer = messages.decode_offer(store.get(keys.offer))
             if offer.version == version and offer.round_id not in tried:

@@ -305,10 +305,10 @@ class BroadcastReceiver:
         """A fresh round of ``version`` from the learner's host copy (gloo, CPU buffers); None if none came."""
         tried: set[int] = set()
         for _ in range(2):
-            keys = request_catchup(store, missed, version, CATCHUP_WAIT_S, tried)
+            keys = request_catchup(store, missed, version, CATCHUP_WAIT_S, tried, self._newer_queued)
             if keys is None:
-                log.warning("weight version %d: the learner offered no catch-up round (sync.catchup off, or busy); "
-                            "waiting for the next version", version)
+                log.warning("weight version %d: no catch-up round came (sync.catchup off, the learner busy, or a newer "
+                            "version announced); going on with the next version", version)
                 return None
             tried.add(keys.round_id)
             buffers = self._buffers(layouts, torch.device("cpu"))
@@ -322,6 +322,10 @@ class BroadcastReceiver:
             self.count("weights/catchups")
             return buffers
         return None
+
+    def _newer_queued(self) -> bool:
+        with self._cv:
+            return self._queued is not None or self._closed
 
     def _connect(self, addr: tuple[str, int]) -> TCPStore:
         if self._store is None or self._store[0] != addr:

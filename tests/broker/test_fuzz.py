@@ -307,7 +307,7 @@ def test_fuzz_10k(broker):
 def test_fuzz_100k(tmp_path, arith_data):
     proc = BrokerProcess(fuzz_job(tmp_path, arith_data), tmp_path / "run", "telemetry.log_level=WARNING").start()
     try:
-        tally = run_fuzz(proc, examples=3800)
+        tally = run_fuzz(proc, examples=3900)
         assert tally["frames"] >= 100_000
     finally:
         assert proc.stop() == 0

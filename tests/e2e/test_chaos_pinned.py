@@ -35,4 +35,4 @@ def test_pinned_kill_is_survived(chaos, scenario):
     assert report["lost"] == 0 and report["duplicated"] == 0 and report["versions_monotonic"]
     if scenario == "rollout-broadcast":
         assert report["learner_delay_ok"] and report["reformed_rounds"] >= 1, report  # <= 2 x bucket timeout
-        assert report["survivor_missed_rounds"] == 0, report  # the other rollout got that version
+        assert report["survivor_got_reformed_versions"], report  # the other rollout got that version
