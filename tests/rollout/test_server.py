@@ -399,7 +399,10 @@ def test_server_process_pushes_valid_groups_and_sigterm_returns_leases(tmp_path,
         log = server.log_path.read_text()
         assert "ready" in log and "stopped (stop requested)" in log
         lines = (run_dir / "rollout-0.metrics.jsonl").read_text().splitlines()
-        assert len(lines) >= 3 and json.loads(lines[-1])["rollout/groups_pushed"] >= 6
+        # one line per finished batch; how many groups share a batch depends on the machine's speed
+        records = [json.loads(line) for line in lines]
+        assert records and records[-1]["rollout/groups_pushed"] >= 6
+        assert [r["rollout/groups_pushed"] for r in records] == sorted(r["rollout/groups_pushed"] for r in records)
     finally:
         learner.close()
     assert broker.stop() == 0
