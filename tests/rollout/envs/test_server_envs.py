@@ -78,15 +78,20 @@ class ServerThread:
 
 @pytest.fixture
 def env_server():
-    calls = {"step": 0}
+    calls = {"step": 0, "failed": 0}
+    seen: set[bytes] = set()
     app = make_app(Chatter, {"turns": 3})
 
     @web.middleware
-    async def flaky(request, handler):  # every third step call fails once with a 503: retried, same reply
+    async def flaky(request, handler):  # every third distinct step fails once with a 503: retried, same reply
         if request.path == "/step":
             calls["step"] += 1
-            if calls["step"] % 3 == 0:
-                return web.json_response({"error": "busy"}, status=503)
+            body = await request.read()
+            if body not in seen:
+                seen.add(body)
+                if len(seen) % 3 == 0:  # by distinct body, not call count: concurrent retries in lockstep
+                    calls["failed"] += 1  # would otherwise hit the failing slot every time
+                    return web.json_response({"error": "busy"}, status=503)
         return await handler(request)
 
     app.middlewares.insert(0, flaky)
@@ -100,7 +105,7 @@ def test_http_environment_with_retries(engine, tiny_model_dir, env_server):
     fleet, groups = run_fleet(engine, tiny_model_dir, "rollout.env.type=http", f"rollout.env.http.url={server.url}",
                               "rollout.env.http.backoff_s=0.01", "rollout.env.max_tokens_per_turn=4",
                               "rollout.group_size=2", "rollout.prompts_per_batch=2", n_groups=2)
-    assert calls["step"] >= 9 and fleet.server.env.stats.totals["errors"] == 0
+    assert calls["failed"] >= 1 and calls["step"] >= 9 and fleet.server.env.stats.totals["errors"] == 0
     for g in groups:
         assert g.metadata["turns"] == [3, 3] and all(parts == {"env": r} for parts, r in zip(g.reward_parts, g.rewards))
         assert g.loss_mask_array().min() == 0  # observations are in the response with mask 0
