@@ -14,9 +14,9 @@ official ``openai`` client trains by changing its ``base_url`` and nothing else)
 plain inference on the current weights, not trained. In a session the rollout's sampling settings
 apply (temperature, top_p, top_k: the learner's log-probs assume them); ``max_tokens`` and ``stop``
 are honoured within the budgets of ``rollout.env``. Errors come in OpenAI's format,
-``{"error": {"message", "type", "param", "code"}}``, with the matching HTTP status. Streaming is not
-supported (a clear 400). The app runs on the engine's event loop: a call costs one JSON decode, the
-chat template and one ``engine.generate``.
+``{"error": {"message", "type", "param", "code"}}``, with the matching HTTP status. ``stream: true``
+gets the finished reply as server-sent events (``stream.py``). The app runs on the engine's event
+loop: a call costs one JSON decode, the chat template and one ``engine.generate``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetrl.rollout.engines.base import Generation, Request, SamplingParams
+from fleetrl.rollout.endpoint import stream
 from fleetrl.rollout.endpoint.sessions import AgentEnv, ApiError, Session, plain
 from fleetrl.rollout.envs.codec import ChatCodec
 from fleetrl.rollout.envs.parsers import TOOL_PARSERS
@@ -168,9 +169,8 @@ class Endpoint:
             raise ApiError(400, "the request body is not valid JSON", "invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", "invalid_json")
-        if body.get("stream"):
-            raise ApiError(400, "stream=true is not supported by this endpoint; call without streaming",
-                           "unsupported_parameter", param="stream")
+        if body.get("stream") not in (None, False, True):
+            raise ApiError(400, "stream must be true or false", "invalid_value", param="stream")
         return body
 
     def _session(self, request: Any, body: dict[str, Any]) -> Session | None:
@@ -255,8 +255,6 @@ class Endpoint:
             {"id": self.opts.model_name, "object": "model", "created": 0, "owned_by": "fleetrl"}]})
 
     async def chat(self, request: Any) -> Any:
-        from aiohttp import web
-
         body = await self._body(request)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
@@ -283,13 +281,11 @@ class Endpoint:
         choices = [{"index": j, "message": message, "finish_reason": finish,
                     "logprobs": self._logprobs(gen) if body.get("logprobs") else None}
                    for j, (gen, (message, finish)) in enumerate(zip(gens, replies))]
-        return web.json_response({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                                  "created": int(time.time()), "model": body.get("model") or self.opts.model_name,
-                                  "choices": choices, "usage": self._usage(ids, gens)})
+        return await stream.send(request, body, {
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": body.get("model") or self.opts.model_name, "choices": choices, "usage": self._usage(ids, gens)})
 
     async def completions(self, request: Any) -> Any:
-        from aiohttp import web
-
         body = await self._body(request)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -315,9 +311,9 @@ class Endpoint:
             self.counts["calls_session"] += 1
         choices = [{"index": j, "text": g.text, "finish_reason": g.finish_reason, "logprobs": None}
                    for j, g in enumerate(gens)]
-        return web.json_response({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                                  "created": int(time.time()), "model": body.get("model") or self.opts.model_name,
-                                  "choices": choices, "usage": self._usage(ids, gens)})
+        return await stream.send(request, body, {
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": body.get("model") or self.opts.model_name, "choices": choices, "usage": self._usage(ids, gens)})
 
     async def _session_generate(self, session: Session, ids: list[int], params: SamplingParams) -> list[Generation]:
         """One reply in a session; an engine failure ends the session as failed (its tokens are not trained)."""

@@ -53,13 +53,27 @@ def test_round_trip_with_the_openai_client(plain, engine):
     assert len(t.choices) == 2 and all(len(x.text) <= 4 for x in t.choices)
 
 
+def test_streaming_sends_the_whole_reply_as_events(plain):
+    c, messages = client(plain.base_url), [{"role": "user", "content": "12+30="}]
+    whole = c.chat.completions.create(model="fleetrl", messages=messages, max_tokens=5, temperature=0)
+    chunks = list(c.chat.completions.create(model="fleetrl", messages=messages, max_tokens=5, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert text == whole.choices[0].message.content and finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and not chunks[-1].choices
+    texts = list(c.completions.create(model="fleetrl", prompt="07+58=", max_tokens=4, temperature=0, stream=True))
+    assert len(texts) == 1 and texts[0].choices[0].text == c.completions.create(
+        model="fleetrl", prompt="07+58=", max_tokens=4, temperature=0).choices[0].text
+
+
 def test_errors_come_in_openai_format(plain):
     c = client(plain.base_url)
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="x", messages=[])
     assert e.value.code == "invalid_value" and e.value.body["param"] == "messages"
     with pytest.raises(openai.BadRequestError, match="stream"):
-        c.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}], stream=True)
+        c.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}], extra_body={"stream": 3})
     with pytest.raises(openai.BadRequestError, match="temperature"):
         c.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}], temperature=9)
     with pytest.raises(openai.AuthenticationError):
