@@ -3,10 +3,12 @@
 #   model + data -> warm start on tool conversations (~20% held-out episode success) -> eval
 #   -> `fleetrl run configs/multiturn.yaml` (RL, 5 min) -> eval -> report (success, turns, well-formed calls)
 # `--endpoint`: the same job with rollout.env.type=openai, driven by scripts/multiturn_agent.py (openai client).
-# Re-running reuses models/ and data/ (delete them to start from scratch).
+# Re-running reuses models/ and data/ (delete them to start from scratch). RUN=dir names the run directory.
+# benchmarks/multiturn_demo.py runs both modes and saves the figures with the machine's load.
 set -euo pipefail
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TOKENIZERS_PARALLELISM=false
 PY=${PY:-python}
+HERE=$(cd "$(dirname "$0")" && pwd)  # scripts/ (the agent and the report), wherever the demo runs
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 ENDPOINT=0; [ "${1:-}" = "--endpoint" ] && ENDPOINT=1
 SECONDS=0
@@ -18,9 +20,9 @@ step "1/6 model and data (built locally, no hub)"
 step "2/6 warm start on tool conversations, stopped at ~20% held-out episode success"
 [ -f models/multiturn-warm/config.json ] || fleetrl sft --model models/multiturn --data data/calc.jsonl \
     --eval-data data/calc.eval.jsonl --out models/multiturn-warm --target-acc 0.2 --lr 2e-4 --eval-every 10 \
-    --eval-n 100 --threads "$(nproc)" --config configs/multiturn.yaml
+    --eval-n 100 --max-minutes 30 --threads "$(nproc)" --config configs/multiturn.yaml
 
-RUN="runs/multiturn$([ $ENDPOINT = 1 ] && echo -endpoint)-$(date +%Y%m%d-%H%M%S)"
+RUN=${RUN:-"runs/multiturn$([ $ENDPOINT = 1 ] && echo -endpoint)-$(date +%Y%m%d-%H%M%S)"}
 mkdir -p "$RUN"
 step "3/6 held-out episode success before RL (500 problems never trained on)"
 fleetrl eval --config configs/multiturn.yaml --model models/multiturn-warm --data data/calc.eval.jsonl --k 0 \
@@ -33,7 +35,7 @@ if [ $ENDPOINT = 1 ]; then
   RUN_PID=$!
   while [ ! -f "$RUN/rollout-0.openai.json" ]; do sleep 1; kill -0 $RUN_PID; done
   ROOT=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['base_url'][:-3])" "$RUN/rollout-0.openai.json")
-  $PY scripts/multiturn_agent.py --server "$ROOT" --workers 32 --out "$RUN/agent.jsonl" &
+  $PY "$HERE/multiturn_agent.py" --server "$ROOT" --workers 32 --out "$RUN/agent.jsonl" &
   AGENT_PID=$!
   wait $RUN_PID
   wait $AGENT_PID || true
@@ -48,5 +50,5 @@ fleetrl eval --config configs/multiturn.yaml --model "$FINAL" --data data/calc.e
 
 step "6/6 report"
 fleetrl report "$RUN" || true
-$PY scripts/multiturn_report.py "$RUN"
+$PY "$HERE/multiturn_report.py" "$RUN"
 echo "demo finished in ${SECONDS} s"
