@@ -172,6 +172,7 @@ class RolloutServer:
                 self.finisher.abandon()
         if self.endpoint is not None:
             self.endpoint.close()
+        self.env.close()  # its HTTP client and threads; nothing of it is needed after the drain
         if give_back and len(self.leases):
             n = return_leases(self.client, self.leases, self.stats)
             log.info("returned %d leased prompt(s) to the broker, which re-issues them", n)
