@@ -75,11 +75,12 @@ class TreeLoad:
                 "busy_flag": share > BUSY_SHARE}
 
 
-def run_mode(mode: str, workdir: Path) -> dict:
+def run_mode(mode: str, workdir: Path, overrides: list[str]) -> dict:
     """One demo run; returns its summary with the load it ran under."""
     run = workdir / "runs" / f"{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
     venv_bin = Path(sys.executable).parent
-    env = {**os.environ, "PY": sys.executable, "RUN": str(run), "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}"}
+    env = {**os.environ, "PY": sys.executable, "RUN": str(run), "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
+           "RL_ARGS": " ".join(overrides)}
     cmd = ["bash", str(ROOT / "scripts" / "multiturn_demo.sh")] + (["--endpoint"] if mode == "endpoint" else [])
     (workdir / "configs").mkdir(parents=True, exist_ok=True)
     (workdir / "configs" / "multiturn.yaml").write_text((ROOT / "configs" / "multiturn.yaml").read_text())
@@ -110,16 +111,18 @@ def main() -> int:
     p.add_argument("--modes", nargs="+", default=["tool", "endpoint"], choices=["tool", "endpoint"])
     p.add_argument("--workdir", default=str(ROOT / "runs" / "bench-multiturn"))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "multiturn_demo.json"))
+    p.add_argument("overrides", nargs="*", help="key=value overrides for the RL run (configs/multiturn.yaml's)")
     args = p.parse_args()
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    results = {"command": "python benchmarks/multiturn_demo.py --modes " + " ".join(args.modes),
+    results = {"command": " ".join(["python benchmarks/multiturn_demo.py --modes", *args.modes, *args.overrides]),
+               "overrides": args.overrides,
                "target_points": TARGET_POINTS, "time": time.time(), "modes": {}}
     warm = workdir / "models" / "multiturn-warm" / "sft_result.json"
     for mode in args.modes:
         print(f"== {mode}: scripts/multiturn_demo.sh{' --endpoint' if mode == 'endpoint' else ''} (log in "
               f"{workdir / (mode + '.log')})", flush=True)
-        r = results["modes"][mode] = run_mode(mode, workdir)
+        r = results["modes"][mode] = run_mode(mode, workdir, args.overrides)
         if r["rc"] != 0:
             print(f"   failed (exit {r['rc']}); see the log")
             continue

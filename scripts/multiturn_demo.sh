@@ -3,7 +3,10 @@
 #   model + data -> warm start on tool conversations (~20% held-out episode success) -> eval
 #   -> `fleetrl run configs/multiturn.yaml` (RL, 5 min) -> eval -> report (success, turns, well-formed calls)
 # `--endpoint`: the same job with rollout.env.type=openai, driven by scripts/multiturn_agent.py (openai client).
-# Re-running reuses models/ and data/ (delete them to start from scratch). RUN=dir names the run directory.
+# Re-running reuses models/ and data/ (delete them to start from scratch). RUN=dir names the run directory;
+# RL_ARGS="key=value ..." adds overrides to the RL run (e.g. RL_ARGS="learner.lr=1e-4"); AGENT_WORKERS: the
+# agent's concurrent sessions (default 128 = prompts_per_batch x group_size, the tool env's episodes in flight);
+# BEFORE=eval.json reuses an earlier greedy eval of the same warm start instead of evaluating again.
 # benchmarks/multiturn_demo.py runs both modes and saves the figures with the machine's load.
 set -euo pipefail
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TOKENIZERS_PARALLELISM=false
@@ -25,23 +28,24 @@ step "2/6 warm start on tool conversations, stopped at ~20% held-out episode suc
 RUN=${RUN:-"runs/multiturn$([ $ENDPOINT = 1 ] && echo -endpoint)-$(date +%Y%m%d-%H%M%S)"}
 mkdir -p "$RUN"
 step "3/6 held-out episode success before RL (500 problems never trained on)"
-fleetrl eval --config configs/multiturn.yaml --model models/multiturn-warm --data data/calc.eval.jsonl --k 0 \
-    --out "$RUN/eval-before.json"
+if [ -n "${BEFORE:-}" ]; then cp "$BEFORE" "$RUN/eval-before.json"  # the same warm start's greedy eval, reused
+else fleetrl eval --config configs/multiturn.yaml --model models/multiturn-warm --data data/calc.eval.jsonl --k 0 \
+    --out "$RUN/eval-before.json"; fi
 
 if [ $ENDPOINT = 1 ]; then
   step "4/6 RL through the OpenAI endpoint: fleetrl run (rollout.env.type=openai) + an openai-client agent"
   fleetrl run --config configs/multiturn.yaml --run-dir "$RUN" --no-status rollout.env.type=openai \
-      rollout.openai.enabled=true rollout.openai.port=0 run.eval_interval=0 &
+      rollout.openai.enabled=true rollout.openai.port=0 run.eval_interval=0 ${RL_ARGS:-} &
   RUN_PID=$!
   while [ ! -f "$RUN/rollout-0.openai.json" ]; do sleep 1; kill -0 $RUN_PID; done
   ROOT=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['base_url'][:-3])" "$RUN/rollout-0.openai.json")
-  $PY "$HERE/multiturn_agent.py" --server "$ROOT" --workers 32 --out "$RUN/agent.jsonl" &
+  $PY "$HERE/multiturn_agent.py" --server "$ROOT" --workers "${AGENT_WORKERS:-128}" --out "$RUN/agent.jsonl" &
   AGENT_PID=$!
   wait $RUN_PID
   wait $AGENT_PID || true
 else
   step "4/6 RL: fleetrl run configs/multiturn.yaml (broker + rollout server + learner, 5 minutes)"
-  fleetrl run --config configs/multiturn.yaml --run-dir "$RUN"
+  fleetrl run --config configs/multiturn.yaml --run-dir "$RUN" ${RL_ARGS:-}
 fi
 
 step "5/6 held-out episode success after RL"
