@@ -30,7 +30,7 @@ def rows_to_prompts(rows: list[dict[str, Any]], prompt_key: str, answer_key: str
         if not isinstance(text, (str, list)) or not text:
             raise DataError(f"{source}: row {i} has no usable {prompt_key!r} (a non-empty string or a list of messages)")
         answer = row.get(answer_key)
-        metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
+        metadata = {k: v for k, v in row.items() if k != prompt_key}  # the answer's column too: batched rewards read it
         out.append(Prompt(prompt_id=str(i), prompt=text, answer=None if answer is None else str(answer), metadata=metadata))
     return out
 

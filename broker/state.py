@@ -87,6 +87,7 @@ class BrokerState(BatchLeasing):
         self.weights = m.WeightsInfo()
         self.paused = False
         self.stopping = False
+        self.learner_done = ""  # why the learner finished ("" = training goes on); a learner registering clears it
         self.pub_port = 0  # set by the server once the PUB socket is bound
         self.discarded_versions: list[tuple[int, float]] = []  # version ranges a learner rolled back
         self.counters: Counter[str] = Counter()
@@ -200,6 +201,9 @@ class BrokerState(BatchLeasing):
                            reason=f"client speaks protocol {req.protocol}, broker {m.PROTOCOL_VERSION}; install matching fleetrl versions")
         c = self._touch(req.client_id, now, req.role)
         c.role, c.rank, c.info = req.role, req.rank, dict(req.info)
+        if req.role == "learner" and self.learner_done:
+            log.info("learner %s registered: training goes on after `done` (%s)", req.client_id, self.learner_done)
+            self.learner_done = ""
         return m.Registered(req_id=req.req_id, broker_id=self.broker_id, policy_version=self.version,
                             vocab_size=self.vocab_size, heartbeat_s=self.bcfg.heartbeat_s, weights=self.weights,
                             paused=self.paused, pub_port=self.pub_port,
@@ -217,6 +221,9 @@ class BrokerState(BatchLeasing):
         if self.paused or self.stopping:
             self.counters["throttled"] += 1
             return m.Throttle(req_id=req.req_id, retry_after_s=1.0, reason="stopping" if self.stopping else "paused")
+        if self.learner_done:  # nobody trains on new groups: say so (a server that missed `done` learns it here)
+            self.counters["throttled"] += 1
+            return m.Throttle(req_id=req.req_id, retry_after_s=2.0, reason=f"done: {self.learner_done}")
         if not rollout_is_fresh(self.version, req.policy_version, self.bcfg.max_staleness):
             self.counters["throttled"] += 1
             return m.Throttle(req_id=req.req_id, retry_after_s=0.2,
@@ -244,6 +251,11 @@ class BrokerState(BatchLeasing):
             return m.Ack(req_id=req.req_id, ref=req.lease_id, count=0)
         ids = list(dict.fromkeys(req.prompt_ids)) or list(lease.prompts)  # a repeated id is returned once
         returned = [lease.prompts[i] for i in ids if i in lease.prompts]
+        if req.unscored:  # no reward could score them: re-issuing would only score nothing again
+            for pid in ids:
+                self.prompts.fulfil(pid)
+            self.counters["prompts_unscored"] += len(returned)
+            return m.Ack(req_id=req.req_id, ref=req.lease_id, count=len(returned))
         n = self.prompts.give_back(req.lease_id, ids)
         self._log(sp.PromptsRequeued(returned))
         return m.Ack(req_id=req.req_id, ref=req.lease_id, count=n)
@@ -330,20 +342,45 @@ class BrokerState(BatchLeasing):
     def _on_GetStatus(self, req: m.GetStatus, now: float) -> m.Message:
         return self.status(req.req_id, now)
 
+    def _on_Leave(self, req: m.Leave, now: float) -> m.Message:
+        """A graceful exit: the client leaves the fleet at once (no wait for broker.client_timeout_s)."""
+        client = self.clients.pop(req.client_id, None)
+        reissued = self._reissue_leases(now, {req.client_id})  # prompts it still held (normally returned already)
+        back = [gid for lid, lease in list(self.batch_leases.items()) if lease.client_id == req.client_id
+                for gid in self.batch_leases.pop(lid).group_ids if gid in self.groups]
+        for gid in reversed(back):
+            self._enqueue(gid, front=True)
+        role = client.role if client is not None else "unknown"
+        if req.done and role == "learner":
+            self.learner_done = req.reason or f"{req.client_id} finished"
+            self.announcements.append((m.TOPIC_CONTROL, m.ControlAnnouncement(action="done", reason=self.learner_done)))
+        log.info("%s %s left (%s)%s%s", role, req.client_id, req.reason or "no reason given",
+                 f"; {reissued} prompt(s) re-issued" if reissued else "", f"; {len(back)} group(s) requeued" if back else "")
+        return m.Ack(req_id=req.req_id, ref=req.client_id, count=reissued + len(back))
+
+    def announce_shutdown(self, reason: str = "the broker is shutting down") -> None:
+        """Tell every subscriber the job is over before the broker exits (rollouts started by hand then stop
+        unless rollout.stay_after_done)."""
+        self.announcements.append((m.TOPIC_CONTROL, m.ControlAnnouncement(action="done", reason=reason)))
+
     # ------------------------------------------------------------- timers
     def dead_clients(self, now: float) -> set[str]:
         return {c.client_id for c in self.clients.values() if now - c.last_seen > self.bcfg.client_timeout_s}
 
     def expire(self, now: float) -> dict[str, int]:
         """Re-issue expired prompt leases (and those of dead clients); redeliver expired batch leases."""
-        dead = self.dead_clients(now)
+        reissued = self._reissue_leases(now, self.dead_clients(now))
+        return {"prompts_reissued": reissued, "groups_redelivered": self._redeliver_expired(now)}
+
+    def _reissue_leases(self, now: float, clients: set[str]) -> int:
+        """Re-issue expired prompt leases and those held by ``clients`` (spooled); returns how many prompts."""
         open_before = {pid: lease.prompts[pid] for lease in self.prompts.leases.values() for pid in lease.prompts}
-        reissued = self.prompts.expire(now, dead)
+        reissued = self.prompts.expire(now, clients)
         if reissued:
             requeued = [open_before[pid] for pid in open_before if pid not in self.prompts.lease_of]
             self._log(sp.PromptsRequeued(requeued))
             self.counters["prompts_reissued"] += reissued
-        return {"prompts_reissued": reissued, "groups_redelivered": self._redeliver_expired(now)}
+        return reissued
 
     # ------------------------------------------------------------- status
     def status(self, req_id: int, now: float) -> m.Status:

@@ -59,6 +59,7 @@ class BrokerBatchSource:
         self.want = max(1, share_of(cfg.learner.groups_per_step, rank, world))
         self.dynamic = cfg.algorithm.dynamic_sampling
         self.filtered_total = 0
+        self.on_idle: Callable[[], None] = lambda: None  # called between lease attempts that brought nothing
 
     def _lease(self, n: int, deadline: float, should_stop: Callable[[], bool]) -> m.BatchLease:
         while True:
@@ -71,6 +72,7 @@ class BrokerBatchSource:
             reply = self.client.lease_batch(n, wait_s=min(2.0, left), min_groups=n)
             if isinstance(reply, m.BatchLease):
                 return reply
+            self.on_idle()
             time.sleep(min(reply.retry_after_s, max(0.0, deadline - time.monotonic())))
 
     def next(self, step: int, should_stop: Callable[[], bool] = lambda: False) -> Leased:

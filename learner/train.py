@@ -8,6 +8,11 @@
         source.ack(leased, step)               # the broker may now forget (or commit) those groups
         publisher.publish(...)                 # every sync.interval steps: weights to the rollout fleet
         monitor.log(step, stats); checkpoint when due
+    leave the broker (`done` when training is over: rollouts started by hand then exit)
+
+While it waits for groups, rank 0 serves late receivers: a rollout that missed the latest broadcast
+round and is too stale to lease prompts would otherwise wait for a round that only a step starts,
+while the learner waits for its groups (``serve_late_receivers``).
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from fleetrl.common.config import load_config, save_resolved
 from fleetrl.common.log import setup_logging
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.learner.checkpoint import Checkpointer, export_hf, rng_state, set_rng_state, tag_of
-from fleetrl.learner.lifecycle import GracefulStop, connect_broker, write_ready
+from fleetrl.learner.completions import CompletionLog, reward_part_metrics, sample_advantages
+from fleetrl.learner.lifecycle import GracefulStop, connect_broker, leave_broker, write_ready
 from fleetrl.learner.lora import AdapterFreeReference, apply_lora, export_merged, lora_param_specs, merged_params
 from fleetrl.learner.monitor import Monitor
 from fleetrl.learner.objectives import OBJECTIVES, Setup
@@ -91,6 +97,7 @@ class Learner:
         self.health = HealthMonitor(cfg.health, self.run_dir / "events.jsonl" if dist.is_main else None) \
             if cfg.health.enabled else None
         self.lr_scale = 1.0  # health.lr_factor ** rollbacks
+        self.completions = CompletionLog(cfg) if dist.is_main else None
 
     @property
     def module(self) -> torch.nn.Module:
@@ -108,6 +115,11 @@ class Learner:
             self.source.ack(leased, self.step)
             self.trained_log.write({"step": self.step, "version": self.version, "group_ids": leased.ids})
             main_only = self.broker_metrics() if self.dist.is_main and self.fleet else {}  # sizes the broadcast
+            if self.dist.is_main:  # per reward function (rank 0's groups: keys may differ between ranks)
+                main_only.update(reward_part_metrics(leased.groups))
+                if self.completions is not None and self.completions.due(self.step) and leased.groups:
+                    self.monitor.log_completions(self.step, self.completions.rows(
+                        self.step, leased.groups, sample_advantages(batch)))
             if self.fleet and self.step % self.cfg.sync.interval == 0:
                 main_only.update(self.publish())
             if self.evaluator is not None and self.step % self.cfg.run.eval_interval == 0:
@@ -144,13 +156,39 @@ class Learner:
         return {n: float(v) / (1 if n.startswith(summed) else self.dist.world) for n, v in zip(names, t.tolist())}
 
     # --------------------------------------------------------------- weights
-    def publish(self) -> dict[str, float]:
-        """Send the current weights to the rollout fleet as version ``version + 1`` (collective)."""
-        self.version += 1
+    def publish(self, new_version: bool = True) -> dict[str, float]:
+        """Send the current weights to the rollout fleet as version ``version + 1`` (collective), or again as
+        ``version`` (a catch-up round, rank 0 alone)."""
+        if new_version:
+            self.version += 1
         expected = self.fleet_size
         announce = lambda info: self.client.publish_version(self.version, self.step, info)  # noqa: E731
         return self.publisher.publish(self.version, self.step, self.full_params(),
                                       announce if self.dist.is_main else (lambda info: None), expected)
+
+    @property
+    def serves_late_receivers(self) -> bool:
+        """Rank 0 can send the weights alone (no collective) for a broadcast transport."""
+        return (self.fleet and self.dist.is_main and self.cfg.sync.transport != "filesystem"
+                and (self.dist.world == 1 or self.cfg.learner.zero_stage < 3))
+
+    def serve_late_receivers(self) -> None:
+        """While waiting for groups: a catch-up round with the current weights when a rollout tried to join the
+        latest round after it closed and is too stale to lease prompts. Without it neither side moves — the
+        rollout waits for the next round, which only a learner step starts, and the learner waits for the
+        rollout's groups (the gloo-resume deadlock: the resumed learner's first round closed before the new
+        rollout joined)."""
+        if not self.publisher.late_receivers():
+            return
+        status = self.client.status()
+        stuck = [c.client_id for c in status.clients if c.role == "rollout" and c.alive
+                 and status.policy_version - c.policy_version > self.cfg.broker.max_staleness]
+        if not stuck:
+            return
+        self.fleet_size = sum(1 for c in status.clients if c.role == "rollout" and c.alive)
+        log.info("weight sync: %s missed the round of version %d and cannot lease prompts with older weights; "
+                 "sending version %d again", ", ".join(stuck), self.version, self.version)
+        self.publish(new_version=False)
 
     def full_params(self):
         """(name, full tensor) under the base model's names; with model.lora the merged weights (collective)."""
@@ -199,6 +237,8 @@ class Learner:
         # any the broker has seen, so versions never go backwards across a learner restart.
         newest = self.client.current_version().version if self.dist.is_main else 0
         self.version = max(self.version, self._max_over_ranks(newest))
+        if self.dist.is_main:
+            self.broker_metrics()  # the round waits for the rollouts registered now (more join by catch-up rounds)
         log.info("resumed from %s at step %d; publishing its weights as policy version %d", path, self.step,
                  self.version + 1)
         self.publish()
@@ -298,11 +338,14 @@ def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None)
         client = connect_broker(cfg, run_dir, dist.rank)
     learner = Learner(cfg, run_dir, client, dist)
     stop = GracefulStop()
+    ending = ("error", False)  # (why this rank leaves the broker, whether training is done)
     try:
         path = learner.ckpt.resolve(resume or cfg.checkpoint.resume)
         if path is not None:
             learner.resume(path)
         write_ready(run_dir, dist, learner.step)
+        if learner.serves_late_receivers:
+            learner.source.on_idle = learner.serve_late_receivers
         if learner.evaluator is not None and learner.step == 0:
             learner.monitor.log(0, learner.evaluator(learner.module))  # the starting point of the curve
         deadline = time.monotonic() + 60 * cfg.learner.max_minutes if cfg.learner.max_minutes else float("inf")
@@ -318,16 +361,28 @@ def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None)
                 action = "stop"
             if action == "stop":
                 log.error("health monitor stops the run at step %d:\n%s", learner.step, learner.health.report())
-                learner.save()
+                final = learner.save()
+                ending = (f"the health monitor stopped the run at step {learner.step}", True)
+                log.info("learner stopped by the health monitor at step %d (policy version %d); final checkpoint %s",
+                         learner.step, learner.version, final.name)
                 return 3
             if learner.checkpoint_due():
                 learner.save()
-        if not learner.ckpt.complete() or learner.ckpt.complete()[-1].name != f"step-{learner.step:08d}":
-            learner.save()
-        log.info("learner done at step %d (policy version %d)", learner.step, learner.version)
+        newest = learner.ckpt.complete()
+        final = learner.save() if not newest or newest[-1].name != tag_of(learner.step) else newest[-1]
+        if stop.requested:
+            ending = (f"stopped by {stop.signal_name} at step {learner.step}", False)
+            log.info("learner stopped (%s) at step %d (policy version %d); final checkpoint %s", stop.signal_name,
+                     learner.step, learner.version, final.name)
+        else:
+            ending = (f"training finished at step {learner.step}", True)
+            log.info("learner done at step %d (policy version %d); final checkpoint %s", learner.step,
+                     learner.version, final.name)
         return 0
     finally:
         learner.close()
+        if learner.fleet and client is not None:
+            leave_broker(client, *ending, is_main=dist.is_main)
         if own_client:
             client.close()
 

@@ -91,6 +91,11 @@ class WeightPublisher:
             "sync/failed": float(sent.failed),
         }
 
+    def late_receivers(self) -> int:
+        """Receivers that tried to join the latest round after it closed (0 off rank 0 and for files, whose
+        receivers catch up from the announced directory on their own)."""
+        return self._sender.late_receivers() if self._sender is not None else 0
+
     def close(self) -> None:
         if self._sender is not None:
             self._sender.close()
@@ -160,6 +165,9 @@ class FileSender:
         for name in ws.versions_to_prune([p.name for p in self.root.iterdir()], self.cfg.keep_versions):
             shutil.rmtree(self.root / name, ignore_errors=True)
 
+    def late_receivers(self) -> int:
+        return 0
+
     def close(self) -> None:
         pass
 
@@ -189,6 +197,7 @@ class BroadcastSender:
         self._group: _Group | None = None
         self._round = 0
         self._round_keys: dict[int, list[str]] = {}  # member records and plan of recent rounds
+        self._joined = 0  # receivers counted in when the latest round closed
         # gloo: two CPU staging buffers of the largest bucket, one being sent while the next is packed
         # (fresh pages cost ~5x the copy itself); nccl: CUDA's caching allocator already reuses memory.
         self._staging: list[torch.Tensor] = []
@@ -240,6 +249,7 @@ class BroadcastSender:
         while expected > 0 and store.add(ws.count_key(round_id), 0) < expected and time.monotonic() < window_end:
             time.sleep(0.005)
         joined = store.add(ws.count_key(round_id), ws.CLOSED) - ws.CLOSED
+        self._joined = joined
         keys = [ws.member_key(round_id, n) for n in range(1, joined + 1)]
         self._round_keys[round_id] = keys + [ws.plan_key(round_id)]  # the count key stays: it marks the round closed
         if keys:
@@ -295,6 +305,14 @@ class BroadcastSender:
             except Exception as e:  # noqa: BLE001
                 failed = self._fail(round_id, e)
         return not failed
+
+    def late_receivers(self) -> int:
+        """Join attempts on the latest round after it closed: a receiver that is too late adds 1 to the round's
+        counter (see ``RoundSkipped`` in rollout/weights.py) and waits for the next round, which only a new
+        publish starts."""
+        if self._store is None or self._round == 0:
+            return 0
+        return max(0, self._store.add(ws.count_key(self._round), 0) - ws.CLOSED - self._joined)
 
     def _pack(self, layout: ws.BucketLayout, chunk: list[torch.Tensor], parity: int) -> torch.Tensor:
         """The bucket's tensors copied back to back into one flat tensor. Always a copy: under ZeRO-3

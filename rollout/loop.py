@@ -99,15 +99,17 @@ def reward_inputs(prompts: Sequence[m.Prompt], samples: Sequence[Sequence[Genera
 
 
 def build_groups(batch: Batch, results: Sequence[RewardResult], server_id: str,
-                 should_drop: Callable[[Sequence[RewardResult]], bool]) -> tuple[list[m.SampleGroup], list[str]]:
-    """The batch's groups, one per prompt, and the prompt ids whose group is dropped (``should_drop``)."""
-    groups, dropped = [], []
+                 should_drop: Callable[[Sequence[RewardResult]], bool]) -> tuple[list[m.SampleGroup], list[str], list[str]]:
+    """The batch's groups, one per prompt; the prompt ids whose group is dropped (``should_drop``); and those
+    no reward could score at all. A sample no reward scored (all returned None) is left out of its group."""
+    groups, dropped, unscored = [], [], []
     at = 0
     for prompt, ids, samples in zip(batch.lease.prompts, batch.prompt_ids, batch.samples):
         res = results[at : at + len(samples)]
         at += len(samples)
-        if should_drop(res):
-            dropped.append(prompt.prompt_id)
+        samples, res = scored_only(samples, res)
+        if not samples or should_drop(res):
+            (dropped if samples else unscored).append(prompt.prompt_id)
             if batch.trace is not None:
                 batch.trace.dropped(prompt.prompt_id)
             continue
@@ -120,7 +122,13 @@ def build_groups(batch: Batch, results: Sequence[RewardResult], server_id: str,
             lease_id=batch.lease.lease_id, server_id=server_id, trace=trace_context(batch, prompt, gid),
             created_at=time.time(), metadata={"server": server_id, "gen_s": round(batch.gen_s, 4)},
         ))
-    return groups, dropped
+    return groups, dropped, unscored
+
+
+def scored_only(samples: Sequence[Generation], results: Sequence[RewardResult]) -> tuple[list, list]:
+    """The samples (and results) some reward scored: an unscored sample is skipped, never trained as a 0."""
+    keep = [j for j, r in enumerate(results) if r.scored]
+    return [samples[j] for j in keep], [results[j] for j in keep]
 
 
 # ------------------------------------------------------------------------------ leases, stats
@@ -159,8 +167,8 @@ class OpenLeases:
 class Stats:
     """Counters of one server, read by heartbeats (client thread) and metrics (finisher thread)."""
 
-    COUNTERS = ("batches", "groups_pushed", "groups_dropped", "groups_stale", "groups_rejected", "prompts_returned",
-                "tokens", "throttles")
+    COUNTERS = ("batches", "groups_pushed", "groups_dropped", "groups_unscored", "groups_stale", "groups_rejected",
+                "prompts_returned", "tokens", "throttles")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -275,11 +283,15 @@ class Finisher:
     def finish(self, batch: Batch) -> None:
         """Wait for the batch's rewards, push its groups until acknowledged, return dropped prompts."""
         results = batch.rewards.result()
-        groups, dropped = build_groups(batch, results, self.server_id, self.scorer.should_drop)
+        groups, dropped, unscored = build_groups(batch, results, self.server_id, self.scorer.should_drop)
         if dropped:
             self.client.return_prompts(batch.lease.lease_id, dropped)
             self.leases.close(batch.lease.lease_id, dropped)
             self.stats.add(groups_dropped=len(dropped), prompts_returned=len(dropped))
+        if unscored:  # no reward scored any of its samples: the broker counts them and does not re-issue them
+            self.client.return_prompts(batch.lease.lease_id, unscored, unscored=True)
+            self.leases.close(batch.lease.lease_id, unscored)
+            self.stats.add(groups_unscored=len(unscored))
         t0 = time.monotonic()
         refused: list[str] = []
         counts = self.push(groups, refused) if groups else {}
@@ -333,7 +345,7 @@ class Finisher:
 
     def record(self, batch: Batch, results: Sequence[RewardResult], push_s: float) -> dict[str, Any]:
         """The batch's metrics line (namespaced keys)."""
-        rewards = [r.reward for r in results]
+        rewards = [r.reward for r in results if r.scored]
         lengths = [len(s.token_ids) for row in batch.samples for s in row]
         truncated = sum(s.finish_reason == "length" for row in batch.samples for s in row)
         mean = sum(rewards) / len(rewards) if rewards else 0.0

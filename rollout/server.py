@@ -33,6 +33,7 @@ from fleetrl.common.config import load_config
 from fleetrl.common.log import setup_logging
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.rollout.engines import SamplingParams, create_engine
+from fleetrl.rollout.fleet import exits_on_done, is_done_throttle, leave_fleet
 from fleetrl.rollout.loop import (
     Batch, Finisher, MetricsFile, OpenLeases, Stats, check_chat_template, encode_prompt, return_leases, reward_inputs,
 )
@@ -75,6 +76,7 @@ class RolloutServer:
         self.finisher: Finisher | None = None
         self._next_catchup = 0.0
         self._warned_no_receiver = False
+        self._told_done = False
         check_chat_template(engine.tokenizer, cfg.data.apply_chat_template, cfg.model.tokenizer or cfg.model.path)
 
     # ------------------------------------------------------------------------------ lifecycle
@@ -136,6 +138,8 @@ class RolloutServer:
             log.info("returned %d leased prompt(s) to the broker, which re-issues them", n)
         t = self.stats.heartbeat()
         reason = self.stop_reason or ("stop requested" if self.stopping else "error")
+        if give_back and self.finisher is not None:  # registered and the broker answers: leave the fleet now
+            leave_fleet(self.client, reason)
         log.info("stopped (%s): %d batches, %d groups pushed, %d dropped, %d prompts returned", reason,
                  t["rollout/batches"], t["rollout/groups_pushed"], t["rollout/groups_dropped"],
                  t["rollout/prompts_returned"])
@@ -168,6 +172,8 @@ class RolloutServer:
             if reply.reason == "stopping":  # a `stop` whose announcement this server missed
                 self.request_stop("the broker is stopping")
                 return None
+            if is_done_throttle(reply.reason):  # a `done` whose announcement this server missed
+                self.on_done(reply.reason.partition(": ")[2])
             t0 = time.monotonic()
             self.wait(min(max(reply.retry_after_s, THROTTLE_S[0]), THROTTLE_S[1]))
             self.stats.throttled(time.monotonic() - t0)
@@ -218,12 +224,20 @@ class RolloutServer:
             self.set_paused(ann.action == "pause", ann.reason)
         elif ann.action == "stop":
             self.request_stop(f"stop announced by the broker{': ' + ann.reason if ann.reason else ''}")
+        elif ann.action == "done":
+            self.on_done(ann.reason)
         # discard: the broker drops its queued groups; nothing changes here
 
     def on_current(self, version: int, weights: m.WeightsInfo, paused: bool) -> None:
         """The broker's state from Registered / CurrentVersion: the catch-up path."""
         self.offer_version(version, weights)
         self.set_paused(paused, "broker state")
+
+    def on_done(self, reason: str) -> None:
+        """Training is over: stop, unless rollout.stay_after_done."""
+        if exits_on_done(self.cfg.rollout.stay_after_done, reason, self._told_done):
+            self.request_stop(f"done: {reason or 'the learner finished'}")
+        self._told_done = True
 
     def set_paused(self, paused: bool, reason: str = "") -> None:
         if paused != self.paused:

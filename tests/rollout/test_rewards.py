@@ -146,19 +146,21 @@ def test_python_async_function(scorer_of):
 def test_failing_user_function_is_counted_and_scores_zero(scorer_of):
     scorer = scorer_of(spec("python", function=f"{USER}:odd_values"), spec("regex", 0.5, pattern="."))
     results = scorer.score([sample(r) for r in ["nan", "inf", "text", "none", "ok"]])
-    assert [r.failed for r in results] == [True, True, True, True, False]
-    # failed part adds 0; the regex part still counts: 0.5 * 1
+    assert [r.failed for r in results] == [True, True, True, False, False]  # None is no score, not a failure
+    # failed part adds 0; the regex part still counts: 0.5 * 1; None adds nothing and is not in `parts`
     assert [r.reward for r in results] == [0.5, 0.5, 0.5, 0.5, 1.5]
-    assert results[0].parts == {"python": 0.0, "regex": 1.0}
+    assert results[0].parts == {"odd_values": 0.0, "regex": 1.0}  # metrics are named after the function
+    assert results[3].parts == {"regex": 1.0} and results[3].scored
     assert "non-finite nan" in results[0].error and "expected a number" in results[2].error
     assert all(math.isfinite(r.reward) for r in results)
     raising = scorer_of(spec("python", function=f"{USER}:boom"))
     [r] = raising.score([sample("x")])
-    assert r.failed and r.reward == 0.0 and r.error == "python: ValueError: cannot score 'x'"
+    assert r.failed and r.reward == 0.0 and r.error == "boom: ValueError: cannot score 'x'"
     stats = scorer.stats()
-    assert stats["reward/nonfinite_total"] == 4 and stats["reward/failed_total"] == 4
-    assert stats["reward/python/failed_total"] == 4 and stats["reward/regex/mean"] == 1.0
-    assert stats["reward/python/mean"] == 1.0  # only the sample that did not fail
+    assert stats["reward/nonfinite_total"] == 3 and stats["reward/failed_total"] == 3
+    assert stats["reward/odd_values/failed_total"] == 3 and stats["reward/regex/mean"] == 1.0
+    assert stats["reward/odd_values/unscored_total"] == 1 and stats["reward/unscored_total"] == 0
+    assert stats["reward/odd_values/mean"] == 1.0  # only the sample that did not fail
     assert raising.stats()["reward/errors_total"] == 1
 
 
@@ -171,7 +173,7 @@ def test_hung_function_times_out_and_the_scorer_keeps_going(scorer_of):
     try:
         assert [r.failed for r in results] == [True, False, False]
         assert [r.reward for r in results] == [0.0, 1.0, 1.0]
-        assert results[0].error == "python: timed out after 0.2 s"
+        assert results[0].error == "hang_if_asked: timed out after 0.2 s"
         # the one worker was stuck: a replacement scored b and c without waiting for the hung call
         assert elapsed < 2.0
         stats = scorer.stats()
