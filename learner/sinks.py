@@ -12,8 +12,9 @@ with that install hint.
 Sample completions (``learner/completions.py``) go to TensorBoard as a text table (tag
 ``completions``) and to wandb as a ``wandb.Table``; the other sinks ignore them.
 
-wandb settings left null defer to wandb's own ``WANDB_*`` variables (WANDB_ENTITY, WANDB_RUN_GROUP,
-WANDB_TAGS, WANDB_NAME, WANDB_DIR), so a job config never overrides what a user exported.
+wandb settings left null take wandb's own ``WANDB_*`` variables (WANDB_PROJECT, WANDB_ENTITY,
+WANDB_RUN_GROUP, WANDB_TAGS, WANDB_NAME, WANDB_DIR, WANDB_MODE), read when the sink starts; a value set
+in the config wins, as an argument to ``wandb.init`` wins over the environment.
 """
 
 from __future__ import annotations
@@ -133,10 +134,12 @@ class WandbSink:
 
     def __init__(self, tel: Any, run_dir: Path, config: dict[str, Any]):
         self.wandb = wandb = _need("wandb", "telemetry.wandb_project")
-        chosen = {"entity": tel.wandb_entity, "group": tel.wandb_group, "tags": tel.wandb_tags,
-                  "project": tel.wandb_project, "mode": wandb_mode(tel)}
-        name = tel.wandb_name or os.environ.get("WANDB_NAME") or run_dir.name
-        self.run = wandb.init(dir=os.environ.get("WANDB_DIR") or str(run_dir), name=name, config=config,
+        env = os.environ.get
+        tags = tel.wandb_tags if tel.wandb_tags is not None else [t for t in env("WANDB_TAGS", "").split(",") if t]
+        chosen = {"entity": tel.wandb_entity or env("WANDB_ENTITY"), "group": tel.wandb_group or env("WANDB_RUN_GROUP"),
+                  "tags": tags or None, "project": wandb_project(tel), "mode": wandb_mode(tel)}
+        name = tel.wandb_name or env("WANDB_NAME") or run_dir.name
+        self.run = wandb.init(dir=env("WANDB_DIR") or str(run_dir), name=name, config=config,
                               **{k: v for k, v in chosen.items() if v is not None})
 
     def write(self, step: int, metrics: dict[str, float]) -> None:

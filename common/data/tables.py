@@ -95,6 +95,7 @@ def read_file(p: Path, key: str) -> list[dict[str, Any]]:
 def _from_disk(p: Path, key: str, split: str) -> list[dict[str, Any]]:
     import datasets
 
+    datasets.disable_progress_bars()
     ds = datasets.load_from_disk(str(p))
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
@@ -109,6 +110,7 @@ def _load_dataset(source: str, key: str, data: Any, split: str) -> list[dict[str
     """``datasets.load_dataset`` as a user would call it; offline, a hub name must already be cached."""
     import datasets
 
+    datasets.disable_progress_bars()
     subset = getattr(data, "subset", None)
     data_files = getattr(data, "data_files", None)
     try:
@@ -119,16 +121,23 @@ def _load_dataset(source: str, key: str, data: Any, split: str) -> list[dict[str
             raise DataError(f"{key}={source!r}: {text}; set data.split / data.eval_split") from None
         raise DataError(f"{key}={source!r} could not be loaded by datasets.load_dataset ({text}); check data.subset "
                         "and data.data_files") from None
-    except FileNotFoundError as e:
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds; each is a data problem to name
+        if not _not_available(e):
+            raise DataError(f"{key}={source!r} could not be loaded ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:200]}); check the name, data.subset, data.split and "
+                            "data.data_files") from None
         raise DataError(f"{key}={source!r} is neither a local file or directory nor a dataset in the local HF cache "
                         f"({str(e).splitlines()[0][:200]}). Jobs run offline: save it first (e.g. "
                         f"`datasets.load_dataset({source!r}).save_to_disk('data/x')`) and set {key}=data/x") from None
-    except Exception as e:  # noqa: BLE001 - datasets raises many kinds; each is a data problem to name
-        raise DataError(f"{key}={source!r} could not be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                        "check the name, data.subset, data.split and data.data_files") from None
     if isinstance(ds, datasets.DatasetDict):  # no split asked for: should not happen, but name it
         raise DataError(f"{key}={source!r} has splits {list(ds)}; set data.split")
     return ds.to_list()
+
+
+def _not_available(error: BaseException) -> bool:
+    """A name that is not on disk (offline, nothing cached) rather than a data set that fails to load."""
+    return isinstance(error, (FileNotFoundError, ConnectionError)) or "NotFound" in type(error).__name__ \
+        or "OfflineMode" in str(error)
 
 
 def apply_map(rows: list[dict[str, Any]], ref: str, key: str) -> list[dict[str, Any]]:

@@ -123,5 +123,6 @@ class StatusLine:
         rows = self.tail.rows  # this launch's rows only (a resumed run skips what came before)
         samples = sum(r.get("batch/samples", 0.0) for r in rows)
         rate = samples / wall_s if wall_s > 0 else 0.0
-        return (f"fleetrl run: done — {len(rows)} steps, {samples:.0f} samples in {wall_s:.1f} s of RL "
+        steps = sum(1 for r in rows if "batch/samples" in r)  # not the step-0 evaluation row
+        return (f"fleetrl run: done — {steps} steps, {samples:.0f} samples in {wall_s:.1f} s of RL "
                 f"({rate:.1f} samples/s); last: {self.render()}")

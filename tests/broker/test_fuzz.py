@@ -41,7 +41,7 @@ ANSWERS = {  # request type -> reply types (and error codes) that may answer it
     m.LeasePrompts: (m.PromptLease, m.Throttle, "bad_request", "data_exhausted"), m.PushGroup: (m.Ack, "invalid_group"),
     m.PushGroups: (m.GroupAcks,), m.ReturnPrompts: (m.Ack,), m.LeaseBatch: (m.BatchLease, m.Throttle, "bad_request"),
     m.AckBatch: (m.Ack,), m.Commit: (m.Ack,), m.Rewind: (m.Ack,), m.PublishVersion: (m.Ack,), m.Control: (m.Ack,),
-    m.GetStatus: (m.Status,), m.GetVersion: (m.CurrentVersion,),
+    m.GetStatus: (m.Status,), m.GetVersion: (m.CurrentVersion,), m.Leave: (m.Ack,),
 }
 REFUSALS = {"bad_frame", "invalid_group", "too_large"}
 

@@ -355,3 +355,49 @@ def test_importing_rewards_stays_light():
     probe = "import sys, fleetrl.rollout.rewards\nprint(sorted(m for m in ('torch', 'transformers', 'sympy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------ batched TRL form and None = no score
+
+
+def test_a_reward_function_in_trls_documented_batched_form_runs_as_written(scorer_of):
+    scorer = scorer_of(spec("python", function=f"{USER}:reward_func"))
+    batch = [sample(r"so \boxed{4}", metadata={"ground_truth": "4"}), sample(r"\boxed{5}", metadata={"ground_truth": "4"}),
+             sample("no box", metadata={"ground_truth": "4"})]
+    results = scorer.score(batch)
+    assert [r.reward for r in results] == [1.0, 0.0, 0.0] and not any(r.failed for r in results)
+    assert results[0].parts == {"reward_func": 1.0}  # named after the function
+    assert scorer.parts[0].reward.per_sample is False  # it names `completions`: batched, one call per batch
+
+
+def test_none_is_no_score_counted_and_skipped_never_zero(scorer_of):
+    scorer = scorer_of(spec("python", function=f"{USER}:multi_task_reward_func"), spec("length", 0.5, target=100))
+    batch = [sample("2+2=4", metadata={"task": "math"}), sample("def f(): pass", metadata={"task": "code"})]
+    math_row, code_row = scorer.score(batch)
+    assert math_row.parts["multi_task_reward_func"] == 1.0 and code_row.scored and not code_row.failed
+    assert "multi_task_reward_func" not in code_row.parts  # not a 0: absent
+    assert code_row.reward == 0.5 * code_row.parts["length"]  # the weighted sum over the parts that scored it
+    alone = scorer_of(spec("python", function=f"{USER}:none_per_sample"))
+    skipped, kept = alone.score([sample("skip"), sample("keep")])
+    assert not skipped.scored and not skipped.failed and kept.scored and kept.reward == 1.0
+    stats = alone.stats()
+    assert stats["reward/unscored_total"] == 1 and stats["reward/none_per_sample/unscored_total"] == 1
+    assert stats["reward/none_per_sample/mean"] == 1.0  # the unscored sample is not averaged in as 0
+
+
+def test_trls_own_accuracy_reward_with_chat_prompts(scorer_of):
+    pytest.importorskip("trl")
+    scorer = scorer_of(spec("python", function="trl.rewards:accuracy_reward"))
+    chat = [{"role": "user", "content": "What is 1/3 as a fraction?"}]
+    batch = [sample(r"My answer is \boxed{\frac{1}{3}}", prompt=chat, metadata={"solution": r"\frac{1}{3}"}),
+             sample(r"My answer is \boxed{\frac{1}{2}}", prompt=chat, metadata={"solution": r"\frac{1}{3}"}),
+             sample(r"\boxed{1}", prompt=chat, metadata={"solution": "no parseable gold here"})]
+    right, wrong, unparseable = scorer.score(batch)
+    assert right.reward == 1.0 and wrong.reward == 0.0 and not right.failed and not wrong.failed
+    assert not unparseable.scored and not unparseable.failed  # TRL returns None: skipped, not a 0
+
+
+def test_a_batched_function_missing_its_column_fails_naming_it(scorer_of):
+    scorer = scorer_of(spec("python", function=f"{USER}:reward_func"))
+    [r] = scorer.score([sample(r"\boxed{1}", metadata={"answer_text": "1"})])
+    assert r.failed and "needs the data column(s) ['ground_truth']" in r.error

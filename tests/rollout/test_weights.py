@@ -163,6 +163,36 @@ def test_gloo_rounds_in_process_late_join_and_mismatch(learner_model, tmp_path):
         pub.close()
 
 
+def test_a_receiver_too_late_for_a_round_is_seen_and_served_by_a_catch_up_round(learner_model, tmp_path):
+    """The gloo-resume deadlock's cause and fix at the protocol level: a resumed learner's first round closed
+    before the new rollout joined; the rollout's join attempt leaves a count on the closed round, which the
+    learner reads while it waits for groups, and a second round of the same version reaches the rollout."""
+    cfg = JobConfig(sync=SyncConfig(transport="gloo", timeout_s=TIMEOUT_S))
+    pub = WeightPublisher(cfg, tmp_path, 0, specs_of(learner_model))
+    specs = [(n, tuple(p.shape), p.dtype) for n, p in learner_model.named_parameters()]
+    engine = CaptureEngine(specs)
+    receiver = WeightReceiver(cfg, specs, "cpu", "rollout-0")
+    try:
+        infos: list[WeightsInfo] = []
+        perturb(learner_model, 7)
+        pub.publish(5, 5, learner_model.named_parameters(), infos.append, 0)  # nobody expected: closes at once
+        assert pub.late_receivers() == 0
+        receiver.on_version(5, infos[-1])  # the rollout registered just too late
+        wait_for(lambda: receiver.stats()["weights/rounds_missed"] == 1)
+        assert pub.late_receivers() == 1 and receiver.pending_version() is None
+        receiver.on_version(5, infos[-1])  # its catch-up poll retries the closed round: still late
+        wait_for(lambda: receiver.stats()["weights/rounds_missed"] == 2)
+        assert pub.late_receivers() == 2
+        metrics = pub.publish(5, 5, learner_model.named_parameters(), lambda info: receiver.on_version(5, info), 1)
+        assert metrics["sync/receivers"] == 1  # the same version again, in a new round
+        wait_pending(receiver, 5)
+        assert receiver.apply(engine) == 5 and pub.late_receivers() == 0
+        assert_same_weights(learner_model, engine.state)
+    finally:
+        receiver.close()
+        pub.close()
+
+
 def test_a_stalled_receiver_holds_the_learner_at_most_timeout_s(learner_model, tmp_path):
     cfg = JobConfig(sync=SyncConfig(transport="gloo", timeout_s=2.0))
     pub = WeightPublisher(cfg, tmp_path, 0, specs_of(learner_model))
