@@ -32,6 +32,7 @@ import torch.distributed as tdist
 from fleetrl.broker.client import status_metrics
 from fleetrl.common import telemetry
 from fleetrl.common.config import load_config, save_resolved
+from fleetrl.common.config.checks import require_model_dir
 from fleetrl.common.log import setup_logging
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.learner.checkpoint import Checkpointer, export_hf, rng_state, set_rng_state, tag_of
@@ -389,6 +390,7 @@ def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None)
 
 def main(args) -> int:
     cfg = load_config(args.config, args.overrides)
+    require_model_dir(cfg.model.path)
     run_dir = Path(args.run_dir or cfg.run.dir or Path(cfg.run.root) / f"{cfg.run.name}-learner")
     run_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(f"learner-{os.environ.get('RANK', '0')}", cfg.telemetry.log_level)

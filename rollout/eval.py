@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fleetrl.common.config import ConfigError, load_config
-from fleetrl.common.config.checks import default_success_threshold
+from fleetrl.common.config.checks import default_success_threshold, require_model_dir
 from fleetrl.common.log import setup_logging
 from fleetrl.common.config.schema import JobConfig, ModelConfig, RewardSpec
 from fleetrl.common.data.tables import DataError, load_rows
@@ -250,6 +250,7 @@ def main(args) -> int:
     cfg = load_config(args.config, [*args.overrides, *keys])
     setup_logging("eval", cfg.telemetry.log_level)
     model_dir = args.model or cfg.model.path
+    require_model_dir(model_dir, "--model" if args.model else "model.path")
     data = args.data or cfg.data.eval
     if not data:
         raise ConfigError("no prompt set; pass --data FILE.jsonl (or set data.eval in --config)")

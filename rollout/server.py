@@ -30,6 +30,7 @@ from fleetrl.broker.client import BrokerClient, BrokerError, BrokerUnavailable, 
 from fleetrl.common import messages as m
 from fleetrl.common import telemetry
 from fleetrl.common.config import load_config
+from fleetrl.common.config.checks import require_model_dir
 from fleetrl.common.log import setup_logging
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.rollout.engines import SamplingParams, create_engine
@@ -339,6 +340,7 @@ def install_signals(stop: threading.Event) -> None:
 def main(args) -> int:
     overrides = list(args.overrides) + ([f"rollout.engine={args.engine}"] if args.engine else [])
     cfg = load_config(args.config, overrides)
+    require_model_dir(cfg.model.path)  # one line naming the key, before from_pretrained would try the hub
     index = args.server_index
     setup_logging(f"rollout-{index}", cfg.telemetry.log_level)
     if args.run_dir:

@@ -52,11 +52,10 @@ def model_dir_problem(path: str, key: str) -> str | None:
     p = Path(path).expanduser()
     if not p.exists():
         local = f"models/{path.rstrip('/').split('/')[-1].lower()}"
-        hub = (f"if it is a hub id, download it first (`huggingface-cli download {path} --local-dir {local}`) and set "
-               f"{key}={local}" if path.count("/") == 1 and not path.startswith((".", "/", "~")) else
-               f"fix the path or create a model there (`fleetrl init-model --out {path}`)")
+        hub = (f"; if it is a hub id, download it first (`huggingface-cli download {path} --local-dir {local}`) and set "
+               f"{key}={local}" if path.count("/") == 1 and not path.startswith((".", "/", "~")) else "")
         return (f"{key}={path!r} does not exist; fleetrl loads models from local directories only (jobs run offline, "
-                f"HF_HUB_OFFLINE=1): {hub}")
+                f"HF_HUB_OFFLINE=1): fix the path or create a model there (`fleetrl init-model --out {path}`){hub}")
     if not (p / "config.json").is_file():
         return (f"{key}={path!r} is not a Hugging Face model directory (no config.json); set {key} to the directory "
                 "save_pretrained wrote")
@@ -83,6 +82,16 @@ def has_chat_template(tokenizer_dir: str) -> bool:
         return bool(json.loads((p / "tokenizer_config.json").read_text()).get("chat_template"))
     except (OSError, ValueError):
         return False
+
+
+def require_model_dir(path: str, key: str = "model.path") -> None:
+    """Raise ConfigError (one line naming ``key``) unless ``path`` is a local model directory: what a
+    component started by hand checks before ``from_pretrained`` would try the hub."""
+    problem = model_dir_problem(path, key)
+    if problem:
+        from fleetrl.common.config.loader import ConfigError
+
+        raise ConfigError(problem)
 
 
 def check_model(cfg: JobConfig) -> list[str]:
