@@ -6,7 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all install docs clean-venv
+VENV_VLLM ?= .venv-vllm
+
+.PHONY: demo test test-all test-cluster test-vllm install docs clean-venv
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,10 +22,22 @@ demo: $(STAMP)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/demo.sh
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not gpu" --ignore=tests/gpu $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not gpu and not cluster" --ignore=tests/vllm $(PYTEST_ARGS)
+
+# Real engines on this machine: a one-host Slurm (slurm-wlm + munge from apt, daemons started by the
+# tests) and a local Ray (the `ray` extra). Needs root; installs what it needs and fails loudly.
+test-cluster: $(STAMP)
+	bash scripts/cluster_deps.sh $(PY)
+	$(PY) -m pytest -q -m cluster tests/cluster -p no:cacheprovider $(PYTEST_ARGS)
+
+# The vLLM lane (opt-in; .ci/run runs it): vLLM's CPU backend in its own .venv-vllm (~3 min and ~3.4 GB
+# the first time), then tests/vllm: engine, weights received in the worker, and `fleetrl run` with it.
+test-vllm:
+	VENV=$(VENV_VLLM) bash scripts/vllm_env.sh
+	FLEETRL_VLLM_LANE=1 $(VENV_VLLM)/bin/python -m pytest -q tests/vllm -p no:cacheprovider $(PYTEST_ARGS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not cluster" --ignore=tests/vllm $(PYTEST_ARGS)
 
 docs: $(STAMP)
 	$(VENV)/bin/fleetrl config docs > docs/config.md

@@ -1,6 +1,20 @@
-"""Generation throughput of the `hf` engine on CPU, for the tiny and small presets.
+"""Generation throughput of the engines on CPU.
 
     python benchmarks/engine_throughput.py [--prompts 16] [--n 8] [--max-new-tokens 64] [--repeats 3]
+    .venv-vllm/bin/python benchmarks/engine_throughput.py --suite streaming [--engine vllm|hf]
+
+``--suite streaming`` (the vLLM lane's figures, docs/benchmarks.md "Streaming rollouts"): on a
+long-tail workload (a fifth of the samples may run to ``--long-tokens``, the rest stop at
+``--short-tokens``; the same per-request seeds in both modes, so the same tokens), samples/s of
+today's blocking batch (``--batch-prompts`` x ``--n`` requests, wait for all, next batch) against
+streaming (the same number kept in flight, a new request the moment one finishes). With the vllm
+engine it then measures in-flight weight updates on the tiny32 and small presets: a learner-side
+gloo `WeightPublisher` broadcasts into the receiver inside the vLLM worker while requests stream,
+and each update's pause (pause -> load -> resume, ms) and bytes through ``collective_rpc`` are
+recorded. The CPU time other processes used during each run is recorded (``others_cpu_share``):
+figures taken on a busy machine are flagged there.
+
+The default suite (``hf-loop``):
 
 Builds each preset locally (no hub), generates ``prompts x n`` samples of up to ``max-new-tokens``
 a few times and reports generated tokens per second (median and best of the timed repeats, after
@@ -109,13 +123,32 @@ def generate_run(model_dir: str, prompt_ids: list[list[int]], n: int, max_new: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--suite", choices=["hf-loop", "streaming"], default="hf-loop")
+    parser.add_argument("--engine", choices=["hf", "vllm"], default="vllm")
+    parser.add_argument("--batch-prompts", type=int, default=8)
+    parser.add_argument("--long-tokens", type=int, default=192)
+    parser.add_argument("--short-tokens", type=int, default=12)
+    parser.add_argument("--long-frac", type=float, default=0.2)
+    parser.add_argument("--total-prompts", type=int, default=32)
+    parser.add_argument("--updates", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="streaming: where vLLM runs (cpu, cuda)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--transport", choices=["gloo", "nccl"], default="gloo")
+    parser.add_argument("--learner-device", default="cpu", help="streaming, nccl: the publisher's GPU (cuda:1)")
+    parser.add_argument("--skip-long-tail", action="store_true")
+    parser.add_argument("--presets", nargs="+", default=None)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
+    if args.suite == "streaming":
+        from streaming_suite import run_streaming_suite  # benchmarks/streaming_suite.py: the vLLM lane's figures
+
+        run_streaming_suite(args, machine())
+        return
+    args.presets = args.presets or ["tiny", "small"]
 
     results = {"machine": machine(), "workload": vars(args) | {"out": None}, "presets": {}}
     with tempfile.TemporaryDirectory() as tmp:

@@ -89,7 +89,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 def _init_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write the HF model and tokenizer to")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"],
+    p.add_argument("--preset", default="tiny", choices=["tiny", "tiny32", "small", "base", "q05b"],
                    help="tiny: ~0.1M params (tests); small: ~1.4M (demo); base: ~22M (benchmarks)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
     p.add_argument("--max-positions", type=int, default=512, help="longest sequence the model supports")
@@ -149,6 +149,29 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=int, default=10, metavar="N", help="without --group: list the latest N groups")
 
 
+LAUNCHERS = {"slurm": "fleetrl.common.launch.slurm:main", "ray": "fleetrl.common.launch.ray_job:main",
+             "k8s": "fleetrl.common.launch.k8s:main"}
+
+
+def _launch_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="engine", metavar="ENGINE", required=True)
+    slurm = sub.add_parser("slurm", help="render an sbatch job (broker, rollout srun steps, torchrun learners) and submit it")
+    slurm.add_argument("--add-rollout", type=int, metavar="N", help="submit N more rollout servers that join the job in --run")
+    slurm.add_argument("--run", metavar="RUN_DIR", help="with --add-rollout: the run directory of the running job")
+    ray = sub.add_parser("ray", help="run the job as Ray actors: broker, rollout servers (restarted), learner ranks (PACK)")
+    ray.add_argument("--address", metavar="ADDR", help="Ray cluster to join, e.g. auto or ray://head:10001 (cluster.ray.address)")
+    k8s = sub.add_parser("k8s", help="render Kubernetes manifests: broker, rollout Deployment, learner indexed Job")
+    k8s.add_argument("--out", metavar="FILE.yaml", help="write the manifests here (default: RUN/launch/k8s.yaml)")
+    for name, parser in (("slurm", slurm), ("ray", ray), ("k8s", k8s)):
+        parser.set_defaults(target=LAUNCHERS[name])
+        parser.add_argument("--config", "-c", metavar="FILE", help="job YAML with a cluster: section")
+        parser.add_argument("--run-dir", metavar="DIR", help="run directory on shared storage (default: cluster.run_dir, "
+                            "run.dir, else run.root/run.name)")
+        parser.add_argument("--dry-run", action="store_true", help="write the rendered files and the resolved config; "
+                            "start or submit nothing" if name != "k8s" else "render only (the only mode: apply with kubectl)")
+        parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+
+
 # name -> (implementation "module:function", one-line help, argument builder)
 COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = {
     "broker": ("fleetrl.broker.server:main", "run the broker (queue, leases, staleness, spool)", _broker_args),
@@ -162,6 +185,7 @@ COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] 
     "report": ("fleetrl.learner.report:main", "plot a run's metrics into RUN_DIR/report.html", _report_args),
     "trace": ("fleetrl.common.trace_cli:main", "print the span timeline of one group from a run's jsonl traces",
               _trace_args),
+    "launch": ("", "place a job across machines with Slurm, Ray or Kubernetes (`fleetrl launch ENGINE -h`)", _launch_args),
     "config": ("fleetrl.common.config.cli:main", "show, validate or document a job config", _config_args),
     "init-model": ("fleetrl.learner.init_model:main", "write a tiny HF model + tokenizer built locally", _init_model_args),
     "init-data": ("fleetrl.common.data.tasks:main", "write a synthetic prompt set with answers (train + held-out)", _init_data_args),
@@ -210,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = getattr(args, "debug", False) or os.environ.get("FLEETRL_DEBUG", "") not in ("", "0")
     if debug:
         os.environ["FLEETRL_DEBUG"] = "1"  # children of `fleetrl run` show tracebacks too
-    target, _, _ = COMMANDS[args.command]
+    target = getattr(args, "target", None) or COMMANDS[args.command][0]  # `launch ENGINE` sets its own
     module_name, func_name = target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
     try:

@@ -145,9 +145,9 @@ def _eval_chunk(engine: Any, scorer: RewardScorer, cfg: JobConfig, rows: list[di
     prompts = [row[data.prompt_key] for row in rows]
     answers = [None if row.get(data.answer_key) is None else str(row[data.answer_key]) for row in rows]
     ids = [encode_prompt(engine.tokenizer, p, data.apply_chat_template, data.max_prompt_tokens) for p in prompts]
-    outs = [[g[0]] for g in engine.generate(ids, greedy, 1)]
+    outs = [[g[0]] for g in engine.generate_batch(ids, greedy, 1)]
     if sampled is not None:
-        outs = [g + s for g, s in zip(outs, engine.generate(ids, sampled, samples))]
+        outs = [g + s for g, s in zip(outs, engine.generate_batch(ids, sampled, samples))]
     inputs = [
         RewardInput(prompt=p, response=s.text, answer=a,
                     metadata={c: v for c, v in row.items() if c != data.prompt_key},

@@ -1,10 +1,12 @@
-"""The pieces of the rollout loop: prompt encoding, one generated batch, its groups, and the finisher.
+"""The pieces of the rollout loop: prompt encoding, finished groups, their SampleGroups, and the finisher.
 
-The server's main thread leases prompts and generates; the finisher thread waits for a batch's
-rewards (scored by the ``RewardScorer``'s workers while the engine generates the next batch), turns
-it into one ``SampleGroup`` per prompt, pushes them in one frame until acknowledged, returns the
-prompts of dropped groups, and writes the batch's metrics. At most one batch waits for the finisher,
-so a slow broker slows generation down instead of piling batches up in memory.
+The server's main thread leases prompts and hands each prompt's ``group_size`` requests to the
+engine; as soon as a prompt's samples are all done it becomes a `Batch` (one group) whose rewards
+the ``RewardScorer``'s workers score off the generation thread. The finisher thread takes every
+batch that is ready, builds one ``SampleGroup`` per prompt, pushes them in one frame until
+acknowledged, returns the prompts of dropped groups, writes one metrics line per frame, and tells
+the server the groups are done (they count against ``rollout.max_inflight`` until then, so a slow
+broker slows admission down instead of piling groups up in memory).
 
 This module imports no torch: tests and `fleetrl eval` share its helpers cheaply.
 """
@@ -72,7 +74,12 @@ def trace_context(batch: "Batch", prompt: m.Prompt, group_id: str) -> dict[str, 
 
 @dataclass
 class Batch:
-    """One engine call: the leased prompts, their samples and the weights version that made them."""
+    """Finished groups of one lease: their prompts (``lease.prompts``), samples and versions.
+
+    ``version`` is what the engine held when the prompts were admitted; each sample's
+    ``Generation.versions`` says which version sampled each of its tokens (a group's
+    ``policy_version`` is the oldest of them).
+    """
 
     lease: m.PromptLease
     prompt_ids: list[list[int]]
@@ -83,6 +90,7 @@ class Batch:
     submitted: float = field(default_factory=time.monotonic)
     rewards_done: float = 0.0  # monotonic time the scorer finished (set by a callback)
     trace: LeaseTrace | None = None  # the lease's spans (None when tracing is off)
+    baselines: list[Generation] | None = None  # [B] a greedy response per prompt (remax), scored after the samples
 
     @property
     def num_tokens(self) -> int:
@@ -104,7 +112,9 @@ def build_groups(batch: Batch, results: Sequence[RewardResult], server_id: str,
     no reward could score at all. A sample no reward scored (all returned None) is left out of its group."""
     groups, dropped, unscored = [], [], []
     at = 0
-    for prompt, ids, samples in zip(batch.lease.prompts, batch.prompt_ids, batch.samples):
+    sampled = sum(len(row) for row in batch.samples)
+    baseline_rewards = [r.reward for r in results[sampled:]] if batch.baselines else None
+    for b, (prompt, ids, samples) in enumerate(zip(batch.lease.prompts, batch.prompt_ids, batch.samples)):
         res = results[at : at + len(samples)]
         at += len(samples)
         samples, res = scored_only(samples, res)
@@ -114,13 +124,15 @@ def build_groups(batch: Batch, results: Sequence[RewardResult], server_id: str,
                 batch.trace.dropped(prompt.prompt_id)
             continue
         gid = uuid.uuid4().hex
+        oldest, versions = group_versions(samples, batch.version)
         groups.append(m.build_group(
-            gid, prompt.prompt_id, batch.version, ids,
+            gid, prompt.prompt_id, oldest, ids,
             [(s.token_ids, s.logprobs) for s in samples], [r.reward for r in res],
-            [s.finish_reason for s in samples],
+            [s.finish_reason for s in samples], token_versions=versions,
             reward_parts=[dict(r.parts) for r in res], failed=[r.failed for r in res],
             lease_id=batch.lease.lease_id, server_id=server_id, trace=trace_context(batch, prompt, gid),
-            created_at=time.time(), metadata={"server": server_id, "gen_s": round(batch.gen_s, 4)},
+            created_at=time.time(), metadata={"server": server_id, "gen_s": round(batch.gen_s, 4),
+                                              **({"baseline_reward": baseline_rewards[b]} if baseline_rewards else {})},
         ))
     return groups, dropped, unscored
 
@@ -129,6 +141,16 @@ def scored_only(samples: Sequence[Generation], results: Sequence[RewardResult]) 
     """The samples (and results) some reward scored: an unscored sample is skipped, never trained as a 0."""
     keep = [j for j, r in enumerate(results) if r.scored]
     return [samples[j] for j in keep], [results[j] for j in keep]
+
+
+def group_versions(samples: Sequence[Generation], admitted: int) -> tuple[int, list[list[int]] | None]:
+    """A group's ``policy_version`` (its oldest token version; ``admitted`` when it has no token) and its
+    per-token versions, or None when every token has that version (the wire's default)."""
+    per_sample = [s.versions if len(s.versions) == len(s.token_ids) else [admitted] * len(s.token_ids)
+                  for s in samples]
+    every = [v for versions in per_sample for v in versions]
+    oldest = min(every, default=admitted)
+    return oldest, (per_sample if any(v != oldest for v in every) else None)
 
 
 # ------------------------------------------------------------------------------ leases, stats
@@ -222,45 +244,39 @@ class MetricsFile:
 
 
 class Finisher:
-    """The background thread that scores, pushes and records each batch (see the module docstring).
+    """The background thread that scores, pushes and records finished groups (see the module docstring).
 
     ``error`` holds the exception that stopped it (the broker became unreachable); the main loop
     raises it. ``close()`` finishes every submitted batch; ``abandon()`` stops without finishing.
+    ``on_done(batch)`` runs (on this thread) once a batch is pushed, dropped or refused.
     """
 
     def __init__(self, client: Any, scorer: Any, server_id: str, leases: OpenLeases, stats: Stats,
-                 metrics: MetricsFile, push_deadline_s: float, extra_metrics: Callable[[], dict[str, float]]):
+                 metrics: MetricsFile, push_deadline_s: float, extra_metrics: Callable[[], dict[str, float]],
+                 on_done: Callable[[Batch], None] | None = None):
         self.client, self.scorer, self.server_id = client, scorer, server_id
         self.leases, self.stats, self.metrics = leases, stats, metrics
         self.push_deadline_s, self.extra_metrics = push_deadline_s, extra_metrics
+        self.on_done = on_done or (lambda batch: None)
         # the ids the broker acknowledged, one line per push (what the chaos checker holds the broker to)
         self.acked = MetricsFile(metrics.path.with_name(metrics.path.name.replace(".metrics.", ".acked."))
                                  if metrics.path else None)
         self.error: BaseException | None = None
-        self._queue: queue.Queue[Batch | None] = queue.Queue(maxsize=1)
+        self._queue: queue.Queue[Batch | None] = queue.Queue()
         self._abandon = threading.Event()
+        self._last_record = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"finisher-{server_id}", daemon=True)
         self._thread.start()
 
     def submit(self, batch: Batch) -> None:
-        """Hand a batch over; blocks while the previous one is still waiting to be taken up."""
+        """Hand finished groups over (returns at once; the server's in-flight budget bounds the queue)."""
+        if self.error is not None:
+            raise self.error
         batch.rewards.add_done_callback(lambda _: setattr(batch, "rewards_done", time.monotonic()))
-        while True:
-            if self.error is not None:
-                raise self.error
-            try:
-                self._queue.put(batch, timeout=0.2)
-                return
-            except queue.Full:
-                continue
+        self._queue.put(batch)
 
     def close(self) -> None:
-        while self._thread.is_alive():  # a thread that died on an error takes nothing more
-            try:
-                self._queue.put(None, timeout=0.2)
-                break
-            except queue.Full:
-                continue
+        self._queue.put(None)
         self._thread.join()
 
     def abandon(self) -> None:
@@ -269,42 +285,68 @@ class Finisher:
     def _run(self) -> None:
         while not self._abandon.is_set():
             try:
-                batch = self._queue.get(timeout=0.2)
+                first = self._queue.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if batch is None or self._abandon.is_set():
+            batches, closing = [first], first is None
+            while not closing:  # everything ready now goes in one push frame
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                closing = more is None
+                batches.append(more)
+            batches = [b for b in batches if b is not None]
+            if self._abandon.is_set():
                 return
             try:
-                self.finish(batch)
+                if batches:
+                    self.finish_all(batches)
             except BaseException as e:  # noqa: BLE001 - reported to the main loop, which exits on it
                 self.error = e
                 return
+            if closing:
+                return
 
     def finish(self, batch: Batch) -> None:
-        """Wait for the batch's rewards, push its groups until acknowledged, return dropped prompts."""
-        results = batch.rewards.result()
-        groups, dropped, unscored = build_groups(batch, results, self.server_id, self.scorer.should_drop)
-        if dropped:
-            self.client.return_prompts(batch.lease.lease_id, dropped)
-            self.leases.close(batch.lease.lease_id, dropped)
-            self.stats.add(groups_dropped=len(dropped), prompts_returned=len(dropped))
-        if unscored:  # no reward scored any of its samples: the broker counts them and does not re-issue them
-            self.client.return_prompts(batch.lease.lease_id, unscored, unscored=True)
-            self.leases.close(batch.lease.lease_id, unscored)
-            self.stats.add(groups_unscored=len(unscored))
+        """One batch alone (see `finish_all`)."""
+        self.finish_all([batch])
+
+    def finish_all(self, batches: list[Batch]) -> None:
+        """Wait for the batches' rewards, push their groups in one frame until acknowledged, return
+        dropped and refused prompts, write one metrics line."""
+        built = []
+        for batch in batches:
+            results = batch.rewards.result()
+            groups, dropped, unscored = build_groups(batch, results, self.server_id, self.scorer.should_drop)
+            results = results[: sum(len(row) for row in batch.samples)]  # the greedy baselines are not samples
+            if dropped:
+                self.client.return_prompts(batch.lease.lease_id, dropped)
+                self.leases.close(batch.lease.lease_id, dropped)
+                self.stats.add(groups_dropped=len(dropped), prompts_returned=len(dropped))
+            if unscored:  # no reward scored any of its samples: the broker counts them and does not re-issue them
+                self.client.return_prompts(batch.lease.lease_id, unscored, unscored=True)
+                self.leases.close(batch.lease.lease_id, unscored)
+                self.stats.add(groups_unscored=len(unscored))
+            built.append((batch, results, groups))
+        groups = [g for _, _, gs in built for g in gs]
         t0 = time.monotonic()
         refused: list[str] = []
         counts = self.push(groups, refused) if groups else {}
         push_s = time.monotonic() - t0
-        if refused:  # regenerate them now rather than when the lease expires
-            self.client.return_prompts(batch.lease.lease_id, refused)
-            self.stats.add(prompts_returned=len(refused))
-        if batch.trace is not None:
-            batch.trace.record("reward", batch.submitted, batch.rewards_done or t0)
-            batch.trace.record("push", t0, t0 + push_s, groups=len(groups), **counts)
-        self.leases.close(batch.lease.lease_id, [g.prompt_id for g in groups])
-        self.stats.add(batches=1, tokens=batch.num_tokens, **counts)
-        self.metrics.write(self.record(batch, results, push_s))
+        refused_set = set(refused)
+        for batch, _, gs in built:
+            back = [g.prompt_id for g in gs if g.prompt_id in refused_set]
+            if back:  # regenerate them now rather than when the lease expires
+                self.client.return_prompts(batch.lease.lease_id, back)
+                self.stats.add(prompts_returned=len(back))
+            if batch.trace is not None:
+                batch.trace.record("reward", batch.submitted, batch.rewards_done or t0)
+                batch.trace.record("push", t0, t0 + push_s, groups=len(gs))
+            self.leases.close(batch.lease.lease_id, [g.prompt_id for g in gs])
+            self.on_done(batch)
+        self.stats.add(batches=len(batches), tokens=sum(b.num_tokens for b in batches), **counts)
+        self.metrics.write(self.record(batches, [r for _, results, _ in built for r in results], push_s))
 
     def push(self, groups: list[m.SampleGroup], refused: list[str]) -> dict[str, int]:
         """Push in one frame (retried until acked); counts by outcome. Refused groups are logged and their
@@ -343,13 +385,17 @@ class Finisher:
                 total[k] = total.get(k, 0) + v
         return total
 
-    def record(self, batch: Batch, results: Sequence[RewardResult], push_s: float) -> dict[str, Any]:
-        """The batch's metrics line (namespaced keys)."""
+    def record(self, batches: list[Batch], results: Sequence[RewardResult], push_s: float) -> dict[str, Any]:
+        """The metrics line of one push frame (namespaced keys); tokens/s over the time since the last line."""
         rewards = [r.reward for r in results if r.scored]
-        lengths = [len(s.token_ids) for row in batch.samples for s in row]
-        truncated = sum(s.finish_reason == "length" for row in batch.samples for s in row)
+        samples = [s for b in batches for row in b.samples for s in row]
+        lengths = [len(s.token_ids) for s in samples]
+        versions = [v for s in samples for v in s.versions]
+        truncated = sum(s.finish_reason == "length" for s in samples)
         mean = sum(rewards) / len(rewards) if rewards else 0.0
-        tokens_per_s = batch.num_tokens / batch.gen_s if batch.gen_s > 0 else 0.0
+        now = time.monotonic()
+        window, self._last_record = now - self._last_record, now
+        tokens_per_s = sum(lengths) / window if window > 0 else 0.0
         self.stats.batch_done(tokens_per_s, mean)
         totals = self.stats.heartbeat()
         return {
@@ -357,8 +403,10 @@ class Finisher:
             **self.scorer.stats(),
             **self.extra_metrics(),
             **totals,
-            "rollout/policy_version": batch.version,
-            "rollout/prompts": len(batch.samples),
+            "rollout/policy_version": min((b.version for b in batches), default=0),
+            "rollout/token_version_min": min(versions, default=0),
+            "rollout/token_version_max": max(versions, default=0),
+            "rollout/prompts": sum(len(b.samples) for b in batches),
             "rollout/response_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
             "rollout/response_len_max": max(lengths, default=0),
             "rollout/truncated_frac": truncated / len(lengths) if lengths else 0.0,
@@ -366,8 +414,8 @@ class Finisher:
             "reward/mean": mean,
             "reward/max": max(rewards, default=0.0),
             "reward/min": min(rewards, default=0.0),
-            "timing/generate_s": batch.gen_s,
-            "timing/reward_s": max(0.0, (batch.rewards_done or time.monotonic()) - batch.submitted),
+            "timing/generate_s": sum(b.gen_s for b in batches) / len(batches),
+            "timing/reward_s": max(0.0, max((b.rewards_done or now) - b.submitted for b in batches)),
             "timing/push_s": push_s,
         }
 

@@ -1,25 +1,30 @@
-"""`fleetrl rollout`: one rollout server.
+"""`fleetrl rollout`: one rollout server, a stream rather than a batch loop (docs/rollout.md).
 
     start:  load the engine → register with the broker (heartbeats from then on) → subscribe to
             announcements → `<run-dir>/rollout-<i>.ready`
-    loop:   announcements and new weights → lease `prompts_per_batch` prompts → generate
-            `group_size` samples each → rewards (scored while the next batch generates) → one
-            SampleGroup per prompt → push until acked (the finisher thread, `loop.py`)
-    stop:   SIGTERM / SIGINT / a `stop` announcement / data exhausted: finish the batch in hand,
-            push, return every prompt still leased, exit 0. A second signal abandons the batch in
-            hand (its prompts are returned too).
+    loop:   announcements and new weights → lease prompts while fewer than `rollout.max_inflight`
+            are in flight → `group_size` requests each to the engine → the moment a prompt's
+            samples are all done: rewards (scorer threads) → one SampleGroup → pushed until acked
+            with whatever else is ready (the finisher thread, `loop.py`)
+    stop:   SIGTERM / SIGINT / a `stop` or `done` announcement / data exhausted: admit nothing more,
+            finish the groups in flight, push, return every prompt still leased, leave the fleet,
+            exit 0 (`done`: unless rollout.stay_after_done). A second signal abandons the groups in
+            flight (their prompts are returned too).
 
-Weights change only between batches (`WeightReceiver.apply`), so a batch never sees half-updated
-weights, and each group carries the version its engine held when the batch was generated. Missed
-announcements (PUB/SUB drops messages for late joiners) are caught up by asking the broker for its
-current version every `CATCHUP_S` seconds.
+New weights are loaded in flight (`Engine.swap_weights`: pause → load → resume, as
+`rollout.inflight_update` says); every token records the version that sampled it and a group's
+`policy_version` is its oldest. Missed announcements (PUB/SUB drops messages for late joiners) are
+caught up by asking the broker for its current version every `CATCHUP_S` seconds.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import os
+import queue
 import signal
 import threading
 import time
@@ -33,11 +38,12 @@ from fleetrl.common.config import load_config
 from fleetrl.common.config.checks import require_model_dir
 from fleetrl.common.log import setup_logging
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.rollout.engines import SamplingParams, create_engine
+from fleetrl.rollout.engines import Generation, Request, SamplingParams, create_engine
 from fleetrl.rollout.fleet import exits_on_done, is_done_throttle, leave_fleet
 from fleetrl.rollout.loop import (
     Batch, Finisher, MetricsFile, OpenLeases, Stats, check_chat_template, encode_prompt, return_leases, reward_inputs,
 )
+from fleetrl.rollout.inflight import InFlight, max_inflight, trace_carrier
 from fleetrl.rollout.rewards import RewardScorer
 from fleetrl.rollout.tracing import LeaseTrace
 
@@ -46,18 +52,19 @@ log = logging.getLogger("fleetrl.rollout")
 EXIT_BROKER_UNAVAILABLE = 3
 CATCHUP_S = 5.0  # seconds between GetVersion polls (catch-up for dropped announcements and pause state)
 WAIT_SLICE_S = 0.25  # longest sleep without looking at announcements and the stop flag
+POLL_SLICE_S = 0.05  # while samples are generating: how often announcements are looked at
 PAUSED_POLL_S = 0.5  # while paused: how often the loop looks again (announcements wake it earlier)
 THROTTLE_S = (0.05, 5.0)  # bounds on a Throttle's retry_after_s
 
 
 class Abort(BaseException):
-    """A second SIGTERM / SIGINT: abandon the batch in hand (its prompts are returned)."""
+    """A second SIGTERM / SIGINT: abandon the groups in flight (their prompts are returned)."""
 
 
 class RolloutServer:
     """The loop of one rollout server over a broker client (socket or in-process twin).
 
-    Takes a connected-or-not client, a built engine and scorer, and optionally a WeightReceiver;
+    Takes a connected-or-not client, a built engine and scorer, and optionally a weight receiver;
     ``run()`` registers, loops until stopped and returns the exit code. It closes none of them.
     """
 
@@ -67,6 +74,10 @@ class RolloutServer:
         self.server_index, self.client_id = server_index, client.client_id
         self.run_dir = Path(run_dir) if run_dir else None
         self.params = SamplingParams.from_config(cfg.rollout)
+        # ReMax's baseline: one greedy response per prompt, scored with the group (its reward rides along)
+        self.greedy_baseline = getattr(cfg.algorithm, "adv_estimator", None) == "remax"
+        self.greedy_params = dataclasses.replace(self.params, temperature=0.0, seed=None)
+        self.max_inflight = max_inflight(cfg)
         self.version = 0  # the weights the engine holds: model.path until a new version is applied
         self.paused = False
         self.stop_reason = ""
@@ -75,9 +86,16 @@ class RolloutServer:
         self.metrics = MetricsFile(self.run_dir / f"rollout-{server_index}.metrics.jsonl" if self.run_dir else None)
         self.sub: Any = None
         self.finisher: Finisher | None = None
+        self.inflight: dict[int, InFlight] = {}  # admitted, not yet handed to the finisher
+        self._unpushed = 0  # admitted and not yet pushed / dropped (what max_inflight bounds)
+        self._count_lock = threading.Lock()
+        self._done: queue.SimpleQueue[tuple[int, int, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._next_id = 0
         self._next_catchup = 0.0
         self._warned_no_receiver = False
         self._told_done = False
+        self._update_stats = {"weights/pause_ms": 0.0, "weights/updates_inflight": 0.0}
         check_chat_template(engine.tokenizer, cfg.data.apply_chat_template, cfg.model.tokenizer or cfg.model.path)
 
     # ------------------------------------------------------------------------------ lifecycle
@@ -97,7 +115,7 @@ class RolloutServer:
         finally:
             self.shutdown(finish, give_back)
         if self.finisher is not None and self.finisher.error is not None:
-            raise self.finisher.error  # the last batch could not be pushed: not a clean exit
+            raise self.finisher.error  # the last groups could not be pushed: not a clean exit
         return 0
 
     def start(self) -> None:
@@ -106,27 +124,37 @@ class RolloutServer:
         self.client.start_heartbeat(self.heartbeat_stats, reg.heartbeat_s or self.cfg.broker.heartbeat_s)
         push_deadline = max(self.cfg.broker.prompt_lease_s, 3 * self.cfg.broker.request_timeout_s)
         self.finisher = Finisher(self.client, self.scorer, self.client_id, self.leases, self.stats, self.metrics,
-                                 push_deadline, self.weight_stats)
+                                 push_deadline, self.weight_stats, on_done=self._pushed)
         self.on_current(reg.policy_version, reg.weights, reg.paused)
         self._next_catchup = time.monotonic() + CATCHUP_S
         if self.run_dir is not None:
             write_ready(self.run_dir, self.server_index, self.client_id, self.version)
-        log.info("ready: %s registered with broker %s (broker at version %d%s), generating %d x %d per batch",
-                 self.client_id, reg.broker_id, reg.policy_version, ", paused" if reg.paused else "",
-                 self.cfg.rollout.prompts_per_batch, self.cfg.rollout.group_size)
+        log.info("ready: %s registered with broker %s (broker at version %d%s), up to %d prompts x %d samples "
+                 "in flight, in-flight updates: %s", self.client_id, reg.broker_id, reg.policy_version,
+                 ", paused" if reg.paused else "", self.max_inflight, self.cfg.rollout.group_size,
+                 self.cfg.rollout.inflight_update)
 
-    def step(self) -> Batch | None:
-        """One iteration: announcements and weights, then lease → generate → hand to the finisher."""
+    def step(self) -> m.PromptLease | None:
+        """One iteration: announcements and weights, admit prompts up to the budget, hand finished
+        groups to the finisher; waits a little when nothing could be admitted. Returns the lease admitted."""
         self.poll(0.0)
-        start_ns = time.time_ns()
-        lease = self.lease()
-        if lease is None:
-            return None
-        batch = self.generate(lease, LeaseTrace.start(lease, self.client_id, self.version, start_ns))
-        self.finisher.submit(batch)
-        return batch
+        lease = None
+        if self.room() >= self.lease_size_floor():
+            start_ns = time.time_ns()
+            lease = self.lease(min(self.room(), self.cfg.rollout.prompts_per_batch))
+            if lease is not None:
+                self.generate(lease, LeaseTrace.start(lease, self.client_id, self.version, start_ns))
+        self.collect()
+        if lease is None and not self.stopping:
+            self.wait_progress(WAIT_SLICE_S)
+        return lease
 
     def shutdown(self, finish: bool, give_back: bool) -> None:
+        if finish:
+            try:
+                self.drain_inflight()
+            except Abort:
+                finish = False
         if self.finisher is not None:
             if finish:
                 self.finisher.close()
@@ -141,9 +169,20 @@ class RolloutServer:
         reason = self.stop_reason or ("stop requested" if self.stopping else "error")
         if give_back and self.finisher is not None:  # registered and the broker answers: leave the fleet now
             leave_fleet(self.client, reason)
-        log.info("stopped (%s): %d batches, %d groups pushed, %d dropped, %d prompts returned", reason,
-                 t["rollout/batches"], t["rollout/groups_pushed"], t["rollout/groups_dropped"],
-                 t["rollout/prompts_returned"])
+        log.info("stopped (%s): %d groups pushed, %d dropped, %d prompts returned", reason,
+                 t["rollout/groups_pushed"], t["rollout/groups_dropped"], t["rollout/prompts_returned"])
+
+    def drain_inflight(self) -> None:
+        """Finish every admitted group (no new admissions): the graceful half of a stop."""
+        if self.inflight:
+            log.info("finishing %d group(s) in flight before stopping", len(self.inflight))
+        while self.inflight:
+            self.collect()
+            if self.inflight:
+                self._wake.wait(WAIT_SLICE_S)
+                self._wake.clear()
+            if self.finisher is not None and self.finisher.error is not None:
+                return
 
     @property
     def stopping(self) -> bool:
@@ -152,18 +191,31 @@ class RolloutServer:
     def request_stop(self, reason: str) -> None:
         if not self._stop.is_set():
             self.stop_reason = reason
-            log.info("stopping (%s): finishing the batch in hand", reason)
+            log.info("stopping (%s): finishing the groups in flight", reason)
             self._stop.set()
 
     # ------------------------------------------------------------------------------ the loop
 
-    def lease(self) -> m.PromptLease | None:
-        """Prompts for the next batch, or None after waiting (paused, throttled, stopping)."""
+    def room(self) -> int:
+        """Prompts that may still be admitted (0 while paused or stopping)."""
+        if self.paused or self.stopping:
+            return 0
+        with self._count_lock:
+            return max(0, self.max_inflight - self._unpushed)
+
+    def lease_size_floor(self) -> int:
+        """Lease only when at least this many prompts fit (half a lease), or when nothing is in flight."""
+        with self._count_lock:
+            busy = self._unpushed > 0
+        return max(1, min(self.cfg.rollout.prompts_per_batch, self.max_inflight) // 2) if busy else 1
+
+    def lease(self, n: int | None = None) -> m.PromptLease | None:
+        """Up to ``n`` prompts (default prompts_per_batch), or None after waiting (paused, throttled, stopping)."""
         if self.paused:
             self.wait(PAUSED_POLL_S)
             return None
         try:
-            reply = self.client.lease_prompts(self.cfg.rollout.prompts_per_batch, self.version)
+            reply = self.client.lease_prompts(n or self.cfg.rollout.prompts_per_batch, self.version)
         except BrokerError as e:
             if e.code != "data_exhausted":
                 raise
@@ -174,7 +226,7 @@ class RolloutServer:
                 self.request_stop("the broker is stopping")
                 return None
             if is_done_throttle(reply.reason):  # a `done` whose announcement this server missed
-                self.on_done(reply.reason.partition(": ")[2])
+                self.on_job_done(reply.reason.partition(": ")[2])
             t0 = time.monotonic()
             self.wait(min(max(reply.retry_after_s, THROTTLE_S[0]), THROTTLE_S[1]))
             self.stats.throttled(time.monotonic() - t0)
@@ -183,25 +235,99 @@ class RolloutServer:
         self.leases.add(reply)
         return reply
 
-    def generate(self, lease: m.PromptLease, trace: LeaseTrace | None = None) -> Batch:
-        """Sample the lease's groups with the current weights and start scoring them."""
-        data = self.cfg.data
-        prompt_ids = [encode_prompt(self.engine.tokenizer, p.prompt, data.apply_chat_template, data.max_prompt_tokens)
-                      for p in lease.prompts]
-        t0 = time.monotonic()
-        samples = self.engine.generate(prompt_ids, self.params, self.cfg.rollout.group_size)
-        gen_s = time.monotonic() - t0
-        if trace is not None:
-            trace.record("generate", t0, t0 + gen_s, prompts=len(prompt_ids), group_size=self.cfg.rollout.group_size,
-                         tokens=sum(len(s.token_ids) for row in samples for s in row), policy_version=self.version)
-        rewards = self.scorer.submit(reward_inputs(lease.prompts, samples))
-        return Batch(lease, prompt_ids, samples, self.version, gen_s, rewards, trace=trace)
+    def generate(self, lease: m.PromptLease, trace: LeaseTrace | None = None) -> list[InFlight]:
+        """Admit the lease's prompts: ``group_size`` requests each, handed to the engine at once."""
+        data, g = self.cfg.data, self.cfg.rollout.group_size
+        n = g + int(self.greedy_baseline)  # the last request of a group is the greedy baseline (remax)
+        admitted = []
+        for prompt in lease.prompts:
+            ids = encode_prompt(self.engine.tokenizer, prompt.prompt, data.apply_chat_template, data.max_prompt_tokens)
+            key, self._next_id = self._next_id, self._next_id + 1
+            item = InFlight(lease, prompt, ids, self.version, time.monotonic(), trace, [None] * n)
+            self.inflight[key] = item
+            with self._count_lock:
+                self._unpushed += 1
+            for j in range(n):
+                params = self.greedy_params if j == g else self.params
+                future = self.engine.submit(Request(ids, params, request_id=f"{self.client_id}/{key}/{j}",
+                                                    trace=trace_carrier(trace, prompt.prompt_id)))
+                future.add_done_callback(functools.partial(self._sample_done, key, j))
+            admitted.append(item)
+        return admitted
+
+    def _sample_done(self, key: int, j: int, future: Any) -> None:  # the engine loop's thread
+        self._done.put((key, j, future))
+        self._wake.set()
+
+    def collect(self) -> None:
+        """Samples the engine finished since the last call; each complete group goes to scoring."""
+        while True:
+            try:
+                key, j, future = self._done.get_nowait()
+            except queue.Empty:
+                return
+            item = self.inflight.get(key)
+            if item is None:
+                continue
+            try:
+                item.samples[j] = future.result()
+            except BaseException as e:  # noqa: BLE001 - the engine failed this request: the prompt goes back
+                item.failed = item.failed or e
+                item.samples[j] = Generation([], [], "stop", "")
+            if item.done:
+                self._finished(key, item)
+
+    def _finished(self, key: int, item: InFlight) -> None:
+        del self.inflight[key]
+        if item.failed is not None:
+            log.error("generation failed for prompt %s (%s); it goes back to the broker", item.prompt.prompt_id,
+                      item.failed)
+            self._give_back(item)
+            return
+        now = time.monotonic()
+        g = self.cfg.rollout.group_size
+        samples, baselines = [list(item.samples[:g])], ([item.samples[g]] if self.greedy_baseline else None)
+        if item.trace is not None:
+            item.trace.record("generate", item.started, now, prompt_id=item.prompt.prompt_id,
+                              group_size=len(item.samples), tokens=sum(len(s.token_ids) for s in item.samples),
+                              policy_version=item.version)
+        lease = m.PromptLease(req_id=item.lease.req_id, lease_id=item.lease.lease_id,
+                              expires_in_s=item.lease.expires_in_s, prompts=[item.prompt])
+        inputs = reward_inputs(lease.prompts, samples) + reward_inputs(lease.prompts, [baselines] if baselines else [])
+        rewards = self.scorer.submit(inputs)
+        self.finisher.submit(Batch(lease, [item.prompt_ids], samples, item.version, now - item.started, rewards,
+                                   trace=item.trace, baselines=baselines))
+
+    def _give_back(self, item: InFlight) -> None:
+        try:
+            self.client.return_prompts(item.lease.lease_id, [item.prompt.prompt_id])
+            self.stats.add(prompts_returned=1)
+        except (BrokerError, BrokerUnavailable) as e:
+            log.warning("could not return prompt %s (%s); the broker re-issues it when its lease expires",
+                        item.prompt.prompt_id, e)
+        self.leases.close(item.lease.lease_id, [item.prompt.prompt_id])
+        self._pushed(None)
+
+    def _pushed(self, batch: Batch | None) -> None:  # the finisher's thread
+        with self._count_lock:
+            self._unpushed -= len(batch.samples) if batch is not None else 1
+        self._wake.set()
+
+    def wait_progress(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for a sample to finish, looking at announcements meanwhile."""
+        deadline = time.monotonic() + seconds
+        while not self.stopping and (left := deadline - time.monotonic()) > 0:
+            if self._wake.wait(min(left, POLL_SLICE_S)):
+                self._wake.clear()
+                return
+            self.poll(0.0)
 
     def wait(self, seconds: float) -> None:
-        """Sleep up to ``seconds`` while handling announcements and weights; returns early on stop."""
+        """Sleep up to ``seconds`` while handling announcements, weights and finished samples."""
         deadline = time.monotonic() + seconds
         while not self.stopping and (left := deadline - time.monotonic()) > 0:
             self.poll(min(left, WAIT_SLICE_S))
+            self.collect()
 
     def poll(self, timeout_s: float) -> None:
         """Announcements (waiting up to ``timeout_s`` for one), the catch-up poll, new weights."""
@@ -226,7 +352,7 @@ class RolloutServer:
         elif ann.action == "stop":
             self.request_stop(f"stop announced by the broker{': ' + ann.reason if ann.reason else ''}")
         elif ann.action == "done":
-            self.on_done(ann.reason)
+            self.on_job_done(ann.reason)
         # discard: the broker drops its queued groups; nothing changes here
 
     def on_current(self, version: int, weights: m.WeightsInfo, paused: bool) -> None:
@@ -234,7 +360,7 @@ class RolloutServer:
         self.offer_version(version, weights)
         self.set_paused(paused, "broker state")
 
-    def on_done(self, reason: str) -> None:
+    def on_job_done(self, reason: str) -> None:
         """Training is over: stop, unless rollout.stay_after_done."""
         if exits_on_done(self.cfg.rollout.stay_after_done, reason, self._told_done):
             self.request_stop(f"done: {reason or 'the learner finished'}")
@@ -258,21 +384,28 @@ class RolloutServer:
         self.receiver.on_version(version, weights)
 
     def apply_weights(self) -> None:
-        """Load new weights if the receiver has a complete version (never mid-batch)."""
-        if self.receiver is None:
+        """An in-flight update when the receiver holds a complete version: the engine pauses (as
+        ``rollout.inflight_update`` says), loads it, resumes; tokens sampled after carry the new version."""
+        if self.receiver is None or self.receiver.pending_version() is None:
             return
-        start_ns = time.time_ns()
+        start_ns, t0 = time.time_ns(), time.perf_counter()
+        load = functools.partial(self.receiver.apply, self.engine)
         try:
-            version = self.receiver.apply(self.engine)
-        except ValueError as e:  # names or shapes that do not fit: the engine changed nothing
+            version = self.engine.loop.call(self.engine.swap_weights(load, self.cfg.rollout.inflight_update))
+        except ValueError as e:  # names, shapes or dtypes that do not fit: the engine changed nothing
             log.error("could not load new weights (%s); generating with version %d until the next one", e, self.version)
             return
+        pause_ms = 1000 * (time.perf_counter() - t0)
         if version is None or version == self.version:
             return
         telemetry.record_span("weights.load", start_ns, parent=telemetry.ROOT, attributes={
-            "fleetrl.policy_version": version, "fleetrl.previous_version": self.version})
-        log.info("policy version %d -> %d: new weights loaded", self.version, version)
+            "fleetrl.policy_version": version, "fleetrl.previous_version": self.version,
+            "fleetrl.inflight_update": self.cfg.rollout.inflight_update, "fleetrl.in_flight": len(self.inflight)})
+        log.info("policy version %d -> %d: new weights loaded in flight (%s, %d groups in flight, paused %.0f ms)",
+                 self.version, version, self.cfg.rollout.inflight_update, len(self.inflight), pause_ms)
         self.version = version
+        self._update_stats["weights/pause_ms"] = pause_ms
+        self._update_stats["weights/updates_inflight"] += 1
         try:
             self.client.heartbeat(version, self.heartbeat_stats()[1])
         except (BrokerError, BrokerUnavailable) as e:
@@ -281,12 +414,14 @@ class RolloutServer:
     # --------------------------------------------------------------------------------- stats
 
     def weight_stats(self) -> dict[str, float]:
-        return dict(self.receiver.stats()) if self.receiver is not None else {}
+        return {**(self.receiver.stats() if self.receiver is not None else {}), **self._update_stats}
 
     def heartbeat_stats(self) -> tuple[int, dict[str, float]]:
         """(policy version, stats) for the broker's status: called from the client's thread."""
+        with self._count_lock:
+            unpushed = self._unpushed
         stats = {**self.stats.heartbeat(), **self.weight_stats(), "rollout/policy_version": float(self.version),
-                 "rollout/paused": float(self.paused)}
+                 "rollout/paused": float(self.paused), "rollout/inflight": float(unpushed)}
         return self.version, stats
 
 
@@ -320,17 +455,17 @@ def write_ready(run_dir: Path, server_index: int, client_id: str, version: int) 
 
 
 def install_signals(stop: threading.Event) -> None:
-    """First SIGTERM/SIGINT: stop after the batch in hand. Second: abandon it (raise Abort)."""
+    """First SIGTERM/SIGINT: stop after the groups in flight. Second: abandon them (raise Abort)."""
 
     def handler(signum: int, _frame: Any) -> None:
         name = signal.Signals(signum).name
         if not stop.is_set():
-            log.info("%s: finishing the batch in hand, then exiting (send it again to abandon the batch)", name)
+            log.info("%s: finishing the groups in flight, then exiting (send it again to abandon them)", name)
             stop.set()
             return
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        log.info("%s again: abandoning the batch in hand and returning its prompts", name)
+        log.info("%s again: abandoning the groups in flight and returning their prompts", name)
         raise Abort()
 
     signal.signal(signal.SIGTERM, handler)
@@ -357,9 +492,7 @@ def main(args) -> int:
     try:
         engine = create_engine(cfg.rollout.engine, cfg.model, cfg.rollout, device, cfg.rollout.seed + index)
         scorer = RewardScorer.from_config(cfg.rollout)
-        from fleetrl.rollout.weights import WeightReceiver
-
-        receiver = WeightReceiver(cfg, engine.param_specs(), device, client_id)
+        receiver = engine.weight_receiver(cfg, device, client_id)
         address = broker_address(cfg, args.broker, args.run_dir)
         client = BrokerClient(address, client_id, "rollout", rank=index, timeout_s=cfg.broker.request_timeout_s,
                               curve=cfg.broker.curve, info={"engine": cfg.rollout.engine, "device": device})

@@ -2,9 +2,10 @@
 
 One trace per lease. Its root ``prompt.lease`` covers the LeasePrompts round trip. Under it, one
 ``prompt`` span per leased prompt runs from the lease until the prompt's group is built (generation
-and reward); its context is what the group carries in ``SampleGroup.trace``, so the broker's
-``broker.ingest`` span nests under it and the learner step links to it. The batch-level
-``generate``, ``reward`` and ``push`` spans hang under the root: every group of the lease shares them.
+and reward); its context is what the group carries in ``SampleGroup.trace`` (and what the engine's
+requests carry), so the broker's ``broker.ingest`` span nests under it and the learner step links
+to it. The ``generate``, ``reward`` and ``push`` spans of each group (tagged with its prompt id)
+hang under the root.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ class LeaseTrace:
         span.set_attribute("fleetrl.group_id", group_id)
         span.end()
         return telemetry.inject(span)
+
+    def carrier(self, prompt_id: str) -> dict[str, str] | None:
+        """The W3C context of the prompt's span (what the engine's requests carry), without ending it."""
+        span = self.prompts.get(prompt_id)
+        return telemetry.inject(span) if span is not None else None
 
     def dropped(self, prompt_id: str) -> None:
         """End the span of a prompt whose group is not pushed (its prompt goes back to the broker)."""

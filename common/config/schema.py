@@ -19,6 +19,7 @@ from msgspec import field
 
 from fleetrl.common.config.base import Section, doc
 from fleetrl.common.config.algorithm import AlgorithmConfig, DpoAlgorithm, RlAlgorithm
+from fleetrl.common.config.cluster import ClusterConfig
 from fleetrl.common.config.learner import HealthConfig, LearnerConfig
 
 
@@ -116,18 +117,30 @@ class RewardSpec(Section):
 class VllmConfig(Section):
     tensor_parallel_size: Annotated[int, doc("GPUs per vLLM engine (tensor parallelism).", ge=1)] = 1
     gpu_memory_utilization: Annotated[float, doc("Fraction of GPU memory vLLM may take.", gt=0, le=1)] = 0.85
-    enforce_eager: Annotated[bool, doc("Disable CUDA graphs (slower, starts faster).")] = False
+    enforce_eager: Annotated[bool, doc("Disable CUDA graphs and torch.compile (slower steps, much faster start-up; "
+                                      "on vLLM's CPU backend start-up drops from ~25 s to ~12 s).")] = False
     max_model_len: Annotated[int | None, doc("Context length vLLM reserves KV cache for (null = model's).")] = None
+    max_num_seqs: Annotated[int | None, doc("Most requests vLLM decodes in one step (null = vLLM's default).")] = None
 
 
 class RolloutConfig(Section):
-    engine: Annotated[Literal["hf", "vllm"], doc("Generation engine: `hf` (transformers, CPU/GPU) or `vllm` (GPU).")] = (
+    engine: Annotated[Literal["hf", "vllm"], doc(
+        "Generation engine: `hf` (transformers, CPU/GPU) or `vllm` (vLLM's async engine: GPU, or CPU in .venv-vllm).")] = (
         "hf"
     )
     num_servers: Annotated[int, doc("Rollout servers `fleetrl run` starts on this machine.", ge=0)] = 1
-    device: Annotated[str, doc("Torch device of the `hf` engine: cpu, cuda, cuda:1, or auto.")] = "auto"
+    device: Annotated[str, doc("Device of the engine: cpu, cuda, cuda:1, or auto (vllm: cpu = its CPU backend).")] = "auto"
     group_size: Annotated[int, doc("Responses sampled per prompt (the G of GRPO).", ge=1)] = 8
-    prompts_per_batch: Annotated[int, doc("Prompts leased and generated together in one engine call.", ge=1)] = 8
+    prompts_per_batch: Annotated[int, doc("Most prompts asked for in one lease request (the loop leases again as "
+                                          "groups finish, up to `max_inflight`).", ge=1)] = 8
+    max_inflight: Annotated[int | None, doc(
+        "Most prompts (groups) generating at once on this server; null = the broker's admission window, "
+        "learner.groups_per_step x sync.interval x (broker.max_staleness + 1). Lower it to bound memory; "
+        "with `hf` more in flight means wider waves.")] = None
+    inflight_update: Annotated[Literal["keep", "recompute", "finish"], doc(
+        "What a weight update does to requests in flight: `keep` their KV cache and go on with the new weights "
+        "(fastest; the tokens before the update keep their older version), `recompute` their KV cache with the "
+        "new weights, or let them `finish` on the old weights first (new requests wait).")] = "keep"
     temperature: Annotated[float, doc("Sampling temperature; 1.0 keeps behaviour log-probs on-policy.", ge=0)] = 1.0
     top_p: Annotated[float, doc("Nucleus sampling mass (1.0 = off).", gt=0, le=1)] = 1.0
     top_k: Annotated[int, doc("Top-k sampling (0 = off).", ge=0)] = 0
@@ -155,6 +168,11 @@ class RolloutConfig(Section):
         "Keep this server up when the learner finishes or the broker shuts down (it waits for the next learner); "
         "false: it returns its prompts, leaves the fleet and exits 0.")] = False
     vllm: Annotated[VllmConfig, doc("vLLM engine settings (engine: vllm).")] = field(default_factory=VllmConfig)
+
+    def __post_init__(self) -> None:
+        for key, value in (("rollout.max_inflight", self.max_inflight), ("rollout.vllm.max_num_seqs", self.vllm.max_num_seqs)):
+            if value is not None and value < 1:
+                raise ValueError(f"{key}={value} must be >= 1 (or null for the default)")
 
 
 # -------------------------------------------------------------------------------------- broker
@@ -328,6 +346,9 @@ class JobConfig(Section):
     )
     health: Annotated[HealthConfig, doc("Health monitor and circuit breaker.")] = field(default_factory=HealthConfig)
     run: Annotated[RunConfig, doc("The `fleetrl run` launcher.")] = field(default_factory=RunConfig)
+    cluster: Annotated[ClusterConfig, doc("Placement across machines by `fleetrl launch slurm|ray|k8s`.")] = field(
+        default_factory=ClusterConfig
+    )
 
     def __post_init__(self) -> None:
         alg = self.algorithm

@@ -1,7 +1,9 @@
-"""Generation engines, looked up by `rollout.engine`: ``hf`` (transformers, CPU or GPU) and ``vllm`` (GPU).
+"""Generation engines, looked up by `rollout.engine`: ``hf`` (transformers, CPU or GPU) and ``vllm``
+(vLLM's async engine, GPU or its CPU backend). The interface is in `base.py` (docs/rollout.md):
 
     engine = create_engine(cfg.rollout.engine, cfg.model, cfg.rollout, device="cpu", seed=0)
-    groups = engine.generate(prompt_ids, SamplingParams.from_config(cfg.rollout), n=8)
+    out = await engine.generate(Request(prompt_ids, SamplingParams.from_config(cfg.rollout)))  # on engine.loop
+    groups = engine.generate_batch(prompts, params, n=8)  # from synchronous code
 
 The registry holds small factories that import their implementation only when called, so importing
 this package loads neither torch nor transformers nor vLLM.
@@ -12,12 +14,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from fleetrl.common.registry import Registry
-from fleetrl.rollout.engines.base import Engine, Generation, ParamSpec, SamplingParams
+from fleetrl.rollout.engines.base import INFLIGHT_MODES, Engine, EngineLoop, Generation, ParamSpec, Request, SamplingParams
 
 if TYPE_CHECKING:
     from fleetrl.common.config.schema import ModelConfig, RolloutConfig
 
-__all__ = ["ENGINES", "Engine", "Generation", "ParamSpec", "SamplingParams", "create_engine"]
+__all__ = ["ENGINES", "INFLIGHT_MODES", "Engine", "EngineLoop", "Generation", "ParamSpec", "Request", "SamplingParams",
+           "create_engine"]
 
 EngineFactory = Callable[..., Engine]
 ENGINES: Registry[EngineFactory] = Registry("generation engine", config_key="rollout.engine")

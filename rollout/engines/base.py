@@ -15,23 +15,31 @@ collection can import `SamplingParams` and `Generation` without it.
 from __future__ import annotations
 
 import abc
+import asyncio
+import concurrent.futures
+import dataclasses
 import difflib
 import json
-from dataclasses import dataclass
+import threading
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Iterable, Sequence, TypeVar
 
 if TYPE_CHECKING:
     import torch
 
-    from fleetrl.common.config.schema import RolloutConfig
+    from fleetrl.common.config.schema import JobConfig, RolloutConfig
+
+T = TypeVar("T")
 
 ParamSpec = tuple[str, tuple[int, ...], "torch.dtype"]
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one `Engine.generate` call samples. ``temperature == 0`` is greedy; ``top_k == 0`` is off."""
+    """How one request samples. ``temperature == 0`` is greedy; ``top_k == 0`` is off; ``seed`` None =
+    the engine's own generator."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -73,9 +81,30 @@ class SamplingParams:
         )
 
 
+INFLIGHT_MODES = ("keep", "recompute", "finish")
+
+
+@dataclass
+class Request:
+    """One generation request, token-in/token-out.
+
+    prompt_ids: the whole context so far (an episode's prompt plus every earlier turn, as tokens;
+        never re-tokenized).
+    params: how to sample it: temperature, top-p/k, max_new_tokens, stop strings/ids and the seed
+        (None = the engine's own generator).
+    request_id: unique while the request is in flight (abort and logs use it).
+    trace: the W3C trace context (traceparent, tracestate) of the caller's span, or None.
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    trace: dict[str, str] | None = None
+
+
 @dataclass
 class Generation:
-    """One sampled response.
+    """One sampled response (the result of one `Request`).
 
     token_ids: the sampled tokens, including the eos / stop token (or the token completing a stop
         string) that ended the response; the learner trains on all of them.
@@ -84,22 +113,115 @@ class Generation:
         model's context length).
     text: the decoded response for rewards: special tokens skipped, a final stop token not decoded,
         cut before the first stop string.
+    versions: the policy version of the weights that sampled each token (one per token; empty =
+        all the engine's version at the time). A response sampled across an in-flight weight update
+        spans two or more versions.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
     text: str
+    versions: list[int] = field(default_factory=list)
+    request_id: str = field(default="", compare=False)
+
+
+class EngineLoop:
+    """The asyncio event loop an engine runs on, in a thread of its own.
+
+    Synchronous code (the rollout server's main loop, `fleetrl eval`, tests) hands coroutines to it
+    with `submit` (a `concurrent.futures.Future`) or `call` (blocks for the result); coroutines
+    that already run on it (a multi-turn episode) simply ``await engine.generate(request)``.
+    """
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return self.submit(coro).result(timeout)
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5.0)
 
 
 class Engine(abc.ABC):
-    """A generation engine of one rollout server: samples groups, takes new weights in place."""
+    """A generation engine of one rollout server: one request at a time in, one response out.
 
-    tokenizer: object
+    The interface (docs/rollout.md, "Engines"):
+
+    - ``await generate(request) -> Generation``: any number of requests may be in flight; the
+      engine batches them as it likes (vLLM: continuous batching; hf: waves of the pending ones)
+      and returns each as soon as it is done.
+    - ``await swap_weights(load, mode)``: an in-flight weight update. Pauses generation as
+      ``mode`` says (`INFLIGHT_MODES`: ``keep`` the in-flight requests and their KV cache,
+      ``recompute`` their KV cache with the new weights, or let them ``finish`` on the old ones
+      first), runs ``load()`` (which calls `update_weights` / `load_weights_from_dir` and returns
+      the new version, or None when nothing changed), sets `version`, resumes. Tokens sampled
+      after it carry the new version in `Generation.versions`.
+    - `param_specs`, `update_weights`, `load_weights_from_dir`: the weights, by HF name (called
+      while paused).
+    - `weight_receiver(...)`: what takes announced versions in for this engine (an in-process
+      `WeightReceiver`; vLLM: a receiver inside each of its workers).
+
+    Every coroutine runs on the engine's `EngineLoop` (``self.loop``); `submit` and
+    `generate_batch` are the synchronous doors to it.
+    """
+
+    tokenizer: Any
+    loop: EngineLoop
+    version: int = 0  # the policy version of the weights held (0 = model.path)
 
     @abc.abstractmethod
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n: int) -> list[list[Generation]]:
-        """``n`` samples for each prompt: ``out[i][j]`` is sample ``j`` of ``prompt_ids[i]``."""
+    async def generate(self, request: Request) -> Generation:
+        """Sample one response to ``request``."""
+
+    @abc.abstractmethod
+    async def pause(self, mode: str) -> None:
+        """Stop sampling (see the class docstring for ``mode``); returns once no step runs."""
+
+    @abc.abstractmethod
+    async def resume(self, new_version: int | None, mode: str) -> None:
+        """Sample again; ``new_version`` is the version just loaded (None = the weights did not change)."""
+
+    async def swap_weights(self, load: Callable[[], int | None], mode: str) -> int | None:
+        """pause -> ``load()`` (in a worker thread) -> resume; returns the version loaded or None."""
+        if mode not in INFLIGHT_MODES:
+            raise ValueError(f"rollout.inflight_update={mode!r}; valid: {', '.join(INFLIGHT_MODES)}")
+        await self.pause(mode)
+        version = None
+        try:
+            version = await asyncio.to_thread(load)
+        finally:
+            if version is not None:
+                self.version = version
+            await self.resume(version, mode)
+        return version
+
+    async def generate_many(self, requests: Sequence[Request]) -> list[Generation]:
+        """Every request of ``requests``, admitted together (one wave on hf: reproducible with the engine seed)."""
+        return list(await asyncio.gather(*(self.generate(r) for r in requests)))
+
+    def submit(self, request: Request) -> concurrent.futures.Future[Generation]:
+        """`generate` from synchronous code: the future completes with the Generation."""
+        return self.loop.submit(self.generate(request))
+
+    def generate_batch(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n: int) -> list[list[Generation]]:
+        """``n`` samples for each prompt, blocking: ``out[i][j]`` is sample ``j`` of ``prompt_ids[i]``.
+
+        With ``params.seed`` set, sample ``j`` is seeded ``seed + j`` (as vLLM seeds its n children)."""
+        if n < 1:
+            raise ValueError(f"n={n}: ask for at least one sample per prompt")
+        requests = [Request(list(ids), params if params.seed is None else dataclasses.replace(params, seed=params.seed + j))
+                    for ids in prompt_ids for j in range(n)]
+        flat = self.loop.call(self.generate_many(requests)) if requests else []
+        return [flat[i * n : (i + 1) * n] for i in range(len(prompt_ids))]
 
     @abc.abstractmethod
     def param_specs(self) -> list[ParamSpec]:
@@ -111,12 +233,19 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy the given weights in place. Every name and shape is checked before anything is copied:
-        an unknown name or a wrong shape raises ``ValueError`` and leaves all weights unchanged."""
+        """Copy the given weights in place. Every name, shape and dtype is checked before anything is
+        copied: an unknown name, a wrong shape or a non-float tensor for a float weight raises
+        ``ValueError`` and leaves all weights unchanged."""
 
     @abc.abstractmethod
     def load_weights_from_dir(self, path: str) -> None:
         """Load every weight from the safetensors file(s) of a HF model directory (same checks)."""
+
+    def weight_receiver(self, cfg: JobConfig, device: str, client_id: str) -> Any:
+        """What receives announced versions for this engine: an in-process `WeightReceiver`."""
+        from fleetrl.rollout.weights import WeightReceiver
+
+        return WeightReceiver(cfg, self.param_specs(), device, client_id)
 
     def close(self) -> None:
         """Release the model and its memory. The engine is unusable afterwards."""
@@ -177,6 +306,17 @@ def state_specs(state: dict[str, torch.Tensor]) -> tuple[list[ParamSpec], dict[s
             first[id(tensor)] = name
             specs.append((name, tuple(tensor.shape), tensor.dtype))
     return specs, aliases
+
+
+def check_named_tensors(named: Sequence[tuple[str, Any]], expected: dict[str, tuple[int, ...]],
+                        float_names: set[str], where: str) -> None:
+    """`check_named_shapes`, and a tensor that is not floating point for a float weight is refused
+    (float dtypes convert while copying: a bf16 learner may feed an fp32 rollout)."""
+    check_named_shapes([(name, tuple(t.shape)) for name, t in named], expected, where)
+    for name, tensor in named:
+        if name in float_names and not tensor.is_floating_point():
+            raise ValueError(f"{where}: weight {name!r} arrives as {tensor.dtype} but the model's is floating point; "
+                             "send the model's own float weights. No weight was changed.")
 
 
 def check_named_shapes(

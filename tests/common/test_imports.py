@@ -32,3 +32,12 @@ def test_every_command_has_help():
         out = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", name, "--help"], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         assert "usage: fleetrl " + name in out.stdout
+
+
+def test_launchers_import_without_torch_or_ray():
+    code = ("import fleetrl.common.launch.world, fleetrl.common.launch.slurm, fleetrl.common.launch.slurm_job, "
+            "fleetrl.common.launch.supervisor, fleetrl.common.launch.k8s, fleetrl.common.launch.ray_job, "
+            "fleetrl.common.config.cluster")
+    probe = f"{code}\nimport sys\nprint(','.join(m for m in {(*HEAVY, 'ray')!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

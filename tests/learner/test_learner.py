@@ -159,3 +159,19 @@ def test_loss_mask_holes_are_trained_around_and_never_read(dist, tiny_model_dir,
     for key in ("actor/loss", "actor/grad_norm", "off_policy/mismatch_kl", "adv/abs_mean"):
         assert stats[0][key] == stats[1][key] and math.isfinite(stats[0][key]), key
     assert stats[0]["adv/abs_mean"] > 0
+
+
+def test_remax_trains_against_the_greedy_baseline_the_groups_carry(dist, tiny_model_dir, tmp_path):
+    cfg = job(tiny_model_dir, tmp_path, "algorithm.adv_estimator=remax")
+    groups = synthetic_groups(4)
+    for g in groups:
+        g.metadata["baseline_reward"] = 0.5  # what the rollout server scored for the greedy response
+    learner = Learner(cfg, tmp_path, inproc_client(groups)[0], dist)
+    batch = learner.actor.plan(learner.source.next(1))
+    assert batch.baselines.tolist() == [0.5] * 16
+    stats = learner.actor.step(batch, 0)
+    assert stats["adv/abs_mean"] == pytest.approx(0.5)  # rewards are 0 or 1: |R - 0.5| = 0.5 on every token
+    learner.close()
+    with pytest.raises(ValueError, match="greedy"):  # groups without the baseline: a clear error, not a silent 0
+        plain = Learner(cfg, tmp_path, inproc_client(synthetic_groups(4, seed=5))[0], dist)
+        plain.actor.step(plain.actor.plan(plain.source.next(1)), 0)

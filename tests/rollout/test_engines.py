@@ -61,7 +61,7 @@ def teacher_forced_logp(model, prompt: list[int], response: list[int], temperatu
 def one_sample(engine, prompt: list[int], **params) -> Generation:
     """One seeded sample of one prompt: a single row draws the same random numbers with or without
     stops, so a stopped sample is a prefix of the unstopped one."""
-    [[sample]] = engine.generate([prompt], SamplingParams(max_new_tokens=40, seed=11, **params), 1)
+    [[sample]] = engine.generate_batch([prompt], SamplingParams(max_new_tokens=40, seed=11, **params), 1)
     return sample
 
 
@@ -128,14 +128,14 @@ def test_draw_follows_probabilities_and_skips_zero_mass():
 
 
 def test_group_shapes(engine, prompt_ids):
-    groups = engine.generate(prompt_ids, SamplingParams(max_new_tokens=10, seed=1), n=3)
+    groups = engine.generate_batch(prompt_ids, SamplingParams(max_new_tokens=10, seed=1), n=3)
     assert len(groups) == len(prompt_ids) and all(len(group) == 3 for group in groups)
     for group in groups:
         for sample in group:
             assert 1 <= len(sample.token_ids) == len(sample.logprobs) <= 10
             assert sample.finish_reason in ("stop", "length")
             assert all(lp <= 0 for lp in sample.logprobs)
-    assert engine.generate([], SamplingParams(), n=2) == []
+    assert engine.generate_batch([], SamplingParams(), n=2) == []
 
 
 @pytest.mark.parametrize(
@@ -150,7 +150,7 @@ def test_group_shapes(engine, prompt_ids):
     ids=["t1", "t0.7-topk-topp", "t1.3-topp", "greedy", "early-stops"],  # early stops: rows leave the batch
 )
 def test_logprobs_match_teacher_forced_forward(engine, reference, prompt_ids, params):
-    groups = engine.generate(prompt_ids, params, n=4)
+    groups = engine.generate_batch(prompt_ids, params, n=4)
     for prompt, group in zip(prompt_ids, groups):
         for sample in group:
             expected = teacher_forced_logp(reference, prompt, sample.token_ids, params.temperature)
@@ -163,7 +163,7 @@ def test_logprobs_match_teacher_forced_forward(engine, reference, prompt_ids, pa
 
 
 def test_max_new_tokens_gives_length(engine, prompt_ids):
-    groups = engine.generate(prompt_ids, SamplingParams(max_new_tokens=4, seed=3), n=4)
+    groups = engine.generate_batch(prompt_ids, SamplingParams(max_new_tokens=4, seed=3), n=4)
     samples = [s for group in groups for s in group]
     assert any(s.finish_reason == "length" for s in samples)
     for s in samples:
@@ -172,13 +172,13 @@ def test_max_new_tokens_gives_length(engine, prompt_ids):
 
 def test_context_length_ends_with_length(engine):
     prompt = [10 + i % 90 for i in range(510)]  # the tiny model's context is 512
-    [[sample]] = engine.generate([prompt], SamplingParams(max_new_tokens=8, seed=0), n=1)
+    [[sample]] = engine.generate_batch([prompt], SamplingParams(max_new_tokens=8, seed=0), n=1)
     assert len(sample.token_ids) <= 2
     assert sample.finish_reason == ("length" if len(sample.token_ids) == 2 else "stop")
 
 
 def test_eos_ends_response(engine, prompt_ids):
-    groups = engine.generate(prompt_ids, SamplingParams(max_new_tokens=48, seed=4), n=8)
+    groups = engine.generate_batch(prompt_ids, SamplingParams(max_new_tokens=48, seed=4), n=8)
     stopped = [s for group in groups for s in group if s.finish_reason == "stop"]
     assert stopped, "no sample ended with eos; pick another seed"
     for s in stopped:
@@ -211,7 +211,7 @@ def test_stop_string_cuts_text_and_tokens(engine, prompt_ids):
 
 def test_seed_reproducibility(engine, prompt_ids):
     def tokens(seed):
-        groups = engine.generate(prompt_ids, SamplingParams(max_new_tokens=12, seed=seed), n=2)
+        groups = engine.generate_batch(prompt_ids, SamplingParams(max_new_tokens=12, seed=seed), n=2)
         return [(s.token_ids, s.logprobs) for group in groups for s in group]
 
     assert tokens(7) == tokens(7)
@@ -221,7 +221,7 @@ def test_seed_reproducibility(engine, prompt_ids):
 
 def test_engine_seed_reproducibility(tiny_model_dir, prompt_ids):
     params = SamplingParams(max_new_tokens=12)
-    runs = [make_engine(tiny_model_dir, seed=5).generate(prompt_ids, params, n=2) for _ in range(2)]
+    runs = [make_engine(tiny_model_dir, seed=5).generate_batch(prompt_ids, params, n=2) for _ in range(2)]
     assert runs[0] == runs[1]
 
 
@@ -238,13 +238,13 @@ def test_param_specs_are_the_distinct_weights_in_state_dict_order(engine):
 
 def test_update_weights_gives_the_new_models_outputs(tiny_model_dir, new_model_dir, prompt_ids):
     greedy_params = SamplingParams(temperature=0, max_new_tokens=16)
-    expected = make_engine(new_model_dir).generate(prompt_ids, greedy_params, n=1)
+    expected = make_engine(new_model_dir).generate_batch(prompt_ids, greedy_params, n=1)
     engine = make_engine(tiny_model_dir)
     before = weights(engine)
-    assert engine.generate(prompt_ids, greedy_params, n=1) != expected
+    assert engine.generate_batch(prompt_ids, greedy_params, n=1) != expected
     new_state = AutoModelForCausalLM.from_pretrained(new_model_dir).state_dict()
     engine.update_weights(new_state.items())  # lm_head.weight (a tied alias) included
-    assert engine.generate(prompt_ids, greedy_params, n=1) == expected
+    assert engine.generate_batch(prompt_ids, greedy_params, n=1) == expected
     after = weights(engine)
     assert all(torch.equal(after[name], new_state[name]) for name in after)
     changed = [name for name in before if not torch.equal(before[name], new_state[name])]
@@ -253,10 +253,10 @@ def test_update_weights_gives_the_new_models_outputs(tiny_model_dir, new_model_d
 
 def test_load_weights_from_dir_gives_the_new_models_outputs(tiny_model_dir, new_model_dir, prompt_ids):
     greedy_params = SamplingParams(temperature=0, max_new_tokens=16)
-    expected = make_engine(new_model_dir).generate(prompt_ids, greedy_params, n=1)
+    expected = make_engine(new_model_dir).generate_batch(prompt_ids, greedy_params, n=1)
     engine = make_engine(tiny_model_dir)
     engine.load_weights_from_dir(new_model_dir)
-    assert engine.generate(prompt_ids, greedy_params, n=1) == expected
+    assert engine.generate_batch(prompt_ids, greedy_params, n=1) == expected
 
 
 def test_bad_weights_are_rejected_without_any_change(tiny_model_dir, tmp_path):
@@ -285,11 +285,11 @@ def test_bad_weights_are_rejected_without_any_change(tiny_model_dir, tmp_path):
 
 def test_bad_prompts_are_rejected(engine):
     with pytest.raises(ValueError, match="prompt 1 is empty"):
-        engine.generate([[5], []], SamplingParams(), n=1)
+        engine.generate_batch([[5], []], SamplingParams(), n=1)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        engine.generate([[100_000]], SamplingParams(), n=1)
+        engine.generate_batch([[100_000]], SamplingParams(), n=1)
     with pytest.raises(ValueError, match="n=0"):
-        engine.generate([[5]], SamplingParams(), n=0)
+        engine.generate_batch([[5]], SamplingParams(), n=0)
 
 
 # ------------------------------------------------------------------- vllm engine, without vllm
@@ -311,32 +311,34 @@ def test_vllm_logprobs_mode_choice():
 
 
 def test_vllm_outputs_become_generations():
-    from fleetrl.rollout.engines.vllm import to_generations
+    from fleetrl.rollout.engines.vllm import span_versions, to_generation
 
-    def completion(index, tokens, reason, text):
+    def completion(tokens, reason, text, spans=None):
         logprobs = [{tok: SimpleNamespace(logprob=-0.5 * tok), 99: SimpleNamespace(logprob=-9.0)} for tok in tokens]
-        return SimpleNamespace(index=index, token_ids=tuple(tokens), logprobs=logprobs, finish_reason=reason, text=text)
+        return SimpleNamespace(token_ids=tuple(tokens), logprobs=logprobs, finish_reason=reason, text=text,
+                               weight_versions=spans)
 
-    out = SimpleNamespace(outputs=[completion(1, [4, 2], "stop", "b"), completion(0, [3, 5, 6], "length", "abc")])
-    assert to_generations(out) == [
-        Generation([3, 5, 6], [-1.5, -2.5, -3.0], "length", "abc"),
-        Generation([4, 2], [-2.0, -1.0], "stop", "b"),
-    ]
+    span = lambda v, a, b: SimpleNamespace(version=v, start=a, end=b)  # noqa: E731
+    out = to_generation(completion([3, 5, 6], "length", "abc", [span("2", 0, 1), span("3", 1, 3)]), "r1", 2)
+    assert out == Generation([3, 5, 6], [-1.5, -2.5, -3.0], "length", "abc", versions=[2, 3, 3])
+    assert out.request_id == "r1"
+    assert to_generation(completion([4], "stop", "b"), "r2", 5).versions == [5]  # no spans: the engine's version
+    assert span_versions([span("default", 0, 2)], 2, 0) == [0, 0]
     with pytest.raises(RuntimeError, match="abort"):
-        to_generations(SimpleNamespace(outputs=[completion(0, [3], "abort", "")]))
+        to_generation(completion([3], "abort", ""), "r3", 0)
 
 
-def test_vllm_specs_and_buckets_without_vllm(engine, tiny_model_dir):
-    from fleetrl.rollout.engines.vllm import buckets, hf_state_specs
+def test_vllm_specs_without_vllm(engine, tiny_model_dir):
+    from fleetrl.rollout.engines.vllm import hf_state_specs
 
     specs, aliases = hf_state_specs(ModelConfig(path=tiny_model_dir), torch.bfloat16)
     assert [(n, s) for n, s, _ in specs] == [(n, s) for n, s, _ in engine.param_specs()]
     assert {d for _, _, d in specs} == {torch.bfloat16} and aliases == {"lm_head.weight": "model.embed_tokens.weight"}
-    named = [(str(i), torch.zeros(n)) for i, n in enumerate([3, 3, 10, 1, 1])]  # float32: 4 bytes each
-    assert [[name for name, _ in b] for b in buckets(named, 24)] == [["0", "1"], ["2"], ["3", "4"]]
-    assert [[name for name, _ in b] for b in buckets(named, 1 << 20)] == [["0", "1", "2", "3", "4"]]
 
 
-def test_vllm_engine_refuses_cpu(tiny_model_dir):
-    with pytest.raises(ValueError, match="needs a CUDA GPU.*rollout.engine=hf"):
+def test_vllm_engine_without_vllm_names_the_lane_that_installs_it(tiny_model_dir):
+    pytest.importorskip("transformers")
+    if __import__("importlib").util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here (the vLLM lane's environment)")
+    with pytest.raises(ImportError, match=r"scripts/vllm_env.sh.*fleetrl\[gpu\]"):
         create_engine("vllm", ModelConfig(path=tiny_model_dir), RolloutConfig(), "cpu", 0)

@@ -22,7 +22,7 @@ def rows(engine):
     """Arithmetic prompts whose `answer` is the tiny model's own greedy response (so greedy is 100% right)."""
     prompts = [f"{a:02d}+{b:02d}=" for a, b in [(7, 58), (12, 3), (99, 99), (40, 1), (5, 5), (31, 68)]]
     ids = [encode_prompt(engine.tokenizer, p, False, 100) for p in prompts]
-    out = engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=MAX_NEW), 1)
+    out = engine.generate_batch(ids, SamplingParams(temperature=0, max_new_tokens=MAX_NEW), 1)
     return [{"id": i, "prompt": p, "answer": g[0].text} for i, (p, g) in enumerate(zip(prompts, out))]
 
 

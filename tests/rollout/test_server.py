@@ -28,7 +28,7 @@ from fleetrl.common import messages as m
 from fleetrl.common.config.schema import ModelConfig, RolloutConfig
 from fleetrl.rollout.engines import SamplingParams, create_engine
 from fleetrl.rollout.loop import encode_prompt
-from fleetrl.rollout.rewards import RewardScorer
+from fleetrl.rollout.rewards import RewardInput, RewardScorer
 from fleetrl.rollout.server import RolloutServer, broker_address
 from fleetrl.rollout.weights import WeightReceiver
 from tests.broker.conftest import make_state
@@ -146,19 +146,22 @@ def test_one_iteration_produces_valid_groups(engine, tiny_model_dir, tmp_path):
         fleet.server.start()
         ready = json.loads((tmp_path / "rollout-0.ready").read_text())
         assert ready == {"pid": os.getpid(), "client_id": "rollout-0-test", "policy_version": 0}
-        batch = fleet.server.step()
-        assert batch is not None and len(batch.lease.prompts) == B and batch.version == 0
-        fleet.server.shutdown(finish=True, give_back=True)
+        lease = fleet.server.step()
+        assert lease is not None and len(lease.prompts) == B
+        fleet.server.shutdown(finish=True, give_back=True)  # finishes the groups in flight
         groups = fleet.drain()
-        assert sorted(g.prompt_id for g in groups) == sorted(p.prompt_id for p in batch.lease.prompts)
+        assert sorted(g.prompt_id for g in groups) == sorted(p.prompt_id for p in lease.prompts)
         check_groups(groups, engine.tokenizer, fleet.prompt_text, server_id="rollout-0-test")
         assert fleet.state.prompts.leased == 0
-        [record] = [json.loads(line) for line in (tmp_path / "rollout-0.metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (tmp_path / "rollout-0.metrics.jsonl").read_text().splitlines()]
+        record = records[-1]  # one line per push frame: groups go as soon as they are done
         assert record["rollout/groups_pushed"] == B and record["rollout/policy_version"] == 0
+        assert sum(r["rollout/prompts"] for r in records) == B
         assert record["rollout/tokens_per_s"] > 0 and record["timing/generate_s"] > 0
         for key in ("reward/mean", "timing/reward_s", "timing/push_s", "rollout/throttled_s", "reward/samples_total"):
             assert key in record
-        assert record["reward/mean"] == pytest.approx(np.mean([r for g in groups for r in g.rewards]))
+        if len(records) == 1:
+            assert record["reward/mean"] == pytest.approx(np.mean([r for g in groups for r in g.rewards]))
     finally:
         fleet.stop()
 
@@ -178,12 +181,12 @@ def test_dropped_groups_are_not_pushed_and_their_prompts_return(engine, tiny_mod
                   "rollout.rewards=[{name: python, args: {function: 'tests.rollout.user_rewards:boom'}}]")
     try:
         fleet.server.start()
-        batch = fleet.server.step()
+        lease = fleet.server.step()
         fleet.server.shutdown(finish=True, give_back=True)
         assert fleet.drain() == []
         assert fleet.server.stats.totals["groups_dropped"] == B
         returned = sorted(p.prompt_id for p in fleet.state.prompts.reissue)
-        assert returned == sorted(p.prompt_id for p in batch.lease.prompts)
+        assert returned == sorted(p.prompt_id for p in lease.prompts)
         assert fleet.state.prompts.leased == 0
     finally:
         fleet.stop()
@@ -243,7 +246,7 @@ def test_a_server_exits_when_the_learner_is_done_unless_it_stays(engine, tiny_mo
 
 
 def test_abandoned_batch_returns_its_prompts(engine, tiny_model_dir):
-    """What a second SIGTERM does: the batch in hand is not pushed, its prompts go back at once."""
+    """What a second SIGTERM does: the groups in flight are not pushed, their prompts go back at once."""
     fleet = Fleet(engine, tiny_model_dir)
     try:
         fleet.server.start()
@@ -280,7 +283,8 @@ def test_pause_resume_and_stop_announcements(engine, tiny_model_dir):
     wait_for(lambda: fleet.state.counters["groups_in"] >= B, what="groups")
     operator.control("pause", reason="test")
     wait_for(lambda: fleet.server.paused, what="pause")
-    time.sleep(0.3)  # the batch in hand is finished and pushed
+    wait_for(lambda: not fleet.server.inflight and fleet.state.prompts.leased == 0, what="in-flight groups pushed")
+    time.sleep(0.2)
     leases, groups_in = fleet.client.calls["lease_prompts"], fleet.state.counters["groups_in"]
     time.sleep(1.0)
     assert fleet.client.calls["lease_prompts"] == leases  # paused: no lease requests at all
@@ -291,7 +295,7 @@ def test_pause_resume_and_stop_announcements(engine, tiny_model_dir):
     fleet.thread.join(20)
     assert not fleet.thread.is_alive() and fleet.exit_code == 0
     assert "stop announced" in fleet.server.stop_reason
-    assert fleet.state.prompts.leased == 0  # the batch in hand was pushed, nothing is held
+    assert fleet.state.prompts.leased == 0  # the groups in flight were pushed, nothing is held
     fleet.stop()
 
 
@@ -319,7 +323,7 @@ def test_new_weights_are_loaded_between_batches(engine, tiny_model_dir, tmp_path
     greedy = SamplingParams(temperature=0, max_new_tokens=MAX_NEW)
     try:
         prompts = [encode_prompt(engine.tokenizer, fleet.prompt_text(f"0:{i}"), False, 100) for i in range(50)]
-        before = {tuple(p): s[0].token_ids for p, s in zip(prompts, engine.generate(prompts, greedy, 1))}
+        before = {tuple(p): s[0].token_ids for p, s in zip(prompts, engine.generate_batch(prompts, greedy, 1))}
         fleet.start_thread()
         wait_for(lambda: fleet.state.counters["groups_in"] >= B, what="version-0 groups")
         fleet.learner.publish_version(1, 1, m.WeightsInfo(transport="filesystem", path=other))
@@ -327,7 +331,7 @@ def test_new_weights_are_loaded_between_batches(engine, tiny_model_dir, tmp_path
         fleet.drain()
         new = wait_for(lambda: [g for g in fleet.drain() if g.policy_version == 1], what="version-1 groups")
         for g in new:
-            [[want]] = reference.generate([g.prompt_array().tolist()], greedy, 1)
+            [[want]] = reference.generate_batch([g.prompt_array().tolist()], greedy, 1)
             assert all(g.response_tokens(i).tolist() == want.token_ids for i in range(G))
         assert any(g.response_tokens(0).tolist() != before[tuple(g.prompt_array().tolist())] for g in new)
         client = fleet.state.clients["rollout-0-test"]
@@ -485,3 +489,29 @@ def test_killed_server_leases_come_back_to_another_server(tmp_path, arith_data, 
     finally:
         learner.close()
     assert broker.stop() == 0
+
+
+def test_remax_groups_carry_the_reward_of_a_greedy_response(engine, tiny_model_dir):
+    """adv_estimator=remax: one extra greedy response per prompt, scored, its reward in the group's metadata."""
+    fleet = Fleet(engine, tiny_model_dir, "algorithm.adv_estimator=remax", "rollout.rewards=[{name: length, "
+                  "args: {target: 3, penalty_per_token: 0.1}}]")
+    try:
+        fleet.server.start()
+        lease = fleet.server.step()
+        fleet.server.shutdown(finish=True, give_back=True)
+        groups = fleet.drain()
+        assert len(groups) == len(lease.prompts) and all(g.num_responses == G for g in groups)  # not G + 1
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
+        scorer = RewardScorer.from_config(fleet.cfg.rollout)
+        try:
+            for g in groups:
+                ids = g.prompt_array().tolist()
+                (out,), = engine.generate_batch([ids], greedy, 1)
+                want = scorer.score([RewardInput(prompt=fleet.prompt_text(g.prompt_id), response=out.text, answer=None,
+                                                 metadata={},
+                                                 finish_reason=out.finish_reason, num_tokens=len(out.token_ids))])[0]
+                assert g.metadata["baseline_reward"] == pytest.approx(want.reward)
+        finally:
+            scorer.close()
+    finally:
+        fleet.stop()

@@ -48,7 +48,7 @@ def assert_same_weights(model, state: dict) -> None:
 
 def greedy(engine):
     prompts = [engine.tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
-    out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12), 1)
+    out = engine.generate_batch(prompts, SamplingParams(temperature=0.0, max_new_tokens=12), 1)
     return [[(g.token_ids, g.logprobs) for g in group] for group in out]
 
 

@@ -46,7 +46,7 @@ def _greedy(engine, ref_dir, tokenizer_dir):
     ref = create_engine("hf", ModelConfig(path=ref_dir, tokenizer=tokenizer_dir), RolloutConfig(), "cpu", 0)
 
     def run(e):
-        return [[(g.token_ids, g.logprobs) for g in group] for group in e.generate(prompts, params, 1)]
+        return [[(g.token_ids, g.logprobs) for g in group] for group in e.generate_batch(prompts, params, 1)]
 
     return run(engine), run(ref)
 

@@ -1,0 +1,142 @@
+"""The `hf` engine's sampling arithmetic and decode state: devices and dtypes, top-k / top-p filtering,
+one token per row with its behaviour log-prob (the convention of `base.py`), which requests may share
+a wave, and the records of one wave (`_Job` per request, `_Batch` of live rows, `_Wave`)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from fleetrl.rollout.engines.base import Generation, Request, SamplingParams
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"rollout.device={device!r} but no CUDA device is visible; use cpu or auto")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def filter_top_k_top_p(scores_RV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set to -inf every score outside the top ``top_k`` (0 = off) and outside the nucleus: the
+    smallest set of highest-probability tokens whose mass reaches ``top_p`` (1 = off)."""
+    if 0 < top_k < scores_RV.shape[-1]:
+        kth_R1 = scores_RV.topk(top_k, dim=-1).values[:, -1:]
+        scores_RV = scores_RV.masked_fill(scores_RV < kth_R1, float("-inf"))
+    if top_p < 1.0:
+        sorted_RV, order_RV = scores_RV.sort(dim=-1, descending=True)
+        probs_RV = sorted_RV.softmax(dim=-1)
+        mass_before_RV = probs_RV.cumsum(dim=-1) - probs_RV
+        drop_RV = mass_before_RV >= top_p
+        drop_RV[:, 0] = False
+        scores_RV = scores_RV.scatter(-1, order_RV, sorted_RV.masked_fill(drop_RV, float("-inf")))
+    return scores_RV
+
+
+def sample_next(
+    logits_RV: torch.Tensor, params: SamplingParams, generator: torch.Generator, u_R: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row; returns (token_R, logp_R) with logp = log_softmax(z / T)[token]
+    over the full vocabulary (T = 1 for greedy), not over the top-k / top-p filtered scores.
+    ``u_R``: the rows' uniform numbers (per-request seeds), else drawn from ``generator``."""
+    if params.greedy:
+        token_R = logits_RV.argmax(dim=-1)
+        logp_RV = logits_RV.log_softmax(dim=-1)
+    else:
+        scaled_RV = logits_RV / params.temperature if params.temperature != 1.0 else logits_RV
+        logp_RV = scaled_RV.log_softmax(dim=-1)
+        if params.top_k > 0 or params.top_p < 1.0:
+            probs_RV = filter_top_k_top_p(scaled_RV, params.top_k, params.top_p).softmax(dim=-1)
+        else:
+            probs_RV = logp_RV.exp()
+        token_R = draw(probs_RV, generator, u_R)
+    return token_R, logp_RV.gather(1, token_R[:, None]).squeeze(1)
+
+
+def draw(probs_RV: torch.Tensor, generator: torch.Generator, u_R: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row by inverse-CDF sampling: the first token whose cumulative mass exceeds
+    u * total, u ~ U[0, 1). One random number per row (``torch.multinomial`` draws one per
+    vocabulary entry on CPU, ~10x slower here); tokens of zero mass are never drawn."""
+    cdf_RV = probs_RV.cumsum(dim=-1)
+    if u_R is None:
+        u_R = torch.rand(cdf_RV.shape[0], generator=generator, device=cdf_RV.device)
+    return torch.searchsorted(cdf_RV, u_R[:, None] * cdf_RV[:, -1:], right=True).squeeze(1)
+
+
+def wave_key(params: SamplingParams) -> SamplingParams:
+    """What requests of one wave must share: everything but the seed and max_new_tokens."""
+    return dataclasses.replace(params, seed=None, max_new_tokens=1)
+
+
+@dataclass
+class _Job:
+    """One request in the engine: its future, and what it sampled before a ``recompute``."""
+
+    request: Request
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    generator: torch.Generator | None = None  # its own when the request has a seed
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def context(self) -> list[int]:
+        return list(self.request.prompt_ids) + self.tokens
+
+    @property
+    def budget(self) -> int:
+        return self.request.params.max_new_tokens - len(self.tokens)
+
+    def resolve(self, generation: Generation | BaseException) -> None:
+        def set_result() -> None:
+            if self.future.done():
+                return
+            if isinstance(generation, BaseException):
+                self.future.set_exception(generation)
+            else:
+                self.future.set_result(generation)
+
+        self.loop.call_soon_threadsafe(set_result)
+
+
+@dataclass
+class _Batch:
+    """The rows being decoded. ``rows_R`` maps each to its index in the wave's job list."""
+
+    cache: DynamicCache
+    mask_RL: torch.Tensor  # attention mask over the prompt and every step (steps are all 1)
+    pos_R: torch.Tensor  # position of the next token fed
+    limit_R: torch.Tensor  # most tokens the row may sample (its budget or the context length)
+    rows_R: torch.Tensor
+    live_R: torch.Tensor  # False once finished (kept in the batch until compaction)
+    prompt_len: int
+
+    def select(self, keep_R: torch.Tensor) -> None:
+        index = keep_R.nonzero().squeeze(1)
+        self.cache.batch_select_indices(index)
+        for name in ("mask_RL", "pos_R", "limit_R", "rows_R", "live_R"):
+            setattr(self, name, getattr(self, name)[index])
+
+
+@dataclass
+class _Wave:
+    """One wave: its jobs, the tokens / log-probs written at each step, the version of each step."""
+
+    jobs: list[_Job]
+    params: SamplingParams
+    tokens_SM: torch.Tensor
+    logp_SM: torch.Tensor
+    step_versions: list[int] = field(default_factory=list)

@@ -1,0 +1,103 @@
+"""Fixtures of the real-engine lane (`make test-cluster`, marker `cluster`): the demo task's model and data
+(built locally, warm-started by `fleetrl sft`), a one-host Slurm cluster, helpers to read a run directory.
+
+Nothing here skips: a missing tool fails the test with what to install (scripts/cluster_deps.sh does it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.localslurm import LocalSlurm, missing_tools
+
+JOB = str(Path(__file__).with_name("job.yaml"))
+
+
+def fleetrl(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fleetrl.common.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory) -> dict[str, str]:
+    """The demo's small model warm-started to ~25% held-out accuracy, and the arithmetic data (~1 min)."""
+    root = tmp_path_factory.mktemp("assets")
+    model, warm, data = root / "small", root / "warm", root / "arith.jsonl"
+    for args in (["init-model", "--out", str(model), "--preset", "small"],
+                 ["init-data", "--task", "arithmetic", "--out", str(data), "--n", "20000", "--eval-n", "500"],
+                 ["sft", "--model", str(model), "--data", str(data), "--eval-data", str(root / "arith.eval.jsonl"),
+                  "--out", str(warm), "--target-acc", "0.25", "--threads", "1", "--max-minutes", "8"]):
+        out = fleetrl(*args)
+        assert out.returncode == 0, f"fleetrl {args[0]} failed:\n{out.stdout}\n{out.stderr}"
+    return {"model": str(warm), "train": str(data), "eval": str(root / "arith.eval.jsonl")}
+
+
+def job_overrides(assets: dict[str, str], *extra: str) -> list[str]:
+    return [f"model.path={assets['model']}", f"data.train={assets['train']}", f"data.eval={assets['eval']}", *extra]
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    missing = missing_tools()
+    if missing:
+        pytest.fail(f"Slurm tools missing: {', '.join(missing)}; run `bash scripts/cluster_deps.sh` (apt-get install "
+                    "slurm-wlm munge) or `make test-cluster`, which does")
+    if os.geteuid() != 0:
+        pytest.fail("the local Slurm cluster runs slurmctld/slurmd as root; run `make test-cluster` as root")
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line cut by a SIGKILL
+    return rows
+
+
+def events(run_dir: Path, **match) -> list[dict]:
+    return [e for e in read_jsonl(run_dir / "launch" / "events.jsonl") if all(e.get(k) == v for k, v in match.items())]
+
+
+def wait_for(predicate, timeout: float, what: str, dump: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            tail = ""
+            if dump is not None:
+                tail = "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(dump.rglob("*.out")))
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{tail}")
+        time.sleep(0.5)
+
+
+def evals(run_dir: Path) -> list[float]:
+    return [r["eval/accuracy"] for r in read_jsonl(run_dir / "metrics.jsonl") if "eval/accuracy" in r]
+
+
+def learned(run_dir: Path, gain: float = 0.05) -> bool:
+    """Held-out accuracy up: the mean of the last three evaluations beats the step-0 one by ``gain``."""
+    acc = evals(run_dir)
+    return len(acc) >= 4 and sum(acc[-3:]) / 3 >= acc[0] + gain
+
+
+def trained_ids(run_dir: Path) -> list[str]:
+    return [g for path in sorted(run_dir.glob("trained-*.jsonl")) for row in read_jsonl(path)
+            for g in row.get("group_ids", [])]
+
+
+def ready_pid(path: Path) -> int:
+    return json.loads(path.read_text())["pid"]

@@ -1,0 +1,223 @@
+"""A real one-host Slurm cluster for the `make test-cluster` lane: munged, slurmctld and slurmd started by
+hand (no systemd here), tracked by PID, configured under a scratch directory.
+
+    with LocalSlurm(tmp_dir) as slurm:        # writes slurm.conf, starts the daemons, waits for the node
+        env = slurm.env                       # SLURM_CONF for sbatch / squeue / scontrol
+        slurm.job_state(job_id)               # from `scontrol show job`, else the jobcomp file
+
+Facts checked on this machine (Debian 12, slurm-wlm 22.05):
+- munged must run as the ``munge`` user with ``/run/munge`` owned by it; slurmctld and slurmd run as
+  root in the foreground (``-D``), so the PIDs we hold are the daemons themselves;
+- ``sacct`` needs slurmdbd, so final states come from ``jobcomp/filetxt`` (or ``scontrol show job``
+  while the controller still remembers the job, ``MinJobAge``);
+- ``proctrack/cgroup`` (cgroup v1 is mounted here) kills double-forked processes on ``scancel``;
+  ``proctrack/linuxproc`` does not.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+DAEMONS = ("munged", "slurmctld", "slurmd")
+
+
+def missing_tools() -> list[str]:
+    return [t for t in ("sbatch", "srun", "scontrol", "slurmctld", "slurmd", "munged") if shutil.which(t) is None
+            and not Path(f"/usr/sbin/{t}").exists()]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SLURM_CONF = """\
+ClusterName=fleetrl-test
+SlurmctldHost={host}
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool/%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd-%n.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd-%n.log
+ProctrackType=proctrack/{proctrack}
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/filetxt
+JobCompLoc={root}/jobcomp.txt
+JobAcctGatherType=jobacct_gather/none
+MailProg=/bin/true
+ReturnToService=2
+MinJobAge=600
+KillWait=10
+InactiveLimit=0
+MpiDefault=none
+JobRequeue=1
+NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={mem} State=UNKNOWN
+PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+"""
+
+CGROUP_CONF = "CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\nConstrainCores=no\nConstrainRAMSpace=no\n"
+
+
+class LocalSlurm:
+    """munged + slurmctld + slurmd on this host, for tests; stops exactly the daemons it started."""
+
+    def __init__(self, root: Path, cpus: int | None = None, proctrack: str = "cgroup"):
+        self.root = Path(root)
+        self.host = socket.gethostname().split(".")[0]
+        self.node = self.host
+        self.cpus = cpus or (os.cpu_count() or 2)
+        self.proctrack = proctrack
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.conf = self.root / "slurm.conf"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def write_config(self) -> None:
+        for d in ("state", "spool"):
+            (self.root / d).mkdir(parents=True, exist_ok=True)
+        mem = max(1000, int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20 * 0.9))
+        self.conf.write_text(SLURM_CONF.format(host=self.host, node=self.node, root=self.root, cpus=self.cpus, mem=mem,
+                                               ctld_port=_free_port(), slurmd_port=_free_port(),
+                                               proctrack=self.proctrack))
+        (self.root / "cgroup.conf").write_text(CGROUP_CONF)
+
+    def start(self) -> "LocalSlurm":
+        self.write_config()
+        self._start_munge()
+        log = (self.root / "daemons.out").open("ab")
+        self.procs["slurmctld"] = subprocess.Popen(["slurmctld", "-D", "-i", "-f", str(self.conf)], stdout=log,
+                                                   stderr=subprocess.STDOUT, env=self.env)
+        self.procs["slurmd"] = subprocess.Popen(["slurmd", "-D", "-f", str(self.conf)], stdout=log,
+                                                stderr=subprocess.STDOUT, env=self.env)
+        self.wait_idle(60)
+        return self
+
+    def _start_munge(self) -> None:
+        """munged as the munge user, with Debian's default paths (/run/munge, /var/log/munge, /var/lib/munge:
+        the package creates them owned by munge); its socket is where slurm's auth/munge plugin looks."""
+        user = pwd.getpwnam("munge")
+        for d in ("/run/munge", "/var/log/munge", "/var/lib/munge"):
+            Path(d).mkdir(parents=True, exist_ok=True)
+            os.chown(d, user.pw_uid, user.pw_gid)
+        if self._munge_ok():  # one already serving the socket (another session's): use it, leave it alone
+            return
+        self.procs["munged"] = subprocess.Popen(["munged", "-F", "--force"], user=user.pw_uid, group=user.pw_gid,
+                                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while not self._munge_ok():
+            if self.procs["munged"].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"munged did not start (exit {self.procs['munged'].poll()}); see /var/log/munge/munged.log")
+            time.sleep(0.1)
+
+    @staticmethod
+    def _munge_ok() -> bool:
+        try:
+            cred = subprocess.run(["munge", "-n"], capture_output=True, timeout=5)
+            return cred.returncode == 0 and subprocess.run(["unmunge"], input=cred.stdout, capture_output=True,
+                                                           timeout=5).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+
+    def wait_idle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        state = ""
+        while time.monotonic() < deadline:
+            for name in ("slurmctld", "slurmd"):
+                if self.procs[name].poll() is not None:
+                    raise RuntimeError(f"{name} exited with {self.procs[name].returncode}; see {self.root}/{name}*.log")
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, env=self.env)
+            state = out.stdout.strip()
+            if state.startswith("idle"):
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"the slurm node never became idle (state {state!r}); see {self.root}")
+
+    def scontrol_job(self, job_id: str) -> dict[str, str]:
+        out = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True, env=self.env)
+        return dict(re.findall(r"(\w+)=(\S*)", out.stdout)) if out.returncode == 0 else {}
+
+    def job_state(self, job_id: str) -> str:
+        """RUNNING, PENDING, COMPLETED, FAILED, CANCELLED, ... ('' when unknown)."""
+        info = self.scontrol_job(job_id)
+        if info.get("JobState"):
+            return info["JobState"]
+        comp = self.root / "jobcomp.txt"
+        states = re.findall(rf"JobId={job_id} .*?JobState=(\S+)", comp.read_text()) if comp.exists() else []
+        return states[-1] if states else ""
+
+    def wait_state(self, job_id: str, states: set[str], timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        state = ""
+        while time.monotonic() < deadline:
+            state = self.job_state(job_id)
+            if state in states:
+                return state
+            time.sleep(0.5)
+        raise AssertionError(f"job {job_id} is {state!r} after {timeout:.0f} s, wanted one of {sorted(states)}")
+
+    def cancel_all(self, timeout: float = 90) -> None:
+        """Cancel every job of this cluster and wait for them to leave: slurmd does not take running jobs
+        down with it, so stopping the daemons first would orphan them."""
+        if self.procs.get("slurmctld") is None or self.procs["slurmctld"].poll() is not None:
+            return
+        queue = lambda: subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True,  # noqa: E731
+                                       env=self.env).stdout.split()
+        jobs = queue()
+        if jobs:
+            subprocess.run(["scancel", "--full", *jobs], env=self.env, capture_output=True)
+        deadline = time.monotonic() + timeout
+        while queue() and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        self.cancel_all()
+        for name in reversed(DAEMONS):
+            proc = self.procs.pop(name, None)
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> "LocalSlurm":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":  # a cluster to try jobs by hand: python -m tests.cluster.localslurm DIR (Ctrl-C stops it)
+    import signal
+    import sys
+
+    with LocalSlurm(Path(sys.argv[1])) as cluster:
+        print(f"export SLURM_CONF={cluster.conf}", flush=True)
+        signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
