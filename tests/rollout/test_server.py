@@ -200,9 +200,9 @@ def test_unscorable_groups_are_skipped_and_their_prompts_not_reissued(engine, ti
         batch = fleet.server.step()
         fleet.server.shutdown(finish=True, give_back=True)
         pushed = fleet.drain()
-        odd = [p.prompt_id for p in batch.lease.prompts if int(p.prompt[:2]) % 2]
+        odd = [p.prompt_id for p in batch.prompts if int(p.prompt[:2]) % 2]
         assert odd and sorted(g.prompt_id for g in pushed) == sorted(
-            p.prompt_id for p in batch.lease.prompts if p.prompt_id not in odd)
+            p.prompt_id for p in batch.prompts if p.prompt_id not in odd)
         assert all(r == 1.0 for g in pushed for r in g.rewards)  # never a 0 for "no score"
         assert fleet.state.counters["prompts_unscored"] == len(odd) and not fleet.state.prompts.reissue
         assert fleet.server.stats.totals["groups_unscored"] == len(odd) and fleet.state.prompts.leased == 0
