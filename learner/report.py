@@ -111,12 +111,13 @@ DENSE = 60  # above this many points the raw values are drawn as dots: lines bet
 
 
 def _draw(ax, rows: list[dict], keys: list[str], marks: list[tuple[int, str]]) -> bool:
-    drawn = False
-    for color, style, key in zip(COLORS, STYLES, keys):
+    drawn = 0
+    for key in keys:
         xs, ys = series(rows, key)
         if not xs:
             continue
-        drawn = True
+        color, style = COLORS[drawn % len(COLORS)], STYLES[drawn % len(STYLES)]  # by what is drawn, not listed
+        drawn += 1
         if len(xs) > DENSE:
             ax.plot(xs, ys, ".", color=color, alpha=0.3, markersize=3.5, markeredgewidth=0)
         elif len(xs) > 1:
@@ -132,7 +133,7 @@ def _draw(ax, rows: list[dict], keys: list[str], marks: list[tuple[int, str]]) -
     if alerts:
         ax.scatter(alerts, [1.0] * len(alerts), transform=ax.get_xaxis_transform(), marker="v", s=16,
                    color="#cc0000", alpha=0.8, clip_on=False, zorder=3)
-    return drawn
+    return drawn > 0
 
 
 def plot(rows: list[dict], out_dir: Path, marks: list[tuple[int, str]] | None = None) -> list[tuple[str, Path]]:

@@ -282,7 +282,7 @@ def run_fuzz(broker: BrokerProcess, examples: int, requests: st.SearchStrategy |
 
 
 def test_fuzz_10k(broker):
-    tally = run_fuzz(broker, examples=380)
+    tally = run_fuzz(broker, examples=400)
     print(dict(tally))
     assert tally["frames"] >= 10_000
     assert tally["decodable"] >= 1_500  # the handlers were reached, not only the decoder

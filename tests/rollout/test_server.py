@@ -294,7 +294,7 @@ def test_pause_resume_and_stop_announcements(engine, tiny_model_dir):
     operator.control("stop", reason="test over")
     fleet.thread.join(20)
     assert not fleet.thread.is_alive() and fleet.exit_code == 0
-    assert "stop announced" in fleet.server.stop_reason
+    assert fleet.server.stop_reason.startswith(("stop announced", "the broker is stopping"))  # announcement or throttle first
     assert fleet.state.prompts.leased == 0  # the groups in flight were pushed, nothing is held
     fleet.stop()
 
