@@ -136,7 +136,8 @@ class PolicyActor:
         denom = sum(mb.num_tokens for mb in items) if per_token else float(sum(mb.size for mb in items))
 
         def loss_fn(mb: MicroBatch) -> Piece:
-            logp, entropy = response_logprobs(self.engine, mb, self.temperature, entropy=True)
+            logp, entropy = response_logprobs(self.engine, mb, self.temperature,
+                                              entropy=True if alg.entropy_coef > 0 else "metric")
             old = mb.old_logp if mb.old_logp is not None else logp.detach()
             out = self.loss_fn(LossInputs(logp=logp, old_logp=old, behav_logp=mb.behav_logp, adv=mb.adv, mask=mb.mask),
                                alg)

@@ -159,12 +159,12 @@ def _samples_of(groups: list[SampleGroup]) -> tuple[list[_Sample], dict[str, lis
     cols: dict[str, list] = {k: [] for k in ("rewards", "group_index", "versions", "truncated", "baselines")}
     for gi, g in enumerate(groups):
         prompt = g.prompt_array().astype(np.int64)
-        tokens, lps, masks, offsets = g.token_array(), g.logprob_array(), g.loss_mask_array(), g.offsets()
+        tokens, lps = g.token_array().astype(np.int64), g.logprob_array()  # one conversion per group;
+        masks, offsets = g.loss_mask_array().astype(np.float32), g.offsets()  # samples are views into it
         baseline = (g.metadata or {}).get("baseline_reward")
         for i in range(g.num_responses):
             a, b = offsets[i], offsets[i + 1]
-            samples.append(_Sample(prompt, tokens[a:b].astype(np.int64), masks[a:b].astype(np.float32),
-                                   lps[a:b].astype(np.float32)))
+            samples.append(_Sample(prompt, tokens[a:b], masks[a:b], lps[a:b]))
             cols["rewards"].append(g.rewards[i])
             cols["group_index"].append(gi)
             cols["versions"].append(g.policy_version)

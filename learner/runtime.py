@@ -136,6 +136,8 @@ def build_engine(model: torch.nn.Module, cfg: JobConfig, dtype: torch.dtype, lr:
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, dtype),
         model_parameters=trainable)
+    if cfg.learner.zero_stage == 0 and engine.dp_world_size == 1:
+        engine.enable_backward_allreduce = False  # one rank: the gradient "all-reduce" only flattens and copies
     return engine, optimizer, scheduler
 
 

@@ -56,15 +56,23 @@ def sync_max(n: int, device: torch.device) -> int:
     return int(t.item())
 
 
-def response_logprobs(model, mb: MicroBatch, temperature: float, entropy: bool = False
+def response_logprobs(model, mb: MicroBatch, temperature: float, entropy: bool | str = False
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(y_t | prompt, y_<t) ``[b, T]`` of a micro-batch's response tokens (and the entropy there)."""
+    """log pi(y_t | prompt, y_<t) ``[b, T]`` of a micro-batch's response tokens (and the entropy there).
+
+    ``entropy``: False (none), True (with its gradient, for an entropy bonus) or ``"metric"`` (only
+    logged: computed without building a graph through it)."""
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
     logits_bTV = torch.gather(logits, 1, mb.logit_pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()
     if temperature > 0 and temperature != 1.0:
         logits_bTV = logits_bTV / temperature
     logp = torch.log_softmax(logits_bTV, dim=-1).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
-    return logp, entropy_from_logits(logits_bTV) if entropy else None
+    if not entropy:
+        return logp, None
+    if entropy == "metric":  # only logged: no graph through it
+        with torch.no_grad():
+            return logp, entropy_from_logits(logits_bTV.detach())
+    return logp, entropy_from_logits(logits_bTV)
 
 
 @torch.no_grad()
