@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 VENV_VLLM ?= .venv-vllm
 
-.PHONY: demo test test-all test-cluster test-vllm install docs clean-venv
+.PHONY: demo test test-slow test-all test-cluster test-vllm install docs clean-venv
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test-cluster: $(STAMP)
 test-vllm:
 	VENV=$(VENV_VLLM) bash scripts/vllm_env.sh
 	FLEETRL_VLLM_LANE=1 $(VENV_VLLM)/bin/python -m pytest -q tests/vllm -p no:cacheprovider $(PYTEST_ARGS)
+
+# the slow lane of .ci/run: the 100k-frame fuzz, unbounded long polls, chaos in pinned states (~7 min on 2 cores)
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m "slow and not gpu and not cluster" --ignore=tests/vllm $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "not cluster" --ignore=tests/vllm $(PYTEST_ARGS)

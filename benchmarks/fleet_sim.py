@@ -276,7 +276,7 @@ def cpu_s(procs) -> float:
 def run_fleet(servers: int, rates: list[float], args, workdir: Path) -> dict:
     import psutil
 
-    from fleetrl.broker.client import BrokerClient
+    from fleetrl.broker.client import ZmqBrokerClient
 
     broker, address = start_broker(workdir, args.spool)
     bproc = psutil.Process(broker.pid)
@@ -304,7 +304,7 @@ def run_fleet(servers: int, rates: list[float], args, workdir: Path) -> dict:
         children.append(subprocess.Popen([sys.executable, __file__, "--role", "learner", "--address", address, "--rank",
                                           str(rank), "--schedule", str(sched_file), "--out", str(out)]))
     gen_procs = [psutil.Process(c.pid) for c in children]
-    monitor = BrokerClient(address, "fleet-sim-monitor", "monitor", timeout_s=60.0)
+    monitor = ZmqBrokerClient(address, "fleet-sim-monitor", "monitor", timeout_s=60.0)
     monitor.connect()
     samples = []
     try:

@@ -3,6 +3,10 @@
 The address comes from the command line (``--broker``), the config (``broker.address``), the
 ``broker.json`` the broker writes into its run directory with the port it actually bound (needed when
 ``broker.port`` is 0), or ``broker.host`` and ``broker.port`` — in that order.
+
+Client ids start with the client's *identity*: under CURVE the name its key is filed under in the
+broker's allowlist (``broker.curve.client_identity``, else the secret key file's name), without
+CURVE its role. A key may only act for client ids in its namespace (``identity`` and ``identity-*``).
 """
 
 from __future__ import annotations
@@ -33,5 +37,19 @@ def resolve_address(cfg_broker, run_dir: str | os.PathLike | None = None, overri
     return f"tcp://{cfg_broker.host}:{cfg_broker.port}"
 
 
-def default_client_id(role: str, index: int = 0) -> str:
-    return f"{role}-{index}-{socket.gethostname()}-{os.getpid()}"
+def client_identity(curve, role: str) -> str:
+    """The identity client ids start with: ``curve.client_identity``, else the secret key file's name
+    (``keys/rollout.key_secret`` -> ``rollout``), else (no CURVE) the role."""
+    if curve is None:
+        return role
+    if curve.client_identity:
+        return curve.client_identity
+    if curve.client_secret_key:
+        name = os.path.basename(curve.client_secret_key)
+        return name[: -len(".key_secret")] if name.endswith(".key_secret") else name.split(".")[0]
+    return role
+
+
+def default_client_id(role: str, index: int = 0, identity: str | None = None) -> str:
+    """``<identity>-<index>-<host>-<pid>`` (identity defaults to the role)."""
+    return f"{identity or role}-{index}-{socket.gethostname()}-{os.getpid()}"

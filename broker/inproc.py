@@ -1,7 +1,8 @@
-"""In-process twin of :class:`~fleetrl.broker.client.BrokerClient`: same methods, no sockets.
+"""In-process twin of the socket client: a :class:`~fleetrl.broker.client.BrokerClient` without sockets.
 
 Several twins may share one :class:`InprocBroker` (one per simulated rollout server or learner rank),
-from several threads. Unit tests of the rollout server and the learner run on it.
+from several threads. Unit tests of the rollout server and the learner run on it. Each twin acts with
+the role it was created with (as if its key had that role), so the permission table applies here too.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+from fleetrl.broker.auth import Principal
 from fleetrl.broker.client import BrokerError
 from fleetrl.broker.state import BrokerState
 from fleetrl.common import messages as m
@@ -25,7 +27,8 @@ class InprocBroker:
         self.subscribers: list[deque] = []
         self._ids = 0
 
-    def handle(self, req_factory: Callable[[int], m.Message], wait_s: float = 0.0) -> m.Message:
+    def handle(self, req_factory: Callable[[int], m.Message], wait_s: float = 0.0,
+               principal: Principal | None = None) -> m.Message:
         deadline = self.clock() + wait_s
         with self.lock:
             self._ids += 1
@@ -33,7 +36,7 @@ class InprocBroker:
             while True:
                 now = self.clock()
                 self.state.expire(now)
-                reply = self.state.handle(req, now)
+                reply = self.state.handle(req, now, principal)
                 if reply is None and now >= deadline:
                     reply = self.state.lease_batch_final(req, now)  # type: ignore[arg-type]
                 if reply is not None:
@@ -76,9 +79,13 @@ class InprocBrokerClient:
     def __init__(self, broker: InprocBroker, client_id: str, role: str, rank: int = 0):
         self.broker, self.client_id, self.role, self.rank = broker, client_id, role, rank
         self.registered: m.Registered | None = None
+        self.principal = Principal(client_id, role)
 
     def _call(self, make: Callable[[int], m.Message], wait_s: float = 0.0) -> Any:
-        reply = self.broker.handle(make, wait_s)
+        reply = self.broker.handle(make, wait_s, self.principal)
+        if isinstance(reply, m.Error) and reply.code == "unregistered" and not isinstance(make(0), m.Register):
+            self.connect()  # not registered (or evicted): register, then retry, like the socket client
+            reply = self.broker.handle(make, wait_s, self.principal)
         if isinstance(reply, m.Error):
             raise BrokerError(reply.code, reply.reason)
         return reply
@@ -94,10 +101,21 @@ class InprocBrokerClient:
         return self._call(lambda r: m.LeasePrompts(req_id=r, client_id=self.client_id, n=n, policy_version=policy_version))
 
     def push_group(self, group: m.SampleGroup, deadline_s: float = 600.0) -> m.Ack:
-        return self._call(lambda r: m.PushGroup(req_id=r, client_id=self.client_id, group=group))
+        while isinstance(reply := self._call(lambda r: m.PushGroup(req_id=r, client_id=self.client_id, group=group)),
+                         m.Throttle):
+            time.sleep(min(1.0, reply.retry_after_s))  # like the socket client: a throttled push is pushed again
+        return reply
 
     def push_groups(self, groups: list[m.SampleGroup], deadline_s: float = 600.0) -> list[m.GroupAck]:
-        return self._call(lambda r: m.PushGroups(req_id=r, client_id=self.client_id, groups=groups)).acks
+        acks: dict[str, m.GroupAck] = {}
+        todo = list(groups)
+        while todo:  # throttled groups are pushed again, like the socket client does
+            reply = self._call(lambda r: m.PushGroups(req_id=r, client_id=self.client_id, groups=todo))
+            acks.update((a.group_id, a) for a in reply.acks if a.status != "throttled")
+            todo = [g for g in todo if g.group_id not in acks]
+            if todo:
+                time.sleep(0.2)
+        return [acks[g.group_id] for g in groups]
 
     def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False) -> m.Ack:
         return self._call(lambda r: m.ReturnPrompts(req_id=r, client_id=self.client_id, lease_id=lease_id,

@@ -1,31 +1,31 @@
 """The learner half of the broker's protocol: batch leases, acknowledgements, commits and rewinds.
 
-A learner leases a batch of queued groups (stale ones are dropped as they are handed out, so the
+A learner leases a batch of queued groups (stale ones are set aside as they are handed out, so the
 check costs O(batch), not O(queue)), then acknowledges the groups it trained. Without
 ``broker.commit_on_checkpoint`` an acknowledged group is forgotten at once; with it, the group is kept
 until a ``Commit`` at a checkpoint covers its step, and a ``Rewind`` after a resume puts everything
 trained past that checkpoint back at the front of the queue, in order. A batch lease that is not
 acknowledged within ``broker.batch_lease_s`` is redelivered the same way.
 
-``BatchLeasing`` is a mixin of :class:`~fleetrl.broker.state.BrokerState`: it keeps no state of its
-own and works on the broker's queue, groups, counters and spool through the attributes and helpers
-listed on the class.
+:class:`BatchLeases` is one object that :class:`~fleetrl.broker.state.BrokerState` holds: it owns the
+leases and the uncommitted acks, works on the shared :class:`~fleetrl.broker.queue.GroupQueue`, and
+writes its records through ``journal`` *before* it changes anything (durable before acknowledged).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from fleetrl.broker import spool as sp
-from fleetrl.broker.staleness import min_fresh_version, staleness
+from fleetrl.broker.queue import GroupQueue
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import BrokerConfig
 
-if TYPE_CHECKING:
-    from fleetrl.broker.state import Rate
+Journal = Callable[[list[sp.Record]], None]  # writes records or raises SpoolUnavailable
+HISTORY = 4096  # leases remembered after they expire (or the broker restarted): a late ack takes back only their groups
 
 
 @dataclass
@@ -36,137 +36,136 @@ class BatchLeaseState:
     expires_at: float
 
 
-class BatchLeasing:
-    """Request handlers of learners (``LeaseBatch``, ``AckBatch``, ``Commit``, ``Rewind``) and lease expiry.
+class Unauthorized(Exception):
+    """A learner acted on a lease that is not its own."""
 
-    Uses from BrokerState: ``_touch`` (client records), ``_enqueue`` / ``_dequeue`` (the queue),
-    ``_drop`` (forget groups, maybe re-issue their prompts) and ``_log`` (append to the spool).
-    """
 
-    bcfg: BrokerConfig
-    version: int
-    groups: dict[str, m.SampleGroup]  # every live group, queued or not
-    queued: set[str]
-    batch_leases: dict[str, BatchLeaseState]
-    uncommitted: dict[str, list[tuple[int, str]]]  # learner -> [(ack step, gid)]
-    counters: Counter[str]
-    staleness_hist: Counter[int]
-    rate_out: Rate
+class BatchLeases:
+    def __init__(self, bcfg: BrokerConfig, queue: GroupQueue, journal: Journal, counters: Counter[str]):
+        self.bcfg, self.q, self.journal, self.counters = bcfg, queue, journal, counters
+        self.leases: dict[str, BatchLeaseState] = {}
+        self.uncommitted: dict[str, list[tuple[int, str]]] = {}  # learner -> [(ack step, gid)]
+        self.history: OrderedDict[str, tuple[str, list[str]]] = OrderedDict()  # expired lease -> (client, gids)
 
     @property
     def in_flight(self) -> int:
         """Groups leased to learners and not acknowledged yet."""
-        return sum(len(lease.group_ids) for lease in self.batch_leases.values())
+        return sum(len(lease.group_ids) for lease in self.leases.values())
 
-    def _on_LeaseBatch(self, req: m.LeaseBatch, now: float, final: bool = False) -> m.Message | None:
-        """Fill a batch lease, dropping stale groups on the way; None = wait for more groups."""
-        self._touch(req.client_id, now, "learner")
-        if req.n <= 0:
-            return m.Error(req_id=req.req_id, code="bad_request", reason=f"LeaseBatch.n must be positive, got {req.n}")
-        ready = len(self.queued)
-        if ready < min(req.min_groups, req.n) and not final and req.wait_s > 0:
-            return None
-        oldest = min_fresh_version(self.version, self.bcfg.max_staleness)
+    def held(self) -> int:
+        return self.in_flight + sum(len(e) for e in self.uncommitted.values())
+
+    # ---------------------------------------------------------------- leasing
+    def take(self, n: int, oldest: int) -> tuple[list[str], list[str]]:
+        """Dequeue up to ``n`` fresh group ids (version >= ``oldest``) and the stale ones met on the way."""
         ids, stale = [], []
-        while len(ids) < req.n:
-            gid = self._dequeue()
+        while len(ids) < n:
+            gid = self.q.dequeue()
             if gid is None:
                 break
-            version = self.groups[gid].policy_version
-            if version < oldest:  # checked as it is handed out: O(batch), not O(queue)
-                stale.append(gid)
-                continue
-            ids.append(gid)
-            self.staleness_hist[staleness(self.version, version)] += 1
-        if stale:
-            self._drop(stale, "dropped_stale", self.bcfg.requeue_stale)
-        if not ids:
-            if not final and req.wait_s > 0:
-                return None
-            return m.Throttle(req_id=req.req_id, retry_after_s=0.2, reason="no fresh groups queued yet")
-        lease = BatchLeaseState(uuid.uuid4().hex[:16], req.client_id, ids, now + self.bcfg.batch_lease_s)
-        self.batch_leases[lease.lease_id] = lease
+            (ids if self.q.groups[gid].policy_version >= oldest else stale).append(gid)
+        return ids, stale
+
+    def open(self, client_id: str, ids: list[str], now: float) -> BatchLeaseState:
+        lease = BatchLeaseState(uuid.uuid4().hex[:16], client_id, ids, now + self.bcfg.batch_lease_s)
+        try:  # best effort: only a late ack after a restart needs it (docs/broker.md#batch-leases)
+            self.journal([sp.BatchLeased(lease.lease_id, client_id, ids)])
+        except sp.SpoolUnavailable:
+            self.counters["spool_unavailable"] += 1
+        self.leases[lease.lease_id] = lease
         self.counters["groups_out"] += len(ids)
-        self.rate_out.add(now, len(ids))
-        return m.BatchLease(req_id=req.req_id, lease_id=lease.lease_id, groups=[self.groups[g] for g in ids],
-                            expires_in_s=self.bcfg.batch_lease_s, dropped_stale=len(stale))
+        return lease
 
-    def lease_batch_final(self, req: m.LeaseBatch, now: float) -> m.Message:
-        """Answer a waiting LeaseBatch at its deadline with whatever is there."""
-        return self._on_LeaseBatch(req, now, final=True)  # type: ignore[return-value]
-
-    def _on_AckBatch(self, req: m.AckBatch, now: float) -> m.Message:
-        self._touch(req.client_id, now, "learner")
-        lease = self.batch_leases.get(req.lease_id)
-        if lease is not None and not (req.keep_rest and req.group_ids):
-            del self.batch_leases[req.lease_id]
+    # ------------------------------------------------------------------- acks
+    def ack(self, req: m.AckBatch, now: float) -> m.Ack:
+        """Consume the acked groups (journal first); raises Unauthorized for another learner's lease."""
+        lease = self.leases.get(req.lease_id)
         if lease is None:
-            # Expired and put back: take back the groups that were not re-leased yet.
-            wanted = req.group_ids
-            salvaged = [gid for gid in wanted if gid in self.queued]
-            for gid in salvaged:
-                self.queued.discard(gid)
-            self._consume(req.client_id, req.step, salvaged)
-            self.counters["late_acks"] += 1
-            return m.Ack(req_id=req.req_id, ref=req.lease_id, count=len(salvaged))
+            return self._late_ack(req)
+        if lease.client_id != req.client_id:
+            raise Unauthorized(f"lease {req.lease_id} is held by {lease.client_id}, not {req.client_id}")
         acked = set(req.group_ids)
-        trained = [g for g in lease.group_ids if g in acked] if acked else lease.group_ids
+        trained = [g for g in lease.group_ids if g in acked] if acked else list(lease.group_ids)
         untrained = [g for g in lease.group_ids if g not in acked] if acked else []
+        self._consume(req.client_id, req.step, trained)  # may raise SpoolUnavailable: nothing changed yet
         if req.keep_rest and acked:  # done with some groups now (e.g. filtered ones); the lease keeps the rest
             lease.group_ids = untrained
             if not untrained:
-                del self.batch_leases[req.lease_id]
+                del self.leases[req.lease_id]
         else:
-            for gid in reversed(untrained):
-                self._enqueue(gid, front=True)
-        self._consume(req.client_id, req.step, trained)
+            del self.leases[req.lease_id]
+            self.q.requeue_front(untrained)
         return m.Ack(req_id=req.req_id, ref=req.lease_id, count=len(trained))
+
+    def _late_ack(self, req: m.AckBatch) -> m.Ack:
+        """A lease the broker no longer holds (expired, or lost in a restart): take back the groups it held that
+        were not re-leased since. An unknown or someone else's lease id takes back nothing."""
+        client, held = self.history.get(req.lease_id, ("", []))
+        if client != req.client_id:
+            self.counters["late_acks_refused"] += 1
+            return m.Ack(req_id=req.req_id, ref=req.lease_id, count=0)
+        wanted = set(req.group_ids) if req.group_ids else set(held)
+        salvaged = [g for g in held if g in wanted and g in self.q.queued]
+        self._consume(req.client_id, req.step, salvaged)
+        self.q.take_queued(salvaged)
+        self.counters["late_acks"] += 1
+        return m.Ack(req_id=req.req_id, ref=req.lease_id, count=len(salvaged))
 
     def _consume(self, client_id: str, step: int, gids: list[str]) -> None:
         if not gids:
             return
-        self.counters["groups_trained"] += len(gids)
         if self.bcfg.commit_on_checkpoint:
+            self.journal([sp.GroupsAcked(client_id, step, gids)])
             self.uncommitted.setdefault(client_id, []).extend((step, gid) for gid in gids)
-            self._log(sp.GroupsAcked(client_id, step, gids))
         else:
+            self.journal([sp.GroupsDone(gids)])
             for gid in gids:
-                self.groups.pop(gid, None)
-            self._log(sp.GroupsDone(gids))
+                self.q.groups.pop(gid, None)
+        self.counters["groups_trained"] += len(gids)
 
-    def _on_Commit(self, req: m.Commit, now: float) -> m.Message:
-        self._touch(req.client_id, now, "learner")
+    def commit(self, req: m.Commit) -> m.Ack:
         entries = self.uncommitted.get(req.client_id, [])
+        self.journal([sp.Committed(req.client_id, req.step)])
         done = [gid for step, gid in entries if step <= req.step]
         for gid in done:
-            self.groups.pop(gid, None)
+            self.q.groups.pop(gid, None)
         self.uncommitted[req.client_id] = [(s, g) for s, g in entries if s > req.step]
-        self._log(sp.Committed(req.client_id, req.step))
         self.counters["groups_committed"] += len(done)
         return m.Ack(req_id=req.req_id, ref=req.client_id, count=len(done))
 
-    def _on_Rewind(self, req: m.Rewind, now: float) -> m.Message:
+    def rewind(self, req: m.Rewind) -> m.Ack:
         """A learner resumed from its checkpoint at ``step``: everything it holds beyond that comes back."""
-        self._touch(req.client_id, now, "learner")
+        self.journal([sp.Rewound(req.client_id, req.step)])
         entries = self.uncommitted.get(req.client_id, [])
-        back = [gid for step, gid in entries if step > req.step and gid in self.groups]
+        back = [gid for step, gid in entries if step > req.step and gid in self.q.groups]
         self.uncommitted[req.client_id] = [(s, g) for s, g in entries if s <= req.step]
-        leased = [lid for lid, lease in self.batch_leases.items() if lease.client_id == req.client_id]
-        for lid in leased:
-            back.extend(self.batch_leases.pop(lid).group_ids)
-        for gid in reversed(back):
-            self._enqueue(gid, front=True)
-        self._log(sp.Rewound(req.client_id, req.step))
-        return m.Ack(req_id=req.req_id, ref=req.client_id, count=len(back))
+        for lid in [lid for lid, lease in self.leases.items() if lease.client_id == req.client_id]:
+            back.extend(self._retire(lid).group_ids)
+        return m.Ack(req_id=req.req_id, ref=req.client_id, count=self.q.requeue_front(back))
 
-    def _redeliver_expired(self, now: float) -> int:
+    def release(self, client_id: str) -> int:
+        """A learner left: the groups of its open leases go back to the front of the queue; returns how many."""
+        back = [g for lid in [lid for lid, lease in self.leases.items() if lease.client_id == client_id]
+                for g in self._retire(lid).group_ids]
+        return self.q.requeue_front(back)
+
+    # ---------------------------------------------------------------- expiry
+    def _retire(self, lease_id: str) -> BatchLeaseState:
+        lease = self.leases.pop(lease_id)
+        self.history[lease_id] = (lease.client_id, list(lease.group_ids))
+        while len(self.history) > HISTORY:
+            self.history.popitem(last=False)
+        return lease
+
+    def redeliver_expired(self, now: float) -> int:
         """Put the groups of expired batch leases back at the front of the queue; returns how many."""
         redelivered = 0
-        for lid in [lid for lid, lease in self.batch_leases.items() if lease.expires_at <= now]:
-            lease = self.batch_leases.pop(lid)
-            for gid in reversed(lease.group_ids):
-                if gid in self.groups:
-                    self._enqueue(gid, front=True)
-                    redelivered += 1
+        for lid in [lid for lid, lease in self.leases.items() if lease.expires_at <= now]:
+            redelivered += self.q.requeue_front(self._retire(lid).group_ids)
         self.counters["groups_redelivered"] += redelivered
         return redelivered
+
+    def restore(self, rec: sp.Recovered) -> None:
+        """After a restart: the recovered uncommitted acks, and the leases of the old process as history."""
+        self.uncommitted = {c: list(e) for c, e in rec.uncommitted.items() if e}
+        self.history = OrderedDict((lid, (c, list(g))) for lid, (c, g) in rec.batch_leases.items())

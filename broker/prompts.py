@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import random
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from fleetrl.common.messages import Prompt
 from fleetrl.common.data.tables import DataError
+
+RECENT = 1 << 18  # prompt ids remembered as handed out (groups for others are refused unless broker.accept_unleased)
 
 
 def rows_to_prompts(rows: list[dict[str, Any]], prompt_key: str, answer_key: str, source: str) -> list[Prompt]:
@@ -55,7 +57,9 @@ class PromptSource:
         self.reissue: deque[Prompt] = deque()
         self.leases: dict[str, PromptLeaseState] = {}
         self.lease_of: dict[str, str] = {}  # open prompt_id -> lease_id
+        self.recent: OrderedDict[str, None] = OrderedDict()  # prompt ids leased or re-issued lately (known ones)
         self.reissued_total = 0
+        self._taken_reissued = 0
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.base)))
@@ -96,6 +100,28 @@ class PromptSource:
         self.pos += 1
         return self.lookup(f"{self.epoch}:{row}")
 
+    def known(self, prompt_id: str) -> bool:
+        """Whether a group for ``prompt_id`` answers something this broker handed out (open, waiting for
+        re-issue, or leased lately)."""
+        return prompt_id in self.lease_of or prompt_id in self.recent
+
+    def _note(self, prompt_id: str) -> None:
+        self.recent[prompt_id] = None
+        self.recent.move_to_end(prompt_id)
+        while len(self.recent) > RECENT:
+            self.recent.popitem(last=False)
+
+    def mark(self) -> tuple[int, int]:
+        """The cursor before a ``take`` (see ``untake``)."""
+        return self.epoch, self.pos
+
+    def untake(self, mark: tuple[int, int], taken: list[Prompt]) -> None:
+        """Undo the last ``take`` (its lease could not be spooled): the same prompts come out next time."""
+        for p in reversed(taken[: self._taken_reissued]):
+            self.reissue.appendleft(p)
+        if (self.epoch, self.pos) != mark:
+            self.seek(*mark)
+
     def take(self, n: int) -> list[Prompt]:
         """Up to ``n`` prompts: re-issued ones first, then new ones from the cursor."""
         out: list[Prompt] = []
@@ -103,6 +129,7 @@ class PromptSource:
             p = self.reissue.popleft()
             if p.prompt_id not in self.lease_of:
                 out.append(p)
+        self._taken_reissued = len(out)
         while len(out) < n:
             p = self._next_new()
             if p is None:
@@ -115,6 +142,7 @@ class PromptSource:
         self.leases[lease.lease_id] = lease
         for p in prompts:
             self.lease_of[p.prompt_id] = lease.lease_id
+            self._note(p.prompt_id)
         return lease
 
     def fulfil(self, prompt_id: str) -> bool:
@@ -143,6 +171,7 @@ class PromptSource:
 
     def requeue(self, prompt: Prompt) -> None:
         self.reissue.append(prompt)
+        self._note(prompt.prompt_id)
         self.reissued_total += 1
 
     def expire(self, now: float, dead_clients: set[str] = frozenset()) -> int:

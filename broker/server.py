@@ -2,14 +2,22 @@
 
 One ROUTER socket takes requests from every rollout server and learner rank (DEALER sockets); one
 PUB socket announces new policy versions and control actions. The hot path drains every frame that
-is ready, applies them to the state, hands the spool's records to the OS once, then sends the
-replies — so a reply (an ack above all) never leaves before its record is written.
+is ready, applies them to the state (each request's records reach the OS before the state changes),
+fsyncs once per batch with ``broker.fsync: always``, then sends the replies.
+
+Security (docs/broker.md#security): without CURVE only a loopback bind is allowed (or
+``broker.insecure_bind``); with CURVE the allowlist maps each key to a role and identity, which
+ride with every frame (``User-Id``) into the permission table. Resources: ZMTP heartbeats and a
+handshake timeout on every connection, the connection guard (``guard.py``) against unfinished
+frames and idle descriptors, and long polls woken by arriving groups rather than re-run on a timer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import heapq
+import itertools
 import json
 import logging
 import os
@@ -19,23 +27,27 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 
+from fleetrl.broker import auth
+from fleetrl.broker.audit import AuditLog
+from fleetrl.broker.guard import Guard
 from fleetrl.broker.prompts import PromptSource, rows_to_prompts
 from fleetrl.broker.spool import Spool
 from fleetrl.broker.state import BrokerState
 from fleetrl.broker.zio import LoopSocket
 from fleetrl.common import messages as m
 from fleetrl.common import telemetry
-from fleetrl.common.config import ConfigError, load_config, save_resolved
-from fleetrl.common.log import setup_logging
+from fleetrl.common.config import load_config, save_resolved
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.common.data.tables import load_rows
+from fleetrl.common.log import setup_logging
 
 log = logging.getLogger("fleetrl.broker")
 
 TICK_S = 0.05
+GUARD_S = 0.05  # how often the connection guard looks (every tick)
 MAX_WAIT_S = 60.0  # longest a LeaseBatch is held: a larger wait_s (inf included) is cut to it, so every request is answered
+PUB_ROLES = ("rollout", "learner", "operator")  # who may subscribe to announcements (they carry round secrets)
 
 
 def read_vocab_size(cfg: JobConfig) -> int:
@@ -49,13 +61,40 @@ def read_vocab_size(cfg: JobConfig) -> int:
         return 0
 
 
-def build_state(cfg: JobConfig) -> BrokerState:
+def build_state(cfg: JobConfig, audit=None) -> BrokerState:
     prompts = PromptSource(
         rows_to_prompts(load_rows(cfg.data.train, "data.train", cfg.data), cfg.data.prompt_key, cfg.data.answer_key, cfg.data.train),
         cfg.data.shuffle, cfg.data.seed, cfg.data.epochs,
     )
     spool = Spool(cfg.broker.spool_dir, cfg.broker.fsync, cfg.broker.fsync_interval_s) if cfg.broker.spool_dir else None
-    return BrokerState(cfg, prompts, read_vocab_size(cfg), spool)
+    return BrokerState(cfg, prompts, read_vocab_size(cfg), spool, audit=audit)
+
+
+class Waiting:
+    """Long polls (LeaseBatch with wait_s) held until groups arrive or their deadline; a heap by deadline."""
+
+    def __init__(self):
+        self.heap: list[tuple[float, int, bytes, m.LeaseBatch, object, int]] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.heap)
+
+    def add(self, deadline: float, ident: bytes, req: m.LeaseBatch, principal, fd: int) -> None:
+        heapq.heappush(self.heap, (deadline, next(self._seq), ident, req, principal, fd))
+
+    def due(self, now: float) -> list[tuple]:
+        out = []
+        while self.heap and self.heap[0][0] <= now:
+            out.append(heapq.heappop(self.heap))
+        return out
+
+    def take_all(self) -> list[tuple]:
+        out, self.heap = sorted(self.heap, key=lambda w: w[1]), []
+        return out
+
+    def fds(self) -> set[int]:
+        return {w[5] for w in self.heap}
 
 
 class BrokerServer:
@@ -64,46 +103,71 @@ class BrokerServer:
         self.ctx = ctx or zmq.Context()
         self.router: LoopSocket | None = None
         self.pub: zmq.Socket | None = None
-        self.auth = None
-        self.waiting: list[tuple[bytes, m.LeaseBatch, float]] = []
+        self.auth: auth.RoleAuthenticator | None = None
+        self.guard: Guard | None = None
+        self.waiting = Waiting()
         self.address = self.pub_address = ""
         self._stop = asyncio.Event()
+        self._next_guard = 0.0
+        self._guard_chain = False  # a 10 ms guard chain is running (connections under pressure)
 
     # -------------------------------------------------------------- sockets
     def _bind(self, sock: zmq.Socket, port: int) -> str:
         host = self.cfg.broker.host
-        if port:
-            sock.bind(f"tcp://{host}:{port}")
-        else:
-            sock.bind(f"tcp://{host}:*")
+        sock.bind(f"tcp://{host}:{port}" if port else f"tcp://{host}:*")
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def _curve(self, sock: zmq.Socket) -> None:
+    def _curve(self, sock: zmq.Socket, domain: bytes) -> None:
         curve = self.cfg.broker.curve
-        if not Path(curve.server_secret_key).is_file():
-            raise ConfigError(f"broker.curve.server_secret_key={curve.server_secret_key!r} does not exist; "
-                              "create keys with `fleetrl keys generate DIR`")
         public, secret = zmq.auth.load_certificate(curve.server_secret_key)
         sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+        sock.zap_domain = domain
+
+    def _security(self) -> None:
+        """Refuse an unsafe start (see auth.check_bind, auth.load_key_table), start the ZAP handler."""
+        bcfg = self.cfg.broker
+        warning = auth.check_bind(bcfg)
+        if warning:
+            log.warning(warning)
+        if bcfg.curve is None:
+            return
+        auth.check_secret_file(bcfg.curve.server_secret_key, "broker.curve.server_secret_key")
+        table = auth.load_key_table(bcfg.curve.authorized_keys_dir)
+        self.auth = auth.RoleAuthenticator(self.ctx, table, self._refused_key, PUB_ROLES)
+        self.auth.start()
+        roles = sorted({e.role for e in table.values()})
+        log.info("CURVE on: %d client keys in %s (roles: %s)", len(table), bcfg.curve.authorized_keys_dir, ", ".join(roles))
+
+    def _refused_key(self, key: str, domain: str) -> None:
+        self.state.counters["keys_refused"] += 1
+        self.state._audit_event({"event": "key_refused", "key": key, "socket": domain})
+
+    def _options(self, router: zmq.Socket) -> None:
+        bcfg = self.cfg.broker
+        router.setsockopt(zmq.MAXMSGSIZE, 2 * bcfg.max_message_bytes)
+        router.setsockopt(zmq.RCVHWM, 100_000)
+        router.setsockopt(zmq.SNDHWM, 100_000)
+        for sock in (router, self.pub):
+            sock.setsockopt(zmq.HEARTBEAT_IVL, int(bcfg.zmq_heartbeat_s * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * bcfg.zmq_heartbeat_s * 1000))
+            sock.setsockopt(zmq.HANDSHAKE_IVL, int(bcfg.handshake_timeout_s * 1000))
 
     async def start(self) -> None:
-        """Bind both sockets (and the ZAP authenticator with CURVE); cleans up if any step fails."""
+        """Check the security settings, bind both sockets (with the ZAP handler under CURVE); cleans up if any
+        step fails."""
         router = None
         try:
             bcfg = self.cfg.broker
-            if bcfg.curve is not None:
-                self.auth = ThreadAuthenticator(self.ctx)
-                self.auth.start()
-                self.auth.configure_curve(domain="*", location=bcfg.curve.authorized_keys_dir or zmq.auth.CURVE_ALLOW_ANY)
+            self._security()
+            open_files = auth.raise_open_files_limit()
             router = self.ctx.socket(zmq.ROUTER)
             self.pub = self.ctx.socket(zmq.PUB)
-            for sock in (router, self.pub):
+            for sock, domain in ((router, b"requests"), (self.pub, b"pub")):
                 sock.linger = 0
                 if bcfg.curve is not None:
-                    self._curve(sock)
-            router.setsockopt(zmq.MAXMSGSIZE, 2 * bcfg.max_message_bytes)
-            router.setsockopt(zmq.RCVHWM, 100_000)
-            router.setsockopt(zmq.SNDHWM, 100_000)
+                    self._curve(sock, domain)
+            self._options(router)
+            self.guard = Guard.attach(router, bcfg, self.state.counters, open_files)
             self.address = self._bind(router, bcfg.port)
             self.pub_address = self._bind(self.pub, bcfg.pub_port)
             self.state.pub_port = int(self.pub_address.rsplit(":", 1)[1])
@@ -118,30 +182,48 @@ class BrokerServer:
                  ", CURVE on" if self.cfg.broker.curve else "")
 
     def close(self) -> None:
+        if self.guard is not None:
+            if self.router is not None:
+                try:
+                    self.router.sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+            self.guard.close()
+            self.guard = None
         if self.router is not None:
             self.router.close()
         if self.pub is not None:
             self.pub.close(linger=0)
         if self.auth is not None:
             self.auth.stop()
+            self.auth = None
         if self.state.spool is not None:
             self.state.spool.close()
 
     # -------------------------------------------------------------- serving
+    def _principal(self, frame: zmq.Frame) -> auth.Principal:
+        if self.auth is None:
+            return auth.UNAUTHENTICATED
+        try:
+            return auth.principal_of(frame.get("User-Id"))
+        except zmq.ZMQError:  # pragma: no cover - every CURVE frame carries one
+            return auth.Principal("?", "unknown")
+
     def _handle_frames(self, frames: list[zmq.Frame], now: float) -> tuple[bytes, m.Message | None]:
         """One request: frames are [client identity, payload]; groups decode as views into the payload."""
         ident = frames[0].bytes
+        fd = frames[-1].get(zmq.SRCFD)
+        if self.guard is not None:
+            self.guard.delivered(fd, sum(len(f) for f in frames[1:]), now)
         if len(frames) != 2:
             self.state.rejected["bad_frame"] += 1
             return ident, m.Error(req_id=0, code="bad_frame", reason=f"expected one payload frame, got {len(frames) - 1}")
         payload = frames[1].buffer
         header = m.peek_header(payload)
         req_id = header[1] if header else 0
-        if len(payload) > self.cfg.broker.max_message_bytes:
-            self.state.rejected["too_large"] += 1
-            return ident, m.Error(req_id=req_id, code="too_large", reason=(
-                f"frame of {len(payload)} bytes is over broker.max_message_bytes={self.cfg.broker.max_message_bytes}; "
-                "send smaller groups or raise that setting"))
+        refusal = self._precheck(payload, header, req_id)
+        if refusal is not None:
+            return ident, refusal
         try:
             req = m.decode_request(payload)
         except m.ProtocolError as e:
@@ -149,33 +231,69 @@ class BrokerServer:
             self.state.rejected[code] += 1
             return ident, m.Error(req_id=req_id, code=code, reason=e.reason)
         start_ns = time.time_ns() if telemetry.enabled() else 0
+        principal = self._principal(frames[1])
         try:
-            reply = self.state.handle(req, now)
+            reply = self.state.handle(req, now, principal)
         except Exception as e:  # noqa: BLE001 - a bug must not take the broker down; the request is answered
             log.exception("internal error on %s", type(req).__name__)
             self.state.rejected["internal"] += 1
             return ident, m.Error(req_id=req.req_id, code="internal", reason=f"{type(e).__name__}: {e}")
         if reply is None:  # a LeaseBatch that waits for groups
-            self.waiting.append((ident, req, now + min(req.wait_s, MAX_WAIT_S)))  # type: ignore[arg-type]
+            if len(self.waiting) >= self.cfg.broker.max_waiting_polls:
+                self.state.rejected["too_many_waiting"] += 1
+                return ident, self.state.lease_batch_final(req, now)
+            self.waiting.add(now + min(req.wait_s, MAX_WAIT_S), ident, req, principal, fd)  # type: ignore[arg-type]
         elif start_ns and isinstance(req, (m.PushGroup, m.PushGroups)):
             trace_ingest(req, reply, start_ns)
         return ident, reply
 
-    def _serve_waiting(self, now: float, deadline_only: bool) -> list[tuple[bytes, m.Message]]:
-        out, still = [], []
-        for ident, req, deadline in self.waiting:
-            if now >= deadline:
-                out.append((ident, self.state.lease_batch_final(req, now)))
-            elif not deadline_only and (reply := self.state.handle(req, now)) is not None:
-                out.append((ident, reply))
-            else:
-                still.append((ident, req, deadline))
-        self.waiting = still
+    def _precheck(self, payload: memoryview, header: tuple[int, int] | None, req_id: int) -> m.Error | None:
+        """Refuse what is too large before decoding it: the frame, or a PushGroups of too many groups."""
+        bcfg = self.cfg.broker
+        if len(payload) > bcfg.max_message_bytes:
+            self.state.rejected["too_large"] += 1
+            return m.Error(req_id=req_id, code="too_large", reason=(
+                f"frame of {len(payload)} bytes is over broker.max_message_bytes={bcfg.max_message_bytes}; "
+                "send smaller groups or raise that setting"))
+        if header and header[0] == m.PushGroups.__struct_config__.tag:
+            count = m.peek_push_count(payload)
+            if count is not None and count > bcfg.max_groups_per_push:
+                self.state.rejected["too_many_groups"] += 1
+                return m.Error(req_id=req_id, code="too_large", reason=(
+                    f"{count} groups in one PushGroups, over broker.max_groups_per_push={bcfg.max_groups_per_push}; "
+                    "push them in several frames"))
+        return None
+
+    def _serve_waiting(self, now: float) -> list[tuple[bytes, m.Message]]:
+        """Answer the long polls: at their deadline, and all of them when groups arrived."""
+        out = []
+        for w in self.waiting.due(now):
+            out.append((w[2], self.state.lease_batch_final(w[3], now)))
+            self._answered(w[5], now)
+        if self.state.q.grew and len(self.waiting):
+            self.state.q.grew = False
+            for deadline, _, ident, req, principal, fd in self.waiting.take_all():
+                reply = self.state.handle(req, now, principal)
+                if reply is None:
+                    self.waiting.add(deadline, ident, req, principal, fd)
+                else:
+                    out.append((ident, reply))
+                    self._answered(fd, now)
+        self.state.q.grew = False
         return out
 
+    def _answered(self, fd: int, now: float) -> None:
+        if self.guard is not None:
+            self.guard.touch(fd, now)  # a connection whose long poll was just answered is not idle
+
     def _send(self, replies: list[tuple[bytes, m.Message]]) -> None:
-        if self.state.spool is not None:
-            self.state.spool.flush()  # records reach the OS before any ack leaves
+        spool = self.state.spool
+        if spool is not None:
+            try:
+                spool.flush()  # fsync: always -> before any ack leaves
+            except OSError as e:
+                self.state.counters["fsync_errors"] += 1
+                log.error("spool fsync failed (%s); the records reached the OS but may not survive a machine crash", e)
         for ident, reply in replies:
             self.router.send([ident, m.encode(reply)])
             if isinstance(reply, m.BatchLease) and telemetry.enabled():
@@ -184,17 +302,15 @@ class BrokerServer:
             self.pub.send_multipart([topic, m.encode(ann)])
         self.state.announcements.clear()
 
-    def _on_batch(self, batch: list[list[bytes]]) -> None:
-        """Every frame that was ready: apply them all, write the spool once, then reply."""
+    def _on_batch(self, batch: list[list[zmq.Frame]]) -> None:
+        """Every frame that was ready: apply them all, then reply (records reached the OS request by request)."""
         now = time.monotonic()
-        replies, ingested = [], False
+        replies = []
         for frames in batch:
             ident, reply = self._handle_frames(frames, now)
-            ingested |= (isinstance(reply, m.Ack) and reply.count > 0) or isinstance(reply, m.GroupAcks)
             if reply is not None:
                 replies.append((ident, reply))
-        if ingested and self.waiting:
-            replies.extend(self._serve_waiting(now, deadline_only=False))
+        replies.extend(self._serve_waiting(now))
         self._send(replies)
 
     async def serve(self) -> None:
@@ -205,17 +321,42 @@ class BrokerServer:
             timer.cancel()
 
     async def _timers(self) -> None:
+        """Every tick: expiry, due long polls, fsync, compaction, the connection guard. An exception is logged,
+        counted and the next tick runs anyway: the timer never dies."""
         while True:
             await asyncio.sleep(TICK_S)
-            now = time.monotonic()
-            self.state.expire(now)
-            replies = self._serve_waiting(now, deadline_only=False) if self.waiting else []
-            spool = self.state.spool
-            if spool is not None:
-                spool.sync_if_due()
-                if spool.needs_compaction():
+            try:
+                self.tick(time.monotonic())
+            except Exception:  # noqa: BLE001 - timers must survive anything; the broker keeps serving
+                self.state.counters["timer_errors"] += 1
+                log.exception("broker timer tick failed (%d so far); retrying on the next tick",
+                              self.state.counters["timer_errors"])
+
+    def tick(self, now: float) -> None:
+        self.state.expire(now)
+        replies = self._serve_waiting(now)
+        spool = self.state.spool
+        if spool is not None:
+            spool.sync_if_due()
+            if spool.needs_compaction():
+                try:
                     spool.compact(self.state.snapshot())
-            self._send(replies)
+                except Exception as e:  # noqa: BLE001 - SpoolUnavailable: the old segments stay, retried later
+                    self.state.counters["compaction_errors"] += 1
+                    log.error("spool compaction failed (%s); keeping the current segment, retrying later", e)
+        if self.guard is not None and now >= self._next_guard:
+            self._next_guard = now + GUARD_S
+            self._guard_now()
+        self._send(replies)
+
+    def _guard_now(self, chained: bool = False) -> None:
+        """The connection guard; while connections hold much, again every 10 ms (a flood fills fast)."""
+        if self.guard is None or (self._guard_chain and not chained):
+            return
+        self.guard.check(time.monotonic(), self.waiting.fds())
+        self._guard_chain = self.guard.under_pressure
+        if self._guard_chain:
+            asyncio.get_running_loop().call_later(0.01, self._guard_now, True)
 
     def stop(self) -> None:
         self._stop.set()
@@ -265,8 +406,14 @@ def write_endpoint_file(run_dir: str | Path, server: BrokerServer) -> Path:
     return path
 
 
+def open_audit(cfg: JobConfig, run_dir: str | None) -> AuditLog | None:
+    path = cfg.broker.audit_log or (str(Path(run_dir) / "audit.jsonl") if run_dir else None)
+    return AuditLog(path) if path else None
+
+
 async def run_broker(cfg: JobConfig, run_dir: str | None) -> int:
-    state = build_state(cfg)
+    audit = open_audit(cfg, run_dir)
+    state = build_state(cfg, audit)
     # The broker holds many long-lived groups: freeze what start-up built and collect the young
     # generation less often, so the cyclic GC does not rescan the queue on every burst of frames.
     gc.collect()
@@ -285,6 +432,8 @@ async def run_broker(cfg: JobConfig, run_dir: str | None) -> int:
     finally:
         server.close()
         server.ctx.term()
+        if audit is not None:
+            audit.close()
         log.info("broker stopped: %d groups in, %d out, %d still queued", state.counters["groups_in"],
                  state.counters["groups_out"], len(state.queued))
     return 0

@@ -1,37 +1,58 @@
 """Append-only on-disk log of the broker's durable state.
 
 Every accepted group, every lease of prompts (with the data cursor after it), every acknowledgement,
-commit and rewind of a learner, every published version and every range of versions a rollback discarded is one record. Records are msgspec
-frames behind an 8-byte header ``<u32 length><u32 crc32>``; a torn record at the tail (SIGKILL during
-a write) fails its CRC and is cut off on replay. Records are written with ``write()`` before the
-broker replies, so a killed *process* loses nothing it acknowledged; ``fsync`` (never / interval /
-always) decides what survives a killed *machine*.
+commit and rewind of a learner, every published version and every range of versions a rollback
+discarded is one record. Records are msgspec frames behind an 8-byte header ``<u32 length><u32 crc32>``.
+
+**Durable before acknowledged.** :meth:`Spool.write` hands a request's records to the OS with one
+``write()`` *before* the broker changes its state or replies. A write that fails (a full disk) is cut
+back off the file and raises :class:`SpoolUnavailable`; the broker then answers ``unavailable`` and
+has changed nothing, so the client's retry is ingested as new. ``fsync`` (never / interval / always)
+decides what survives a killed *machine*; a killed *process* loses nothing it acknowledged.
+
+**Recovery resynchronises.** A damaged record (a torn tail after a crash, a flipped bit anywhere) is
+skipped: the reader looks for the next offset that holds a valid header, CRC and record, keeps every
+record after it, copies the damaged bytes to ``<spool>/quarantine/`` and reports how many records it
+kept and how many bytes it skipped. A damaged tail is cut off so that appends continue after it.
 
 Compaction: when the active segment grows past ``segment_bytes`` a new segment is started with a
-snapshot of the live state (queued and uncommitted groups, open prompts, cursor, version, discarded
-versions, recent group ids), and every older segment is deleted.
+snapshot of the live state, fsynced, and every older segment is deleted. Files are owner-only
+(directory 0700, segments 0600).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import re
 import struct
 import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Union
 
 import msgspec
 
+from fleetrl.common import chaos
 from fleetrl.common.messages import Prompt, SampleGroup, WeightsInfo
 
 log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<II")
 SEEN_WINDOW = 1 << 16  # group ids remembered across a compaction for de-duplication
+MAX_RECORD = 1 << 30  # no record is larger (a group is at most broker.max_message_bytes)
+
+
+class SpoolUnavailable(Exception):
+    """A spool write failed (ENOSPC, EDQUOT, EIO...); nothing of it is left in the file."""
+
+    def __init__(self, err: OSError):
+        name = errno.errorcode.get(err.errno or 0, "error")
+        super().__init__(f"{name}: {err.strerror or err}")
+        self.errno = err.errno
 
 
 class Record(msgspec.Struct, array_like=True, gc=False, omit_defaults=True, tag_field="t"):
@@ -82,20 +103,28 @@ class SeenIds(Record, tag=9):
     group_ids: list[str]
 
 
-class VersionsDiscarded(Record, tag=10):  # a learner rolled these versions back (max_version -1: no end)
+class VersionsDiscarded(Record, tag=10):  # a rollback discarded [min_version, max_version] (-1: an old open range)
     min_version: int
     max_version: int = -1
 
 
+class BatchLeased(Record, tag=11):  # who holds which groups (a late ack after a restart takes back only these)
+    lease_id: str
+    client_id: str
+    group_ids: list[str]
+
+
 AnyRecord = Union[GroupAccepted, GroupsDone, GroupsAcked, Committed, Rewound, PromptsLeased, PromptsRequeued, VersionSet,
-                  SeenIds, VersionsDiscarded]
+                  SeenIds, VersionsDiscarded, BatchLeased]
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyRecord)
+_TAGS = len(AnyRecord.__args__)
+_ARRAY = re.compile(rb"[\x91-\x9f]")  # a record body opens with a msgpack fixarray header (a record has < 16 fields)
 
 
 @dataclass
 class Recovered:
-    """Durable state rebuilt from the spool."""
+    """Durable state rebuilt from the spool, and what the replay had to skip."""
 
     groups: "OrderedDict[str, SampleGroup]" = field(default_factory=OrderedDict)  # live, in arrival order
     uncommitted: dict[str, list[tuple[int, str]]] = field(default_factory=dict)  # client -> [(step, gid)]
@@ -104,9 +133,13 @@ class Recovered:
     epoch: int = 0
     pos: int = 0
     version: VersionSet | None = None
-    discarded: list[tuple[int, int]] = field(default_factory=list)  # version ranges; -1: no upper end
-    records: int = 0
-    truncated_bytes: int = 0
+    discarded: list[tuple[int, int]] = field(default_factory=list)  # closed version ranges; -1: an old open end
+    batch_leases: "OrderedDict[str, tuple[str, list[str]]]" = field(default_factory=OrderedDict)  # lease -> (client, gids)
+    records: int = 0  # kept
+    skipped_bytes: int = 0  # damaged bytes skipped (and quarantined)
+    damaged: int = 0  # damaged regions
+    quarantined: list[str] = field(default_factory=list)  # side files holding them
+    needs_rewrite: bool = False  # damage before the tail: compact so the next replay is clean
 
 
 def _apply(state: Recovered, rec: Record) -> None:
@@ -143,30 +176,80 @@ def _apply(state: Recovered, rec: Record) -> None:
             state.seen[gid] = None
     elif isinstance(rec, VersionsDiscarded):
         state.discarded.append((rec.min_version, rec.max_version))
+    elif isinstance(rec, BatchLeased):
+        state.batch_leases[rec.lease_id] = (rec.client_id, rec.group_ids)
+        while len(state.batch_leases) > 4096:
+            state.batch_leases.popitem(last=False)
     while len(state.seen) > 4 * SEEN_WINDOW:
         state.seen.popitem(last=False)
 
 
-def _read_segment(path: Path) -> Iterator[tuple[int, Record | None]]:
-    """Yield (end offset, record) for each intact record; (offset, None) at the first bad one."""
-    data = path.read_bytes()
-    off = 0
-    while off < len(data):
-        if off + HEADER.size > len(data):
-            yield off, None
-            return
-        length, crc = HEADER.unpack_from(data, off)
-        body = data[off + HEADER.size : off + HEADER.size + length]
-        if len(body) < length or zlib.crc32(body) != crc:
-            yield off, None
-            return
+def encode_records(records: list[Record]) -> bytes:
+    """Header + body of each record, back to back (raises ValueError for a record that cannot be encoded)."""
+    out = []
+    for rec in records:
         try:
-            rec = _decoder.decode(body)
-        except msgspec.MsgspecError:
-            yield off, None
-            return
-        off += HEADER.size + length
-        yield off, rec
+            body = _encoder.encode(rec)
+        except (RecursionError, msgspec.MsgspecError, OverflowError) as e:
+            raise ValueError(f"{type(rec).__name__} cannot be spooled: {type(e).__name__}: {e}") from None
+        out.append(HEADER.pack(len(body), zlib.crc32(body)))
+        out.append(body)
+    return b"".join(out)
+
+
+def record_at(data: bytes, off: int) -> tuple[Record | None, int]:
+    """The valid record starting at ``off`` and the offset after it, or (None, 0)."""
+    if off + HEADER.size >= len(data):
+        return None, 0
+    length, crc = HEADER.unpack_from(data, off)
+    end = off + HEADER.size + length
+    if length < 2 or length > MAX_RECORD or end > len(data):
+        return None, 0
+    if not 1 <= data[off + HEADER.size + 1] <= _TAGS:  # [tag, ...]: the tag follows the array header
+        return None, 0
+    body = memoryview(data)[off + HEADER.size : end]
+    if zlib.crc32(body) != crc:
+        return None, 0
+    try:
+        return _decoder.decode(body), end
+    except msgspec.MsgspecError:
+        return None, 0
+
+
+def scan(data: bytes) -> tuple[list[Record], list[tuple[int, int]]]:
+    """Every valid record of a segment, and the damaged byte ranges ``[start, end)`` between them.
+
+    After a bad record, the next record is looked for at every later offset whose body would open with
+    an array header (a regex over the bytes, in C); the first one whose header, CRC and body are valid
+    resynchronises the reader."""
+    records, damaged, off = [], [], 0
+    while off < len(data):
+        rec, end = record_at(data, off)
+        if rec is not None:
+            records.append(rec)
+            off = end
+            continue
+        nxt = len(data)
+        for m in _ARRAY.finditer(data, off + 1 + HEADER.size):
+            if record_at(data, m.start() - HEADER.size)[0] is not None:
+                nxt = m.start() - HEADER.size
+                break
+        damaged.append((off, nxt))
+        off = nxt
+    return records, damaged
+
+
+def _owner_only_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+
+
+def write_owner_only(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 class Spool:
@@ -175,98 +258,145 @@ class Spool:
     def __init__(self, directory: str | Path, fsync: str = "interval", fsync_interval_s: float = 1.0,
                  segment_bytes: int = 256 << 20):
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        _owner_only_dir(self.dir)
         self.fsync_policy, self.fsync_interval_s, self.segment_bytes = fsync, fsync_interval_s, segment_bytes
-        self._file = None
+        self._fd: int | None = None
         self._index = 0
-        self._dirty = False
+        self._size = 0  # bytes in the active segment (a failed write is truncated back to it)
         self._last_fsync = time.monotonic()
-        self._unsynced = False  # flushed to the OS but not fsynced yet
+        self._unsynced = False  # written to the OS but not fsynced yet
         self.bytes_written = 0
+        self.write_errors = 0
 
     def _segments(self) -> list[Path]:
         return sorted(self.dir.glob("segment-*.log"))
 
+    def _path(self, index: int) -> Path:
+        return self.dir / f"segment-{index:08d}.log"
+
+    # ------------------------------------------------------------------ recovery
     def recover(self) -> Recovered:
-        """Rebuild state from every segment; cut a torn tail; open the newest segment for appends."""
+        """Rebuild state from every segment (see the module docstring); open the newest for appends."""
         state = Recovered()
         segments = self._segments()
-        for i, path in enumerate(segments):
-            end = 0
-            for end_off, rec in _read_segment(path):
-                if rec is None:
-                    size = path.stat().st_size
-                    state.truncated_bytes += size - end_off
-                    log.warning("spool %s: cut %d bytes of a torn record at offset %d", path.name, size - end_off, end_off)
-                    with path.open("r+b") as f:
-                        f.truncate(end_off)
-                    break
+        for path in segments:
+            data = path.read_bytes()
+            records, damaged = scan(data)
+            for rec in records:
                 _apply(state, rec)
-                state.records += 1
-                end = end_off
-            del end
-            if i < len(segments) - 1 and state.truncated_bytes:
-                log.warning("spool: a torn record sits before the newest segment %s", segments[-1].name)
-        self._index = int(segments[-1].stem.split("-")[1]) if segments else 0
-        self._open(self._index if segments else 1)
+            state.records += len(records)
+            for start, end in damaged:
+                self._quarantine(state, path, data, start, end)
+            if damaged and damaged[-1][1] == len(data):  # a damaged tail: appends continue after the cut
+                with path.open("r+b") as f:
+                    f.truncate(damaged[-1][0])
+            state.needs_rewrite |= any(end < len(data) for _, end in damaged) or (bool(damaged) and path != segments[-1])
+        if state.damaged:
+            log.warning("spool %s: kept %d records, skipped %d damaged bytes in %d region(s), quarantined to %s",
+                        self.dir, state.records, state.skipped_bytes, state.damaged, self.dir / "quarantine")
+        self._open(int(segments[-1].stem.split("-")[1]) if segments else 1)
         return state
 
+    def _quarantine(self, state: Recovered, path: Path, data: bytes, start: int, end: int) -> None:
+        qdir = self.dir / "quarantine"
+        _owner_only_dir(qdir)
+        side = qdir / f"{path.stem}.at-{start}.bin"
+        write_owner_only(side, data[start:end])
+        state.skipped_bytes += end - start
+        state.damaged += 1
+        state.quarantined.append(str(side))
+        log.warning("spool %s: %d damaged bytes at offset %d skipped (copied to %s)", path.name, end - start, start, side)
+
+    # -------------------------------------------------------------------- writes
     def _open(self, index: int) -> None:
-        if self._file:
-            self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
         self._index = index
-        self._file = open(self.dir / f"segment-{index:08d}.log", "ab")
+        path = self._path(index)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.chmod(path, 0o600)
+        self._size = os.fstat(self._fd).st_size
+
+    def write(self, records: list[Record]) -> None:
+        """Hand ``records`` to the OS in one write, or raise: ValueError (a record that cannot be encoded:
+        nothing written) or SpoolUnavailable (the write failed: its bytes are cut off again)."""
+        if not records:
+            return
+        data = encode_records(records)
+        view, start = memoryview(data), self._size
+        try:
+            if "broker.spool_write" in chaos.POINTS:  # a chaos run: stop with half of the record written
+                view = view[os.write(self._fd, view[: len(view) // 2]):]
+                chaos.pin("broker.spool_write")
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+        except OSError as e:
+            self.write_errors += 1
+            try:
+                os.ftruncate(self._fd, start)
+            except OSError:  # pragma: no cover - recovery resynchronises past a partial record anyway
+                log.exception("spool: could not cut a partial write back off %s", self._path(self._index))
+            raise SpoolUnavailable(e) from None
+        self._size = start + len(data)
+        self._unsynced = True
+        self.bytes_written += len(data)
 
     def append(self, rec: Record) -> None:
-        body = _encoder.encode(rec)
-        self._file.write(HEADER.pack(len(body), zlib.crc32(body)))
-        self._file.write(body)
-        self._dirty = True
-        self.bytes_written += HEADER.size + len(body)
+        self.write([rec])
 
     def flush(self) -> None:
-        """Hand written records to the OS (survives a killed process); fsync per policy."""
-        if not self._dirty:
-            return
-        self._file.flush()
-        self._dirty, self._unsynced = False, True
+        """After a batch of requests, before the replies: fsync with ``fsync: always``, else when due."""
         if self.fsync_policy == "always":
-            self._fsync(time.monotonic())
+            if self._unsynced:
+                self._fsync(time.monotonic())
         else:
             self.sync_if_due()
 
     def sync_if_due(self) -> None:
-        """With ``fsync: interval``, fsync what was flushed once ``fsync_interval_s`` has passed since the last
+        """With ``fsync: interval``, fsync what was written once ``fsync_interval_s`` has passed since the last
         fsync; the broker also calls this on its timer, so the last records of a burst do not wait for more."""
         now = time.monotonic()
         if self.fsync_policy == "interval" and self._unsynced and now - self._last_fsync >= self.fsync_interval_s:
             self._fsync(now)
 
     def _fsync(self, now: float) -> None:
-        os.fsync(self._file.fileno())
+        os.fsync(self._fd)
         self._last_fsync, self._unsynced = now, False
 
+    # ----------------------------------------------------------------- compaction
     def needs_compaction(self) -> bool:
-        return self._file is not None and self._file.tell() >= self.segment_bytes
+        return self._fd is not None and self._size >= self.segment_bytes
 
     def compact(self, snapshot: list[Record]) -> None:
-        """Start a new segment holding ``snapshot`` (the live state), then delete older segments."""
+        """Start a new segment holding ``snapshot`` (the live state), then delete older segments.
+        Raises SpoolUnavailable (the new segment is removed, the old ones stay) when the disk is full."""
         old = self._segments()
-        self.flush()
-        self._open(self._index + 1)
-        for rec in snapshot:
-            self.append(rec)
-        self._file.flush()
-        self._fsync(time.monotonic())
-        self._dirty = False
-        for path in old:
+        path = self._path(self._index + 1)
+        try:
+            data = encode_records(snapshot)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
             path.unlink(missing_ok=True)
-        log.info("spool compacted into %s (%d records, %d old segments removed)",
-                 self.dir / f"segment-{self._index:08d}.log", len(snapshot), len(old))
+            raise SpoolUnavailable(e) from None
+        self._open(self._index + 1)
+        self._last_fsync, self._unsynced = time.monotonic(), False
+        for p in old:
+            p.unlink(missing_ok=True)
+        log.info("spool compacted into %s (%d records, %d old segments removed)", path, len(snapshot), len(old))
 
     def close(self) -> None:
-        if self._file:
-            self.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            try:
+                os.fsync(self._fd)
+            except OSError as e:  # pragma: no cover - reported; the records reached the OS
+                log.error("spool: fsync at close failed: %s", e)
+            os.close(self._fd)
+            self._fd = None

@@ -8,8 +8,8 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from fleetrl.broker.address import default_client_id
-from fleetrl.broker.client import BrokerClient, BrokerUnavailable
+from fleetrl.broker.address import client_identity, default_client_id
+from fleetrl.broker.client import ZmqBrokerClient, BrokerUnavailable
 from fleetrl.broker.metrics import status_metrics
 from fleetrl.common import messages as m
 from fleetrl.common.config import load_config
@@ -43,7 +43,9 @@ def main(args) -> int:
     curve = cfg.broker.curve if cfg else None
     console = Console()
     try:
-        client = BrokerClient(args.broker, default_client_id("status"), "monitor", timeout_s=args.timeout, curve=curve)
+        identity = client_identity(curve, "status")
+        client = ZmqBrokerClient(args.broker, default_client_id("status", 0, identity), "monitor", timeout_s=args.timeout,
+                                 curve=curve)
         client.connect()
     except BrokerUnavailable as e:
         console.print(f"[red]fleetrl status: {e}[/red]")

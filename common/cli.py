@@ -117,10 +117,23 @@ def _status_args(p: argparse.ArgumentParser) -> None:
 
 
 def _keys_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["generate"], help="generate: write CURVE keypairs")
-    p.add_argument("dir", metavar="DIR", help="directory for NAME.key (public) and NAME.key_secret files")
-    p.add_argument("--clients", nargs="*", default=["client"], metavar="NAME",
-                   help="client keypairs to write besides the broker's `server` pair (default: client)")
+    p.add_argument("action", choices=["generate"], help="generate: write CURVE keypairs and the broker's allowlist")
+    p.add_argument("dir", metavar="DIR", help="directory for NAME.key / NAME.key_secret and the allowlist DIR/clients/<role>/")
+    for role, default in (("rollout", "rollout"), ("learner", "learner"), ("operator", "operator"), ("monitor", None)):
+        p.add_argument(f"--{role}", nargs="*", metavar="NAME", help=f"identities of {role} keys (default: "
+                       f"{default or 'none'}); a client's ids start with its identity")
+
+
+def _control_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["pause", "resume", "stop", "discard"],
+                   help="pause/resume leasing, stop the fleet (resume undoes it), discard a closed range of versions")
+    p.add_argument("--broker", required=True, metavar="ADDR", help="broker request address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--config", "-c", metavar="FILE", help="job YAML, for the operator's CURVE key (broker.curve)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+    p.add_argument("--reason", default="", help="why (goes to the announcement and the broker's audit log)")
+    p.add_argument("--min-version", type=int, metavar="V", help="discard: the range's first version")
+    p.add_argument("--max-version", type=int, metavar="V", help="discard: its last version (at most the current one)")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds to wait for the broker")
 
 
 def _sft_args(p: argparse.ArgumentParser) -> None:
@@ -179,6 +192,8 @@ COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] 
     "eval": ("fleetrl.rollout.eval:main", "greedy accuracy and pass@k of a model on a prompt set", _eval_args),
     "status": ("fleetrl.broker.status:main", "print a broker's queue, leases, rates and clients", _status_args),
     "keys": ("fleetrl.broker.keys:main", "generate CURVE keypairs for the broker and its clients", _keys_args),
+    "control": ("fleetrl.broker.operator:main", "as an operator: pause, resume, stop the fleet or discard versions",
+                _control_args),
     "learner": ("fleetrl.learner.train:main", "run a learner rank (also under torchrun -m fleetrl.learner)", _learner_args),
     "sft": ("fleetrl.learner.sft:main", "supervised warm start, stopped at a target held-out accuracy", _sft_args),
     "run": ("fleetrl.common.launch.run:main", "start a whole job on this machine: broker, rollouts, learner", _run_args),
@@ -234,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = getattr(args, "debug", False) or os.environ.get("FLEETRL_DEBUG", "") not in ("", "0")
     if debug:
         os.environ["FLEETRL_DEBUG"] = "1"  # children of `fleetrl run` show tracebacks too
+    os.umask(0o077)  # every file a fleetrl process creates (weights, checkpoints, spool, keys, logs) is owner-only
     target = getattr(args, "target", None) or COMMANDS[args.command][0]  # `launch ENGINE` sets its own
     module_name, func_name = target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)

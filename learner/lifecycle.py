@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from fleetrl.broker.client import BrokerClient, resolve_address
+from fleetrl.broker.client import BrokerClient, ZmqBrokerClient, client_identity, resolve_address
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.learner.runtime import Dist
 
@@ -51,11 +51,15 @@ class GracefulStop:
 
 
 def connect_broker(cfg: JobConfig, run_dir: Path, rank: int) -> BrokerClient:
-    """A registered client with a stable id per rank (the broker keys commits by it)."""
-    client = BrokerClient(resolve_address(cfg.broker, run_dir), f"learner-{rank}", "learner", rank,
-                          timeout_s=cfg.broker.request_timeout_s, curve=cfg.broker.curve,
-                          info={"host": socket.gethostname(), "pid": str(os.getpid())})
-    client.connect()
+    """A registered client with a stable id per rank (the broker keys commits by it): ``<identity>-<rank>``,
+    ``learner-<rank>`` with the default key name. It heartbeats, so that the broker sees the rank alive
+    through long steps (a dead learner's rollback pause lifts by itself)."""
+    identity = client_identity(cfg.broker.curve, "learner")
+    client = ZmqBrokerClient(resolve_address(cfg.broker, run_dir), f"{identity}-{rank}", "learner", rank,
+                             timeout_s=cfg.broker.request_timeout_s, curve=cfg.broker.curve,
+                             info={"host": socket.gethostname(), "pid": str(os.getpid())})
+    reg = client.connect()
+    client.start_heartbeat(lambda: (0, {}), reg.heartbeat_s or cfg.broker.heartbeat_s)
     return client
 
 

@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from fleetrl.broker.client import BrokerClient
+from fleetrl.common import chaos
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.learner.algorithms import dynamic_sampling_filter
@@ -54,12 +56,11 @@ def share_of(total: int, rank: int, world: int) -> int:
 
 
 class BrokerBatchSource:
-    def __init__(self, client, cfg: JobConfig, rank: int, world: int):
+    def __init__(self, client: BrokerClient, cfg: JobConfig, rank: int, world: int):
         self.client, self.cfg = client, cfg
         self.want = max(1, share_of(cfg.learner.groups_per_step, rank, world))
         self.dynamic = cfg.algorithm.dynamic_sampling
         self.filtered_total = 0
-        self.on_idle: Callable[[], None] = lambda: None  # called between lease attempts that brought nothing
 
     def _lease(self, n: int, deadline: float, should_stop: Callable[[], bool]) -> m.BatchLease:
         while True:
@@ -72,7 +73,6 @@ class BrokerBatchSource:
             reply = self.client.lease_batch(n, wait_s=min(2.0, left), min_groups=n)
             if isinstance(reply, m.BatchLease):
                 return reply
-            self.on_idle()
             time.sleep(min(reply.retry_after_s, max(0.0, deadline - time.monotonic())))
 
     def next(self, step: int, should_stop: Callable[[], bool] = lambda: False) -> Leased:
@@ -113,6 +113,7 @@ class BrokerBatchSource:
         return [g for i, g in enumerate(groups) if i in kept_groups]
 
     def ack(self, leased: Leased, step: int) -> None:
+        chaos.pin("learner.step")  # a chaos run: trained, not acknowledged yet
         for lease_id, group_ids in leased.leases:
             self.client.ack_batch(lease_id, group_ids, step)
 

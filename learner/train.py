@@ -9,10 +9,6 @@
         publisher.publish(...)                 # every sync.interval steps: weights to the rollout fleet
         monitor.log(step, stats); checkpoint when due
     leave the broker (`done` when training is over: rollouts started by hand then exit)
-
-While it waits for groups, rank 0 serves late receivers: a rollout that missed the latest broadcast
-round and is too stale to lease prompts would otherwise wait for a round that only a step starts,
-while the learner waits for its groups (``serve_late_receivers``).
 """
 
 from __future__ import annotations
@@ -157,39 +153,13 @@ class Learner:
         return {n: float(v) / (1 if n.startswith(summed) else self.dist.world) for n, v in zip(names, t.tolist())}
 
     # --------------------------------------------------------------- weights
-    def publish(self, new_version: bool = True) -> dict[str, float]:
-        """Send the current weights to the rollout fleet as version ``version + 1`` (collective), or again as
-        ``version`` (a catch-up round, rank 0 alone)."""
-        if new_version:
-            self.version += 1
+    def publish(self) -> dict[str, float]:
+        """Send the current weights to the rollout fleet as version ``version + 1`` (collective)."""
+        self.version += 1
         expected = self.fleet_size
         announce = lambda info: self.client.publish_version(self.version, self.step, info)  # noqa: E731
         return self.publisher.publish(self.version, self.step, self.full_params(),
                                       announce if self.dist.is_main else (lambda info: None), expected)
-
-    @property
-    def serves_late_receivers(self) -> bool:
-        """Rank 0 can send the weights alone (no collective) for a broadcast transport."""
-        return (self.fleet and self.dist.is_main and self.cfg.sync.transport != "filesystem"
-                and (self.dist.world == 1 or self.cfg.learner.zero_stage < 3))
-
-    def serve_late_receivers(self) -> None:
-        """While waiting for groups: a catch-up round with the current weights when a rollout tried to join the
-        latest round after it closed and is too stale to lease prompts. Without it neither side moves — the
-        rollout waits for the next round, which only a learner step starts, and the learner waits for the
-        rollout's groups (the gloo-resume deadlock: the resumed learner's first round closed before the new
-        rollout joined)."""
-        if not self.publisher.late_receivers():
-            return
-        status = self.client.status()
-        stuck = [c.client_id for c in status.clients if c.role == "rollout" and c.alive
-                 and status.policy_version - c.policy_version > self.cfg.broker.max_staleness]
-        if not stuck:
-            return
-        self.fleet_size = sum(1 for c in status.clients if c.role == "rollout" and c.alive)
-        log.info("weight sync: %s missed the round of version %d and cannot lease prompts with older weights; "
-                 "sending version %d again", ", ".join(stuck), self.version, self.version)
-        self.publish(new_version=False)
 
     def full_params(self):
         """(name, full tensor) under the base model's names; with model.lora the merged weights (collective)."""
@@ -345,8 +315,6 @@ def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None)
         if path is not None:
             learner.resume(path)
         write_ready(run_dir, dist, learner.step)
-        if learner.serves_late_receivers:
-            learner.source.on_idle = learner.serve_late_receivers
         if learner.evaluator is not None and learner.step == 0:
             learner.monitor.log(0, learner.evaluator(learner.module))  # the starting point of the curve
         deadline = time.monotonic() + 60 * cfg.learner.max_minutes if cfg.learner.max_minutes else float("inf")

@@ -29,11 +29,14 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fleetrl.broker.client import BrokerClient, BrokerError, BrokerUnavailable, default_client_id, resolve_address
+from fleetrl.broker.client import (
+    BrokerClient, BrokerError, BrokerUnavailable, SubscriptionLike, ZmqBrokerClient, client_identity, default_client_id,
+    resolve_address,
+)
+from fleetrl.common import chaos, telemetry
 from fleetrl.common import messages as m
-from fleetrl.common import telemetry
 from fleetrl.common.config import load_config
 from fleetrl.common.config.checks import require_model_dir
 from fleetrl.common.log import setup_logging
@@ -46,6 +49,9 @@ from fleetrl.rollout.loop import (
 from fleetrl.rollout.inflight import InFlight, max_inflight, trace_carrier
 from fleetrl.rollout.rewards import RewardScorer
 from fleetrl.rollout.tracing import LeaseTrace
+
+if TYPE_CHECKING:
+    from fleetrl.rollout.weights import WeightReceiver
 
 log = logging.getLogger("fleetrl.rollout")
 
@@ -68,8 +74,9 @@ class RolloutServer:
     ``run()`` registers, loops until stopped and returns the exit code. It closes none of them.
     """
 
-    def __init__(self, cfg: JobConfig, client: Any, engine: Any, scorer: RewardScorer, *, server_index: int = 0,
-                 run_dir: str | Path | None = None, receiver: Any = None, stop_event: threading.Event | None = None):
+    def __init__(self, cfg: JobConfig, client: BrokerClient, engine: Any, scorer: RewardScorer, *, server_index: int = 0,
+                 run_dir: str | Path | None = None, receiver: WeightReceiver | None = None,
+                 stop_event: threading.Event | None = None):
         self.cfg, self.client, self.engine, self.scorer, self.receiver = cfg, client, engine, scorer, receiver
         self.server_index, self.client_id = server_index, client.client_id
         self.run_dir = Path(run_dir) if run_dir else None
@@ -84,7 +91,7 @@ class RolloutServer:
         self._stop = stop_event or threading.Event()
         self.leases, self.stats = OpenLeases(), Stats()
         self.metrics = MetricsFile(self.run_dir / f"rollout-{server_index}.metrics.jsonl" if self.run_dir else None)
-        self.sub: Any = None
+        self.sub: SubscriptionLike | None = None
         self.finisher: Finisher | None = None
         self.inflight: dict[int, InFlight] = {}  # admitted, not yet handed to the finisher
         self._unpushed = 0  # admitted and not yet pushed / dropped (what max_inflight bounds)
@@ -214,6 +221,7 @@ class RolloutServer:
         if self.paused:
             self.wait(PAUSED_POLL_S)
             return None
+        chaos.pin("rollout.idle")
         try:
             reply = self.client.lease_prompts(n or self.cfg.rollout.prompts_per_batch, self.version)
         except BrokerError as e:
@@ -240,6 +248,7 @@ class RolloutServer:
         data, g = self.cfg.data, self.cfg.rollout.group_size
         n = g + int(self.greedy_baseline)  # the last request of a group is the greedy baseline (remax)
         admitted = []
+        chaos.pin("rollout.generate")
         for prompt in lease.prompts:
             ids = encode_prompt(self.engine.tokenizer, prompt.prompt, data.apply_chat_template, data.max_prompt_tokens)
             key, self._next_id = self._next_id, self._next_id + 1
@@ -483,7 +492,7 @@ def main(args) -> int:
         ready_path(args.run_dir, index).unlink(missing_ok=True)  # a previous run's signal must not count
     stop = threading.Event()
     install_signals(stop)
-    client_id = default_client_id("rollout", index)
+    client_id = default_client_id("rollout", index, client_identity(cfg.broker.curve, "rollout"))
     telemetry.setup_tracing("rollout", cfg.telemetry, args.run_dir,
                             {"service.instance.id": f"rollout-{index}", "fleetrl.client_id": client_id,
                              "fleetrl.server_index": index})
@@ -494,7 +503,7 @@ def main(args) -> int:
         scorer = RewardScorer.from_config(cfg.rollout)
         receiver = engine.weight_receiver(cfg, device, client_id)
         address = broker_address(cfg, args.broker, args.run_dir)
-        client = BrokerClient(address, client_id, "rollout", rank=index, timeout_s=cfg.broker.request_timeout_s,
+        client = ZmqBrokerClient(address, client_id, "rollout", rank=index, timeout_s=cfg.broker.request_timeout_s,
                               curve=cfg.broker.curve, info={"engine": cfg.rollout.engine, "device": device})
         server = RolloutServer(cfg, client, engine, scorer, server_index=index, run_dir=args.run_dir,
                                receiver=receiver, stop_event=stop)

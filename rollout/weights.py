@@ -1,18 +1,23 @@
 """`WeightReceiver`: a rollout server takes in new policy versions (docs/weight_sync.md).
 
 The server hands every version announcement to :meth:`WeightReceiver.on_version` and calls
-:meth:`WeightReceiver.apply` between generation batches. Neither waits on the network:
+:meth:`WeightReceiver.apply` between generation batches. Neither waits on the network. The transport
+comes from the ``RECEIVERS`` registry by ``sync.transport``, mirroring the learner's ``SENDERS``:
 
-- ``filesystem``: ``on_version`` remembers the newest path; ``apply`` loads it into the engine.
-- ``gloo`` / ``nccl``: ``on_version`` hands the round to a background thread, which joins it through
-  the learner's TCPStore, forms (or reuses) the group and receives every bucket into flat buffers;
-  only a version received whole becomes pending, and ``apply`` passes it to
-  ``engine.update_weights`` in one call. A failed, late or timed-out round is logged and skipped:
-  the next announcement brings the newest version. While a round is being received, newer
-  announcements wait in a one-slot queue (only the newest is kept).
+- ``filesystem`` (:class:`FileReceiver`): the announced directory becomes pending; ``apply`` loads it.
+- ``gloo`` / ``nccl`` (:class:`BroadcastReceiver`): a background thread joins the round through the
+  learner's TCPStore with the round's secret, forms (or reuses) the group and receives every bucket
+  into flat buffers (the functions of ``rounds.py``, which a vLLM worker calls too). A bucket that does
+  not arrive (a dead peer) sends it into the re-formed round, so it still gets the version. A round it
+  missed (too late, left out) is asked for again as a **catch-up** round, served by the learner from a
+  host copy: a rollout that fell behind catches up instead of being throttled forever. Only a version
+  received whole becomes pending; while a round runs, newer announcements wait in a one-slot queue.
 
-Versions only move forward: an announcement not newer than what is held, pending or being received
-is ignored. The engine's initial weights count as version 0.
+Versions only move forward, ordered by ``(published_at, version)`` — ``published_at`` is stamped by the
+broker, so a resumed or rolled-back learner's lower version still wins. An announcement not newer than
+what is held, pending or being received is ignored; so is one whose ``published_at`` lies more than
+``sync.max_clock_skew_s`` in the future, and one that already failed here (tried again after
+``RETRY_FAILED_S``). The engine's initial weights count as version 0.
 """
 
 from __future__ import annotations
@@ -24,21 +29,25 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Callable
 
 import torch
-from torch.distributed import PrefixStore, TCPStore
+from torch.distributed import TCPStore
 
 from fleetrl.common import messages
 from fleetrl.common import weightsync as ws
-from fleetrl.common.config.schema import JobConfig
+from fleetrl.common.config.schema import JobConfig, SyncConfig
+from fleetrl.common.registry import Registry
 from fleetrl.rollout.engines.base import Engine, ParamSpec
+from fleetrl.rollout.rounds import Joined, RoundSkipped, receive_round, request_catchup
 
 log = logging.getLogger(__name__)
 
+Key = tuple[float, int]  # (published_at, version): what "newer" means, across resumes and rollbacks
+RETRY_FAILED_S = 30.0  # a version whose round failed here is tried again (catch-up) at most this often
+CATCHUP_WAIT_S = ws.JOIN_WINDOW_S + 10.0  # how long a receiver waits for the learner to offer a catch-up round
 
-class RoundSkipped(Exception):
-    """This receiver is not part of a round (it came too late, or the learner left it out)."""
+RECEIVERS: Registry[type] = Registry("weight transport", config_key="sync.transport")
 
 
 @dataclass
@@ -46,39 +55,26 @@ class Update:
     """One complete version waiting to be applied: a directory, or received tensors."""
 
     version: int
-    key: tuple[float, int] = (0.0, 0)  # (published_at, version): what "newer" means, across rollbacks
+    key: Key = (0.0, 0)
     path: str = ""
     named: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     buffers: list[torch.Tensor] = field(default_factory=list)
 
 
-@dataclass
-class _Group:
-    id: str
-    store: tuple[str, int]  # which learner's store the group was formed on
-    pg: Any
-
-
 class WeightReceiver:
     def __init__(self, cfg: JobConfig, specs: list[ParamSpec], device: str, client_id: str):
         self.cfg = cfg.sync
-        self.expected = {name: (tuple(shape), ws.dtype_name(dtype)) for name, shape, dtype in specs}
-        self.device = buffer_device(self.cfg.transport, device)
         self.identity = f"{client_id}/{uuid.uuid4().hex[:8]}"
         self._cv = threading.Condition()
-        self._held = 0  # the version the engine holds
-        self._held_key: tuple[float, int] = (0.0, 0)
+        self._held, self._held_key = 0, (0.0, 0)  # the version the engine holds
         self._pending: Update | None = None
-        self._queued: tuple[int, messages.WeightsInfo] | None = None
-        self._receiving: tuple[float, int] | None = None
-        self._loading: tuple[float, int] = (0.0, 0)  # key of the update apply() is handing to the engine
+        self._loading: Key = (0.0, 0)  # key of the update apply() is handing to the engine
+        self._failed: dict[Key, float] = {}  # versions whose round failed here -> when
         self._closed = False
-        self._thread: threading.Thread | None = None
-        self._store: tuple[tuple[str, int], TCPStore] | None = None  # worker thread only
-        self._group: _Group | None = None  # worker thread only
-        self._spare: list[torch.Tensor] = []  # flat buffers of the last applied update, reused
-        self._stats = {"weights/version": 0.0, "weights/load_s": 0.0, "weights/recv_s": 0.0,
-                       "weights/recv_mb_per_s": 0.0, "weights/rounds_ok": 0.0, "weights/rounds_missed": 0.0}
+        self._stats = {"weights/version": 0.0, "weights/load_s": 0.0, "weights/recv_s": 0.0, "weights/recv_mb_per_s": 0.0,
+                       "weights/rounds_ok": 0.0, "weights/rounds_missed": 0.0, "weights/catchups": 0.0,
+                       "weights/reforms": 0.0, "weights/rejected": 0.0}
+        self.transport = RECEIVERS[self.cfg.transport](self.cfg, specs, device, self.identity, self._deliver, self._count)
 
     # ------------------------------------------------------------------------- server side
 
@@ -88,31 +84,34 @@ class WeightReceiver:
             return
         key = (weights.published_at, version)
         with self._cv:
-            if self._closed or key <= self._newest_known():
+            if self._closed or key <= self._newest_known() or time.monotonic() < self._failed.get(key, 0.0):
                 return
-            if weights.transport == "filesystem":
-                self._pending = Update(version, key, path=weights.path)
+            if weights.published_at > time.time() + self.cfg.max_clock_skew_s:
+                self._stats["weights/rejected"] += 1
+                log.error("ignored weight version %d: published_at %.0f lies in the future (more than "
+                          "sync.max_clock_skew_s=%g s); check the machines' clocks", version, weights.published_at,
+                          self.cfg.max_clock_skew_s)
                 return
-            reason = ws.check_plan(weights.buckets, self.expected)
-            if reason:
-                log.error("weight version %d cannot be received: %s", version, reason)
+        self.transport.offer(version, weights, key)
+
+    def _newest_known(self) -> Key:
+        """The newest key held, loading, pending, queued or being received (call with the lock held)."""
+        candidates = [self._held_key, self._loading, self.transport.busy_key()]
+        return max(candidates + [u.key for u in (self._pending,) if u is not None])
+
+    def _deliver(self, update: Update | None, key: Key) -> None:
+        """(transport) A version arrived whole, or (None) its round failed."""
+        with self._cv:
+            if update is None:
                 self._stats["weights/rounds_missed"] += 1
-                return
-            self._queued = (version, weights)
-            self._cv.notify()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="fleetrl-weights", daemon=True)
-                self._thread.start()
+                self._failed = {k: t for k, t in self._failed.items() if t > time.monotonic()}
+                self._failed[key] = time.monotonic() + RETRY_FAILED_S
+            elif update.key > max([self._held_key] + [u.key for u in (self._pending,) if u is not None]):
+                self._pending = update
 
-    def _newest_known(self) -> tuple[float, int]:
-        """The newest (published_at, version) held, loading, pending, queued or being received.
-
-        Ordering by the learner's publish time first makes a resumed or rolled-back learner's lower
-        version win over the newer number a rollout still holds."""
-        candidates = [self._held_key, self._loading, self._receiving or (0.0, 0)]
-        candidates += [u.key for u in (self._pending,) if u is not None]
-        candidates += [(q[1].published_at, q[0]) for q in (self._queued,) if q is not None]
-        return max(candidates)
+    def _count(self, name: str, n: float = 1.0, set_to: bool = False) -> None:
+        with self._cv:
+            self._stats[name] = n if set_to else self._stats[name] + n
 
     def pending_version(self) -> int | None:
         """The newest complete version not yet applied (filesystem: announced), or None."""
@@ -151,7 +150,7 @@ class WeightReceiver:
         with self._cv:
             if update.key >= self._held_key:
                 self._held, self._held_key = update.version, update.key
-            self._spare = update.buffers
+            self.transport.recycle(update.buffers)
             self._stats["weights/version"] = float(self._held)
             self._stats["weights/load_s"] = time.perf_counter() - t0
         return True
@@ -163,11 +162,84 @@ class WeightReceiver:
     def close(self) -> None:
         with self._cv:
             self._closed = True
+        self.transport.close()
+
+
+# ---------------------------------------------------------------------------------- filesystem
+
+
+@RECEIVERS.register("filesystem")
+class FileReceiver:
+    """The announced directory is the update: nothing to receive."""
+
+    def __init__(self, cfg: SyncConfig, specs, device: str, identity: str, deliver: Callable, count: Callable):
+        self.deliver = deliver
+
+    def offer(self, version: int, weights: messages.WeightsInfo, key: Key) -> None:
+        self.deliver(Update(version, key, path=weights.path), key)
+
+    def busy_key(self) -> Key:
+        return (0.0, 0)
+
+    def recycle(self, buffers: list) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# ----------------------------------------------------------------------------------- broadcast
+
+
+@RECEIVERS.register("gloo", "nccl")
+class BroadcastReceiver:
+    """Rounds on a thread of their own (module docstring); ``deliver`` gets each outcome."""
+
+    def __init__(self, cfg: SyncConfig, specs: list[ParamSpec], device: str, identity: str, deliver: Callable,
+                 count: Callable):
+        self.cfg, self.identity, self.deliver, self.count = cfg, identity, deliver, count
+        self.expected = {name: (tuple(shape), ws.dtype_name(dtype)) for name, shape, dtype in specs}
+        self.device = buffer_device(cfg.transport, device)
+        self._cv = threading.Condition()
+        self._queued: tuple[int, messages.WeightsInfo, Key] | None = None
+        self._receiving: Key | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._store: tuple[tuple[str, int], TCPStore] | None = None  # worker thread only
+        self._held: Joined | None = None  # the group held from the last round (worker thread only)
+        self._spare: list[torch.Tensor] = []  # flat buffers of the last applied update, reused
+
+    def offer(self, version: int, weights: messages.WeightsInfo, key: Key) -> None:
+        reason = ws.check_plan(weights.buckets, self.expected)
+        if reason:
+            log.error("weight version %d cannot be received: %s", version, reason)
+            self.deliver(None, key)
+            return
+        with self._cv:
+            if self._closed:
+                return
+            if self._queued is None or key > self._queued[2]:
+                self._queued = (version, weights, key)
+            self._cv.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="fleetrl-weights", daemon=True)
+                self._thread.start()
+
+    def busy_key(self) -> Key:
+        with self._cv:
+            keys = [k for k in (self._receiving, self._queued[2] if self._queued else None) if k is not None]
+        return max(keys, default=(0.0, 0))
+
+    def recycle(self, buffers: list) -> None:
+        with self._cv:
+            self._spare = buffers
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=1.0)  # a round in progress ends at its timeout; the thread is a daemon
-
-    # ------------------------------------------------------------------------- worker thread
 
     def _run(self) -> None:
         if self.device.type == "cuda":
@@ -178,89 +250,103 @@ class WeightReceiver:
                     self._cv.wait()
                 if self._closed:
                     break
-                (version, info), self._queued = self._queued, None
-                self._receiving = (info.published_at, version)
-            update = self._receive_round(version, info)
+                (version, info, key), self._queued = self._queued, None
+                self._receiving = key
+            update = self._receive(version, info, key)
             with self._cv:
                 self._receiving = None
-                if update is None:
-                    self._stats["weights/rounds_missed"] += 1
-                elif update.key > max([self._held_key] + [u.key for u in (self._pending,) if u is not None]):
-                    self._pending = update
+            self.deliver(update, key)
         self._drop_group()
-        self._store = None
 
-    def _receive_round(self, version: int, info: messages.WeightsInfo) -> Update | None:
+    def _receive(self, version: int, info: messages.WeightsInfo, key: Key) -> Update | None:
         t0 = time.monotonic()
         try:
-            update = self._join_and_receive(version, info, t0 + self.cfg.timeout_s)
-        except RoundSkipped as e:
-            log.info("weight version %d: %s; waiting for the next version", version, e)
-            return None
+            update = self._join_and_receive(version, info, key, t0 + self.cfg.timeout_s)
         except Exception as e:  # noqa: BLE001 - the learner or a peer failed: skip this round
-            log.warning("weight version %d: round %d with the learner at %s:%d failed (%s: %s); keeping version %d "
-                        "until the next one", version, info.round_id, info.master_addr, info.master_port,
-                        type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "", self._held)
+            log.warning("weight version %d: round %d with the learner at %s:%d failed (%s: %s); keeping the weights "
+                        "held until the next version", version, info.round_id, info.master_addr, info.master_port,
+                        type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
             self._drop_group()
             self._store = None
             return None
+        if update is None:
+            return None
         seconds = time.monotonic() - t0
         nbytes = sum(b.numel() * b.element_size() for b in update.buffers)
-        with self._cv:
-            self._stats["weights/recv_s"] = seconds
-            self._stats["weights/recv_mb_per_s"] = nbytes / ws.MB / seconds if seconds > 0 else 0.0
-            self._stats["weights/rounds_ok"] += 1
+        self.count("weights/recv_s", seconds, set_to=True)
+        self.count("weights/recv_mb_per_s", nbytes / ws.MB / seconds if seconds > 0 else 0.0, set_to=True)
+        self.count("weights/rounds_ok")
         return update
 
-    def _join_and_receive(self, version: int, info: messages.WeightsInfo, deadline: float) -> Update:
-        key = (info.master_addr, info.master_port)
-        store = self._connect(key)
-        rid = info.round_id
-        n = store.add(ws.count_key(rid), 1)
-        if n > ws.CLOSED:
-            raise RoundSkipped(f"round {rid} closed before this server joined")
-        held = self._group.id if self._group is not None and self._group.store == key else ""
-        store.set(ws.member_key(rid, n), messages.encode_record(messages.JoinRecord(self.identity, held)))
-        store.wait([ws.plan_key(rid)], _remaining(deadline))
-        plan = messages.decode_plan(store.get(ws.plan_key(rid)))
-        if self.identity not in plan.ranks:
-            raise RoundSkipped(f"the learner left this server out of round {rid}")
-        if not (plan.reuse and held == plan.group):
-            self._drop_group()
-            host = ws.local_address_towards(*key)
-            pg = ws.new_group(self.cfg.transport, PrefixStore(ws.group_prefix(plan.group), store),
-                              plan.ranks[self.identity], plan.size, deadline - time.monotonic(), host)
-            self._group = _Group(plan.group, key, pg)
+    def _join_and_receive(self, version: int, info: messages.WeightsInfo, key: Key, deadline: float) -> Update | None:
+        addr = (info.master_addr, info.master_port)
+        store = self._connect(addr)
         layouts = [ws.bucket_layout(b) for b in info.buckets]
-        buffers = self._buffers(layouts)
-        for buf in buffers:
-            self._recv_bucket(self._group.pg, buf, deadline)
+        keys = ws.RoundKeys(info.secret, info.round_id)
+        host = ws.local_address_towards(*addr)
+        held = self._held if self._store is not None and self._held is not None else None
+        try:
+            buffers = self._buffers(layouts, self.device)
+            self._held = receive_round(store, keys, self.identity, buffers, self.cfg.transport, host,
+                                       self.cfg.bucket_timeout_s, deadline, held)
+        except (RoundSkipped, ws.BucketFailed) as e:
+            log.info("weight version %d: %s; asking the learner for a catch-up round", version, e)
+            if isinstance(e, ws.BucketFailed):
+                self._held = None  # retired by receive_round
+            buffers = self._catch_up(store, keys, version, layouts, host, deadline)
+            if buffers is None:
+                return None
         named = [(s.name, buf[s.offset : s.offset + s.numel].view(s.shape))
                  for layout, buf in zip(layouts, buffers) for s in layout.slots]
-        return Update(version, (info.published_at, version), named=named, buffers=buffers)
+        return Update(version, key, named=named, buffers=buffers)
 
-    def _recv_bucket(self, pg: Any, buf: torch.Tensor, deadline: float) -> None:
-        ws.wait(ws.broadcast(pg, buf, deadline - time.monotonic()), deadline - time.monotonic())
+    def _catch_up(self, store: TCPStore, missed: ws.RoundKeys, version: int, layouts, host: str,
+                  deadline: float) -> list[torch.Tensor] | None:
+        """A fresh round of ``version`` from the learner's host copy (gloo, CPU buffers); None if none came."""
+        tried: set[int] = set()
+        for _ in range(2):
+            keys = request_catchup(store, missed, version, CATCHUP_WAIT_S, tried, self._newer_queued)
+            if keys is None:
+                log.warning("weight version %d: no catch-up round came (sync.catchup off, the learner busy, or a newer "
+                            "version announced); going on with the next version", version)
+                return None
+            tried.add(keys.round_id)
+            buffers = self._buffers(layouts, torch.device("cpu"))
+            try:
+                joined = receive_round(store, keys, self.identity, buffers, "gloo", host, self.cfg.bucket_timeout_s,
+                                       max(deadline, time.monotonic() + self.cfg.timeout_s))
+            except (RoundSkipped, ws.BucketFailed) as e:
+                log.info("weight version %d: catch-up round %d: %s", version, keys.round_id, e)
+                continue
+            ws.retire_group(joined.pg, 0.0)  # a catch-up group is not kept: the next round re-forms
+            self.count("weights/catchups")
+            return buffers
+        return None
 
-    def _connect(self, key: tuple[str, int]) -> TCPStore:
-        if self._store is None or self._store[0] != key:
+    def _newer_queued(self) -> bool:
+        with self._cv:
+            return self._queued is not None or self._closed
+
+    def _connect(self, addr: tuple[str, int]) -> TCPStore:
+        if self._store is None or self._store[0] != addr:
             self._drop_group()
-            store = TCPStore(key[0], key[1], None, False, timeout=timedelta(seconds=self.cfg.timeout_s))
-            self._store = (key, store)
+            store = TCPStore(addr[0], addr[1], None, False, timeout=timedelta(seconds=self.cfg.timeout_s))
+            self._store = (addr, store)
         return self._store[1]
 
-    def _buffers(self, layouts: list[ws.BucketLayout]) -> list[torch.Tensor]:
+    def _buffers(self, layouts: list[ws.BucketLayout], device: torch.device) -> list[torch.Tensor]:
         """One flat buffer per bucket; the last applied update's buffers when their layout matches."""
         with self._cv:
             spare, self._spare = self._spare, []
-        if [(b.numel(), ws.dtype_name(b.dtype)) for b in spare] == [(lay.numel, lay.dtype) for lay in layouts]:
+        if [(b.numel(), ws.dtype_name(b.dtype), b.device) for b in spare] == [(lay.numel, lay.dtype, device)
+                                                                               for lay in layouts]:
             return spare
-        return [torch.empty(lay.numel, dtype=getattr(torch, lay.dtype), device=self.device) for lay in layouts]
+        return [torch.empty(lay.numel, dtype=getattr(torch, lay.dtype), device=device) for lay in layouts]
 
     def _drop_group(self) -> None:
-        if self._group is not None:
-            ws.release_group(self._group.pg)
-            self._group = None
+        if self._held is not None:
+            ws.retire_group(self._held.pg, 2 * self.cfg.bucket_timeout_s)
+            self._held = None
 
 
 def buffer_device(transport: str, device: str) -> torch.device:
@@ -274,5 +360,4 @@ def buffer_device(transport: str, device: str) -> torch.device:
     return resolved if resolved.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
-def _remaining(deadline: float) -> timedelta:
-    return timedelta(seconds=max(0.1, deadline - time.monotonic()))
+__all__ = ["RECEIVERS", "BroadcastReceiver", "FileReceiver", "RoundSkipped", "Update", "WeightReceiver", "buffer_device"]

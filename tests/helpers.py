@@ -37,8 +37,9 @@ def write_job(tmp_path: Path, data_path: str, **sections) -> Path:
 class BrokerProcess:
     """`fleetrl broker` as a child process; stopped by its own PID only."""
 
-    def __init__(self, config: Path, run_dir: Path, *overrides: str):
-        self.config, self.run_dir, self.overrides = config, run_dir, overrides
+    def __init__(self, config: Path, run_dir: Path, *overrides: str, limits: dict | None = None):
+        """``limits``: resource limits of the broker process, e.g. {resource.RLIMIT_NOFILE: (1024, 1024)}."""
+        self.config, self.run_dir, self.overrides, self.limits = config, run_dir, overrides, limits or {}
         self.proc: subprocess.Popen | None = None
         self.endpoint: dict = {}
 
@@ -49,7 +50,8 @@ class BrokerProcess:
         self.log = open(self.run_dir / "broker.log", "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fleetrl.common.cli", "broker", "--config", str(self.config), "--run-dir",
-             str(self.run_dir), *self.overrides], stdout=self.log, stderr=subprocess.STDOUT)
+             str(self.run_dir), *self.overrides], stdout=self.log, stderr=subprocess.STDOUT,
+            preexec_fn=self._apply_limits if self.limits else None)
         deadline = time.monotonic() + timeout
         while not ep.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -57,6 +59,12 @@ class BrokerProcess:
             time.sleep(0.05)
         self.endpoint = json.loads(ep.read_text())
         return self
+
+    def _apply_limits(self) -> None:
+        import resource
+
+        for which, value in self.limits.items():
+            resource.setrlimit(which, value)
 
     @property
     def address(self) -> str:

@@ -179,19 +179,30 @@ class RolloutConfig(Section):
 
 
 class CurveConfig(Section):
-    server_secret_key: Annotated[str, doc("Broker's secret key file (`fleetrl keys generate`).")]
+    server_secret_key: Annotated[str, doc("Broker's secret key file (`fleetrl keys generate`); must be mode 0600.")]
     server_public_key: Annotated[str, doc("Broker's public key file, given to clients.")]
-    client_secret_key: Annotated[str | None, doc("This client's secret key file (rollout / learner side).")] = None
-    client_public_key: Annotated[str | None, doc("This client's public key file (rollout / learner side).")] = None
+    client_secret_key: Annotated[
+        str | None, doc("This client's secret key file (rollout / learner / operator side); must be mode 0600.")
+    ] = None
+    client_public_key: Annotated[str | None, doc("This client's public key file (accepted, not read: the secret file holds both).")] = None
     authorized_keys_dir: Annotated[
-        str | None, doc("Directory of client public keys the broker accepts (null = any client with the server key).")
+        str | None, doc("The broker's allowlist: one subdirectory per role (rollout/, learner/, operator/) of client "
+                        "`<identity>.key` files. Required on the broker; an empty or missing one is refused at start-up.")
+    ] = None
+    client_identity: Annotated[
+        str | None, doc("The identity this client's key is filed under (client ids start with it); null = the "
+                        "secret key file's name without `.key_secret`.")
     ] = None
 
 
 class BrokerConfig(Section):
-    host: Annotated[str, doc("Address the broker binds; keep 127.0.0.1 unless clients are on other machines.")] = (
+    host: Annotated[str, doc("Address the broker binds; without broker.curve only a loopback address is allowed.")] = (
         "127.0.0.1"
     )
+    insecure_bind: Annotated[
+        bool, doc("Allow a non-loopback broker.host without CURVE (anyone who reaches the port is trusted); logged as a "
+                  "warning at every start.")
+    ] = False
     port: Annotated[int, doc("ROUTER port for requests (0 = pick a free port and write it to the run dir).", ge=0, le=65535)] = (
         5555
     )
@@ -229,7 +240,47 @@ class BrokerConfig(Section):
     heartbeat_s: Annotated[float, doc("Seconds between client heartbeats.", gt=0)] = 2.0
     client_timeout_s: Annotated[float, doc("A client silent this long is reported dead.", gt=0)] = 30.0
     request_timeout_s: Annotated[float, doc("Client-side wait for one broker reply before retrying.", gt=0)] = 30.0
-    curve: Annotated[CurveConfig | None, doc("CURVE encryption and client authentication (null = plaintext).")] = None
+    curve: Annotated[CurveConfig | None, doc("CURVE encryption, client keys bound to roles (null = plaintext, loopback only).")] = None
+    audit_log: Annotated[
+        str | None, doc("JSONL audit of controls, publishes, commits, rewinds and refusals (null = <run dir>/audit.jsonl).")
+    ] = None
+    accept_unleased: Annotated[
+        bool, doc("Accept groups whose prompt_id the broker never leased (offline imports); they count against capacity.")
+    ] = False
+    max_abs_reward: Annotated[float, doc("Groups with a reward of larger magnitude are refused (invalid_group).", gt=0)] = 1e6
+    version_slack: Annotated[
+        int, doc("How far a group's or rollout's policy version may be ahead of the broker's (a future version is refused).", ge=0)
+    ] = 0
+    max_version_jump: Annotated[
+        int, doc("Most a PublishVersion may advance the broker's version by (refused beyond; unchecked until a version is known).", ge=1)
+    ] = 1000
+    max_clients: Annotated[
+        int, doc("Client records kept; at the cap the longest-dead one is evicted, else Register gets `unavailable`.", ge=1)
+    ] = 4096
+    max_client_info_bytes: Annotated[
+        int, doc("Largest Register info / Heartbeat stats (keys + values, 8 bytes a number); larger ones are refused.", ge=64)
+    ] = 16384
+    max_groups_per_push: Annotated[int, doc("Most groups in one PushGroups frame (refused with `too_large` beyond).", ge=1)] = 1024
+    max_held_groups: Annotated[
+        int | None, doc("Most groups held in memory (queued, leased, uncommitted); pushes beyond are throttled "
+                        "(null = 16 x capacity, at least 10,000).")
+    ] = None
+    max_waiting_polls: Annotated[int, doc("Most LeaseBatch long polls held at once; more are answered at once.", ge=1)] = 4096
+    zmq_heartbeat_s: Annotated[
+        float, doc("ZMTP heartbeat interval on every connection; a peer silent for 3 intervals is disconnected.", gt=0)
+    ] = 5.0
+    handshake_timeout_s: Annotated[float, doc("A connection that has not finished its ZMTP/CURVE handshake by then is closed.", gt=0)] = 10.0
+    idle_timeout_s: Annotated[
+        float, doc("A connection that sent no complete request for this long (and has no long poll waiting) is closed; "
+                   "ZeroMQ clients reconnect by themselves.", gt=0)
+    ] = 60.0
+    max_buffered_bytes: Annotated[
+        int, doc("Bytes the broker may hold in unfinished frames across all connections; the largest holders are "
+                 "disconnected beyond (one connection may hold 2 x max_message_bytes + 1 MiB).", ge=1 << 20)
+    ] = 128 << 20
+    max_connections: Annotated[
+        int | None, doc("Open request connections; beyond, the idlest are closed (null = the open-files limit minus 64).")
+    ] = None
 
 
 # ---------------------------------------------------------------------------------------- sync
@@ -247,6 +298,17 @@ class SyncConfig(Section):
     master_addr: Annotated[str, doc("Address learner rank 0 hosts the broadcast TCPStore on.")] = "127.0.0.1"
     master_port: Annotated[int, doc("Port of that TCPStore (0 = free port, announced).", ge=0, le=65535)] = 0
     timeout_s: Annotated[float, doc("Longest wait of one broadcast round; late receivers are dropped.", gt=0)] = 120.0
+    bucket_timeout_s: Annotated[
+        float, doc("Longest wait for one bucket (gathered, packed, sent); a receiver that misses it is dropped and the "
+                   "survivors re-form and carry on, so a dead one costs at most about twice this.", gt=0)
+    ] = 20.0
+    max_clock_skew_s: Annotated[
+        float, doc("A version announced with a published_at further in the future than this is ignored by rollouts.", gt=0)
+    ] = 300.0
+    catchup: Annotated[
+        bool, doc("gloo/nccl: keep the last version in host memory (model size) and serve catch-up rounds to "
+                  "rollouts that missed a round; false = they wait for the next publish.")
+    ] = True
 
 
 # ---------------------------------------------------------------------------------- checkpoint

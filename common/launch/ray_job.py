@@ -86,7 +86,8 @@ class ProcessActor:
         job = ["--config", self.plan["config"], "--run-dir", str(self.run_dir)]
         env = {**child_env(int(self.plan["threads"][self.role])), **world.env()}
         if self.role == "broker":
-            argv, ready = [*cli, "broker", *job, "broker.host=0.0.0.0", "broker.port=0", "broker.pub_port=0"], "broker.json"
+            argv, ready = [*cli, "broker", *job, "broker.host=0.0.0.0", "broker.insecure_bind=true",  # see World.overrides
+                           "broker.port=0", "broker.pub_port=0"], "broker.json"
         elif self.role == "rollout":
             index = world.rollout_indices[0]
             argv = [*cli, "rollout", *job, "--server-index", str(index), "--broker", world.broker_address,

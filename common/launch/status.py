@@ -29,9 +29,32 @@ class MetricsTail:
             data = f.read()
         complete = data[: data.rfind("\n") + 1]
         self.offset += len(complete.encode())
-        new = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        new = []
+        for line in complete.splitlines():
+            try:
+                row = json.loads(line) if line.strip() else None
+            except ValueError:  # a line that is not JSON (cut by a crash): skipped, not fatal
+                row = None
+            if isinstance(row, dict):
+                new.append(row)
         self.rows.extend(new)
         return new
+
+
+def num(value: object, default: float = float("nan")) -> float:
+    """Any metric value as a float: numbers, numeric strings ("inf", "nan", "1e3" — what JSON cannot hold
+    arrives as text), else ``default``. The status line must survive every value a run can log."""
+    if isinstance(value, bool):
+        return float(value)
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return default
+
+
+def fmt(value: object, spec: str) -> str:
+    x = num(value)
+    return spec.format(x) if x == x and abs(x) != float("inf") else str(x)
 
 
 def describe_event(event: dict) -> str:
@@ -73,12 +96,13 @@ class StatusLine:
         for row in self.tail.poll():
             self.last = row
             if self.started is None:
-                self.started = row.get("time", time.time())
-            if "reward/mean" in row:
-                self.rewards.append(row["reward/mean"])
+                self.started = num(row.get("time"), time.time())
+            if "reward/mean" in row and (r := num(row["reward/mean"])) == r:
+                self.rewards.append(r)
             if "eval/accuracy" in row:
-                self.eval_acc = row["eval/accuracy"]
-            self.times.append((row.get("time", time.time()), row["step"], row.get("batch/samples_total", 0.0)))
+                self.eval_acc = num(row["eval/accuracy"])
+            self.times.append((num(row.get("time"), time.time()), num(row.get("step"), 0.0),
+                               num(row.get("batch/samples_total"), 0.0)))
         for event in self.event_tail.poll():
             self.events.append(describe_event(event))
         text = self.render()
@@ -101,28 +125,29 @@ class StatusLine:
             return "waiting for the first step..."
         r = self.last
         steps_s, samples_s = self.rate()
-        eta = (self.total - r["step"]) / steps_s if steps_s > 0 else float("nan")
+        step = num(r.get("step"), 0.0)
+        eta = (self.total - step) / steps_s if steps_s > 0 else float("nan")
         if self.cfg.learner.max_minutes and self.started is not None:  # the time budget ends the run first
-            left = max(0.0, self.started + 60 * self.cfg.learner.max_minutes - r.get("time", time.time()))
+            left = max(0.0, self.started + 60 * self.cfg.learner.max_minutes - num(r.get("time"), time.time()))
             eta = left if eta != eta else min(eta, left)
-        parts = [f"step {r['step']}/{self.total}", f"v{int(r.get('policy/version', 0))}",
-                 f"reward {sum(self.rewards) / max(1, len(self.rewards)):.3f}"]
+        parts = [f"step {fmt(step, '{:.0f}')}/{self.total}", f"v{fmt(r.get('policy/version', 0), '{:.0f}')}",
+                 f"reward {fmt(sum(self.rewards) / max(1, len(self.rewards)), '{:.3f}')}"]
         if self.eval_acc is not None:
-            parts.append(f"eval {100 * self.eval_acc:.1f}%")
-        for key, label, fmt in (("actor/kl", "kl", "{:.4f}"), ("off_policy/staleness_mean", "stale", "{:.2f}"),
-                                ("broker/queue_depth", "queue", "{:.0f}")):
+            parts.append(f"eval {fmt(100 * self.eval_acc, '{:.1f}')}%")
+        for key, label, spec in (("actor/kl", "kl", "{:.4f}"), ("off_policy/staleness_mean", "stale", "{:.2f}"),
+                                 ("broker/queue_depth", "queue", "{:.0f}")):
             if key in r:
-                parts.append(f"{label} {fmt.format(r[key])}")
-        parts.append(f"{samples_s:.1f} samples/s")
-        parts.append(f"ETA {eta:.0f} s" if eta == eta else "ETA -")
+                parts.append(f"{label} {fmt(r[key], spec)}")
+        parts.append(f"{fmt(samples_s, '{:.1f}')} samples/s")
+        parts.append(f"ETA {eta:.0f} s" if eta == eta and abs(eta) != float("inf") else "ETA -")
         if self.events:
             parts.append(f"! {self.events[-1]}")
         return " | ".join(parts)
 
     def summary(self, wall_s: float) -> str:
         rows = self.tail.rows  # this launch's rows only (a resumed run skips what came before)
-        samples = sum(r.get("batch/samples", 0.0) for r in rows)
+        samples = sum(num(r.get("batch/samples"), 0.0) for r in rows)
         rate = samples / wall_s if wall_s > 0 else 0.0
         steps = sum(1 for r in rows if "batch/samples" in r)  # not the step-0 evaluation row
-        return (f"fleetrl run: done — {steps} steps, {samples:.0f} samples in {wall_s:.1f} s of RL "
-                f"({rate:.1f} samples/s); last: {self.render()}")
+        return (f"fleetrl run: done — {steps} steps, {fmt(samples, '{:.0f}')} samples in {wall_s:.1f} s of RL "
+                f"({fmt(rate, '{:.1f}')} samples/s); last: {self.render()}")

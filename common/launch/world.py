@@ -179,8 +179,10 @@ class World:
         common = [f"broker.address={self.broker_address}", f"sync.master_addr={self.sync_addr}",
                   f"sync.master_port={self.sync_port}"]
         if self.role == "broker":
-            return ["broker.host=0.0.0.0", f"broker.port={self.broker_port}", f"broker.pub_port={self.broker_pub_port}",
-                    *common]
+            # Other nodes must reach it. Without broker.curve that is a plaintext bind, which the broker refuses
+            # unless told explicitly (and then warns at every start): say so here; with CURVE it is ignored.
+            return ["broker.host=0.0.0.0", "broker.insecure_bind=true", f"broker.port={self.broker_port}",
+                    f"broker.pub_port={self.broker_pub_port}", *common]
         return common
 
 

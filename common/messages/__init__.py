@@ -20,9 +20,11 @@ DEALER socket can have many requests in flight.
 
 from fleetrl.common.messages.base import (  # noqa: F401
     ErrorCode,
+    FLOAT32_MAX,
     FinishReason,
     LOGPROB_DTYPE,
     MASK_DTYPE,
+    MAX_POLICY_VERSION,
     Message,
     PROTOCOL_VERSION,
     ProtocolError,
@@ -36,17 +38,20 @@ from fleetrl.common.messages.groups import (  # noqa: F401
     SampleGroup,
     build_group,
     check_group,
+    nesting_depth,
     pack_logprobs,
     pack_tokens,
     unpack_logprobs,
     unpack_tokens,
 )
 from fleetrl.common.messages.weights import (  # noqa: F401
+    CatchupOffer,
     JoinRecord,
     ParamSpec,
     RoundPlan,
     WeightsInfo,
     decode_join,
+    decode_offer,
     decode_plan,
     encode_record,
 )
@@ -91,5 +96,6 @@ from fleetrl.common.messages.codec import (  # noqa: F401
     decode_request,
     encode,
     peek_header,
+    peek_push_count,
     to_dict,
 )

@@ -7,7 +7,9 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+MAX_POLICY_VERSION = 2**31 - 1  # policy versions travel as int32 (token_versions); larger ones are refused at decode
+FLOAT32_MAX = 3.4028234663852886e38  # rewards and advantages are trained in float32
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 MASK_DTYPE = np.dtype("u1")
@@ -15,7 +17,7 @@ MASK_DTYPE = np.dtype("u1")
 TOPIC_VERSION = b"version"
 TOPIC_CONTROL = b"control"
 
-Role = Literal["rollout", "learner", "monitor"]
+Role = Literal["rollout", "learner", "operator", "monitor"]  # monitor: read-only (`fleetrl status`)
 FinishReason = Literal["stop", "length", "abort"]
 ErrorCode = Literal[
     "bad_frame",  # not a message of this protocol
@@ -24,7 +26,9 @@ ErrorCode = Literal[
     "invalid_group",  # a SampleGroup that fails validation
     "unknown_lease",  # lease id the broker does not hold (expired and re-issued, or never existed)
     "data_exhausted",  # every epoch of the prompt set has been leased and returned
-    "unauthorized",  # not allowed for this client
+    "unauthorized",  # this key's role may not send this request, or the client_id is not this key's
+    "unregistered",  # the broker holds no record of this client_id (restarted or evicted): Register again
+    "unavailable",  # the broker cannot serve it now (spool disk full, client table full): retry later
     "bad_request",  # well-formed but not acceptable (e.g. n <= 0)
     "internal",  # a broker bug; the request changed nothing
 ]

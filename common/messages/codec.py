@@ -81,6 +81,43 @@ def peek_header(buf: bytes) -> tuple[int, int] | None:
         return None
 
 
+def _skip_str(buf: bytes, off: int) -> int | None:
+    b = buf[off]
+    if 0xA0 <= b <= 0xBF:
+        return off + 1 + (b & 0x1F)
+    if b in (0xD9, 0xDA, 0xDB):
+        size = 1 << (b - 0xD9)
+        return off + 1 + size + int.from_bytes(buf[off + 1 : off + 1 + size], "big")
+    return None
+
+
+def peek_push_count(buf: bytes) -> int | None:
+    """The number of groups a PushGroups frame ``[tag, req_id, client_id, [groups...]]`` claims, read from its
+    first bytes without decoding it (None when the frame is not laid out like one). Lets the broker refuse
+    a frame of a million groups before it decodes them."""
+    try:
+        off = 1 if 0x90 <= buf[0] <= 0x9F else 3 if buf[0] == 0xDC else 5 if buf[0] == 0xDD else 0
+        if not off:
+            return None
+        for _ in range(2):  # tag, req_id: positive ints
+            b = buf[off]
+            off += 1 if b < 0x80 else 1 + (1 << (b - 0xCC)) if 0xCC <= b <= 0xCF else -off
+            if off <= 0:
+                return None
+        off = _skip_str(buf, off)
+        if off is None:
+            return None
+        b = buf[off]
+        if 0x90 <= b <= 0x9F:
+            return b & 0x0F
+        if b in (0xDC, 0xDD):
+            size = 2 if b == 0xDC else 4
+            return int.from_bytes(buf[off + 1 : off + 1 + size], "big")
+        return None
+    except IndexError:
+        return None
+
+
 def to_dict(value: Any) -> Any:
     """A message as plain dicts/lists (``to_builtins`` would give arrays for array-like structs)."""
     if isinstance(value, msgspec.Struct):

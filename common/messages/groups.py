@@ -9,7 +9,11 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-from fleetrl.common.messages.base import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, FinishReason
+from fleetrl.common.messages.base import (
+    FLOAT32_MAX, LOGPROB_DTYPE, MASK_DTYPE, MAX_POLICY_VERSION, TOKEN_DTYPE, FinishReason,
+)
+
+MAX_METADATA_DEPTH = 16  # nesting of a group's metadata / reward_parts: deeper is refused at ingest
 
 class Prompt(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """One prompt of the data set. ``prompt_id`` is stable across re-issues ("<epoch>:<index>")."""
@@ -85,10 +89,13 @@ class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
                              "bytes; send one int32 per token, or none")
         if not all(map(math.isfinite, self.rewards)):
             raise ValueError(f"group {gid} has a reward that is not finite ({self.rewards}); rewards must be finite numbers")
+        if max(map(abs, self.rewards)) > FLOAT32_MAX:
+            raise ValueError(f"group {gid} has a reward beyond the float32 range ({max(map(abs, self.rewards)):g}); "
+                             "rewards are trained in float32, where it would be inf")
         if not len(self.prompt_tokens) or len(self.prompt_tokens) % 4:
             raise ValueError(f"group {gid} prompt_tokens is {len(self.prompt_tokens)} bytes, not int32 ids")
-        if self.policy_version < 0:
-            raise ValueError(f"group {gid} has negative policy_version {self.policy_version}")
+        if not 0 <= self.policy_version <= MAX_POLICY_VERSION:
+            raise ValueError(f"group {gid} has policy_version {self.policy_version} outside [0, {MAX_POLICY_VERSION}]")
 
     @property
     def num_responses(self) -> int:
@@ -175,24 +182,66 @@ def unpack_logprobs(buf: bytes) -> np.ndarray:
     return np.frombuffer(buf, dtype=LOGPROB_DTYPE)
 
 
-def check_group(group: SampleGroup, vocab_size: int = 0) -> str | None:
-    """Deeper checks than decoding does (token range, finite log-probs); returns a reason or None.
+def check_group(group: SampleGroup, vocab_size: int = 0, *, max_abs_reward: float | None = None,
+                max_version: int | None = None) -> str | None:
+    """Deeper checks than decoding does; returns a reason or None. The broker runs it on every group.
 
-    Decoding already guarantees matching lengths, finite rewards and a non-empty group. Three
-    reductions over zero-copy views: ids read as *unsigned* so that a negative id shows up as huge,
-    and the sum of the log-probs, which is finite only if every one of them is.
+    Decoding already guarantees matching lengths, rewards finite in float32 and a bounded version.
+    Here, in a few reductions over zero-copy views: token ids in ``[0, vocab_size)`` (read as *unsigned*, so a
+    negative id shows up as huge); behaviour log-probs finite and ``<= 0``; every response has at least
+    one token (the empty-response rule); rewards within ``max_abs_reward``; ``policy_version`` and
+    every token version at most ``max_version`` (the broker's current version plus its slack: a
+    version from the future is refused); a loss mask of 0/1; metadata nested at most
+    ``MAX_METADATA_DEPTH`` deep.
     """
-    hi = max(int(np.frombuffer(group.prompt_tokens, dtype="<u4").max()),
-             int(np.frombuffer(group.tokens, dtype="<u4").max()) if len(group.tokens) else 0)
+    gid = group.group_id
+    if min(group.lengths) == 0:
+        return (f"group {gid} has an empty response (0 tokens); every response must hold at least one sampled "
+                "token (an engine that stops at once returns its stop token)")
+    if max_abs_reward is not None and max(map(abs, group.rewards)) > max_abs_reward:
+        return (f"group {gid} has a reward of magnitude {max(map(abs, group.rewards)):g} over "
+                f"broker.max_abs_reward={max_abs_reward:g}; scale the rewards or raise that setting")
+    hi = max(int(np.frombuffer(group.prompt_tokens, dtype="<u4").max()), int(np.frombuffer(group.tokens, dtype="<u4").max()))
     if hi >= 2**31:
-        return f"group {group.group_id} has a negative token id {hi - 2**32}"
+        return f"group {gid} has a negative token id {hi - 2**32}"
     if vocab_size and hi >= vocab_size:
-        return f"group {group.group_id} has token id {hi} outside the vocabulary of {vocab_size}"
+        return f"group {gid} has token id {hi} outside the vocabulary of {vocab_size}"
     if len(group.loss_mask) and int(np.frombuffer(group.loss_mask, dtype=MASK_DTYPE).max()) > 1:
-        return f"group {group.group_id} has a loss_mask value other than 0 or 1"
-    if len(group.token_versions) and int(np.frombuffer(group.token_versions, dtype=TOKEN_DTYPE).min()) < group.policy_version:
-        return (f"group {group.group_id} has a token version below its policy_version {group.policy_version}; "
-                "policy_version must be the oldest version of any token")
-    if len(group.logprobs) and not np.isfinite(np.frombuffer(group.logprobs, dtype=LOGPROB_DTYPE).sum(dtype=np.float64)):
-        return f"group {group.group_id} has log-probs that are not finite"
+        return f"group {gid} has a loss_mask value other than 0 or 1"
+    newest = group.policy_version
+    if len(group.token_versions):
+        versions = np.frombuffer(group.token_versions, dtype=TOKEN_DTYPE)
+        if int(versions.min()) < group.policy_version:
+            return (f"group {gid} has a token version below its policy_version {group.policy_version}; "
+                    "policy_version must be the oldest version of any token")
+        newest = int(versions.max())
+    if max_version is not None and newest > max_version:
+        return (f"group {gid} claims policy version {newest}, ahead of the broker's newest version {max_version}; "
+                "a rollout can only hold versions the broker announced")
+    logp = np.frombuffer(group.logprobs, dtype=LOGPROB_DTYPE)
+    lo, hi = float(logp.min()), float(logp.max())  # NaN propagates through both
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return f"group {gid} has log-probs that are not finite"
+    if hi > 0.0:
+        return f"group {gid} has a log-prob of {hi:g} > 0; behaviour log-probs are log-probabilities"
+    for name in ("metadata", "reward_parts"):
+        if getattr(group, name) and nesting_depth(getattr(group, name)) > MAX_METADATA_DEPTH:
+            return f"group {gid} has {name} nested deeper than {MAX_METADATA_DEPTH} levels"
     return None
+
+
+def nesting_depth(value: Any) -> int:
+    """How deep lists and dicts nest in ``value`` (a scalar is 0), without recursion."""
+    depth, level = 0, [value]
+    while level:
+        nxt = []
+        for v in level:
+            if isinstance(v, dict):
+                nxt.extend(v.values())
+            elif isinstance(v, (list, tuple)):
+                nxt.extend(v)
+        if not nxt and not any(isinstance(v, (dict, list, tuple)) for v in level):
+            break
+        depth += 1
+        level = nxt
+    return depth

@@ -107,13 +107,13 @@ class PublishVersion(Message, tag=10):  # Learner rank 0 -> Broker
     weights: WeightsInfo = msgspec.field(default_factory=WeightsInfo)
 
 
-class Control(Message, tag=11):  # Learner/operator -> Broker
+class Control(Message, tag=11):  # Operator -> Broker (a learner: its rollback's pause, resume, discard)
     req_id: int
     client_id: str
     action: Literal["pause", "resume", "stop", "discard"]
     reason: str = ""
-    min_version: int = 0  # discard: drop queued groups older than this version
-    max_version: int = -1  # discard: and newer than this one (-1 = no upper bound)
+    min_version: int = 0  # discard: the closed range [min_version, max_version] of versions to drop
+    max_version: int = -1  # discard: its upper end, at most the broker's current version (-1 is refused)
 
 
 class GetStatus(Message, tag=12):  # anyone -> Broker
@@ -155,7 +155,7 @@ class Ack(Message, tag=20):  # Broker -> client
 
 class GroupAck(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     group_id: str
-    status: Literal["accepted", "duplicate", "stale", "rejected"]
+    status: Literal["accepted", "duplicate", "stale", "rejected", "throttled"]  # throttled: not taken, push it later
     reason: str = ""
 
 
@@ -186,6 +186,9 @@ class Registered(Message, tag=23):  # Broker -> client
     paused: bool = False
     pub_port: int = 0  # announcements: SUB-connect to the broker's host on this port
     max_message_bytes: int = 0  # larger frames are refused; clients check before sending
+    max_groups_per_push: int = 0  # a PushGroups with more groups is refused; clients split (0 = no limit)
+    role: str = ""  # the role the broker grants this client (its key's role under CURVE)
+    identity: str = ""  # the key identity the client_id is bound to ("" without CURVE)
 
 
 class PromptLease(Message, tag=24):  # Broker -> Rollout
@@ -234,6 +237,7 @@ class Status(Message, tag=27):  # Broker -> anyone
     data_cursor: int = 0
     throttled: int = 0
     uncommitted: int = 0
+    counters: dict[str, int] = {}  # refusals by cap and role, spool and timer errors, evictions, closed connections
 
 
 Reply = Union[Ack, Error, Throttle, Registered, PromptLease, BatchLease, CurrentVersion, Status, GroupAcks]

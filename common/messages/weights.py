@@ -23,36 +23,53 @@ class WeightsInfo(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     master_port: int = 0
     buckets: list[list[ParamSpec]] = []  # broadcast: parameters of each flat bucket, in order
     round_id: int = 0  # broadcast: which round of the group to join
-    published_at: float = 0.0  # learner wall clock at publishing: orders versions across resumes and rollbacks
+    published_at: float = 0.0  # stamped by the broker when it relays the version: orders versions across resumes and rollbacks
+    secret: str = ""  # broadcast: the round's secret (hex); only holders find the round's keys on the TCPStore
 
 
 class JoinRecord(msgspec.Struct, gc=False):  # Rollout -> Learner (TCPStore)
-    """Who joined a broadcast round, and which group it still holds ("" = none)."""
+    """Who joined a broadcast round, which group it still holds ("" = none), and (in a re-formed round)
+    how many of the version's buckets it already holds."""
 
     identity: str  # client id plus a per-process nonce: a restarted rollout is a new member
     group: str = ""
+    proof: str = ""  # weightsync.proof(round secret, identity): the learner ignores records without it
+    have: int = 0
 
 
 class RoundPlan(msgspec.Struct, gc=False):  # Learner -> Rollout (TCPStore)
-    """The group of this round and each member's rank in it."""
+    """The group of this round, each member's rank in it, and the first bucket to be sent."""
 
     group: str
     size: int  # 1 + receivers
     ranks: dict[str, int]  # identity -> rank (1..size-1); the learner is rank 0
     reuse: bool = False  # the members already hold `group` from an earlier round
+    resume: int = 0  # a re-formed round: buckets from this one on are (re)sent
+
+
+class CatchupOffer(msgspec.Struct, gc=False):  # Learner -> Rollout (TCPStore): a fresh round of the last version
+    round_id: int
+    secret: str
+    version: int
 
 
 _join_decoder = msgspec.json.Decoder(JoinRecord)
 _plan_decoder = msgspec.json.Decoder(RoundPlan)
+_offer_decoder = msgspec.json.Decoder(CatchupOffer)
 
 
-def encode_record(record: JoinRecord | RoundPlan) -> bytes:
+def encode_record(record: JoinRecord | RoundPlan | CatchupOffer) -> bytes:
     return msgspec.json.encode(record)
 
 
 def decode_join(buf: bytes) -> JoinRecord:
+    """Raises msgspec errors on anything else (the learner counts those as unknown joiners)."""
     return _join_decoder.decode(buf)
 
 
 def decode_plan(buf: bytes) -> RoundPlan:
     return _plan_decoder.decode(buf)
+
+
+def decode_offer(buf: bytes) -> CatchupOffer:
+    return _offer_decoder.decode(buf)

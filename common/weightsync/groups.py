@@ -8,8 +8,9 @@ package imports without it.
 from __future__ import annotations
 
 import socket
+import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +74,47 @@ def wait(work: Any, timeout_s: float) -> None:
     """Block until ``work`` is done (NCCL too: the data is in place when this returns); raises on
     failure or after ``timeout_s``."""
     work.wait(timedelta(seconds=max(timeout_s, 0.1)))
+
+
+class BucketFailed(RuntimeError):
+    """A bucket did not arrive: a peer failed or stalled, it timed out, or the learner aborted the round."""
+
+
+def wait_work(work: Any, timeout_s: float, aborted: Callable[[], bool] | None = None, check_s: float = 0.1) -> None:
+    """Wait for ``work`` by polling it, so that ``aborted()`` (every ``check_s``) can end the wait early;
+    raises BucketFailed on its error, after ``timeout_s``, or when aborted. The work itself is left to
+    its own timeout (its group must then be dropped: see ``retire_group``)."""
+    deadline = time.monotonic() + timeout_s
+    next_check = time.monotonic() + check_s
+    sleep = 0.0002
+    while not work.is_completed():
+        now = time.monotonic()
+        if now > deadline:
+            raise BucketFailed(f"no progress within {timeout_s:.1f} s (sync.bucket_timeout_s)")
+        if aborted is not None and now >= next_check:
+            next_check = now + check_s
+            if aborted():
+                raise BucketFailed("the learner aborted the round")
+        time.sleep(sleep)
+        sleep = min(0.002, sleep * 2)
+    try:
+        work.wait()
+    except Exception as e:  # noqa: BLE001 - a collective that failed: the peer's error, as one type
+        raise BucketFailed(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from e
+
+
+_graveyard: list[tuple[float, Any]] = []  # (drop after, group): groups whose collective may still be running
+
+
+def retire_group(pg: Any, linger_s: float) -> None:
+    """Drop a failed group without blocking: gloo's destructor joins its worker threads, which may still be
+    inside a collective until its timeout, so the group is kept for ``linger_s`` first."""
+    if pg is None:
+        return
+    release_group(pg)
+    now = time.monotonic()
+    _graveyard.append((now + linger_s, pg))
+    _graveyard[:] = [(t, g) for t, g in _graveyard if t > now]
 
 
 def release_group(pg: Any) -> None:

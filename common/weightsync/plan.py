@@ -2,19 +2,31 @@
 
 - the **bucket plan**: parameters cut into runs of one dtype, each at most ``sync.bucket_mb``, that
   travel as one flat tensor each (one collective per bucket, not one per parameter);
-- the **round protocol** on the TCPStore that learner rank 0 hosts: key names, the join record a
-  receiver writes, the plan of the round the learner writes back;
+- the **round protocol** on the TCPStore that learner rank 0 hosts (docs/weight_sync.md#rounds): key
+  names derived from each round's secret, so that only receivers the broker gave the secret find them;
 - the **safetensors header** of the filesystem transport, written before the tensors stream in;
 
-Round ``r`` on the store (``n`` counts from 1 in join order)::
+Round ``r`` with secret ``S`` (announced through the broker, never written to the store); ``K`` =
+``RoundKeys(S, r)``, every key below under ``round/<hmac(S, r)>/``::
 
-    learner: announce WeightsInfo(round_id=r)       receiver: n = add(round/r/count, 1)
-                                                              set(round/r/member/n, JoinRecord)
+    learner: announce WeightsInfo(round_id=r, secret=S)   receiver: n = add(K.count, 1)
+                                                                   set(K.member(n), JoinRecord(proof=hmac(S, id)))
     learner: waits for `expected` joins (<= JOIN_WINDOW_S), then closes the round atomically:
-             joined = add(round/r/count, CLOSED) - CLOSED       (a later join sees n > CLOSED: too late)
-    learner: set(round/r/plan, RoundPlan)            receiver: wait(round/r/plan); rank = plan.ranks[me]
-    both:    reuse the previous group (plan.reuse) or form ProcessGroup(prefix group/<id>/, rank, size)
-    both:    one broadcast per bucket, root = learner rank 0
+             joined = add(K.count, CLOSED) - CLOSED        (a later join sees n > CLOSED: too late)
+             ignores (and counts) records whose proof is wrong
+    learner: set(K.plan, RoundPlan)                         receiver: wait(K.plan); rank = plan.ranks[me]
+    both:    reuse the previous group (plan.reuse) or form ProcessGroup(prefix K.group(id), rank, size)
+    both:    one broadcast per bucket (root = learner); each receiver add(K.progress(i), 1) after bucket i,
+             and the learner starts bucket i only once every receiver finished bucket i - 2
+    failure: a bucket not done within sync.bucket_timeout_s (a dead or stalled receiver): the learner
+             sets K.abort; survivors see it and join the re-formed round K.reform(a) (the same steps,
+             with JoinRecord.have = buckets they hold); the learner forms a group of those who came
+             within one bucket timeout and resends from plan.resume, the first bucket any of them
+             lacks (it still holds the last two; the window above guarantees that is enough).
+
+A receiver that missed a round asks for a **catch-up**: add(C.request, 1) with C = ``CatchupKeys(S, r)``
+of the round it missed; the learner (gloo, from a host copy of the last version) writes
+C.offer = CatchupOffer(round_id, secret) of a fresh round and serves it like any other.
 
 The records themselves (``JoinRecord``, ``RoundPlan``) are wire messages (``common/messages/weights.py``);
 the process groups both ends build are in ``groups.py``. Pure Python: nothing here imports torch.
@@ -22,9 +34,12 @@ the process groups both ends build are in ``groups.py``. Pure Python: nothing he
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
 import re
+import secrets
 import struct
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -153,21 +168,74 @@ def check_plan(buckets: Sequence[Sequence[ParamSpec]], expected: Mapping[str, tu
 
 # ------------------------------------------------------------------------- round protocol
 
-
-def count_key(round_id: int) -> str:
-    return f"round/{round_id}/count"
+MAX_REFORMS = 2  # re-formed groups per round after a failed bucket; then the round fails
 
 
-def member_key(round_id: int, n: int) -> str:
-    return f"round/{round_id}/member/{n}"
+def tag(secret: str, what: str) -> str:
+    """A name only holders of ``secret`` can compute (HMAC-SHA256, 96 bits shown)."""
+    return hmac.new(bytes.fromhex(secret), what.encode(), hashlib.sha256).hexdigest()[:24]
 
 
-def plan_key(round_id: int) -> str:
-    return f"round/{round_id}/plan"
+def new_secret() -> str:
+    return secrets.token_hex(16)
 
 
-def group_prefix(group_id: str) -> str:
-    return f"group/{group_id}/"
+def proof(secret: str, identity: str) -> str:
+    """What a receiver writes to show it knows the round's secret."""
+    return tag(secret, "join/" + identity)
+
+
+@dataclass(frozen=True)
+class RoundKeys:
+    """The store keys of one broadcast round (see the module docstring)."""
+
+    secret: str
+    round_id: int
+
+    @property
+    def root(self) -> str:
+        return f"round/{tag(self.secret, f'round/{self.round_id}')}/"
+
+    @property
+    def count(self) -> str:
+        return self.root + "count"
+
+    def member(self, n: int) -> str:
+        return f"{self.root}member/{n}"
+
+    @property
+    def plan(self) -> str:
+        return self.root + "plan"
+
+    def group(self, group_id: str) -> str:
+        return f"group/{tag(self.secret, 'group/' + group_id)}/"
+
+    def progress(self, bucket: int) -> str:
+        return f"{self.root}progress/{bucket}"
+
+    @property
+    def abort(self) -> str:
+        return self.root + "abort"
+
+    def reform(self, attempt: int) -> "RoundKeys":
+        """The keys of the round re-formed after a failure of this one (same secret, a derived id)."""
+        return RoundKeys(self.secret, (self.round_id + 1) * 16 + attempt + (1 << 48))
+
+
+@dataclass(frozen=True)
+class CatchupKeys:
+    """Where receivers that missed round ``round_id`` ask for a catch-up, and where the learner offers one."""
+
+    secret: str
+    round_id: int
+
+    @property
+    def request(self) -> str:
+        return f"catchup/{tag(self.secret, f'catchup/{self.round_id}')}/request"
+
+    @property
+    def offer(self) -> str:
+        return f"catchup/{tag(self.secret, f'catchup/{self.round_id}')}/offer"
 
 
 # ------------------------------------------------------------------------------ filesystem

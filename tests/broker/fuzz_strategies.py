@@ -42,7 +42,7 @@ any_value = st.recursive(
 
 CLIENT_POOL = ["fz-r0", "fz-r1", "fz-l0", "fz-l1", "fz-mon"]
 PROMPT_POOL = ["0:0", "0:1", "0:7", "1:3", "0:1999", "0:2000", "7:7", "x:1", ":", "0:-1", "00:01"]
-ROLES = ["rollout", "learner", "monitor"]
+ROLES = ["rollout", "learner", "operator", "monitor"]
 # "stop" and "discard" change the broker for good (discard rolls back a version range, late arrivals included),
 # which would leave nothing to fuzz after them: test_fuzz.py sends those to a broker of their own
 ACTIONS = ["pause", "resume"]

@@ -27,7 +27,7 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from fleetrl.broker.client import BrokerClient
+from fleetrl.broker.client import ZmqBrokerClient
 from fleetrl.common import messages as m
 from tests.broker import fuzz_strategies as fs
 from tests.helpers import BrokerProcess, make_group, write_job
@@ -36,13 +36,16 @@ MAX_BYTES = 256 << 10  # broker.max_message_bytes: frames over it get `too_large
 TRANSPORT_LIMIT = 2 * MAX_BYTES  # the broker's ZMQ_MAXMSGSIZE: a longer frame closes the connection, unanswered
 RSS_SLACK = 64 << 20
 
+PERMISSION = ("unauthorized", "unregistered")  # wrong role for the request, or a client id that never registered
 ANSWERS = {  # request type -> reply types (and error codes) that may answer it
-    m.Register: (m.Registered, "protocol_mismatch"), m.Heartbeat: (m.Ack,),
-    m.LeasePrompts: (m.PromptLease, m.Throttle, "bad_request", "data_exhausted"), m.PushGroup: (m.Ack, "invalid_group"),
-    m.PushGroups: (m.GroupAcks,), m.ReturnPrompts: (m.Ack,), m.LeaseBatch: (m.BatchLease, m.Throttle, "bad_request"),
-    m.AckBatch: (m.Ack,), m.Commit: (m.Ack,), m.Rewind: (m.Ack,), m.PublishVersion: (m.Ack,), m.Control: (m.Ack,),
-    m.GetStatus: (m.Status,), m.GetVersion: (m.CurrentVersion,), m.Leave: (m.Ack,),
+    m.Register: (m.Registered, "protocol_mismatch", "too_large", "unavailable"), m.Heartbeat: (m.Ack, "too_large"),
+    m.LeasePrompts: (m.PromptLease, m.Throttle, "bad_request", "data_exhausted"),
+    m.PushGroup: (m.Ack, m.Throttle, "invalid_group"), m.PushGroups: (m.GroupAcks, "too_large"),
+    m.ReturnPrompts: (m.Ack,), m.LeaseBatch: (m.BatchLease, m.Throttle, "bad_request"),
+    m.AckBatch: (m.Ack,), m.Commit: (m.Ack,), m.Rewind: (m.Ack, "bad_request"), m.PublishVersion: (m.Ack, "bad_request"),
+    m.Control: (m.Ack, "bad_request"), m.GetStatus: (m.Status,), m.GetVersion: (m.CurrentVersion,), m.Leave: (m.Ack,),
 }
+ANSWERS = {k: v + PERMISSION for k, v in ANSWERS.items()}
 REFUSALS = {"bad_frame", "invalid_group", "too_large"}
 
 
@@ -117,15 +120,25 @@ class Fuzzer:
         self.broker = broker
         self.ctx = zmq.Context()
         self.sock = self.new_socket()
-        self.rollout = BrokerClient(broker.address, "canary-r", "rollout", timeout_s=10.0)
-        self.learner = BrokerClient(broker.address, "canary-l", "learner", timeout_s=10.0)
-        self.rollout.connect()
-        self.learner.connect()
+        self.rollout = ZmqBrokerClient(broker.address, "canary-r", "rollout", timeout_s=10.0)
+        self.learner = ZmqBrokerClient(broker.address, "canary-l", "learner", timeout_s=10.0)
+        self.operator = ZmqBrokerClient(broker.address, "canary-o", "operator", timeout_s=10.0)
+        for c in (self.rollout, self.learner, self.operator):
+            c.connect()
         self.proc = psutil.Process(broker.proc.pid)
         self.tally: Counter[str] = Counter()
         self.rss: list[int] = []
         self.valid = fs.valid_frames()
         self.leases: list[m.PromptLease | m.BatchLease] = []  # leases the fuzz got: its next batch acts on them
+        self.register_pool()
+
+    def register_pool(self) -> None:
+        """The fuzz's own client ids start registered with a fitting role (fuzzed Registers change them later)."""
+        roles = {"fz-r0": "rollout", "fz-r1": "rollout", "fz-l0": "learner", "fz-l1": "learner", "fz-mon": "operator"}
+        for i, (cid, role) in enumerate(roles.items()):
+            self.sock.send(m.encode(m.Register(req_id=2**50 + i, client_id=cid, role=role)))
+        for _ in roles:
+            assert self.sock.poll(5000) and isinstance(m.decode_reply(self.sock.recv()), m.Registered)
 
     def new_socket(self) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
@@ -134,8 +147,8 @@ class Fuzzer:
         return sock
 
     def close(self) -> None:
-        self.rollout.close()
-        self.learner.close()
+        for c in (self.rollout, self.learner, self.operator):
+            c.close()
         self.sock.close()
         self.ctx.term()
 
@@ -229,7 +242,7 @@ class Fuzzer:
         v = max(0, version.version)
         assert isinstance(r.heartbeat(v, {"tokens_per_s": 1.0}), m.Ack)
         if version.paused:
-            assert r.control("resume").ref == "resume"
+            assert self.operator.control("resume").ref == "resume"
         lease = r.lease_prompts(2, v)
         if isinstance(lease, m.PromptLease):
             assert 1 <= len(lease.prompts) <= 2
@@ -282,7 +295,7 @@ def run_fuzz(broker: BrokerProcess, examples: int, requests: st.SearchStrategy |
 
 
 def test_fuzz_10k(broker):
-    tally = run_fuzz(broker, examples=400)
+    tally = run_fuzz(broker, examples=410)
     print(dict(tally))
     assert tally["frames"] >= 10_000
     assert tally["decodable"] >= 1_500  # the handlers were reached, not only the decoder
@@ -294,7 +307,7 @@ def test_fuzz_10k(broker):
 def test_fuzz_100k(tmp_path, arith_data):
     proc = BrokerProcess(fuzz_job(tmp_path, arith_data), tmp_path / "run", "telemetry.log_level=WARNING").start()
     try:
-        tally = run_fuzz(proc, examples=3800)
+        tally = run_fuzz(proc, examples=3900)
         assert tally["frames"] >= 100_000
     finally:
         assert proc.stop() == 0
@@ -308,10 +321,12 @@ def test_fuzz_stop_and_discard(tmp_path, arith_data):
         mix = st.lists(st.one_of(fs.control_array(), fs.request_array((4, 14, 6, 7, 10, 3))), min_size=4, max_size=8)
         tally = run_fuzz(proc, examples=100, requests=mix)
         assert tally["frames"] >= 1_500 and tally["canary_rounds"] == 101
-        with BrokerClient(proc.address, "op", "learner", timeout_s=5.0) as c:
+        with ZmqBrokerClient(proc.address, "op", "operator", timeout_s=5.0) as c, \
+                ZmqBrokerClient(proc.address, "late-r", "rollout", timeout_s=5.0) as r:
             c.connect()
+            r.connect()
             assert c.control("stop", reason="fuzz").ref == "stop"
-            lease = c.lease_prompts(4, 0)
+            lease = r.lease_prompts(4, max(0, r.current_version().version))
             assert isinstance(lease, m.Throttle) and lease.reason == "stopping"  # for good
             assert isinstance(c.status(), m.Status) and isinstance(c.current_version(), m.CurrentVersion)
     finally:
@@ -340,14 +355,17 @@ def raw_roundtrip(address: str, frames: list[bytes], timeout: float) -> tuple[li
 
 
 def long_polls(waits, n: int = 2**63 - 1, min_groups: int = 2**63 - 1) -> list[bytes]:
-    return [m.encode(m.LeaseBatch(req_id=i + 1, client_id="fz-poll", n=n, wait_s=w, min_groups=min_groups)) for i, w in enumerate(waits)]
+    """A learner's Register, then one LeaseBatch per wait."""
+    return [m.encode(m.Register(req_id=10**6, client_id="fz-poll", role="learner"))] + [
+        m.encode(m.LeaseBatch(req_id=i + 1, client_id="fz-poll", n=n, wait_s=w, min_groups=min_groups)) for i, w in enumerate(waits)]
 
 
 def test_long_polls_end(broker):
     """NaN, negative and -inf waits are answered at once; an infinite one still wakes when groups arrive."""
     replies, last = raw_roundtrip(broker.address, long_polls([math.nan, -math.inf, -1.0, -0.0, 0.0] * 20), timeout=5.0)
-    assert len(replies) == 100 and last < 2.0 and all(isinstance(r, (m.Throttle, m.BatchLease)) for r in replies)
-    with BrokerClient(broker.address, "poll-pusher", "rollout", timeout_s=5.0) as c:
+    assert len(replies) == 101 and last < 2.0 and isinstance(replies[0], m.Registered)
+    assert all(isinstance(r, (m.Throttle, m.BatchLease)) for r in replies[1:])
+    with ZmqBrokerClient(broker.address, "poll-pusher", "rollout", timeout_s=5.0) as c:
         c.connect()
         v = max(0, c.current_version().version)
         ctx = zmq.Context()
@@ -355,9 +373,13 @@ def test_long_polls_end(broker):
         sock.linger = 0
         sock.connect(broker.address)
         try:
-            sock.send(long_polls([math.inf], n=1, min_groups=1)[0])
+            register, poll = long_polls([math.inf], n=1, min_groups=1)
+            sock.send(register)
+            assert sock.poll(3000) and isinstance(m.decode_reply(sock.recv()), m.Registered)
+            sock.send(poll)
             assert not sock.poll(300)  # held
-            c.push_groups([make_group("0:5", version=v)])
+            lease = c.lease_prompts(1, v)
+            c.push_groups([make_group(lease.prompts[0].prompt_id, version=v)])
             assert sock.poll(3000)
             assert isinstance(m.decode_reply(sock.recv()), (m.BatchLease, m.Throttle))
         finally:
@@ -372,15 +394,17 @@ def test_unbounded_long_polls_are_answered(broker):
 
     replies, last = raw_roundtrip(broker.address, long_polls([math.inf, 1e300, 1e9, MAX_WAIT_S + 30] * 50),
                                   timeout=MAX_WAIT_S + 10)
-    assert len(replies) == 200 and MAX_WAIT_S - 1 < last < MAX_WAIT_S + 5
+    assert len(replies) == 201 and MAX_WAIT_S - 1 < last < MAX_WAIT_S + 5
 
 
 def test_return_prompts_with_a_repeated_id(broker):
     """Found by this fuzz: a ReturnPrompts naming one prompt twice raised KeyError inside the broker
     (an `internal` error, after half the prompts had been put back)."""
-    with BrokerClient(broker.address, "repeat", "rollout", timeout_s=5.0) as c:
+    with ZmqBrokerClient(broker.address, "repeat", "rollout", timeout_s=5.0) as c, \
+            ZmqBrokerClient(broker.address, "repeat-op", "operator", timeout_s=5.0) as op:
         c.connect()
-        c.control("resume")
+        op.connect()
+        op.control("resume")
         v = max(0, c.current_version().version)
         lease = c.lease_prompts(2, v)
         assert isinstance(lease, m.PromptLease)
@@ -396,7 +420,7 @@ def test_oversized_frames_are_dropped_by_the_transport(broker):
     assert replies == []  # dropped, unanswered
     replies, _ = raw_roundtrip(broker.address, [m.encode(m.GetStatus(req_id=6)) + b"\x00" * MAX_BYTES], timeout=5.0)
     assert replies[0].req_id == 6 and replies[0].code == "too_large"  # under the transport limit: a typed refusal
-    with BrokerClient(broker.address, "after-oversize", "monitor", timeout_s=5.0) as c:
+    with ZmqBrokerClient(broker.address, "after-oversize", "monitor", timeout_s=5.0) as c:
         c.connect()
         assert isinstance(c.status(), m.Status)
     assert broker.proc.poll() is None

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import zmq
 
-from fleetrl.broker.client import BrokerClient, BrokerError, BrokerUnauthorized, BrokerUnavailable
+from fleetrl.broker.client import ZmqBrokerClient, BrokerError, BrokerUnauthorized, BrokerUnavailable
 from fleetrl.broker.keys import generate
 from fleetrl.common import messages as m
 from tests.helpers import BrokerProcess, make_group, write_job
@@ -30,8 +30,8 @@ def broker(tmp_path, job):
     assert proc.stop() == 0  # SIGTERM: clean exit
 
 
-def client(address, cid="r0", role="rollout", **kw) -> BrokerClient:
-    c = BrokerClient(address, cid, role, timeout_s=kw.pop("timeout_s", 5.0), **kw)
+def client(address, cid="r0", role="rollout", **kw) -> ZmqBrokerClient:
+    c = ZmqBrokerClient(address, cid, role, timeout_s=kw.pop("timeout_s", 5.0), **kw)
     c.connect()
     return c
 
@@ -154,7 +154,7 @@ def test_learner_long_poll_is_answered_when_groups_arrive(broker):
 
 
 def test_unreachable_broker_error_names_the_setting():
-    c = BrokerClient("tcp://127.0.0.1:9", "r0", "rollout", timeout_s=0.3)
+    c = ZmqBrokerClient("tcp://127.0.0.1:9", "r0", "rollout", timeout_s=0.3)
     with pytest.raises(BrokerUnavailable, match="broker.request_timeout_s"):
         c.connect()
 
@@ -177,7 +177,7 @@ def test_sigkill_mid_stream_loses_no_acknowledged_group(tmp_path, arith_data):
     stop = threading.Event()
 
     def pusher() -> None:
-        c = BrokerClient(proc.address, "r0", "rollout", timeout_s=1.0)
+        c = ZmqBrokerClient(proc.address, "r0", "rollout", timeout_s=1.0)
         c.connect()
         try:
             while not stop.is_set():
@@ -201,7 +201,7 @@ def test_sigkill_mid_stream_loses_no_acknowledged_group(tmp_path, arith_data):
     t.join()
     n_acked = len(acked)
     proc2 = BrokerProcess(job, tmp_path / "run2").start()
-    learner = BrokerClient(proc2.address, "learner-0", "learner", timeout_s=5.0)
+    learner = ZmqBrokerClient(proc2.address, "learner-0", "learner", timeout_s=5.0)
     learner.connect()
     try:
         got: list[str] = []
@@ -221,29 +221,30 @@ def test_sigkill_mid_stream_loses_no_acknowledged_group(tmp_path, arith_data):
 
 def test_curve_known_key_served_unknown_refused(tmp_path, arith_data):
     keys = tmp_path / "keys"
-    generate(keys, ["server", "client", "intruder"])
-    allowed = tmp_path / "allowed"
-    allowed.mkdir()
-    (allowed / "client.key").write_bytes((keys / "client.key").read_bytes())
+    generate(keys, {"rollout": ["rollout"], "learner": ["learner"]})
+    generate(tmp_path / "other", {"rollout": ["intruder"]})  # a well-formed key the broker does not know
     curve = {"server_secret_key": str(keys / "server.key_secret"), "server_public_key": str(keys / "server.key"),
-             "authorized_keys_dir": str(allowed)}
+             "authorized_keys_dir": str(keys / "clients")}
     job = write_job(tmp_path, arith_data, broker={"curve": curve})
     proc = BrokerProcess(job, tmp_path / "run").start()
     from fleetrl.common.config.schema import CurveConfig
 
     try:
-        good = CurveConfig(**curve, client_secret_key=str(keys / "client.key_secret"))
-        c = client(proc.address, curve=good)
-        assert isinstance(c.lease_prompts(1, 0), m.PromptLease)
-        sub = c.subscribe()
+        rollout = client(proc.address, "rollout-0", curve=CurveConfig(**curve, client_secret_key=str(keys / "rollout.key_secret")))
+        learner = client(proc.address, "learner-0", "learner",
+                         curve=CurveConfig(**curve, client_secret_key=str(keys / "learner.key_secret")))
+        assert isinstance(rollout.lease_prompts(1, 0), m.PromptLease)
+        assert rollout.registered.identity == "rollout" and rollout.registered.role == "rollout"
+        sub = rollout.subscribe()
         time.sleep(0.5)  # PUB/SUB: a subscription takes effect after its (CURVE) handshake
-        c.publish_version(2, 2, m.WeightsInfo())
+        learner.publish_version(2, 2, m.WeightsInfo())
         assert sub.next(timeout_s=2.0).version == 2  # encrypted PUB works too
-        c.close()
-        bad = CurveConfig(**curve, client_secret_key=str(keys / "intruder.key_secret"))
+        rollout.close()
+        learner.close()
+        bad = CurveConfig(**curve, client_secret_key=str(tmp_path / "other" / "intruder.key_secret"))
         with pytest.raises(BrokerUnauthorized, match="authorized_keys_dir"):
             client(proc.address, "intruder", curve=bad, timeout_s=3.0)
-        plain = BrokerClient(proc.address, "plain", "rollout", timeout_s=0.5)
+        plain = ZmqBrokerClient(proc.address, "plain", "rollout", timeout_s=0.5)
         with pytest.raises(BrokerUnavailable):
             plain.connect()
     finally:

@@ -123,7 +123,9 @@ def _raw_push() -> list:
         (lambda g: [g.__setitem__(i, []) for i in (4, 7, 8, 9)], "has no responses"),
         (lambda g: g.__setitem__(3, b""), "prompt_tokens is 0 bytes"),
         (lambda g: g.__setitem__(2, "three"), "Expected `int`, got `str`"),
-        (lambda g: g.__setitem__(2, -1), "negative policy_version"),
+        (lambda g: g.__setitem__(2, -1), "policy_version -1 outside [0, 2147483647]"),
+        (lambda g: g.__setitem__(2, 2**64 - 1), "outside [0, 2147483647]"),  # it crashed the learner (long long)
+        (lambda g: g.__setitem__(7, [0.0, 1e39, 1.0, 2.0]), "beyond the float32 range"),  # inf in float32: NaN advantages
     ],
 )
 def test_bad_groups_raise_protocol_error_with_reason(mutate, reason):

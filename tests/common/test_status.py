@@ -39,3 +39,19 @@ def test_health_and_restart_events_are_shown(tmp_path):
     line.update()
     assert line.events == ["reward_drop -> rollback @ 7", "restarted broker (exit -9, restart 1)"]
     assert line.render().endswith("! restarted broker (exit -9, restart 1)")
+
+
+def test_status_line_survives_any_metric_value(tmp_path):
+    """Found by the attack suite: a run whose rewards went inf logged "inf" strings, and the launcher's
+    status line crashed on them. Every value renders: strings, inf, NaN, None, lists, missing steps."""
+    line = StatusLine(load_config(None, ["learner.total_steps=10"]), tmp_path, enabled=False)
+    write_rows(tmp_path, [{"step": 1, "time": 1.0, "reward/mean": "inf", "actor/kl": "nan", "broker/queue_depth": None},
+                          {"step": "2", "time": "x", "reward/mean": float("inf"), "actor/kl": [1, 2],
+                           "off_policy/staleness_mean": "1e400", "policy/version": "9e99", "eval/accuracy": "?"},
+                          {"time": 3.0, "batch/samples_total": "lots"}])
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write("{not json}\n[1, 2]\n")
+    line.update()
+    text = line.render()
+    assert text.startswith("step 0/10 | v0 | reward inf") and text.endswith("ETA -")
+    assert "fleetrl run: done" in line.summary(10.0)

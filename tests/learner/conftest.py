@@ -23,8 +23,8 @@ def synthetic_groups(n_groups: int, group_size: int = 4, vocab: int = 263, seed:
 
 
 def inproc_client(groups: list[m.SampleGroup], *overrides: str):
-    """An in-process broker holding ``groups``; returns a learner client for it."""
-    state = make_state("broker.queue_capacity=100000", *overrides, n_prompts=max(50, len(groups)), vocab_size=263)
+    """An in-process broker holding ``groups`` (pushed without leases: an import); returns a learner client for it."""
+    state = make_state("broker.queue_capacity=100000", "broker.accept_unleased=true", *overrides, n_prompts=max(50, len(groups)), vocab_size=263)
     broker = InprocBroker(state)
     rollout = broker.client("r0", "rollout")
     rollout.connect()

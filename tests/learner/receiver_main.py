@@ -24,7 +24,7 @@ def main() -> int:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from fleetrl.broker.client import BrokerClient
+    from fleetrl.broker.client import ZmqBrokerClient
     from fleetrl.common.config import load_config
     from fleetrl.rollout.weights import WeightReceiver
 
@@ -39,7 +39,7 @@ def main() -> int:
         def update_weights(self, named):
             Capture.state = {n: t.detach().clone().contiguous() for n, t in named}
 
-    client = BrokerClient(args.broker, "receiver-0", "rollout", timeout_s=10)
+    client = ZmqBrokerClient(args.broker, "receiver-0", "rollout", timeout_s=10)
     client.connect()
     client.start_heartbeat(lambda: (0, {}), 0.5)
     sub = client.subscribe()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from fleetrl.broker.client import BrokerClient
+from fleetrl.broker.client import ZmqBrokerClient
 from tests.conftest import free_port
 from tests.helpers import BrokerProcess, write_job
 from tests.learner.conftest import synthetic_groups
@@ -22,14 +22,14 @@ HERE = Path(__file__).parent
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_two_ranks_train_and_broadcast_exact_weights(zero_stage, tmp_path, tiny_model_dir, arith_data):
     job = write_job(tmp_path, arith_data, model={"path": tiny_model_dir},
-                    broker={"max_staleness": 100, "queue_capacity": 10000, "vocab_size": 263},
+                    broker={"max_staleness": 100, "queue_capacity": 10000, "vocab_size": 263, "accept_unleased": True},
                     learner={"groups_per_step": 4, "total_steps": 2, "zero_stage": zero_stage, "lr": 1e-2,
                              "device": "cpu"},
                     sync={"transport": "gloo", "timeout_s": 60}, checkpoint={"interval": 0})
     broker = BrokerProcess(job, tmp_path / "broker").start()
     procs: list[subprocess.Popen] = []
     try:
-        rollout = BrokerClient(broker.address, "filler", "rollout")
+        rollout = ZmqBrokerClient(broker.address, "filler", "rollout")
         rollout.connect()
         acks = rollout.push_groups(synthetic_groups(8, seed=3))
         assert all(a.status == "accepted" for a in acks)

@@ -138,6 +138,7 @@ def test_filesystem_publish_writes_then_announces_and_prunes(tmp_path):
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
     with safe_open(str(path), framework="pt") as f:
         assert f.metadata() == {"format": "pt", "version": "3", "step": "30"}
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700  # owner-only
 
 
 def test_filesystem_publish_honours_sync_dir_and_replaces_a_republished_version(tmp_path):

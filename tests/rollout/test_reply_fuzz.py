@@ -21,7 +21,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetrl.broker.client import AsyncBrokerClient, AsyncSubscription, BrokerClient
+from fleetrl.broker.client import AsyncBrokerClient, AsyncSubscription, ZmqBrokerClient
 from fleetrl.common import messages as m
 from tests.broker import fuzz_strategies as fs
 
@@ -194,7 +194,7 @@ def test_real_client_survives_garbage_from_the_broker():
     """The BrokerClient of rollout servers and learners, on real sockets, under 2,000+ bad frames."""
     fake = GarbageBroker(burst=300)
     try:
-        with BrokerClient(fake.address, "fuzz-rollout", "rollout", timeout_s=10.0) as c:
+        with ZmqBrokerClient(fake.address, "fuzz-rollout", "rollout", timeout_s=10.0) as c:
             reg = c.connect()
             assert reg.broker_id == "garbage"
             assert c.heartbeat(1).ref == "ok"

@@ -74,12 +74,14 @@ def run_receiver(cfg, client_id, model_dir, specs, cmd_q, out_q):
         if cmd[0] == "version":
             ann = decode_announcement(cmd[1])
             receiver.on_version(ann.version, ann.weights)
-        elif cmd[0] == "stall":
-            def stall(*_):
+        elif cmd[0] == "stall":  # in the next round's first bucket: joined and in the group, then silent
+            import fleetrl.rollout.rounds as rounds
+
+            def stall(*_, **__):
                 out_q.put(("stalled", os.getpid()))
                 time.sleep(3600)
 
-            receiver._recv_bucket = stall
+            rounds.receive_buckets = stall
         elif cmd[0] == "apply":
             _, version, timeout_s, ref_dir = cmd
             deadline = time.monotonic() + timeout_s

@@ -33,7 +33,7 @@ def test_bad_hostlist_names_the_entry():
 def test_slurm_roles_get_their_nodes_addresses_and_gpu_slices():
     broker = world_map(slurm(0), "broker", GPU)
     assert (broker.source, broker.host, broker.broker_address) == ("slurm", "gpu01", "tcp://gpu01:29500")
-    assert broker.overrides()[:3] == ["broker.host=0.0.0.0", "broker.port=29500", "broker.pub_port=29501"]
+    assert broker.overrides()[:4] == ["broker.host=0.0.0.0", "broker.insecure_bind=true", "broker.port=29500", "broker.pub_port=29501"]
     learner = world_map(slurm(0), "learner", GPU)
     assert (learner.master_addr, learner.master_port, learner.nnodes, learner.nproc_per_node) == ("gpu01", 29502, 1, 8)
     assert (learner.world_size, learner.rank, learner.sync_addr, learner.sync_port) == (8, None, "gpu01", 29503)

@@ -1,0 +1,136 @@
+"""Policy versions and controls: what ``PublishVersion`` and ``Control`` do to the broker.
+
+- **Versions.** A learner publishes a version with the weights' whereabouts. The broker refuses a
+  negative one, one that jumps more than ``broker.max_version_jump`` past the current version (once a
+  version is known: recovered from the spool or published since start) and one whose ``published_at``
+  lies more than ``sync.max_clock_skew_s`` in the future; it then stamps ``published_at`` with its
+  own clock (never going back), which is what rollouts order versions by, and announces it.
+- **Pause.** An operator's pause holds until an operator resumes. A learner's pause (its rollback)
+  is a *hold* of that learner: it lifts its own hold, and a dead learner's hold lifts by itself after
+  ``broker.client_timeout_s``. The broker is paused while any pause or hold stands.
+- **Stop** (operator): rollouts are told to finish; ``resume`` by an operator undoes it.
+- **Discard**: a closed range ``[min_version, max_version]`` (empty when min > max); queued groups of those versions are
+  dropped and their prompts re-issued, and the range is kept (merged with the others, spooled) so
+  late arrivals from it are dropped too.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from fleetrl.broker import spool as sp
+from fleetrl.broker.queue import VersionRanges
+from fleetrl.common import messages as m
+
+if TYPE_CHECKING:
+    from fleetrl.broker.state import BrokerState
+
+log = logging.getLogger("fleetrl.broker.state")
+SECRET_ROLES = (None, "rollout")  # who is given a broadcast round's secret (None: a trusted in-process caller)
+
+
+class Controls:
+    def __init__(self, state: "BrokerState"):
+        self.s = state
+        self.version, self.version_step, self.weights = 0, 0, m.WeightsInfo()
+        self.version_known = False
+        self.operator_paused = False
+        self.pause_holds: dict[str, str] = {}  # learner client id -> reason of its rollback pause
+        self.stopping = False
+        self.discarded = VersionRanges()
+
+    @property
+    def paused(self) -> bool:
+        return self.operator_paused or bool(self.pause_holds)
+
+    def weights_for(self, role: str | None) -> m.WeightsInfo:
+        """The current WeightsInfo; the round secret only for rollouts."""
+        if role in SECRET_ROLES or not self.weights.secret:
+            return self.weights
+        return m.WeightsInfo(**{f: getattr(self.weights, f) for f in m.WeightsInfo.__struct_fields__ if f != "secret"})
+
+    def version_record(self) -> sp.VersionSet:
+        return sp.VersionSet(self.version, self.version_step, self.weights)
+
+    def restore(self, rec: sp.Recovered) -> None:
+        if rec.version is not None:
+            self.version, self.version_step, self.weights = rec.version.version, rec.version.step, rec.version.weights
+            self.version_known = True
+        for lo, hi in rec.discarded:  # -1: an open range from an older broker, closed at the recovered version
+            self.discarded.add(lo, self.version if hi < 0 else hi)
+
+    # ----------------------------------------------------------------------------- versions
+    def publish(self, req: m.PublishVersion) -> m.Message:
+        s = self.s
+        problem = self._check_publish(req)
+        if problem:
+            s.rejected["bad_version"] += 1
+            return m.Error(req_id=req.req_id, code="bad_request", reason=problem)
+        stamped = max(s.wall(), self.weights.published_at + 1e-6)
+        weights = m.WeightsInfo(**{**{f: getattr(req.weights, f) for f in m.WeightsInfo.__struct_fields__},
+                                   "published_at": stamped})
+        s._log([sp.VersionSet(req.version, req.step, weights)])
+        if req.version < self.version:
+            s.counters["version_rewinds"] += 1
+            log.warning("policy version goes back from %d to %d (learner resumed or rolled back)", self.version, req.version)
+        self.version, self.version_step, self.weights, self.version_known = req.version, req.step, weights, True
+        s.announcements.append((m.TOPIC_VERSION, m.VersionAnnouncement(version=req.version, step=req.step, weights=weights)))
+        return m.Ack(req_id=req.req_id, ref=str(req.version))
+
+    def _check_publish(self, req: m.PublishVersion) -> str | None:
+        s = self.s
+        if not 0 <= req.version <= m.MAX_POLICY_VERSION:
+            return f"policy version {req.version} is outside [0, {m.MAX_POLICY_VERSION}]"
+        if self.version_known and req.version > self.version + s.bcfg.max_version_jump:
+            return (f"policy version {req.version} jumps more than broker.max_version_jump={s.bcfg.max_version_jump} "
+                    f"past the current version {self.version}")
+        skew = s.cfg.sync.max_clock_skew_s
+        if req.weights.published_at > s.wall() + skew:
+            return (f"published_at {req.weights.published_at:.0f} lies more than sync.max_clock_skew_s={skew:g} s in "
+                    "the broker's future; fix the learner machine's clock")
+        return None
+
+    # ----------------------------------------------------------------------------- control
+    def control(self, req: m.Control, role: str | None) -> m.Message:
+        """Apply one Control (``role`` None: a trusted caller, treated as an operator)."""
+        s = self.s
+        count = 0
+        if req.action == "discard":
+            if req.min_version < 0 or req.max_version < 0:
+                return m.Error(req_id=req.req_id, code="bad_request", reason=(
+                    f"discard takes a closed range of versions [min_version, max_version], both >= 0 (there is no "
+                    f"open end any more); got [{req.min_version}, {req.max_version}]"))
+            if req.min_version <= req.max_version:  # min > max: an empty range (a rollback to the current version)
+                count = self._discard(req.min_version, req.max_version)
+        elif role == "learner":
+            self._learner_hold(req)
+        elif req.action == "pause":
+            self.operator_paused = True
+        elif req.action == "resume":
+            self.operator_paused, self.stopping = False, False
+            self.pause_holds.clear()
+        elif req.action == "stop":
+            self.stopping = True
+        s.announcements.append((m.TOPIC_CONTROL, m.ControlAnnouncement(
+            action=req.action, reason=req.reason, min_version=req.min_version, max_version=req.max_version)))
+        log.info("control %s from %s (%s)%s", req.action, req.client_id, req.reason, f": {count} groups discarded" if count else "")
+        return m.Ack(req_id=req.req_id, ref=req.action, count=count)
+
+    def _learner_hold(self, req: m.Control) -> None:
+        if req.action == "pause":
+            self.pause_holds[req.client_id] = req.reason
+        else:  # resume: only its own hold
+            self.pause_holds.pop(req.client_id, None)
+
+    def _discard(self, lo: int, hi: int) -> int:
+        s = self.s
+        doomed = [gid for gid in s.q.queue if gid in s.q.queued and lo <= s.q.groups[gid].policy_version <= hi]
+        s.drop(doomed, "discarded", requeue_prompts=True, also=[sp.VersionsDiscarded(lo, hi)])
+        self.discarded.add(lo, hi)
+        return len(doomed)
+
+    def lift_dead_holds(self, dead: set[str]) -> None:
+        for cid in [c for c in self.pause_holds if c in dead]:
+            log.warning("learner %s died during its rollback pause; lifting its hold", cid)
+            del self.pause_holds[cid]

@@ -1,0 +1,151 @@
+"""Group ingest: judge every pushed group, write what is kept to the spool, then apply it.
+
+A push is handled in three passes so that nothing is acknowledged before it is durable and a failed
+spool write leaves no trace:
+
+1. **judge** each group without changing anything: ``duplicate`` (already held or seen), ``rejected``
+   (fails ``check_group``: tokens, log-probs, rewards, versions from the future, an unleased prompt),
+   ``throttled`` (the broker holds ``broker.max_held_groups``, or an unleased push over capacity),
+   else ``accepted`` — or ``stale`` when its version is too old or was discarded by a rollback;
+2. **write** the records of every group that is kept (accepted, or stale: remembered for de-duplication)
+   in one spool write; a group that cannot even be encoded is rejected on its own;
+3. **apply**: queue the accepted groups, drop the stale ones (re-issuing their prompts).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fleetrl.broker import spool as sp
+from fleetrl.broker.clients import ClientState
+from fleetrl.broker.staleness import min_fresh_version
+from fleetrl.common import messages as m
+
+if TYPE_CHECKING:
+    from fleetrl.broker.state import BrokerState
+
+
+class Rate:
+    """Events per second over a sliding window of one-second buckets."""
+
+    def __init__(self, window_s: int = 10):
+        self.window_s = window_s
+        self.buckets: deque[list[float]] = deque()
+
+    def add(self, now: float, n: int = 1) -> None:
+        sec = int(now)
+        if self.buckets and self.buckets[-1][0] == sec:
+            self.buckets[-1][1] += n
+        else:
+            self.buckets.append([sec, n])
+        while self.buckets and self.buckets[0][0] <= sec - self.window_s:
+            self.buckets.popleft()
+
+    def per_s(self, now: float) -> float:
+        horizon = int(now) - self.window_s
+        return sum(n for s, n in self.buckets if s > horizon) / self.window_s
+
+
+@dataclass
+class Verdict:
+    group: m.SampleGroup
+    status: str  # accepted | duplicate | stale | rejected | throttled
+    reason: str = ""
+    drop: str = ""  # stale: the counter it is dropped under (dropped_stale | discarded)
+
+
+class Ingest:
+    def __init__(self, state: "BrokerState"):
+        self.s = state
+        self.rate_in = Rate()
+
+    def push(self, groups: list[m.SampleGroup], client: ClientState, now: float) -> list[tuple[str, str]]:
+        """(status, reason) for each group, in order (see the module docstring); raises SpoolUnavailable."""
+        verdicts = self._judge(groups)
+        kept = [v for v in verdicts if v.status in ("accepted", "stale")]
+        try:
+            if self.s.spool is not None:
+                self.s._log(self._records(kept))
+        except ValueError:  # some group cannot be encoded: find it, write the others one by one
+            for v in kept:
+                try:
+                    self.s._log(self._records([v]))
+                except ValueError as e:
+                    v.status, v.reason = "rejected", f"group {v.group.group_id}: {e}"
+                    self.s.rejected["invalid_group"] += 1
+        for v in verdicts:
+            if v.status in ("accepted", "stale"):
+                self._apply(v, client, now)
+            elif v.status == "duplicate":
+                self.s.counters["duplicates"] += 1
+            elif v.status == "throttled":
+                self.s.counters["push_throttled"] += 1
+        return [(v.status, v.reason) for v in verdicts]
+
+    def _judge(self, groups: list[m.SampleGroup]) -> list[Verdict]:
+        s, bcfg = self.s, self.s.bcfg
+        max_version = s.version + bcfg.version_slack if s.controls.version_known else None
+        oldest = min_fresh_version(s.version, bcfg.max_staleness)
+        held, load, seen = len(s.q.groups), s.load(), set()
+        out = []
+        for g in groups:
+            if s.q.knows(g.group_id) or g.group_id in seen:
+                out.append(Verdict(g, "duplicate"))
+                continue
+            problem = m.check_group(g, s.vocab_size, max_abs_reward=bcfg.max_abs_reward, max_version=max_version)
+            leased = s.prompts.known(g.prompt_id)
+            if problem is None and not leased and not bcfg.accept_unleased:
+                problem = (f"group {g.group_id} answers prompt {g.prompt_id!r}, which this broker never leased; "
+                           "push groups for leased prompts (or set broker.accept_unleased=true for imports)")
+            if problem:
+                s.rejected["invalid_group"] += 1
+                out.append(Verdict(g, "rejected", problem))
+                continue
+            if held >= s.max_held or (not leased and load >= s.capacity):
+                out.append(Verdict(g, "throttled", f"the broker holds {held} groups (capacity {s.capacity}, at most "
+                                                   f"broker.max_held_groups={s.max_held}); push again later"))
+                continue
+            seen.add(g.group_id)
+            if g.policy_version in s.controls.discarded:
+                out.append(Verdict(g, "stale", f"policy version {g.policy_version} was rolled back by the learner",
+                                   "discarded"))
+            elif g.policy_version < oldest:
+                out.append(Verdict(g, "stale", f"policy version {g.policy_version} is older than {oldest}",
+                                   "dropped_stale"))
+            else:
+                out.append(Verdict(g, "accepted"))
+                held, load = held + 1, load + (0 if leased else 1)
+        return out
+
+    def _records(self, kept: list[Verdict]) -> list[sp.Record]:
+        recs: list[sp.Record] = []
+        for v in kept:
+            recs.append(sp.GroupAccepted(v.group))
+            if v.status == "stale":
+                recs.append(sp.GroupsDone([v.group.group_id]))
+                p = self._requeued_prompt(v)
+                if p is not None:
+                    recs.append(sp.PromptsRequeued([p]))
+        return recs
+
+    def _requeued_prompt(self, v: Verdict) -> m.Prompt | None:
+        requeue = v.drop == "discarded" or self.s.bcfg.requeue_stale
+        return self.s.prompts.lookup(v.group.prompt_id) if requeue else None
+
+    def _apply(self, v: Verdict, client: ClientState, now: float) -> None:
+        s, g = self.s, v.group
+        s.prompts.fulfil(g.prompt_id)
+        s.q.remember(g.group_id)
+        s.counters["groups_in"] += 1
+        client.groups_pushed += 1
+        self.rate_in.add(now)
+        if v.status == "accepted":
+            s.q.groups[g.group_id] = g
+            s.q.enqueue(g.group_id)
+            return
+        s.counters[v.drop] += 1
+        p = self._requeued_prompt(v)
+        if p is not None:
+            s.prompts.requeue(p)
