@@ -174,7 +174,8 @@ def test_kill_and_resume_a_gloo_run_with_a_rollout_that_joins_late(tmp_path, tin
     rollout_text = (tmp_path / "rollout.log").read_text()
     assert "closed before this server joined" in rollout_text  # it really came too late for the first round
     assert re.search(r"stopped \(done: training finished at step \d+\)", rollout_text)
-    assert "sending version" in (run_dir / "logs" / "learner.log").read_text()  # served by a catch-up round
+    assert "asking the learner for a catch-up round" in rollout_text
+    assert re.search(r"catch-up round \d+ sent version \d+ to 1 receiver", (run_dir / "logs" / "learner.log").read_text())
 
 
 def test_a_rollout_that_stops_leaves_the_fleet_and_the_rounds_at_once(tmp_path, tiny_model_dir, arith_data,
