@@ -30,6 +30,7 @@ def status_metrics(status: m.Status) -> dict[str, float]:
         "broker/clients_alive": sum(c.alive for c in status.clients),
         "broker/uncommitted": status.uncommitted,
         "broker/policy_version": status.policy_version,
+        **status.stats,  # broker/bytes_{in,out}[_per_s], resource/broker/* (the socket broker only)
         **fleet_metrics(status),
     }
 
@@ -50,4 +51,21 @@ def fleet_metrics(status: m.Status) -> dict[str, float]:
         "fleet/version_lag_max": max((status.policy_version - s.get("rollout/policy_version", 0.0) for s in stats),
                                      default=0.0),
         "fleet/weights_load_s_max": float(max((s.get("weights/load_s", 0.0) for s in stats), default=0.0)),
+        **fleet_resources(stats),
     }
+
+
+def fleet_resources(stats: list[dict[str, float]]) -> dict[str, float]:
+    """The rollout servers' ``resource/rollout/*`` (CPU, RSS, GPU) and weight-load bandwidth, aggregated:
+    a key only the servers that report it count in, and a key no server reports is left out (no GPU: no
+    GPU keys)."""
+    out: dict[str, float] = {}
+    for key, how in (("cpu_percent", "max"), ("cpu_percent", "mean"), ("rss_mb", "max"), ("gpu_util_percent", "mean"),
+                     ("gpu_mem_mb", "max")):
+        values = [s[f"resource/rollout/{key}"] for s in stats if f"resource/rollout/{key}" in s]
+        if values:
+            out[f"resource/rollout/{key}_{how}"] = max(values) if how == "max" else sum(values) / len(values)
+    loads = [s["weights/load_mb_per_s"] for s in stats if s.get("weights/load_mb_per_s")]
+    if loads:
+        out["fleet/weights_load_mb_per_s_min"] = min(loads)
+    return out

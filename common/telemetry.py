@@ -220,9 +220,10 @@ def setup_tracing(service: str, cfg: TelemetryConfig, run_dir: str | Path | None
 
 def shutdown_tracing() -> None:
     """Export what is buffered and go back to the no-op tracer (also runs at process exit)."""
-    global _active
+    global _active, _exemplar
     with _lock:
         active, _active = _active, None
+        _exemplar = {}
     if active is not None:
         active.provider.shutdown()
 
@@ -321,6 +322,28 @@ def record_span(name: str, start_ns: int, end_ns: int | None = None,
                                 start_time=start_ns)
     s.end(end_time=end_ns if end_ns is not None else time.time_ns())
     return s
+
+
+# ------------------------------------------------------------------------------------ exemplars
+
+_exemplar: dict[str, str] = {}
+
+
+def note_exemplar(carrier: Mapping[str, str] | None, group_id: str) -> None:
+    """Remember a sampled group's trace as this process's metric exemplar (the learner, once per step).
+
+    The Prometheus sink attaches it to the step's counters and histogram (OpenMetrics exemplars:
+    ``trace_id``, ``group_id``), so a dashboard point jumps to the trace of a group that step trained.
+    An unsampled or empty carrier changes nothing.
+    """
+    global _exemplar
+    if sampled(carrier):
+        _exemplar = {"trace_id": carrier["traceparent"][3:35], "group_id": group_id}
+
+
+def exemplar() -> dict[str, str]:
+    """The latest :func:`note_exemplar` (``{}`` before the first, and whenever tracing is off)."""
+    return dict(_exemplar)
 
 
 def wall_ns(monotonic_s: float) -> int:

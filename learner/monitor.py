@@ -2,7 +2,8 @@
 
 ``metrics.jsonl`` in the run directory is always written (one JSON object per step, with ``step``
 and ``time``); the console, TensorBoard, wandb and Prometheus sinks (``learner/sinks.py``, turned on
-in the ``telemetry`` section) plug in through the same ``Sink`` interface.
+in the ``telemetry`` section) plug in through the same ``Sink`` interface. Each row also gets this
+process's resource metrics (``resource/learner/*``, ``common/resources.py``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fleetrl.common.config.schema import JobConfig
+from fleetrl.common.resources import ProcessResources
 from fleetrl.learner.sinks import ConsoleSink, JsonlSink, Sink, make_sinks
 
 __all__ = ["ConsoleSink", "JsonlSink", "Monitor", "Sink"]
@@ -19,6 +21,8 @@ class Monitor:
     def __init__(self, sinks: list[Sink]):
         self.sinks = sinks
         self.history: list[dict[str, float]] = []
+        # this process's CPU, RSS and GPU (resource/learner/*) beside every row, where there are sinks
+        self.resources = ProcessResources("resource/learner") if sinks else None
 
     @classmethod
     def for_run(cls, run_dir: Path, rank: int, console_every: int = 1, cfg: JobConfig | None = None) -> "Monitor":
@@ -26,6 +30,8 @@ class Monitor:
         return cls(make_sinks(cfg, run_dir, rank, console_every))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.resources is not None:
+            metrics = {**metrics, **self.resources.sample()}
         self.history.append({"step": step, **metrics})
         for sink in self.sinks:
             sink.write(step, metrics)
