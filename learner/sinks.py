@@ -62,7 +62,7 @@ class ConsoleSink:
     """A short log line every ``every`` steps."""
 
     KEYS = ("reward/mean", "actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm", "off_policy/staleness_mean",
-            "throughput/samples_per_s")
+            "throughput/samples_per_s", "resource/learner/cpu_percent", "resource/learner/rss_mb")
 
     def __init__(self, every: int = 1):
         self.every = every

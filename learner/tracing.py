@@ -48,8 +48,7 @@ class StepTraces:
             if not telemetry.sampled(g.trace):
                 continue
             span = telemetry.record_span("learner.train", start_ns, end_ns, parent=g.trace, links=link, attributes={
-                "fleetrl.group_id": g.group_id, "fleetrl.step": step, "fleetrl.policy_version": version,
-                "fleetrl.group_version": g.policy_version, "fleetrl.groups": len(groups)})
+                "fleetrl.group_id": g.group_id, "fleetrl.step": step, "fleetrl.policy_version": version})
             if span is not None:
                 self.pending.append(span)
         if groups:
@@ -66,8 +65,7 @@ class StepTraces:
             yield []
             return
         tracer, attrs = telemetry.get_tracer(), {"fleetrl.policy_version": version, "fleetrl.step": step}
-        spans = [tracer.start_span("learner.publish_weights", context=trace.set_span_in_context(parent),
-                                   attributes={**attrs, "fleetrl.group_id": parent.attributes.get("fleetrl.group_id", "")})
+        spans = [tracer.start_span("learner.publish_weights", context=trace.set_span_in_context(parent), attributes=attrs)
                  for parent in self.pending]
         self.pending = []
         try:

@@ -51,8 +51,12 @@ def records(request: ExportTraceServiceRequest) -> list[dict[str, Any]]:
 class OtlpReceiver:
     """``with OtlpReceiver() as rx:`` serves ``rx.endpoint``; ``rx.spans`` holds what arrived."""
 
-    def __init__(self) -> None:
+    def __init__(self, decode: bool = True) -> None:
+        """``decode=False`` keeps the bodies and decodes them in :meth:`decode_all` (a benchmark's receiver
+        then costs the machine little while it measures)."""
         self.spans: list[dict[str, Any]] = []
+        self.bodies: list[bytes] = []
+        self.decode = decode
         self.requests = 0
         self.bad: list[str] = []
         self._lock = threading.Lock()
@@ -66,10 +70,12 @@ class OtlpReceiver:
                     self.send_response(404)
                     self.end_headers()
                     return
-                spans = records(ExportTraceServiceRequest.FromString(body))
+                spans = records(ExportTraceServiceRequest.FromString(body)) if receiver.decode else []
                 with receiver._lock:
                     receiver.spans.extend(spans)
                     receiver.requests += 1
+                    if not receiver.decode:
+                        receiver.bodies.append(body)
                 reply = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
@@ -92,6 +98,14 @@ class OtlpReceiver:
         self.server.shutdown()
         self.server.server_close()
         self._thread.join()
+
+    def decode_all(self) -> list[dict[str, Any]]:
+        """Decode the bodies kept with ``decode=False`` (each is still a full ExportTraceServiceRequest)."""
+        with self._lock:
+            bodies, self.bodies = self.bodies, []
+        for body in bodies:
+            self.spans.extend(records(ExportTraceServiceRequest.FromString(body)))
+        return self.spans
 
     def write_jsonl(self, path: Path) -> None:
         """The spans received, one record a line (what ``fleetrl trace`` reads from ``<run_dir>/traces``)."""

@@ -50,7 +50,8 @@ def test_tensorboard_sink_writes_scalars(tmp_path):
     events = LegacyEventFileLoader(str(events)).Load()
     scalars = [(e.step, v.tag, v.simple_value) for e in events for v in e.summary.value]
     assert (1, "reward/mean", 0.5) in scalars and (2, "reward/mean", 0.75) in scalars
-    assert {tag for _, tag, _ in scalars} == set(METRICS)
+    resources = {"resource/learner/cpu_percent", "resource/learner/rss_mb"}  # the monitor adds them to every row
+    assert {tag for _, tag, _ in scalars} == set(METRICS) | resources
 
 
 def test_wandb_sink_writes_an_offline_run(tmp_path, monkeypatch):
@@ -81,6 +82,9 @@ def test_prometheus_sink_serves_the_latest_metrics_over_http(tmp_path):
     values = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(fleetrl_\w+)(?:\{[^}]*\})? (\S+)$", body, re.M)}
     assert values[prometheus_name("reward/mean")] == 0.25 and values["fleetrl_step"] == 2.0
     assert values["fleetrl_broker_queue_depth"] == 3.0 and "fleetrl_actor_loss" not in values  # inf is skipped
+    assert values["fleetrl_resource_learner_rss_mb"] > 10 and "fleetrl_resource_learner_cpu_percent" in values
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["resource/learner/rss_mb"] > 10 for row in rows)  # the same row in metrics.jsonl
     with pytest.raises(OSError):  # closed: the port is free again and nothing answers
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
 

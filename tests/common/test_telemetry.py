@@ -188,6 +188,38 @@ def test_span_ids_differ_between_identically_seeded_processes(tmp_path):
     assert ids[0] == ids[1]
 
 
+def test_ids_from_the_urandom_pool_differ_in_a_forked_child_and_are_never_zero():
+    """The pool is emptied at fork: a child that inherits it draws fresh bytes, not its parent's."""
+    gen = telemetry.UrandomIdGenerator()
+    gen.generate_span_id()  # the pool is filled now
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ids, then exit without running the parent's atexit
+        os.write(write, json.dumps([gen.generate_span_id() for _ in range(8)]).encode())
+        os._exit(0)
+    os.close(write)
+    child = json.loads(os.read(read, 65536))
+    os.waitpid(pid, 0)
+    parent = [gen.generate_span_id() for _ in range(8)]
+    assert len(set(child) | set(parent)) == 16 and all(0 < i < 2**64 for i in child + parent)
+    ids = [gen.generate_trace_id() for _ in range(1000)]  # several pool refills
+    assert len(set(ids)) == 1000 and all(0 < i < 2**128 for i in ids)
+
+
+def test_remote_context_reads_our_traceparent_like_the_propagator():
+    from opentelemetry.trace import TraceFlags
+
+    for flags in ("01", "00"):
+        carrier = {"traceparent": f"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-{flags}"}
+        fast, slow = telemetry.remote_context(carrier), trace.get_current_span(telemetry.extract(carrier)).get_span_context()
+        assert fast == slow and fast.is_remote and fast.trace_flags == TraceFlags(int(flags))
+    for bad in ({}, None, {"traceparent": "00-" + "0" * 32 + "-00f067aa0ba902b7-01"},
+                {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e473X-00f067aa0ba902b7-01"}, {"traceparent": "junk"}):
+        assert not telemetry.remote_context(bad).is_valid
+    with_state = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "tracestate": "v=1"}
+    assert telemetry.remote_context(with_state).trace_state.get("v") == "1"  # the propagator's path keeps it
+
+
 # --------------------------------------------------------------------------------- fleetrl trace
 
 
@@ -302,7 +334,7 @@ def test_one_trace_per_group_reaches_a_real_otlp_receiver_from_every_process(tmp
     [publish], loads = one("learner.publish_weights"), one("rollout.load_weights")
     assert root["parent_id"] is None and root["service"] == "fleetrl-rollout" and root["instance"] == "rollout-0"
     assert {root["attributes"]["fleetrl.group_id"], ingest["attributes"]["fleetrl.group_id"],
-            batch_lease["attributes"]["fleetrl.group_id"], publish["attributes"]["fleetrl.group_id"]} == {group_id}
+            batch_lease["attributes"]["fleetrl.group_id"]} == {group_id}
     for child in (lease, gen, ingest, batch_lease, train, *one("rollout.reward"), *one("rollout.push")):
         assert child["parent_id"] == root["span_id"], child["name"]  # every hop hangs under the group's root
     assert (ingest["service"], batch_lease["service"], train["service"]) == (
