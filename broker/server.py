@@ -31,7 +31,7 @@ import zmq.auth
 from fleetrl.broker import auth
 from fleetrl.broker.audit import AuditLog
 from fleetrl.broker.guard import Guard
-from fleetrl.broker.ingest import Rate
+from fleetrl.broker.metrics import WireStats
 from fleetrl.broker.prompts import PromptSource, rows_to_prompts
 from fleetrl.broker.spool import Spool
 from fleetrl.broker.state import BrokerState
@@ -42,7 +42,6 @@ from fleetrl.common.config import load_config, save_resolved
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.common.data.tables import load_rows
 from fleetrl.common.log import setup_logging
-from fleetrl.common.resources import ProcessResources
 
 log = logging.getLogger("fleetrl.broker")
 
@@ -370,28 +369,6 @@ class BrokerServer:
 
     def stop(self) -> None:
         self._stop.set()
-
-
-class WireStats:
-    """Bytes the broker received and sent (request payloads; replies and announcements), and its process."""
-
-    def __init__(self) -> None:
-        self.bytes_in = self.bytes_out = 0
-        self.rate_in, self.rate_out = Rate(), Rate()
-        self.resources = ProcessResources("resource/broker")
-
-    def received(self, n: int, now: float) -> None:
-        self.bytes_in += n
-        self.rate_in.add(now, n)
-
-    def sent(self, n: int, now: float) -> None:
-        self.bytes_out += n
-        self.rate_out.add(now, n)
-
-    def stats(self, now: float) -> dict[str, float]:
-        return {"broker/bytes_in": float(self.bytes_in), "broker/bytes_out": float(self.bytes_out),
-                "broker/bytes_in_per_s": self.rate_in.per_s(now), "broker/bytes_out_per_s": self.rate_out.per_s(now),
-                **self.resources.sample()}
 
 
 def trace_ingest(req: m.PushGroup | m.PushGroups, reply: m.Message, start_ns: int) -> None:

@@ -9,8 +9,7 @@ from types import SimpleNamespace
 
 import psutil
 
-from fleetrl.broker.metrics import fleet_resources, status_metrics
-from fleetrl.broker.server import WireStats
+from fleetrl.broker.metrics import WireStats, fleet_resources, status_metrics
 from fleetrl.common import messages as m
 from fleetrl.common.resources import MB, Nvml, ProcessResources
 
