@@ -101,8 +101,11 @@ def genai_attributes(model: str, params: Any, prompt_ids: Sequence[int], samples
     }
 
 
+MAX_LOAD_TRACES = 16  # the learner announces at most 16 (learner/tracing.py); more are ignored here
+
+
 def trace_load(start_ns: int, traces: Sequence[dict[str, str]], attributes: dict[str, Any]) -> None:
     """``rollout.load_weights``: one span under each publish span the version was announced with (the
-    traces of groups it trained on), or one root span when it came with none."""
-    for parent in traces or [telemetry.ROOT]:
+    traces of groups it trained on, at most :data:`MAX_LOAD_TRACES`), or one root span when it came with none."""
+    for parent in list(traces)[:MAX_LOAD_TRACES] or [telemetry.ROOT]:
         telemetry.record_span("rollout.load_weights", start_ns, parent=parent, attributes=attributes)
