@@ -38,7 +38,8 @@ def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     return xs, ys
 
 
-def plot(rows: list[dict], out_dir: Path) -> list[tuple[str, Path]]:
+def plot(rows: list[dict], out_dir: Path, events: list[dict] = ()) -> list[tuple[str, Path]]:
+    """One PNG per panel; health rollbacks (red) and stops (black) as dashed vertical lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,6 +54,10 @@ def plot(rows: list[dict], out_dir: Path) -> list[tuple[str, Path]]:
         fig, ax = plt.subplots(figsize=(6, 3.2))
         for key, xs, ys in series:
             ax.plot(xs, ys, label=key, linewidth=1.2, marker="o" if len(xs) < 30 else None, markersize=3)
+        for e in events:
+            if e.get("rule") == "rollback" or e.get("action") == "stop":
+                ax.axvline(e["step"], color="red" if e.get("rule") == "rollback" else "black", linestyle="--",
+                           linewidth=0.8, alpha=0.7)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -72,19 +77,20 @@ def build_report(run_dir: Path) -> Path:
         raise FileNotFoundError(f"{run_dir}/metrics.jsonl is missing or empty: is {run_dir} a fleetrl run directory?")
     plots_dir = run_dir / "plots"
     plots_dir.mkdir(exist_ok=True)
-    made = plot(rows, plots_dir)
     events = read_jsonl(run_dir / "events.jsonl")
+    made = plot(rows, plots_dir, events)
     last = rows[-1]
     summary = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.4g}</td></tr>" for k, v in sorted(last.items())
                       if isinstance(v, (int, float)) and k not in ("time",))
     figures = "".join(f'<figure><img src="plots/{p.name}"><figcaption>{html.escape(t)}</figcaption></figure>'
                       for t, p in made)
-    event_rows = "".join(f"<li>{html.escape(json.dumps(e))}</li>" for e in events) or "<li>none</li>"
+    event_rows = "".join(f"<li>{'<b>' if e.get('rule') == 'rollback' else ''}{html.escape(json.dumps(e))}"
+                         f"{'</b>' if e.get('rule') == 'rollback' else ''}</li>" for e in events) or "<li>none</li>"
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>fleetrl report: {html.escape(run_dir.name)}</title>
 <style>body{{font-family:sans-serif;margin:2em}}figure{{display:inline-block;margin:.5em}}img{{width:480px}}
 table{{border-collapse:collapse;font-size:12px}}td{{border:1px solid #ccc;padding:2px 6px}}</style></head><body>
 <h1>{html.escape(run_dir.name)}</h1><p>{len(rows)} steps; last step {last['step']}.</p>
-{figures}<h2>Health events</h2><ul>{event_rows}</ul><h2>Last step</h2><table>{summary}</table></body></html>"""
+{figures}<h2>Health events</h2><p>Rollbacks in bold, and as red dashed lines on the plots (stops: black).</p><ul>{event_rows}</ul><h2>Last step</h2><table>{summary}</table></body></html>"""
     out = run_dir / "report.html"
     out.write_text(page)
     return out
