@@ -15,6 +15,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import torch.distributed as tdist
+
 from fleetrl.common import telemetry
 from fleetrl.learner.checkpoint import set_rng_state, tag_of
 
@@ -48,7 +50,7 @@ def roll_back(lr: "Learner", reason: str) -> bool:
         lr.critic.load(target)
     bad_from, bad_to = state["version"] + 1, lr.version
     restore_state(lr, state)
-    requeued = discard_abandoned(lr, target.name, target_step, bad_from, bad_to) if main else 0
+    requeued = discard_abandoned(lr, target.name, target_step, bad_from, bad_to) if lr.fleet else 0
     lr.health.record_rollback(to_step=state["step"], from_step=lr.step)
     lr.health.rewind_to(state.get("health"), state["step"])
     if lr.fleet:
@@ -72,14 +74,18 @@ def restore_state(lr: "Learner", state: dict) -> None:
 
 
 def discard_abandoned(lr: "Learner", name: str, target_step: int, bad_from: int, bad_to: int) -> int:
-    """The broker forgets the abandoned branch (rank 0): with ``broker.commit_on_checkpoint`` the groups
-    trained since the checkpoint come back first (the data cursor rewinds to the checkpoint's), then
-    every group with a token from versions ``[bad_from, bad_to]`` is dropped, its prompt issued again,
-    and late arrivals from those versions are refused. Returns how many groups came back."""
+    """The broker forgets the abandoned branch: with ``broker.commit_on_checkpoint`` every rank's groups
+    trained since the checkpoint come back first (the data cursor rewinds to the checkpoint's); then,
+    once every rank has rewound, rank 0 has every group with a token from versions ``[bad_from, bad_to]``
+    dropped (those that just came back included), its prompt issued again, and late arrivals from those
+    versions refused. Returns how many of this rank's groups came back."""
     back = 0
     if lr.cfg.broker.commit_on_checkpoint:
         back = lr.client.rewind(target_step).count
-    lr.client.control("discard", reason=f"rollback to {name}", min_version=bad_from, max_version=bad_to)
+    if lr.dist.world > 1:
+        tdist.barrier()  # the discard must see every rank's rewound groups
+    if lr.dist.is_main:
+        lr.client.control("discard", reason=f"rollback to {name}", min_version=bad_from, max_version=bad_to)
     return back
 
 
