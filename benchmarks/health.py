@@ -99,6 +99,8 @@ def analyze_run(result: dict) -> dict:
     out = {"steps": steps, "events": events, "curve": eval_curve(rows)}
     fleet = read_jsonl(run_dir / "rollout-0.metrics.jsonl")
     out["rollout_nonfinite_rewards"] = max((r.get("reward/nonfinite_total", 0) for r in fleet), default=0)
+    if not result["fault"]:  # the shipped defaults of this checkout, replayed on the recorded metrics
+        out["replayed_events"] = replay_defaults(rows)
     if result["fault"]:
         at = result["inject_at"]
         out["detection"] = detection(events, at)
@@ -109,10 +111,30 @@ def analyze_run(result: dict) -> dict:
     return out
 
 
+def replay_defaults(rows: list[dict]) -> list[dict]:
+    """Health events the default rules of this checkout give on a run's recorded metrics (exact for a run
+    without a rollback: the metrics do not depend on the rules then). Lets a changed default be judged
+    on healthy runs recorded before the change."""
+    import logging
+
+    from fleetrl.common.config.learner import HealthConfig
+    from fleetrl.learner.health import HealthMonitor
+
+    logging.getLogger("fleetrl.learner.health").setLevel(logging.CRITICAL)
+    monitor = HealthMonitor(HealthConfig(), None)
+    events = []
+    for r in rows:
+        if r["step"] > 0:
+            events += [{"step": e.step, "rule": e.rule, "action": e.action} for e in monitor.observe(r["step"], r)]
+    return events
+
+
 def summarize(runs: list[dict]) -> dict:
     faults = {r["fault"]: {k: r[k] for k in ("detection", "recovery", "steps", "exit_code", "rollout_nonfinite_rewards")}
               | {"others_cpu_share": r["cpu"]["others_cpu_share"]} for r in runs if r["fault"]}
     healthy = false_alarms([r for r in runs if not r["fault"]])
+    healthy["replayed_with_current_defaults"] = false_alarms(
+        [{"steps": r["steps"], "events": r.get("replayed_events", [])} for r in runs if not r["fault"]])
     return {"faults": faults, "healthy": healthy, "targets": targets(faults, healthy)}
 
 
