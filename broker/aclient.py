@@ -255,9 +255,15 @@ class AsyncBrokerClient:
                 await asyncio.sleep(1.0)
         return [acks[g.group_id] for g in groups]
 
-    async def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None) -> m.Ack:
+    async def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False) -> m.Ack:
         return await self.request(lambda r: m.ReturnPrompts(req_id=r, client_id=self.client_id, lease_id=lease_id,
-                                                            prompt_ids=list(prompt_ids or [])))
+                                                            prompt_ids=list(prompt_ids or []), unscored=unscored))
+
+    async def leave(self, reason: str = "", done: bool = False, timeout_s: float = 5.0) -> m.Ack:
+        """Leave the fleet now (graceful exit); ``done``: a learner that finished. One short try: a client on its
+        way out does not wait long for a broker that is gone (it is then dropped after client_timeout_s)."""
+        return await self.request(lambda r: m.Leave(req_id=r, client_id=self.client_id, reason=reason, done=done),
+                                  timeout_s=timeout_s, retries=0)
 
     async def lease_batch(self, n: int, wait_s: float = 0.0, min_groups: int = 1) -> m.BatchLease | m.Throttle:
         return await self.request(

@@ -64,7 +64,9 @@ class BrokerClient(Protocol):
 
     def push_groups(self, groups: list[m.SampleGroup], deadline_s: float = 600.0) -> list[m.GroupAck]: ...
 
-    def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None) -> m.Ack: ...
+    def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False) -> m.Ack: ...
+
+    def leave(self, reason: str = "", done: bool = False) -> m.Ack: ...
 
     def lease_batch(self, n: int, wait_s: float = 0.0, min_groups: int = 1) -> m.BatchLease | m.Throttle: ...
 
@@ -146,8 +148,11 @@ class ZmqBrokerClient:
     def push_groups(self, groups: list[m.SampleGroup], deadline_s: float = 600.0) -> list[m.GroupAck]:
         return self._run(self.client.push_groups(groups, deadline_s))
 
-    def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None) -> m.Ack:
-        return self._run(self.client.return_prompts(lease_id, prompt_ids))
+    def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False) -> m.Ack:
+        return self._run(self.client.return_prompts(lease_id, prompt_ids, unscored))
+
+    def leave(self, reason: str = "", done: bool = False) -> m.Ack:
+        return self._run(self.client.leave(reason, done))
 
     def lease_batch(self, n: int, wait_s: float = 0.0, min_groups: int = 1) -> m.BatchLease | m.Throttle:
         return self._run(self.client.lease_batch(n, wait_s, min_groups))

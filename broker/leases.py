@@ -143,6 +143,12 @@ class BatchLeases:
             back.extend(self._retire(lid).group_ids)
         return m.Ack(req_id=req.req_id, ref=req.client_id, count=self.q.requeue_front(back))
 
+    def release(self, client_id: str) -> int:
+        """A learner left: the groups of its open leases go back to the front of the queue; returns how many."""
+        back = [g for lid in [lid for lid, lease in self.leases.items() if lease.client_id == client_id]
+                for g in self._retire(lid).group_ids]
+        return self.q.requeue_front(back)
+
     # ---------------------------------------------------------------- expiry
     def _retire(self, lease_id: str) -> BatchLeaseState:
         lease = self.leases.pop(lease_id)

@@ -7,6 +7,7 @@ which the broker's state machine calls before any handler (docs/broker.md#permis
 | Heartbeat, GetStatus, GetVersion | every role | |
 | LeasePrompts, PushGroup, PushGroups, ReturnPrompts | rollout | ReturnPrompts: only its own leases |
 | LeaseBatch, AckBatch, Commit, Rewind, PublishVersion | learner | AckBatch: only its own leases; Commit and Rewind act on its own client id |
+| Leave | rollout, learner | acts on its own client id; `done` counts from a learner only |
 | Control | operator; learner for its rollback | a learner may `pause` (a hold only it can lift), `resume` (its own hold) and `discard` a closed range of versions it published; never `stop` |
 
 Under CURVE the role is the key's (``auth.Principal``) and the request's ``client_id`` must lie in the
@@ -35,6 +36,7 @@ PERMISSIONS: dict[type, frozenset[str]] = {
     m.Commit: LEARNER,
     m.Rewind: LEARNER,
     m.PublishVersion: LEARNER,
+    m.Leave: ROLLOUT | LEARNER,
     m.Control: OPERATOR | LEARNER,  # a learner only within its rollback: see learner_control
 }
 REGISTRATION_FREE = (m.Register, m.GetStatus, m.GetVersion)  # answered without a client record

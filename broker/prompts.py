@@ -30,9 +30,10 @@ def rows_to_prompts(rows: list[dict[str, Any]], prompt_key: str, answer_key: str
     for i, row in enumerate(rows):
         text = row.get(prompt_key)
         if not isinstance(text, (str, list)) or not text:
-            raise DataError(f"{source}: row {i} has no usable {prompt_key!r} (a non-empty string or a list of messages)")
+            raise DataError(f"{source}: row {i} has no usable {prompt_key!r} (a non-empty string or a list of messages); "
+                            "fix the row, set data.prompt_key, or leave such rows out with a data.map hook")
         answer = row.get(answer_key)
-        metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
+        metadata = {k: v for k, v in row.items() if k != prompt_key}  # the answer's column too: batched rewards read it
         out.append(Prompt(prompt_id=str(i), prompt=text, answer=None if answer is None else str(answer), metadata=metadata))
     return out
 

@@ -63,7 +63,7 @@ def read_vocab_size(cfg: JobConfig) -> int:
 
 def build_state(cfg: JobConfig, audit=None) -> BrokerState:
     prompts = PromptSource(
-        rows_to_prompts(load_rows(cfg.data.train), cfg.data.prompt_key, cfg.data.answer_key, cfg.data.train),
+        rows_to_prompts(load_rows(cfg.data.train, "data.train", cfg.data), cfg.data.prompt_key, cfg.data.answer_key, cfg.data.train),
         cfg.data.shuffle, cfg.data.seed, cfg.data.epochs,
     )
     spool = Spool(cfg.broker.spool_dir, cfg.broker.fsync, cfg.broker.fsync_interval_s) if cfg.broker.spool_dir else None
@@ -361,6 +361,15 @@ class BrokerServer:
     def stop(self) -> None:
         self._stop.set()
 
+    def announce_shutdown(self) -> None:
+        """`done` to every subscriber before the sockets close: rollouts started by hand exit cleanly (unless
+        rollout.stay_after_done) instead of retrying a broker that is gone."""
+        if self.pub is None or self.router is None:
+            return
+        self.state.announce_shutdown()
+        self._send([])
+        time.sleep(0.2)  # the PUB socket's I/O thread puts it on the wire before close(linger=0) drops it
+
 
 def trace_ingest(req: m.PushGroup | m.PushGroups, reply: m.Message, start_ns: int) -> None:
     """One ``broker.ingest`` span per pushed group that carries a sampled trace context, a child of it."""
@@ -419,6 +428,7 @@ async def run_broker(cfg: JobConfig, run_dir: str | None) -> int:
         if run_dir:
             write_endpoint_file(run_dir, server)
         await server.serve()
+        server.announce_shutdown()
     finally:
         server.close()
         server.ctx.term()

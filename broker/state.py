@@ -64,6 +64,7 @@ class BrokerState:
         self.controls = Controls(self)
         self.ingest = Ingest(self)
         self.recovery: dict[str, int] = {}
+        self.learner_done = ""  # why the learner finished ("" = training goes on); a learner registering clears it
         if spool is not None:
             self._recover(spool.recover())
 
@@ -228,6 +229,9 @@ class BrokerState:
         if full:
             self.rejected["too_many_clients"] += 1
             return m.Error(req_id=req.req_id, code="unavailable", reason=full)
+        if shown == "learner" and self.learner_done:
+            log.info("learner %s registered: training goes on after `done` (%s)", req.client_id, self.learner_done)
+            self.learner_done = ""
         return m.Registered(req_id=req.req_id, broker_id=self.broker_id, policy_version=self.version,
                             vocab_size=self.vocab_size, heartbeat_s=self.bcfg.heartbeat_s,
                             weights=self.controls.weights_for(role or shown), paused=self.paused,
@@ -275,6 +279,8 @@ class BrokerState:
         ctl = self.controls
         if self.paused or ctl.stopping:
             return 1.0, "stopping" if ctl.stopping else "paused"
+        if self.learner_done:  # nobody trains on new groups: say so (a server that missed `done` learns it here)
+            return 2.0, f"done: {self.learner_done}"
         if ctl.version_known and req.policy_version > self.version + self.bcfg.version_slack:
             return 1.0, (f"policy version {req.policy_version} is ahead of the broker's {self.version}; "
                          "load the version the broker announces")
@@ -295,6 +301,12 @@ class BrokerState:
         if role is not None and lease.client_id != req.client_id:
             raise Unauthorized(f"prompt lease {req.lease_id} is held by {lease.client_id}, not {req.client_id}")
         ids = list(dict.fromkeys(req.prompt_ids)) or list(lease.prompts)  # a repeated id is returned once
+        if req.unscored:  # no reward could score them: re-issuing would only score nothing again
+            returned = [i for i in ids if i in lease.prompts]
+            for pid in returned:
+                self.prompts.fulfil(pid)
+            self.counters["prompts_unscored"] += len(returned)
+            return m.Ack(req_id=req.req_id, ref=req.lease_id, count=len(returned))
         self._log([sp.PromptsRequeued([lease.prompts[i] for i in ids if i in lease.prompts])])
         n = self.prompts.give_back(req.lease_id, ids)
         return m.Ack(req_id=req.req_id, ref=req.lease_id, count=n)
@@ -389,23 +401,47 @@ class BrokerState:
     def _on_GetStatus(self, req: m.GetStatus, now: float, role: str | None = None) -> m.Message:
         return self.status(req.req_id, now)
 
+    def _on_Leave(self, req: m.Leave, now: float, role: str | None = None) -> m.Message:
+        """A graceful exit: the client leaves the fleet at once (no wait for broker.client_timeout_s); the prompts
+        and batches it still held are re-issued now. ``done`` from a learner: training finished, announced."""
+        client = self.clients.clients.pop(req.client_id, None)
+        who = client.role if client is not None else (role or "unknown")
+        reissued = self._reissue(now, {req.client_id})  # prompts it still held (normally returned already)
+        back = self.batches.release(req.client_id)
+        if req.done and who == "learner":
+            self.learner_done = req.reason or f"{req.client_id} finished"
+            self.announcements.append((m.TOPIC_CONTROL, m.ControlAnnouncement(action="done", reason=self.learner_done)))
+        log.info("%s %s left (%s)%s%s", who, req.client_id, req.reason or "no reason given",
+                 f"; {reissued} prompt(s) re-issued" if reissued else "", f"; {back} group(s) requeued" if back else "")
+        return m.Ack(req_id=req.req_id, ref=req.client_id, count=reissued + back)
+
+    def announce_shutdown(self, reason: str = "the broker is shutting down") -> None:
+        """Tell every subscriber the job is over before the broker exits (rollouts started by hand then stop
+        unless rollout.stay_after_done)."""
+        self.announcements.append((m.TOPIC_CONTROL, m.ControlAnnouncement(action="done", reason=reason)))
+
     # ------------------------------------------------------------- timers
     def expire(self, now: float) -> dict[str, int]:
         """Re-issue expired prompt leases (and those of dead clients); redeliver expired batch leases; evict
         long-dead clients and lift the pause holds of dead learners."""
         dead = self.clients.dead(now)
-        expired = [lid for lid, lease in self.prompts.leases.items() if lease.expires_at <= now or lease.client_id in dead]
-        reissued = 0
-        if expired:
-            try:
-                self._log([sp.PromptsRequeued([p for lid in expired for p in self.prompts.leases[lid].prompts.values()])])
-                reissued = sum(self.prompts.give_back(lid) for lid in expired)
-                self.counters["prompts_reissued"] += reissued
-            except sp.SpoolUnavailable:
-                pass  # retried on the next tick
+        reissued = self._reissue(now, dead)
         self.counters["clients_evicted"] += len(self.clients.evict_dead(now))
         self.controls.lift_dead_holds(dead | {cid for cid in self.controls.pause_holds if self.clients.get(cid) is None})
         return {"prompts_reissued": reissued, "groups_redelivered": self.batches.redeliver_expired(now)}
+
+    def _reissue(self, now: float, clients: set[str]) -> int:
+        """Re-issue expired prompt leases and those held by ``clients`` (journalled first); how many prompts."""
+        expired = [lid for lid, lease in self.prompts.leases.items() if lease.expires_at <= now or lease.client_id in clients]
+        if not expired:
+            return 0
+        try:
+            self._log([sp.PromptsRequeued([p for lid in expired for p in self.prompts.leases[lid].prompts.values()])])
+        except sp.SpoolUnavailable:
+            return 0  # retried on the next tick
+        reissued = sum(self.prompts.give_back(lid) for lid in expired)
+        self.counters["prompts_reissued"] += reissued
+        return reissued
 
     # ------------------------------------------------------------- status
     def status(self, req_id: int, now: float) -> m.Status:

@@ -3,6 +3,10 @@
 Every sub-command is declared here (so `fleetrl X --help` works without importing torch) and maps to
 a ``module:function`` that is imported only when the command runs. ``common/`` thereby knows no
 component: it names them, it does not import them.
+
+A mistake in what the user gave (a config key, a file, a data row, a reward function, a registry
+name) is one line on stderr naming the key and the fix, exit code 2; ``--debug`` (or
+``FLEETRL_DEBUG=1``, which `fleetrl run` passes to its children) shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import sys
 from typing import Callable
 
 OVERRIDES_HELP = "config overrides as section.key=value (typed: 3, 1e-4, true, null, [a, b])"
+DEBUG_HELP = "show the traceback of an error instead of one line (also FLEETRL_DEBUG=1)"
 
 
 def _job_args(p: argparse.ArgumentParser, config_required: bool = True) -> None:
@@ -42,8 +47,11 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, metavar="S", help="samples per prompt for pass@K (default: K; more = less variance)")
     p.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (default: rollout.temperature)")
     p.add_argument("--max-new-tokens", type=int, metavar="M", help="longest response (default: rollout.max_new_tokens)")
+    p.add_argument("--prompt-key", metavar="COL", help="column of the prompt (default: data.prompt_key, `prompt`)")
+    p.add_argument("--answer-key", metavar="COL", help="column of the ground truth (default: data.answer_key, `answer`)")
     p.add_argument("--reward", choices=["exact", "math"], help="reward that decides correctness (default: rollout.rewards)")
-    p.add_argument("--success", type=float, default=1.0, metavar="R", help="a sample is correct when its reward >= R")
+    p.add_argument("--success", type=float, metavar="R", help="a response is correct when its reward >= R (default: "
+                   "1.0 for exact/math rewards, required for any other); printed with the results")
     p.add_argument("--device", metavar="DEV", help="cpu, cuda or auto (default: rollout.device)")
     p.add_argument("--batch-size", type=int, default=32, metavar="B", help="prompts generated together")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -59,16 +67,24 @@ def _learner_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
-    _job_args(p)
+    p.add_argument("--config", "-c", metavar="FILE", help="job YAML (see configs/); with --resume: RUN_DIR/config.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
     p.add_argument("--run-dir", metavar="DIR", help="run directory (default: run.root/run.name-<timestamp>)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint, with its "
+                   "config.yaml (overrides apply on top)")
     p.add_argument("--no-status", action="store_true", help="print plain log lines instead of the live status line")
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["show", "validate", "docs"], help="show: print the resolved YAML; "
-                   "validate: check and say OK; docs: print the Markdown reference of every key")
-    p.add_argument("--config", "-c", metavar="FILE", help="job YAML (defaults when omitted)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    for name, text in (("show", "print the resolved YAML"),
+                       ("validate", "check the config and what it names (files, model and data, reward functions, "
+                                    "chat template) before anything starts; one line per problem, else OK")):
+        sub = actions.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+        sub.add_argument("--config", "-c", metavar="FILE", help="job YAML (defaults when omitted)")
+        sub.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+        sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    actions.add_parser("docs", help="print the Markdown reference of every key")
 
 
 def _init_model_args(p: argparse.ArgumentParser) -> None:
@@ -197,27 +213,63 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous RL fine-tuning of language models: rollout fleets, a ZeroMQ broker, DeepSpeed learners.",
         epilog="Run `fleetrl COMMAND --help` for the options of one command.",
     )
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (_, help_text, add_args) in COMMANDS.items():
-        add_args(sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + "."))
+        cmd = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
+        add_args(cmd)
+        if name != "config":  # its actions take it
+            cmd.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser
 
 
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that mean "what you gave is wrong" and carry a message naming the key to change."""
+    from fleetrl.common.config import ConfigError
+    from fleetrl.common.registry import RegistryError
+    from fleetrl.common.userfn import FunctionRefError
+
+    return ConfigError, RegistryError, FunctionRefError
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse, letting ``key=value`` overrides sit anywhere after the command (also after options)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
+    debug = getattr(args, "debug", False) or os.environ.get("FLEETRL_DEBUG", "") not in ("", "0")
+    if debug:
+        os.environ["FLEETRL_DEBUG"] = "1"  # children of `fleetrl run` show tracebacks too
     os.umask(0o077)  # every file a fleetrl process creates (weights, checkpoints, spool, keys, logs) is owner-only
     target = getattr(args, "target", None) or COMMANDS[args.command][0]  # `launch ENGINE` sets its own
     module_name, func_name = target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
-    from fleetrl.common.config import ConfigError
-
     try:
         return int(func(args) or 0)
-    except ConfigError as e:
-        print(f"fleetrl {args.command}: config error: {e}", file=sys.stderr)
+    except user_errors() as e:
+        if debug:
+            raise
+        print(f"fleetrl {args.command}: {first_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def first_line(error: BaseException) -> str:
+    """``config error: ...`` for config problems; the message of others, on one line."""
+    from fleetrl.common.config import ConfigError
+
+    text = " ".join(str(error).split())
+    return f"config error: {text}" if isinstance(error, ConfigError) else text
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Every ``run.eval_interval`` steps (and once at step 0, the start of the curve) r
 first ``run.eval_n`` rows of ``data.eval`` with ``rollout/eval.py``'s ``evaluate`` — the function
 `fleetrl eval` runs — through an ``hf`` engine over the training module itself (no copy of the
 weights): the same prompt key, chat template, truncation and reward scorer, and the same notion of
-correct (reward >= 1.0). The curve a run shows is therefore what `fleetrl eval` measures on the
+correct (reward >= ``run.eval_success``, 1.0 for exact/math rewards). The curve a run shows is therefore what `fleetrl eval` measures on the
 exported checkpoint (greedy decoding: the two agree to the token).
 
 With ZeRO-3 or several ranks rank 0 does not hold the whole model, so it is skipped there;
@@ -32,7 +32,7 @@ class Evaluator:
         from transformers import AutoTokenizer
 
         self.cfg, self.device = cfg, device
-        self.rows = load_rows(cfg.data.eval, "data.eval")[: cfg.run.eval_n]
+        self.rows = load_rows(cfg.data.eval, "data.eval", cfg.data)[: cfg.run.eval_n]
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
         if cfg.learner.zero_stage == 3 or cfg.learner.num_ranks > 1:
             log.warning("periodic evaluation runs on rank 0 only and is skipped with ZeRO-3 or several ranks; "
@@ -49,7 +49,8 @@ class Evaluator:
         was_training = module.training
         module.eval()
         try:
-            metrics = evaluate(self.cfg.model.path, self.rows, cfg=self.cfg, k=0, engine=engine, batch_size=EVAL_BATCH)
+            metrics = evaluate(self.cfg.model.path, self.rows, cfg=self.cfg, k=0, engine=engine, batch_size=EVAL_BATCH,
+                               success=self.cfg.run.eval_success)
         finally:
             module.train(was_training)
         return metrics

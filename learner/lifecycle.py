@@ -3,7 +3,8 @@
 ``connect_broker`` registers the rank under a stable client id (the broker keys commits and rewinds by
 it); ``write_ready`` tells `fleetrl run` that rank 0 is up; ``GracefulStop`` turns SIGTERM / SIGINT
 into a request to finish the current step, checkpoint and exit 0, agreed by every rank so that their
-collectives stay matched.
+collectives stay matched; ``leave_broker`` is the last request: the rank leaves the fleet at once
+(what it still holds is requeued), and rank 0 of a finished run says training is done.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ class GracefulStop:
 
     def __init__(self):
         self.requested = False
+        self.signal_name = ""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
         if not self.requested:
-            log.info("received %s: finishing this step, then checkpointing", signal.Signals(signum).name)
+            self.signal_name = signal.Signals(signum).name
+            log.info("received %s: finishing this step, then checkpointing", self.signal_name)
         self.requested = True
 
     def agreed(self, device: torch.device, also: bool = False) -> bool:
@@ -58,6 +61,14 @@ def connect_broker(cfg: JobConfig, run_dir: Path, rank: int) -> BrokerClient:
     reg = client.connect()
     client.start_heartbeat(lambda: (0, {}), reg.heartbeat_s or cfg.broker.heartbeat_s)
     return client
+
+
+def leave_broker(client, reason: str, done: bool, is_main: bool) -> None:
+    """Leave the fleet now; rank 0 with ``done`` tells the broker training is over (it announces `done`)."""
+    try:
+        client.leave(reason, done=done and is_main)
+    except Exception as e:  # noqa: BLE001 - on the way out: the broker drops a silent client by itself
+        log.info("could not tell the broker this learner leaves (%s); it drops it after broker.client_timeout_s", e)
 
 
 def write_ready(run_dir: Path, dist: Dist, step: int) -> None:

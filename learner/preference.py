@@ -89,7 +89,7 @@ class PreferenceSource:
 
     def __init__(self, cfg: JobConfig, rank: int, world: int):
         self.cfg, self.rank, self.world = cfg, rank, world
-        self.pairs = encode_pairs(load_rows(cfg.data.preference, "data.preference"), load_tokenizer(cfg), cfg,
+        self.pairs = encode_pairs(load_rows(cfg.data.preference, "data.preference", cfg.data), load_tokenizer(cfg), cfg,
                                   cfg.data.preference)
         self.per_step = cfg.learner.groups_per_step
         self.offset = sum(share_of(self.per_step, r, world) for r in range(rank))
@@ -151,7 +151,7 @@ class PreferenceEvaluator:
 
     def __init__(self, cfg: JobConfig, ref_model, device: torch.device, then: Callable | None = None):
         self.cfg, self.ref, self.device, self.then = cfg, ref_model, device, then
-        rows = load_rows(cfg.data.preference_eval, "data.preference_eval")[: cfg.run.eval_n]
+        rows = load_rows(cfg.data.preference_eval, "data.preference_eval", cfg.data)[: cfg.run.eval_n]
         pairs = encode_pairs(rows, load_tokenizer(cfg), cfg, cfg.data.preference_eval)
         self.batch = pack_pairs(pairs, cfg.learner.max_tokens_per_microbatch, device)
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0

@@ -1,10 +1,23 @@
-"""`fleetrl report RUN_DIR`: PNG plots of a run's metrics and a report.html that shows them."""
+"""`fleetrl report RUN_DIR`: PNG plots of a run's metrics and a report.html that shows them.
+
+Every curve is drawn twice: the raw per-step values faint, and an exponential moving average over
+them solid (debiased, as TensorBoard smooths, with a span that grows with the run), so noisy
+series — policy lag and queue depth jump by whole versions and groups every step — read as trends.
+Health events and launcher restarts are marked on the step axis of every plot (alerts as ticks along
+the top, stops, rollbacks and restarts as dashed lines), and listed grouped by rule. There is one plot per
+reward function (``reward/<label>/mean``), and the page ends with the latest sample completions
+(``completions.jsonl``) and the last step's metrics.
+
+A resumed run logs the steps after its checkpoint again; the newest row of each step wins.
+"""
 
 from __future__ import annotations
 
 import html
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 PANELS = [
     ("reward", ["reward/mean"], "reward (batch mean)"),
@@ -13,56 +26,135 @@ PANELS = [
     ("entropy", ["actor/entropy"], "policy entropy"),
     ("grad_norm", ["actor/grad_norm"], "grad norm"),
     ("clipfrac", ["actor/clipfrac"], "clip fraction"),
-    ("staleness", ["off_policy/staleness_mean", "off_policy/staleness_max"], "policy lag of trained samples"),
-    ("queue", ["broker/queue_depth", "broker/groups_in_flight"], "broker queue depth / in flight"),
+    ("staleness", ["off_policy/staleness_mean", "off_policy/staleness_max"], "policy lag of trained samples (versions)"),
+    ("queue", ["broker/queue_depth", "broker/groups_in_flight"], "broker queue depth / groups in flight"),
     ("throughput", ["throughput/samples_per_s"], "learner samples/s"),
     ("timing", ["timing/wait_batch_s", "timing/forward_s", "timing/update_s", "timing/sync_s", "timing/eval_s"],
      "seconds per step"),
-    ("length", ["response/length_mean"], "response length"),
+    ("length", ["response/length_mean"], "response length (tokens)"),
+    ("truncated", ["response/truncated_frac"], "share of responses truncated at max_new_tokens"),
 ]
+COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
+STYLES = ["-", "--", "-.", ":", "-", "--"]  # a second series that overlaps the first still shows
+COMPLETIONS_SHOWN = 24  # rows of completions.jsonl on the page (the latest)
 
 
 def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line being written while we read
+                continue
+    return rows
 
 
-def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
+def latest_per_step(rows: list[dict]) -> list[dict]:
+    """One row per step, the newest (a resumed run logs the steps after its checkpoint again), in step order."""
+    by_step: dict[int, dict] = {}
+    for row in rows:
+        if isinstance(row.get("step"), int):
+            by_step[row["step"]] = row
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     xs, ys = [], []
     for row in rows:
         value = row.get(key)
-        if isinstance(value, (int, float)):
+        if isinstance(value, (int, float)) and math.isfinite(value):
             xs.append(row["step"])
-            ys.append(value)
+            ys.append(float(value))
     return xs, ys
 
 
-def plot(rows: list[dict], out_dir: Path, events: list[dict] = ()) -> list[tuple[str, Path]]:
-    """One PNG per panel; health rollbacks (red) and stops (black) as dashed vertical lines."""
+def smooth(ys: list[float], weight: float | None = None) -> list[float]:
+    """Debiased exponential moving average (TensorBoard's smoothing); ``weight`` grows with the length."""
+    if weight is None:
+        weight = min(0.95, max(0.0, 1.0 - 8.0 / max(len(ys), 1)))
+    out, last, norm = [], 0.0, 0.0
+    for y in ys:
+        last = weight * last + (1 - weight) * y
+        norm = weight * norm + (1 - weight)
+        out.append(last / norm if norm else y)
+    return out
+
+
+def event_marks(events: list[dict], rows: list[dict]) -> list[tuple[int, str]]:
+    """(step, label) of each health event and restart; a restart (timed, not stepped) maps to the step logged then."""
+    marks = []
+    for e in events:
+        step = e.get("step")
+        if step is None and "time" in e and rows:
+            before = [r["step"] for r in rows if r.get("time", 0) <= e["time"]]
+            step = before[-1] if before else rows[0]["step"]
+        if step is None:
+            continue
+        label = (f"restart {e.get('child')}" if e.get("event") == "restart" else
+                 f"{e.get('rule', e.get('event', 'event'))} -> {e.get('action', '')}".strip(" ->"))
+        marks.append((int(step), label))
+    return marks
+
+
+def reward_panels(rows: list[dict]) -> list[tuple[str, list[str], str]]:
+    """One panel per reward function: the ``reward/<label>/mean`` keys the learner logged."""
+    labels = sorted({k.split("/")[1] for r in rows for k in r if k.startswith("reward/") and k.endswith("/mean")
+                     and k.count("/") == 2})
+    return [(f"reward_{label}", [f"reward/{label}/mean"], f"reward function {label} (unweighted mean)")
+            for label in labels]
+
+
+DENSE = 60  # above this many points the raw values are drawn as dots: lines between jumps would fill the plot
+
+
+def _draw(ax, rows: list[dict], keys: list[str], marks: list[tuple[int, str]]) -> bool:
+    drawn = 0
+    for key in keys:
+        xs, ys = series(rows, key)
+        if not xs:
+            continue
+        color, style = COLORS[drawn % len(COLORS)], STYLES[drawn % len(STYLES)]  # by what is drawn, not listed
+        drawn += 1
+        if len(xs) > DENSE:
+            ax.plot(xs, ys, ".", color=color, alpha=0.3, markersize=3.5, markeredgewidth=0)
+        elif len(xs) > 1:
+            ax.plot(xs, ys, color=color, alpha=0.3, linewidth=0.9)
+        if len(xs) > 1:
+            ax.plot(xs, smooth(ys), color=color, linestyle=style, linewidth=1.8, label=key)
+        else:
+            ax.plot(xs, ys, "o", color=color, label=key)
+    alerts = [step for step, label in marks if label.endswith("-> alert")]
+    for step, label in marks:
+        if not label.endswith("-> alert"):  # stops, rollbacks, restarts: a line across the plot
+            ax.axvline(step, color="#cc0000", linestyle="--", linewidth=1.0, alpha=0.8)
+    if alerts:
+        ax.scatter(alerts, [1.0] * len(alerts), transform=ax.get_xaxis_transform(), marker="v", s=16,
+                   color="#cc0000", alpha=0.8, clip_on=False, zorder=3)
+    return drawn > 0
+
+
+def plot(rows: list[dict], out_dir: Path, marks: list[tuple[int, str]] | None = None) -> list[tuple[str, Path]]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    marks = marks or []
     made = []
-    for name, keys, title in PANELS:
-        series = [(k, *_series(rows, k)) for k in keys]
-        series = [s for s in series if s[1]]
-        if not series:
-            continue
+    for name, keys, title in [*PANELS[:1], *reward_panels(rows), *PANELS[1:]]:
         fig, ax = plt.subplots(figsize=(6, 3.2))
-        for key, xs, ys in series:
-            ax.plot(xs, ys, label=key, linewidth=1.2, marker="o" if len(xs) < 30 else None, markersize=3)
-        for e in events:
-            if e.get("rule") == "rollback" or e.get("action") == "stop":
-                ax.axvline(e["step"], color="red" if e.get("rule") == "rollback" else "black", linestyle="--",
-                           linewidth=0.8, alpha=0.7)
-        ax.set_title(title)
+        if not _draw(ax, rows, keys, marks):
+            plt.close(fig)
+            continue
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if len(series) > 1 or name == "timing":
-            ax.legend(fontsize=7)
+        ax.spines[["top", "right"]].set_visible(False)
+        if len(keys) > 1 or name == "timing":
+            ax.legend(fontsize=7, frameon=False)
         fig.tight_layout()
         path = out_dir / f"{name}.png"
         fig.savefig(path, dpi=110)
@@ -71,26 +163,84 @@ def plot(rows: list[dict], out_dir: Path, events: list[dict] = ()) -> list[tuple
     return made
 
 
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return html.escape(str(value))
+
+
+def completions_html(rows: list[dict]) -> str:
+    if not rows:
+        return "<p>none logged (telemetry.log_completions_every=0, or no step reached it yet)</p>"
+    cells = []
+    for r in rows[-COMPLETIONS_SHOWN:]:
+        adv = r.get("advantage")
+        cells.append(
+            f"<tr><td>{r.get('step')}</td><td>v{r.get('policy_version')}</td><td><pre>{html.escape(str(r.get('prompt')))}"
+            f"</pre></td><td><pre>{html.escape(str(r.get('response')))}</pre></td><td>{_fmt(r.get('reward'))}</td>"
+            f"<td>{'' if adv is None else _fmt(adv)}</td><td>{html.escape(str(r.get('finish_reason')))}, "
+            f"{r.get('tokens')} tok</td></tr>")
+    return ("<table class=c><tr><th>step</th><th>policy</th><th>prompt (as the model saw it)</th><th>response</th>"
+            "<th>reward</th><th>advantage</th><th>end</th></tr>" + "".join(cells) + "</table>")
+
+
+def events_html(events: list[dict], marks: list[tuple[int, str]]) -> str:
+    """Events grouped by what fired (a rule that alerts every few steps is one line, not fifty)."""
+    if not marks:
+        return "<p>none</p>"
+    grouped: dict[str, list[int]] = {}
+    for step, label in marks:
+        grouped.setdefault(label, []).append(step)
+    messages = {f"{e.get('rule')} -> {e.get('action')}": e.get("message", "") for e in events if e.get("rule")}
+    items = "".join(
+        f"<li><b>{html.escape(label)}</b>: {len(steps)} time(s), step{'s' if len(steps) > 1 else ''} "
+        f"{steps[0]}{f'–{steps[-1]}' if len(steps) > 1 else ''}"
+        f"{'<br><span class=note>last: ' + html.escape(messages[label]) + '</span>' if messages.get(label) else ''}</li>"
+        for label, steps in grouped.items())
+    return (f"<ul>{items}</ul><p class=note>On the plots: red ticks along the top mark alerts; dashed red lines mark "
+            "stops, rollbacks and restarts.</p>")
+
+
+STYLE = """body{font-family:system-ui,sans-serif;margin:1.5em 2em;color:#222}h1{margin-bottom:.2em}
+.sub{color:#666;margin-top:0}.grid{display:flex;flex-wrap:wrap;gap:.6em}figure{margin:0;border:1px solid #e4e4e4;
+border-radius:6px;padding:.3em;background:#fff}img{width:480px;display:block}figcaption{font-size:12px;color:#555;
+text-align:center}table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:3px 6px;
+vertical-align:top;text-align:left}table.c pre{white-space:pre-wrap;max-width:520px;margin:0;font-size:11px}
+.kpi{display:inline-block;margin-right:1.6em}.kpi b{font-size:20px;display:block}.note{color:#777;font-size:12px}"""
+
+HEADLINE = [("reward/mean", "reward"), ("eval/accuracy", "eval accuracy"), ("actor/kl", "KL"),
+            ("off_policy/staleness_mean", "policy lag"), ("throughput/samples_per_s", "samples/s")]
+
+
 def build_report(run_dir: Path) -> Path:
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    rows = latest_per_step(read_jsonl(run_dir / "metrics.jsonl"))
     if not rows:
         raise FileNotFoundError(f"{run_dir}/metrics.jsonl is missing or empty: is {run_dir} a fleetrl run directory?")
     plots_dir = run_dir / "plots"
     plots_dir.mkdir(exist_ok=True)
     events = read_jsonl(run_dir / "events.jsonl")
-    made = plot(rows, plots_dir, events)
+    marks = event_marks(events, rows)
+    made = plot(rows, plots_dir, marks)
     last = rows[-1]
+    kpis = "".join(f"<span class=kpi><b>{_fmt(last[k])}</b>{label}</span>" for k, label in HEADLINE
+                   if isinstance(last.get(k), (int, float)))
+    evals = [r for r in rows if isinstance(r.get("eval/accuracy"), (int, float))]
+    if evals:
+        kpis += f"<span class=kpi><b>{evals[0]['eval/accuracy']:.3f} → {evals[-1]['eval/accuracy']:.3f}</b>eval accuracy, first → last</span>"
+    minutes = (last.get("time", 0) - rows[0].get("time", 0)) / 60
     summary = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.4g}</td></tr>" for k, v in sorted(last.items())
                       if isinstance(v, (int, float)) and k not in ("time",))
     figures = "".join(f'<figure><img src="plots/{p.name}"><figcaption>{html.escape(t)}</figcaption></figure>'
                       for t, p in made)
-    event_rows = "".join(f"<li>{'<b>' if e.get('rule') == 'rollback' else ''}{html.escape(json.dumps(e))}"
-                         f"{'</b>' if e.get('rule') == 'rollback' else ''}</li>" for e in events) or "<li>none</li>"
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>fleetrl report: {html.escape(run_dir.name)}</title>
-<style>body{{font-family:sans-serif;margin:2em}}figure{{display:inline-block;margin:.5em}}img{{width:480px}}
-table{{border-collapse:collapse;font-size:12px}}td{{border:1px solid #ccc;padding:2px 6px}}</style></head><body>
-<h1>{html.escape(run_dir.name)}</h1><p>{len(rows)} steps; last step {last['step']}.</p>
-{figures}<h2>Health events</h2><p>Rollbacks in bold, and as red dashed lines on the plots (stops: black).</p><ul>{event_rows}</ul><h2>Last step</h2><table>{summary}</table></body></html>"""
+<style>{STYLE}</style></head><body>
+<h1>{html.escape(run_dir.name)}</h1><p class=sub>{len(rows)} steps, last step {last['step']}, {minutes:.1f} min of training
+(faint: raw per-step values; solid: smoothed)</p><p>{kpis}</p>
+<div class=grid>{figures}</div>
+<h2>Health events</h2>{events_html(events, marks)}
+<h2>Sample completions</h2>{completions_html(read_jsonl(run_dir / "completions.jsonl"))}
+<details><summary><h2 style="display:inline">Last step's metrics</h2></summary><table>{summary}</table></details>
+</body></html>"""
     out = run_dir / "report.html"
     out.write_text(page)
     return out

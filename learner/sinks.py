@@ -1,11 +1,20 @@
-"""Metric sinks: where the learner's monitor sends each step's flat metric dict.
+"""Metric sinks: where the learner's monitor sends each step's flat metric dict (and sample completions).
 
 ``metrics.jsonl`` is always written; the console gets a short line per step; the ``telemetry``
-section adds TensorBoard event files (``tensorboard: true``), a wandb run (``wandb_project``; offline
-by default) and a Prometheus endpoint served through the OpenTelemetry metrics SDK
-(``prometheus_port``). TensorBoard, wandb and the Prometheus exporter are the optional ``tracking``
-extra (``pip install 'fleetrl[tracking]'``): each is imported only when its sink is built, and a
-sink asked for without its library fails at start-up with that install hint.
+section adds TensorBoard event files (``tensorboard: true``), a wandb run (``wandb_project`` or
+``WANDB_PROJECT``; offline unless ``wandb_mode`` / ``WANDB_MODE`` say otherwise, off with
+``WANDB_MODE=disabled``) and a Prometheus endpoint served through the OpenTelemetry metrics SDK
+(``prometheus_port`` on ``prometheus_host``, loopback by default). TensorBoard, wandb and the
+Prometheus exporter are the optional ``tracking`` extra (``pip install 'fleetrl[tracking]'``): each
+is imported only when its sink is built, and a sink asked for without its library fails at start-up
+with that install hint.
+
+Sample completions (``learner/completions.py``) go to TensorBoard as a text table (tag
+``completions``) and to wandb as a ``wandb.Table``; the other sinks ignore them.
+
+wandb settings left null take wandb's own ``WANDB_*`` variables (WANDB_PROJECT, WANDB_ENTITY,
+WANDB_RUN_GROUP, WANDB_TAGS, WANDB_NAME, WANDB_DIR, WANDB_MODE), read when the sink starts; a value set
+in the config wins, as an argument to ``wandb.init`` wins over the environment.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -29,7 +39,12 @@ INSTALL_HINT = "pip install 'fleetrl[tracking]'"
 class Sink(Protocol):
     def write(self, step: int, metrics: dict[str, float]) -> None: ...
 
+    def write_completions(self, step: int, rows: list[dict[str, Any]]) -> None: ...
+
     def close(self) -> None: ...
+
+
+COMPLETION_COLUMNS = ("policy_version", "prompt", "response", "reward", "advantage", "finish_reason", "tokens")
 
 
 def _need(module: str, setting: str) -> Any:
@@ -54,6 +69,9 @@ class JsonlSink:
         row.update({k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()})
         self.file.write(json.dumps(row) + "\n")
 
+    def write_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        pass  # the monitor writes completions.jsonl
+
     def close(self) -> None:
         self.file.close()
 
@@ -72,6 +90,9 @@ class ConsoleSink:
             shown = "  ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in self.KEYS if k in metrics)
             log.info("step %d  %s", step, shown)
 
+    def write_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -82,7 +103,8 @@ class TensorBoardSink:
     def __init__(self, log_dir: Path):
         writer = _need("tensorboard.summary.writer.event_file_writer", "telemetry.tensorboard=true")
         self._event = _need("tensorboard.compat.proto.event_pb2", "telemetry.tensorboard=true").Event
-        self._summary = _need("tensorboard.compat.proto.summary_pb2", "telemetry.tensorboard=true").Summary
+        self._proto = _need("tensorboard.compat.proto.summary_pb2", "telemetry.tensorboard=true")
+        self._summary = self._proto.Summary
         log_dir.mkdir(parents=True, exist_ok=True)
         self.writer = writer.EventFileWriter(str(log_dir))
 
@@ -91,23 +113,72 @@ class TensorBoardSink:
         self.writer.add_event(self._event(step=step, wall_time=time.time(), summary=self._summary(value=values)))
         self.writer.flush()
 
+    def write_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A Markdown table under the tag ``completions`` (TensorBoard's Text tab), as the text plugin stores it."""
+        from tensorboard.compat.proto import tensor_pb2, types_pb2
+
+        text = completions_markdown(rows)
+        meta = self._proto.SummaryMetadata(plugin_data=self._proto.SummaryMetadata.PluginData(plugin_name="text"))
+        tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_STRING, string_val=[text.encode()])
+        value = self._summary.Value(tag="completions", metadata=meta, tensor=tensor)
+        self.writer.add_event(self._event(step=step, wall_time=time.time(), summary=self._summary(value=[value])))
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
 
 class WandbSink:
     """One wandb run per training run; ``mode: offline`` writes ``<run_dir>/wandb/offline-run-*``
-    (upload later with ``wandb sync``)."""
+    (upload later with ``wandb sync``). Settings left null are wandb's own (``WANDB_*``)."""
 
-    def __init__(self, project: str, mode: str, run_dir: Path, name: str, config: dict[str, Any]):
-        wandb = _need("wandb", "telemetry.wandb_project")
-        self.run = wandb.init(project=project, mode=mode, dir=str(run_dir), name=name, config=config)
+    def __init__(self, tel: Any, run_dir: Path, config: dict[str, Any]):
+        self.wandb = wandb = _need("wandb", "telemetry.wandb_project")
+        env = os.environ.get
+        tags = tel.wandb_tags if tel.wandb_tags is not None else [t for t in env("WANDB_TAGS", "").split(",") if t]
+        chosen = {"entity": tel.wandb_entity or env("WANDB_ENTITY"), "group": tel.wandb_group or env("WANDB_RUN_GROUP"),
+                  "tags": tags or None, "project": wandb_project(tel), "mode": wandb_mode(tel)}
+        name = tel.wandb_name or env("WANDB_NAME") or run_dir.name
+        self.run = wandb.init(dir=env("WANDB_DIR") or str(run_dir), name=name, config=config,
+                              **{k: v for k, v in chosen.items() if v is not None})
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(dict(metrics), step=step)
 
+    def write_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        table = self.wandb.Table(columns=["step", *COMPLETION_COLUMNS],
+                                 data=[[step, *(_cell(r.get(c)) for c in COMPLETION_COLUMNS)] for r in rows])
+        self.run.log({"completions": table}, step=step)
+
     def close(self) -> None:
         self.run.finish()
+
+
+def wandb_mode(tel: Any) -> str:
+    """telemetry.wandb_mode, else WANDB_MODE (WANDB_DISABLED=true: disabled), else offline."""
+    if tel.wandb_mode:
+        return tel.wandb_mode
+    if os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes"):
+        return "disabled"
+    return os.environ.get("WANDB_MODE") or "offline"
+
+
+def wandb_project(tel: Any) -> str | None:
+    return tel.wandb_project or os.environ.get("WANDB_PROJECT") or None
+
+
+def _cell(value: Any) -> Any:
+    return json.dumps(value) if isinstance(value, (dict, list)) else value
+
+
+def completions_markdown(rows: list[dict[str, Any]]) -> str:
+    """The rows as a Markdown table (pipes and newlines escaped)."""
+    def esc(x: Any) -> str:
+        text = f"{x:.4g}" if isinstance(x, float) else str(x)
+        return text.replace("|", "\\|").replace("\n", "\\n")
+
+    head = "| " + " | ".join(COMPLETION_COLUMNS) + " |\n|" + "---|" * len(COMPLETION_COLUMNS) + "\n"
+    return head + "".join("| " + " | ".join(esc(r.get(c)) for c in COMPLETION_COLUMNS) + " |\n" for r in rows)
 
 
 def prometheus_name(key: str) -> str:
@@ -123,7 +194,7 @@ class PrometheusSink:
     registry of its own, served by ``prometheus_client``'s HTTP server.
     """
 
-    def __init__(self, port: int, service: str = "learner", addr: str = "0.0.0.0"):
+    def __init__(self, port: int, service: str = "learner", addr: str = "127.0.0.1"):
         setting = "telemetry.prometheus_port"
         exporter = _need("opentelemetry.exporter.prometheus", setting)
         prometheus = _need("prometheus_client", setting)
@@ -141,7 +212,7 @@ class PrometheusSink:
         except OSError as e:
             self.provider.shutdown()
             raise ConfigError(f"telemetry.prometheus_port={port}: cannot serve metrics on {addr}:{port} ({e}); "
-                              "choose a free port or null") from None
+                              "choose a free port (or null), or check telemetry.prometheus_host") from None
         self.port = self.server.server_port
         log.info("serving Prometheus metrics on http://%s:%d/metrics", addr, self.port)
 
@@ -153,6 +224,9 @@ class PrometheusSink:
             if gauge is None:
                 gauge = self.gauges[key] = self.meter.create_gauge(prometheus_name(key), description=key)
             gauge.set(float(value))
+
+    def write_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        pass
 
     def close(self) -> None:
         self.server.shutdown()
@@ -171,13 +245,12 @@ def make_sinks(cfg: JobConfig | None, run_dir: str | Path, rank: int, console_ev
     try:
         if tel.tensorboard:
             sinks.append(TensorBoardSink(run_dir / "tensorboard"))
-        if tel.wandb_project and tel.wandb_mode != "disabled":
+        if wandb_project(tel) and wandb_mode(tel) != "disabled":
             import msgspec
 
-            sinks.append(WandbSink(tel.wandb_project, tel.wandb_mode, run_dir, run_dir.name,
-                                   msgspec.to_builtins(cfg or JobConfig())))
+            sinks.append(WandbSink(tel, run_dir, msgspec.to_builtins(cfg or JobConfig())))
         if tel.prometheus_port is not None:
-            sinks.append(PrometheusSink(tel.prometheus_port))
+            sinks.append(PrometheusSink(tel.prometheus_port, addr=tel.prometheus_host))
     except BaseException:
         for sink in sinks:
             sink.close()

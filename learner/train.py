@@ -8,6 +8,7 @@
         source.ack(leased, step)               # the broker may now forget (or commit) those groups
         publisher.publish(...)                 # every sync.interval steps: weights to the rollout fleet
         monitor.log(step, stats); checkpoint when due
+    leave the broker (`done` when training is over: rollouts started by hand then exit)
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ import torch.distributed as tdist
 from fleetrl.broker.client import status_metrics
 from fleetrl.common import faults, telemetry
 from fleetrl.common.config import load_config, save_resolved
+from fleetrl.common.config.checks import require_model_dir
 from fleetrl.common.log import setup_logging
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.learner.checkpoint import Checkpointer, export_hf, rng_state, set_rng_state, tag_of
-from fleetrl.learner.lifecycle import GracefulStop, connect_broker, write_ready
+from fleetrl.learner.completions import CompletionLog, reward_part_metrics, sample_advantages
+from fleetrl.learner.lifecycle import GracefulStop, connect_broker, leave_broker, write_ready
 from fleetrl.learner.lora import AdapterFreeReference, apply_lora, export_merged, lora_param_specs, merged_params
 from fleetrl.learner.monitor import Monitor
 from fleetrl.learner.objectives import OBJECTIVES, Setup
@@ -93,6 +96,7 @@ class Learner:
         self.health = HealthMonitor(cfg.health, self.run_dir / "events.jsonl" if dist.is_main else None) \
             if cfg.health.enabled else None
         self.lr_scale = 1.0  # health.lr_factor ** rollbacks
+        self.completions = CompletionLog(cfg) if dist.is_main else None
 
     @property
     def module(self) -> torch.nn.Module:
@@ -111,6 +115,11 @@ class Learner:
             self.source.ack(leased, self.step)
             self.trained_log.write({"step": self.step, "version": self.version, "group_ids": leased.ids})
             main_only = self.broker_metrics() if self.dist.is_main and self.fleet else {}  # sizes the broadcast
+            if self.dist.is_main:  # per reward function (rank 0's groups: keys may differ between ranks)
+                main_only.update(reward_part_metrics(leased.groups))
+                if self.completions is not None and self.completions.due(self.step) and leased.groups:
+                    self.monitor.log_completions(self.step, self.completions.rows(
+                        self.step, leased.groups, sample_advantages(batch)))
             if self.fleet and self.step % self.cfg.sync.interval == 0 and finite_update(stats):
                 main_only.update(self.publish())
             if self.evaluator is not None and self.step % self.cfg.run.eval_interval == 0:
@@ -202,6 +211,8 @@ class Learner:
         # any the broker has seen, so versions never go backwards across a learner restart.
         newest = self.client.current_version().version if self.dist.is_main else 0
         self.version = max(self.version, self._max_over_ranks(newest))
+        if self.dist.is_main:
+            self.broker_metrics()  # the round waits for the rollouts registered now (more join by catch-up rounds)
         log.info("resumed from %s at step %d; publishing its weights as policy version %d", path, self.step,
                  self.version + 1)
         self.publish()
@@ -297,6 +308,7 @@ def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None)
         client = connect_broker(cfg, run_dir, dist.rank)
     learner = Learner(cfg, run_dir, client, dist)
     stop = GracefulStop()
+    ending = ("error", False)  # (why this rank leaves the broker, whether training is done)
     try:
         path = learner.ckpt.resolve(resume or cfg.checkpoint.resume)
         if path is not None:
@@ -317,22 +329,35 @@ def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None)
                 action = "stop"
             if action == "stop":
                 log.error("health monitor stops the run at step %d:\n%s", learner.step, learner.health.report())
-                learner.save()
+                final = learner.save()
+                ending = (f"the health monitor stopped the run at step {learner.step}", True)
+                log.info("learner stopped by the health monitor at step %d (policy version %d); final checkpoint %s",
+                         learner.step, learner.version, final.name)
                 return 3
             if learner.checkpoint_due():
                 learner.save()
-        if not learner.ckpt.complete() or learner.ckpt.complete()[-1].name != f"step-{learner.step:08d}":
-            learner.save()
-        log.info("learner done at step %d (policy version %d)", learner.step, learner.version)
+        newest = learner.ckpt.complete()
+        final = learner.save() if not newest or newest[-1].name != tag_of(learner.step) else newest[-1]
+        if stop.requested:
+            ending = (f"stopped by {stop.signal_name} at step {learner.step}", False)
+            log.info("learner stopped (%s) at step %d (policy version %d); final checkpoint %s", stop.signal_name,
+                     learner.step, learner.version, final.name)
+        else:
+            ending = (f"training finished at step {learner.step}", True)
+            log.info("learner done at step %d (policy version %d); final checkpoint %s", learner.step,
+                     learner.version, final.name)
         return 0
     finally:
         learner.close()
+        if learner.fleet and client is not None:
+            leave_broker(client, *ending, is_main=dist.is_main)
         if own_client:
             client.close()
 
 
 def main(args) -> int:
     cfg = load_config(args.config, args.overrides)
+    require_model_dir(cfg.model.path)
     run_dir = Path(args.run_dir or cfg.run.dir or Path(cfg.run.root) / f"{cfg.run.name}-learner")
     run_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(f"learner-{os.environ.get('RANK', '0')}", cfg.telemetry.log_level)

@@ -6,9 +6,10 @@
             are in flight → `group_size` requests each to the engine → the moment a prompt's
             samples are all done: rewards (scorer threads) → one SampleGroup → pushed until acked
             with whatever else is ready (the finisher thread, `loop.py`)
-    stop:   SIGTERM / SIGINT / a `stop` announcement / data exhausted: admit nothing more, finish
-            the groups in flight, push, return every prompt still leased, exit 0. A second signal
-            abandons the groups in flight (their prompts are returned too).
+    stop:   SIGTERM / SIGINT / a `stop` or `done` announcement / data exhausted: admit nothing more,
+            finish the groups in flight, push, return every prompt still leased, leave the fleet,
+            exit 0 (`done`: unless rollout.stay_after_done). A second signal abandons the groups in
+            flight (their prompts are returned too).
 
 New weights are loaded in flight (`Engine.swap_weights`: pause → load → resume, as
 `rollout.inflight_update` says); every token records the version that sampled it and a group's
@@ -37,9 +38,11 @@ from fleetrl.broker.client import (
 from fleetrl.common import chaos, faults, telemetry
 from fleetrl.common import messages as m
 from fleetrl.common.config import load_config
+from fleetrl.common.config.checks import require_model_dir
 from fleetrl.common.log import setup_logging
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.rollout.engines import Generation, Request, SamplingParams, create_engine
+from fleetrl.rollout.fleet import exits_on_done, is_done_throttle, leave_fleet
 from fleetrl.rollout.loop import (
     Batch, Finisher, MetricsFile, OpenLeases, Stats, check_chat_template, encode_prompt, return_leases, reward_inputs,
 )
@@ -99,6 +102,7 @@ class RolloutServer:
         self._next_catchup = 0.0
         self._warned_no_receiver = False
         self._stale = faults.StaleWeights()
+        self._told_done = False
         self._update_stats = {"weights/pause_ms": 0.0, "weights/updates_inflight": 0.0}
         check_chat_template(engine.tokenizer, cfg.data.apply_chat_template, cfg.model.tokenizer or cfg.model.path)
 
@@ -171,6 +175,8 @@ class RolloutServer:
             log.info("returned %d leased prompt(s) to the broker, which re-issues them", n)
         t = self.stats.heartbeat()
         reason = self.stop_reason or ("stop requested" if self.stopping else "error")
+        if give_back and self.finisher is not None:  # registered and the broker answers: leave the fleet now
+            leave_fleet(self.client, reason)
         log.info("stopped (%s): %d groups pushed, %d dropped, %d prompts returned", reason,
                  t["rollout/groups_pushed"], t["rollout/groups_dropped"], t["rollout/prompts_returned"])
 
@@ -228,6 +234,8 @@ class RolloutServer:
             if reply.reason == "stopping":  # a `stop` whose announcement this server missed
                 self.request_stop("the broker is stopping")
                 return None
+            if is_done_throttle(reply.reason):  # a `done` whose announcement this server missed
+                self.on_job_done(reply.reason.partition(": ")[2])
             t0 = time.monotonic()
             self.wait(min(max(reply.retry_after_s, THROTTLE_S[0]), THROTTLE_S[1]))
             self.stats.throttled(time.monotonic() - t0)
@@ -355,12 +363,20 @@ class RolloutServer:
             self.set_paused(ann.action == "pause", ann.reason)
         elif ann.action == "stop":
             self.request_stop(f"stop announced by the broker{': ' + ann.reason if ann.reason else ''}")
+        elif ann.action == "done":
+            self.on_job_done(ann.reason)
         # discard: the broker drops its queued groups; nothing changes here
 
     def on_current(self, version: int, weights: m.WeightsInfo, paused: bool) -> None:
         """The broker's state from Registered / CurrentVersion: the catch-up path."""
         self.offer_version(version, weights)
         self.set_paused(paused, "broker state")
+
+    def on_job_done(self, reason: str) -> None:
+        """Training is over: stop, unless rollout.stay_after_done."""
+        if exits_on_done(self.cfg.rollout.stay_after_done, reason, self._told_done):
+            self.request_stop(f"done: {reason or 'the learner finished'}")
+        self._told_done = True
 
     def set_paused(self, paused: bool, reason: str = "") -> None:
         if paused != self.paused:
@@ -473,6 +489,7 @@ def install_signals(stop: threading.Event) -> None:
 def main(args) -> int:
     overrides = list(args.overrides) + ([f"rollout.engine={args.engine}"] if args.engine else [])
     cfg = load_config(args.config, overrides)
+    require_model_dir(cfg.model.path)  # one line naming the key, before from_pretrained would try the hub
     index = args.server_index
     setup_logging(f"rollout-{index}", cfg.telemetry.log_level)
     if args.run_dir:

@@ -1,8 +1,16 @@
-"""`fleetrl config show|validate|docs`."""
+"""`fleetrl config show|validate|docs`.
+
+``validate`` decodes the config (unknown keys, bad values and unknown plug-in names are refused with a
+did-you-mean) and then runs the up-front checks of ``checks.py`` — the same `fleetrl run` runs before it
+starts anything: one line per problem, exit code 2, else ``OK``.
+"""
 
 from __future__ import annotations
 
+import sys
+
 from fleetrl.common.config import config_docs, dump_yaml, load_config
+from fleetrl.common.config.checks import check_job
 
 
 def main(args) -> int:
@@ -12,6 +20,11 @@ def main(args) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.action == "show":
         print(dump_yaml(cfg), end="")
-    else:
-        print(f"{args.config or 'defaults'}: OK")
+        return 0
+    problems = check_job(cfg)
+    for problem in problems:
+        print(f"fleetrl config: {problem}", file=sys.stderr)
+    if problems:
+        return 2
+    print(f"{args.config or 'defaults'}: OK")
     return 0

@@ -55,12 +55,32 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    train: Annotated[str, doc("Prompt set: a .jsonl / .parquet file or a saved HF `datasets` directory.")] = (
+    train: Annotated[str, doc(
+        "Prompt set: a .jsonl / .json / .parquet / .csv file, a `save_to_disk` directory, a directory of data files, "
+        "or a `datasets` name (offline: from the local HF cache) with data.split / data.subset / data.data_files.")] = (
         "data/arith.jsonl"
     )
-    eval: Annotated[str | None, doc("Held-out prompt set for `fleetrl eval` and periodic evaluation.")] = None
-    prompt_key: Annotated[str, doc("Column holding the prompt text (or a list of chat messages).")] = "prompt"
-    answer_key: Annotated[str, doc("Column holding the ground-truth answer passed to reward functions.")] = "answer"
+    eval: Annotated[str | None, doc("Held-out prompt set for `fleetrl eval` and periodic evaluation (same forms as "
+                                    "data.train; its split is data.eval_split).")] = None
+    split: Annotated[str, doc("Split of data.train when it is a `datasets` name, a data directory or a saved DatasetDict.")] = (
+        "train"
+    )
+    eval_split: Annotated[str, doc("Split of data.eval when it is a `datasets` name, a data directory or a DatasetDict.")] = (
+        "test"
+    )
+    subset: Annotated[str | None, doc("Configuration (subset) of a `datasets` name, e.g. `main` for openai/gsm8k.")] = None
+    data_files: Annotated[
+        str | list[str] | dict[str, str | list[str]] | None,
+        doc("`data_files` of `datasets.load_dataset`: the files of data.train / data.eval when they name a builder "
+            "(json, csv, parquet) or a repository or directory with several files."),
+    ] = None
+    map: Annotated[str | None, doc(
+        "Row hook `pkg.module:function` or `path/file.py:function`: called with every row (a dict) after loading, "
+        "returns the row to use (a dict), or None to leave the row out; like `datasets.Dataset.map`.")] = None
+    prompt_key: Annotated[str, doc("Column holding the prompt text (or a list of chat messages); dotted for a nested "
+                                   "column, e.g. `extra_info.question`.")] = "prompt"
+    answer_key: Annotated[str, doc("Column holding the ground truth passed to reward functions; dotted for a nested "
+                                   "column, e.g. verl's `reward_model.ground_truth`.")] = "answer"
     shuffle: Annotated[bool, doc("Shuffle the prompt order every epoch.")] = True
     seed: Annotated[int, doc("Seed of the shuffle; the broker's data cursor is reproducible from it.")] = 0
     epochs: Annotated[int, doc("Passes over the prompt set before the broker reports it exhausted.", ge=1)] = 1000
@@ -69,7 +89,7 @@ class DataConfig(Section):
     ] = False
     max_prompt_tokens: Annotated[int, doc("Prompts longer than this are truncated from the left.", ge=1)] = 1024
     preference: Annotated[
-        str | None, doc("Preference pairs (prompt, chosen, rejected) for offline DPO: .jsonl / .parquet / HF dataset dir.")
+        str | None, doc("Preference pairs (prompt, chosen, rejected) for offline DPO: same forms as data.train.")
     ] = None
     preference_eval: Annotated[
         str | None, doc("Held-out preference pairs for `dpo/heldout_accuracy` every run.eval_interval steps (null = off).")
@@ -87,6 +107,8 @@ RewardName = Literal["math", "exact", "regex", "format", "length", "python", "mo
 class RewardSpec(Section):
     name: Annotated[RewardName, doc("Reward function from the registry (docs/rewards.md).")]
     weight: Annotated[float, doc("Weight of this reward in the weighted sum.")] = 1.0
+    label: Annotated[str | None, doc("Its name in metrics (`reward/<label>/mean`); null = the reward's name, or the "
+                                     "function's name for `python`.")] = None
     args: Annotated[dict[str, Any], doc("Keyword arguments of the reward function (see docs/rewards).")] = field(
         default_factory=dict
     )
@@ -142,6 +164,9 @@ class RolloutConfig(Section):
         Literal["zero", "drop_group"], doc("A failed reward gives reward 0, or drops its whole group.")
     ] = "zero"
     seed: Annotated[int, doc("Base sampling seed; server i uses seed + i.")] = 0
+    stay_after_done: Annotated[bool, doc(
+        "Keep this server up when the learner finishes or the broker shuts down (it waits for the next learner); "
+        "false: it returns its prompts, leaves the fleet and exits 0.")] = False
     vllm: Annotated[VllmConfig, doc("vLLM engine settings (engine: vllm).")] = field(default_factory=VllmConfig)
 
     def __post_init__(self) -> None:
@@ -312,9 +337,24 @@ class TelemetryConfig(Section):
     prometheus_port: Annotated[
         int | None, doc("Serve the learner's metrics for Prometheus on this port at /metrics (null = off).")
     ] = None
+    prometheus_host: Annotated[str, doc("Address the Prometheus endpoint binds; 0.0.0.0 exposes it to the network.")] = (
+        "127.0.0.1"
+    )
     tensorboard: Annotated[bool, doc("Also write TensorBoard event files (needs the tracking extra).")] = False
-    wandb_project: Annotated[str | None, doc("Also log to this wandb project (needs the tracking extra).")] = None
-    wandb_mode: Annotated[Literal["online", "offline", "disabled"], doc("wandb mode; offline writes <run dir>/wandb (upload later with `wandb sync`).")] = "offline"
+    wandb_project: Annotated[str | None, doc(
+        "Also log to this wandb project (needs the tracking extra); null = WANDB_PROJECT if set, else no wandb.")] = None
+    wandb_mode: Annotated[Literal["online", "offline", "disabled"] | None, doc(
+        "wandb mode; null = WANDB_MODE if set, else offline (writes <run dir>/wandb; upload later with `wandb sync`).")] = (
+        None
+    )
+    wandb_entity: Annotated[str | None, doc("wandb entity (team or user); null = WANDB_ENTITY or your default.")] = None
+    wandb_group: Annotated[str | None, doc("wandb run group; null = WANDB_RUN_GROUP if set.")] = None
+    wandb_tags: Annotated[list[str] | None, doc("wandb run tags; null = WANDB_TAGS if set.")] = None
+    wandb_name: Annotated[str | None, doc("wandb run name; null = WANDB_NAME if set, else the run directory's name.")] = None
+    log_completions_every: Annotated[int, doc(
+        "Every this many steps, log a few prompts with their responses, rewards, advantages and policy version to "
+        "<run dir>/completions.jsonl, a wandb Table and TensorBoard text (0 = off).", ge=0)] = 20
+    log_completions_prompts: Annotated[int, doc("Prompts (each with all its responses) per completions log.", ge=1)] = 2
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], doc("Logging level of every process.")] = "INFO"
 
 
@@ -338,6 +378,12 @@ class RunConfig(Section):
     )
     eval_interval: Annotated[int, doc("Evaluate on data.eval every this many steps (0 = off).", ge=0)] = 0
     eval_n: Annotated[int, doc("Held-out items per periodic evaluation.", ge=1)] = 500
+    eval_success: Annotated[float | None, doc(
+        "Reward at or above which an evaluated response counts as correct (null = 1.0 when every reward is `exact` "
+        "or `math`, which give 1.0 to a right answer; set it for other rewards).")] = None
+    stop_timeout_s: Annotated[float, doc(
+        "Longest `fleetrl run` takes to stop after Ctrl-C or the end of training: the learner checkpoints first, "
+        "then the rollouts and the broker exit; whatever is left after this is killed.", gt=0)] = 180.0
 
 
 class JobConfig(Section):

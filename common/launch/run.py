@@ -8,10 +8,18 @@ what they write into the run directory (ready files, metrics.jsonl). It
   that names the process and its log;
 - shows one live status line (step, version, reward, eval accuracy, KL, staleness, queue, samples/s,
   ETA) until the learner finishes;
-- on Ctrl-C / SIGTERM stops the learner first (it checkpoints), then the rest; if any child dies
+- on Ctrl-C / SIGTERM stops the learner first (it finishes its step and checkpoints while the broker
+  is still up), then the rollouts, then the broker, all within ``run.stop_timeout_s``, and prints one
+  line per process saying how it ended; a second Ctrl-C kills them at once. If any child dies
   unexpectedly it says which, shows the tail of its log, stops the others and exits non-zero.
 
-Children get PR_SET_PDEATHSIG, so even a killed launcher leaves no orphan behind.
+Every child runs in a process group of its own, so a Ctrl-C in the terminal (a SIGINT to the
+launcher's whole process group) reaches the launcher alone, which then stops the job in that order.
+Children get PR_SET_PDEATHSIG too, so even a killed launcher leaves no orphan behind.
+
+Before anything starts (and before the run directory exists) ``common/config/checks.py`` checks what
+the config names: a mistake is one line naming the key, exit code 2. ``--resume RUN_DIR`` continues a
+run from its newest checkpoint with the run's own config.yaml.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,10 +35,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fleetrl.common.config import dump_yaml, load_config
+from fleetrl.common.config import ConfigError, dump_yaml, load_config
+from fleetrl.common.config.checks import check_job, resume_problem
 from fleetrl.common.config.schema import JobConfig
 
 POLL_S = 0.25
+DONE_GRACE_S = 5.0  # after the learner finished: how long rollouts get to exit on its `done` before SIGTERM
+LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d \w \S+ \S+: (.*)$")  # common/log.py's format: time, level, process, logger
+FINAL_WORDS = re.compile(r"\b(stopped|done|left)\b")  # the last line each component logs says what it did
 
 
 class LaunchError(RuntimeError):
@@ -60,8 +73,10 @@ class Child:
         self.log_handle = self.log.open("ab")
         if self.ready_file is not None:
             self.ready_file.unlink(missing_ok=True)
+        # process_group=0: a group of its own, so a terminal's Ctrl-C (SIGINT to the launcher's group) reaches
+        # only the launcher, which stops the children in order (the broker last)
         self.proc = subprocess.Popen(self.argv, stdout=self.log_handle, stderr=subprocess.STDOUT, env=self.env,
-                                     preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
+                                     preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL, process_group=0)
         self.started_at = time.monotonic()
 
     @property
@@ -97,11 +112,32 @@ class Child:
         if self.alive:
             self.proc.send_signal(signal.SIGTERM)
             if self.wait(timeout) is None:
-                self.proc.kill()
-                self.proc.wait()
+                self.kill()
+        self.close_log()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.alive:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait()
+
+    def close_log(self) -> None:
         if self.log_handle is not None:
             self.log_handle.close()
-        return self.proc.returncode
+            self.log_handle = None
+
+    def last_words(self) -> str:
+        """The last line of its log that says how it ended (its final `stopped` / `done` line), without the prefix."""
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()[-200:]
+        except OSError:
+            return ""
+        for line in reversed(lines):
+            m = LOG_LINE.match(line)
+            if m and FINAL_WORDS.search(m.group(1)):
+                return m.group(1)
+        return ""
 
 
 def make_run_dir(cfg: JobConfig, override: str | None) -> Path:
@@ -159,15 +195,19 @@ def _free_port() -> int:
 
 
 class Launcher:
-    def __init__(self, cfg: JobConfig, run_dir: Path, status: bool = True):
-        self.cfg, self.run_dir, self.show_status = cfg, run_dir, status
+    def __init__(self, cfg: JobConfig, run_dir: Path, status: bool = True, resumed: bool = False):
+        self.cfg, self.run_dir, self.show_status, self.resumed = cfg, run_dir, status, resumed
         self.config_path = run_dir / "config.yaml"
         self.config_path.write_text(dump_yaml(cfg))
         self.children = plan_children(cfg, run_dir, self.config_path)
         self.stop_requested = False
+        self.force = False  # a second Ctrl-C while stopping: kill what is left now
         self.started = time.monotonic()
 
     def _on_signal(self, signum, frame) -> None:
+        if self.stop_requested and not self.force:
+            self.force = True
+            print("\nfleetrl run: second interrupt: killing what is left", flush=True)
         self.stop_requested = True
 
     def wait_ready(self, child: Child) -> None:
@@ -210,8 +250,7 @@ class Launcher:
         """Start a dead child again: the broker on its old ports (clients reconnect to them) and from its
         spool, the learner from its newest checkpoint."""
         child.restarts += 1
-        if child.log_handle is not None:
-            child.log_handle.close()
+        child.close_log()
         if child.name == "broker" and not any(a.startswith("broker.port=") for a in child.argv):
             endpoint = json.loads((self.run_dir / "broker.json").read_text())
             port, pub_port = (endpoint[k].rsplit(":", 1)[1] for k in ("address", "pub_address"))
@@ -226,11 +265,52 @@ class Launcher:
               f"({child.restarts}/{self.cfg.run.max_restarts})", flush=True)
         child.start()
 
-    def shutdown(self) -> None:
-        """Learner first (it checkpoints on SIGTERM), then rollouts, then the broker."""
-        order = sorted(self.children, key=lambda c: {"learner": 0, "broker": 2}.get(c.name, 1))
-        for child in order:
-            child.stop(timeout=120 if child.name == "learner" else 30)
+    # ------------------------------------------------------------------------------ stopping
+
+    def stages(self) -> list[list[Child]]:
+        """Stop order: the learner (it checkpoints and still needs the broker), the rollouts, the broker."""
+        rank = lambda c: {"learner": 0, "broker": 2}.get(c.name, 1)  # noqa: E731
+        return [[c for c in self.children if rank(c) == r] for r in range(3)]
+
+    def shutdown(self, learner_done: bool = False) -> None:
+        """Stop every child within run.stop_timeout_s, in stage order, and say how each one ended.
+
+        The learner gets all but a reserve of the budget (min(30 s, a quarter)); the rollouts and the
+        broker share the reserve. With ``learner_done`` the rollouts first get DONE_GRACE_S to exit on
+        the learner's `done` by themselves. A child still running at its stage's deadline is killed."""
+        budget = self.cfg.run.stop_timeout_s
+        t0 = time.monotonic()
+        reserve = min(30.0, budget / 4)
+        deadlines = [t0 + budget - reserve, t0 + budget - reserve / 3, t0 + budget]
+        for stage, deadline in zip(self.stages(), deadlines):
+            if learner_done and stage and stage[0].name.startswith("rollout"):
+                self._wait_all(stage, min(deadline, time.monotonic() + DONE_GRACE_S))
+            started = time.monotonic()
+            for child in stage:
+                child.signal(signal.SIGTERM)
+            self._wait_all(stage, deadline)
+            for child in stage:
+                killed = child.alive
+                child.kill()
+                child.close_log()
+                self.report(child, time.monotonic() - started, killed)
+
+    def _wait_all(self, stage: list[Child], deadline: float) -> None:
+        while any(c.alive for c in stage) and time.monotonic() < deadline and not self.force:
+            time.sleep(0.05)
+
+    def report(self, child: Child, seconds: float, killed: bool) -> None:
+        if child.proc is None:
+            return
+        if killed:
+            how = (f"killed after {seconds:.1f} s (second interrupt)" if self.force else
+                   f"killed: still running {seconds:.1f} s after SIGTERM (run.stop_timeout_s={self.cfg.run.stop_timeout_s:g})")
+        else:
+            how = f"exit {child.returncode}"
+        words = child.last_words()
+        print(f"fleetrl run: {child.name:<10} {how}{': ' + words if words else ''}", flush=True)
+
+    # ------------------------------------------------------------------------------- the run
 
     def run(self) -> int:
         from fleetrl.common.launch.status import StatusLine
@@ -238,6 +318,9 @@ class Launcher:
         old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         learner = next(c for c in self.children if c.name == "learner")
         line = StatusLine(self.cfg, self.run_dir, enabled=self.show_status)
+        if self.resumed:  # rates and counts of this part of the run only
+            line.tail.skip_existing()
+            line.event_tail.skip_existing()
         try:
             self.start_all()
             print(f"fleetrl run: {len(self.children)} processes ready in {time.monotonic() - self.started:.1f} s; "
@@ -252,14 +335,16 @@ class Launcher:
                     time.sleep(POLL_S)
                 line.update()
             if self.stop_requested:
-                print("fleetrl run: stopping (the learner writes a final checkpoint)...", flush=True)
+                print(f"fleetrl run: stopping: the learner finishes its step and checkpoints, then the rollouts and "
+                      f"the broker stop (within run.stop_timeout_s={self.cfg.run.stop_timeout_s:g}; Ctrl-C again "
+                      "kills them)", flush=True)
                 self.shutdown()
                 return 130
             code = learner.returncode
             if code != 0:
                 raise LaunchError(f"learner exited with code {code}; its log ({learner.log}) ends with:\n{learner.tail()}")
             summary = line.summary(time.monotonic() - rl_start)
-            self.shutdown()
+            self.shutdown(learner_done=True)
             print(summary, flush=True)
             return 0
         except LaunchError as e:
@@ -274,11 +359,43 @@ class Launcher:
                 signal.signal(sig, handler)
 
 
+def resolve(args) -> tuple[JobConfig, Path | None, bool]:
+    """The job's config, its run directory when known (--resume, --run-dir) and whether it resumes."""
+    if args.resume:
+        run_dir = Path(args.resume)
+        problem = resume_problem(run_dir, None)
+        if problem:
+            raise ConfigError(problem)
+        if args.config:
+            raise ConfigError("--resume takes the run's own config.yaml; drop --config (overrides still apply)")
+        cfg = load_config(run_dir / "config.yaml", [*args.overrides, "checkpoint.resume=auto"])
+        problem = resume_problem(run_dir, cfg)
+        if problem:
+            raise ConfigError(problem)
+        return cfg, run_dir, True
+    if not args.config:
+        raise ConfigError("pass --config FILE (a job YAML, see configs/), or --resume RUN_DIR to continue a run")
+    return load_config(args.config, [*args.overrides]), None, False
+
+
 def main(args) -> int:
-    cfg = load_config(args.config, [*args.overrides])
+    cfg, run_dir, resumed = resolve(args)
     if cfg.broker.address is None and cfg.broker.host in ("127.0.0.1", "localhost"):
-        cfg = load_config(args.config, [*args.overrides, "broker.port=0", "broker.pub_port=0"])  # one machine: free ports
-    run_dir = make_run_dir(cfg, args.run_dir)
-    print(f"fleetrl run: {cfg.run.name} -> {run_dir}", flush=True)
+        cfg = _free_ports(cfg)  # one machine: free ports
+    problems = check_job(cfg)
+    if problems:  # before the run directory exists: a job that cannot start leaves nothing behind
+        for problem in problems:
+            print(f"fleetrl run: {problem}", file=sys.stderr)
+        return 2
+    run_dir = run_dir or make_run_dir(cfg, args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"fleetrl run: {cfg.run.name} -> {run_dir}{' (resuming from its newest checkpoint)' if resumed else ''}",
+          flush=True)
     (run_dir / "launch.json").write_text(json.dumps({"pid": os.getpid(), "argv": sys.argv}))
-    return Launcher(cfg, run_dir, status=not args.no_status).run()
+    return Launcher(cfg, run_dir, status=not args.no_status, resumed=resumed).run()
+
+
+def _free_ports(cfg: JobConfig) -> JobConfig:
+    import msgspec
+
+    return msgspec.structs.replace(cfg, broker=msgspec.structs.replace(cfg.broker, port=0, pub_port=0))

@@ -17,6 +17,10 @@ class MetricsTail:
     def __init__(self, path: Path):
         self.path, self.offset, self.rows = path, 0, []
 
+    def skip_existing(self) -> None:
+        """Start after what the file holds now (a resumed run: only the new part counts)."""
+        self.offset = self.path.stat().st_size if self.path.exists() else 0
+
     def poll(self) -> list[dict]:
         if not self.path.exists():
             return []
@@ -141,8 +145,9 @@ class StatusLine:
         return " | ".join(parts)
 
     def summary(self, wall_s: float) -> str:
-        rows = self.tail.rows
-        samples = num(rows[-1].get("batch/samples_total"), 0.0) if rows else 0.0
+        rows = self.tail.rows  # this launch's rows only (a resumed run skips what came before)
+        samples = sum(num(r.get("batch/samples"), 0.0) for r in rows)
         rate = samples / wall_s if wall_s > 0 else 0.0
-        return (f"fleetrl run: done — {len(rows)} steps, {fmt(samples, '{:.0f}')} samples in {wall_s:.1f} s of RL "
+        steps = sum(1 for r in rows if "batch/samples" in r)  # not the step-0 evaluation row
+        return (f"fleetrl run: done — {steps} steps, {fmt(samples, '{:.0f}')} samples in {wall_s:.1f} s of RL "
                 f"({fmt(rate, '{:.1f}')} samples/s); last: {self.render()}")

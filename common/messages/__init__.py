@@ -72,6 +72,7 @@ from fleetrl.common.messages.protocol import (  # noqa: F401
     GroupAcks,
     Heartbeat,
     LeaseBatch,
+    Leave,
     LeasePrompts,
     PUSH_GROUP_TAGS,
     PromptLease,

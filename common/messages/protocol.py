@@ -67,6 +67,7 @@ class ReturnPrompts(Message, tag=5):  # Rollout -> Broker (shutdown: give leased
     client_id: str
     lease_id: str
     prompt_ids: list[str] = []  # empty = every prompt of the lease still open
+    unscored: bool = False  # no reward function could score them: count them, do not re-issue them
 
 
 class LeaseBatch(Message, tag=6):  # Learner -> Broker
@@ -125,9 +126,20 @@ class GetVersion(Message, tag=13):  # Rollout -> Broker (late subscriber catches
     client_id: str = ""
 
 
+class Leave(Message, tag=15):  # Rollout/Learner -> Broker: this client stops now (graceful exit)
+    """The client is gone at once: no longer in the fleet size or the weight-sync rounds, its prompt
+    leases re-issued and its batch leases requeued. ``done`` (a learner that finished training): the
+    broker announces ``done`` and rollouts exit unless ``rollout.stay_after_done``."""
+
+    req_id: int
+    client_id: str
+    reason: str = ""
+    done: bool = False
+
+
 Request = Union[
     Register, Heartbeat, LeasePrompts, PushGroup, PushGroups, ReturnPrompts, LeaseBatch, AckBatch, Commit, Rewind,
-    PublishVersion, Control, GetStatus, GetVersion,
+    PublishVersion, Control, GetStatus, GetVersion, Leave,
 ]
 
 
@@ -241,7 +253,7 @@ class VersionAnnouncement(Message, tag=40):  # Broker -> all (topic "version")
 
 
 class ControlAnnouncement(Message, tag=41):  # Broker -> all (topic "control")
-    action: Literal["pause", "resume", "stop", "discard"]
+    action: Literal["pause", "resume", "stop", "discard", "done"]  # done: the learner finished (or the broker stops)
     reason: str = ""
     min_version: int = 0
     max_version: int = -1

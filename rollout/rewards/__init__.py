@@ -17,7 +17,7 @@ from fleetrl.rollout.rewards.base import (
     register_reward,
 )
 from fleetrl.rollout.rewards.runner import CallTimeout
-from fleetrl.rollout.rewards.scorer import RewardScorer
+from fleetrl.rollout.rewards.scorer import RewardScorer, check_rewards
 
 __all__ = [
     "REWARDS",
@@ -29,5 +29,6 @@ __all__ = [
     "RewardResult",
     "RewardScorer",
     "SampleReward",
+    "check_rewards",
     "register_reward",
 ]

@@ -1,10 +1,12 @@
 """What a reward sees and returns, the reward registry, and the base classes of every reward.
 
 A reward is built from its config entry as ``REWARDS[name](**args)`` and called on a batch:
-``reward(batch: list[RewardInput]) -> list[float]``, one score per sample. Rewards that score one
-sample at a time derive from ``SampleReward`` and implement ``score`` (or ``ascore`` for coroutines);
+``reward(batch: list[RewardInput]) -> list[float | None]``, one score per sample, None for a sample it
+cannot score (counted and skipped, never scored 0). Rewards that score one sample at a time
+(``per_sample``) derive from ``SampleReward`` and implement ``score`` (or ``ascore`` for coroutines);
 the ``RewardScorer`` then runs each sample as its own call under ``rollout.reward_timeout_s``, so one
-slow or broken sample fails alone. Other rewards (the ``model`` reward) see the whole batch at once.
+slow or broken sample fails alone. Other rewards (the ``model`` reward, batched ``python`` functions)
+see the whole batch at once.
 
 Arguments are typed: each reward declares an ``Args`` struct (msgspec, unknown keys rejected) and
 ``Reward.__init__`` converts the config's ``args`` into it, so a typo or a wrong type fails when
@@ -19,6 +21,7 @@ from typing import Any, Callable, ClassVar, TypeVar
 
 import msgspec
 
+from fleetrl.common.config import ConfigError
 from fleetrl.common.registry import Registry
 
 # Config entries are found by the scorer with their index (rollout.rewards[i].name), so the registry
@@ -54,13 +57,14 @@ class RewardInput:
 class RewardResult:
     """The reward of one sample: the weighted sum of its parts, and whether any part failed."""
 
-    reward: float  # weighted sum over the configured rewards (failed parts add 0.0)
-    parts: dict[str, float]  # per reward name, unweighted (0.0 for a failed part), for logging
+    reward: float  # weighted sum over the parts that scored it (failed parts add 0.0)
+    parts: dict[str, float]  # per reward label, unweighted (0.0 for a failed part; absent: no score), for logging
     failed: bool  # any part failed (raised / timed out / returned a non-finite or non-number)
     error: str = ""  # short reason of the first failure
+    scored: bool = True  # False: no part scored it (all returned None); the sample is not trained on
 
 
-class RewardArgsError(ValueError):
+class RewardArgsError(ConfigError):
     """Bad ``args`` of a reward. The scorer prefixes the config key, ``rollout.rewards[i].args``."""
 
 
@@ -87,12 +91,21 @@ class Reward:
 
     name: ClassVar[str] = "reward"
     Args: ClassVar[type[RewardArgs]] = RewardArgs
+    per_sample: bool = False  # the scorer calls score()/ascore() per sample, else the reward on the whole batch
+    time_limited: ClassVar[bool] = False  # a batch call runs under rollout.reward_timeout_s (per-sample calls always do)
 
     def __init__(self, **args: Any):
         self.args = convert_args(self.name, self.Args, args)
+        self.label = self.name  # its name in metrics (`rollout.rewards[i].label` overrides it)
 
     def __call__(self, batch: list[RewardInput]) -> list[float]:
         raise NotImplementedError
+
+    @classmethod
+    def check(cls, **args: Any) -> None:
+        """What `fleetrl config validate` checks of this reward without building it (a model reward would
+        load its model): the arguments; subclasses add cheap checks. Raises RewardArgsError."""
+        convert_args(cls.name, cls.Args, args)
 
     def close(self) -> None:
         """Release resources (models, clients); the default holds none."""
@@ -106,6 +119,7 @@ class SampleReward(Reward):
     """
 
     is_async: bool = False
+    per_sample: bool = True
 
     def score(self, x: RewardInput) -> float:
         if self.is_async:
@@ -115,8 +129,8 @@ class SampleReward(Reward):
     async def ascore(self, x: RewardInput) -> float:
         raise NotImplementedError
 
-    def __call__(self, batch: list[RewardInput]) -> list[float]:
-        return [float(self.score(x)) for x in batch]
+    def __call__(self, batch: list[RewardInput]) -> list[float | None]:
+        return [None if (v := self.score(x)) is None else float(v) for x in batch]
 
 
 def require_answer(x: RewardInput, reward_name: str) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fleetrl.common.config.base import doc
-from fleetrl.rollout.rewards.base import Reward, RewardArgs, RewardArgsError, RewardInput, register_reward
+from fleetrl.rollout.rewards.base import Reward, RewardArgs, RewardArgsError, RewardInput, convert_args, register_reward
 
 
 @register_reward("model")
@@ -30,14 +30,19 @@ class ModelReward(Reward):
         dtype: Annotated[Literal["float32", "bfloat16", "float16"], doc("Weight dtype.")] = "float32"
         trust_remote_code: Annotated[bool, doc("Allow custom modelling code shipped in the model directory.")] = False
 
-    def __init__(self, **args: Any):
-        super().__init__(**args)
-        a = self.args
+    @classmethod
+    def check(cls, **args: Any) -> None:
+        a = convert_args(cls.name, cls.Args, args)
         if not (Path(a.path) / "config.json").is_file():
             raise RewardArgsError(
                 f"path {a.path!r} is not a model directory (no config.json); "
                 "set it to a local AutoModelForSequenceClassification directory written by save_pretrained"
             )
+
+    def __init__(self, **args: Any):
+        super().__init__(**args)
+        a = self.args
+        self.check(**args)
         import torch
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 

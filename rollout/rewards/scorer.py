@@ -6,6 +6,10 @@ A part that raises, times out, or returns a non-number or a non-finite value mar
 failed: the failure is counted and logged, the part adds 0.0, and the server decides with
 ``should_drop`` whether the sample's group is trained on (``on_failure: zero``) or dropped
 (``on_failure: drop_group``). No failure reaches the server as an exception.
+
+A part that returns None has no score for that sample (TRL's convention): it is counted
+(``reward/<label>/unscored_total``) and left out of the weighted sum; a sample no part scored is
+``scored=False`` and the server leaves it out of its group — it is never trained on as a 0.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ class Part:
     name: str
     weight: float
     reward: Callable[[list[RewardInput]], list[float]]
+    key: str = ""  # its config entry, rollout.rewards[i], named in failure messages
+
+
+UNSCORED = None  # what a part returns for a sample it cannot score
 
 
 @dataclass(frozen=True)
@@ -75,15 +83,44 @@ def build_parts(specs: Sequence[RewardSpec]) -> list[Part]:
             reward = factory(**spec.args)
         except RewardArgsError as e:
             raise RewardArgsError(f"rollout.rewards[{i}].args: {e}") from None
-        seen[spec.name] += 1
-        name = spec.name if seen[spec.name] == 1 else f"{spec.name}_{seen[spec.name]}"
-        parts.append(Part(name, spec.weight, reward))
+        label = spec.label or getattr(reward, "label", spec.name)
+        seen[label] += 1
+        name = label if seen[label] == 1 else f"{label}_{seen[label]}"
+        parts.append(Part(name, spec.weight, reward, f"rollout.rewards[{i}]"))
     return parts
 
 
-def as_score(value: Any) -> float | Failure:
-    """A reward's return value as a finite float, or the failure it is."""
-    if isinstance(value, (str, bytes)) or value is None:
+def check_rewards(specs: Sequence[RewardSpec]) -> list[str]:
+    """`fleetrl config validate`'s check of ``rollout.rewards``: names, arguments, user functions and model
+    directories, without building heavy rewards; one line per problem, naming the key."""
+    if not specs:
+        return ["rollout.rewards is empty; configure at least one reward, e.g. [{name: math}]"]
+    problems = []
+    for i, spec in enumerate(specs):
+        key = f"rollout.rewards[{i}]"
+        try:
+            factory = REWARDS[spec.name]
+            if isinstance(factory, type) and issubclass(factory, Reward):
+                factory.check(**spec.args)
+            else:
+                _bind(factory, spec.args)
+        except RegistryError as e:
+            problems.append(f"{key}.name: {e}")
+        except RewardArgsError as e:
+            problems.append(f"{key}.args: {e}")
+    return problems
+
+
+def per_sample(reward: Any) -> bool:
+    """Whether the scorer calls ``reward`` once per sample (``score``) rather than once per batch."""
+    return isinstance(reward, Reward) and reward.per_sample
+
+
+def as_score(value: Any) -> float | Failure | None:
+    """A reward's return value as a finite float, None (no score), or the failure it is."""
+    if value is None:
+        return UNSCORED
+    if isinstance(value, (str, bytes)):
         return Failure("nonfinite", f"returned {type(value).__name__} {str(value)[:40]!r}, expected a number")
     try:
         x = float(value)
@@ -92,7 +129,7 @@ def as_score(value: Any) -> float | Failure:
     return x if math.isfinite(x) else Failure("nonfinite", f"returned non-finite {x}")
 
 
-def outcome(fut: Future, n: int, batched: bool) -> list[float | Failure]:
+def outcome(fut: Future, n: int, batched: bool) -> list[float | Failure | None]:
     """The ``n`` scores a finished call produced: one for a per-sample call, ``n`` for a batch call."""
     if fut.cancelled():
         return [Failure("error", "cancelled: the scorer was closed")] * n
@@ -176,16 +213,22 @@ class RewardScorer:
         return self.on_failure == "drop_group" and any(r.failed for r in group)
 
     def _calls(self, k: int, reward: Any, batch: list[RewardInput]) -> list[tuple[int, range, Future]]:
-        """Submit part ``k``: one call per sample under the time limit, or one batch call without."""
-        if not isinstance(reward, SampleReward):
-            return [(k, range(len(batch)), self._runner.submit(reward, batch, None))] if batch else []
+        """Submit part ``k``: one call per sample under the time limit, or one batch call (time-limited when
+        the reward says so: batched user functions)."""
+        if not per_sample(reward):
+            if not batch:
+                return []
+            limit = self.timeout_s if getattr(reward, "time_limited", False) else None
+            if getattr(reward, "is_async", False):
+                return [(k, range(len(batch)), self._runner.submit_async(reward.acall, batch, limit))]
+            return [(k, range(len(batch)), self._runner.submit(reward, batch, limit))]
         submit, fn = (
             (self._runner.submit_async, reward.ascore) if reward.is_async else (self._runner.submit, reward.score)
         )
         return [(k, range(j, j + 1), submit(fn, x, self.timeout_s)) for j, x in enumerate(batch)]
 
     def _collect(self, job: _Job, k: int, idx: range, fut: Future) -> None:
-        scores = outcome(fut, len(idx), batched=not isinstance(self.parts[k].reward, SampleReward))
+        scores = outcome(fut, len(idx), batched=not per_sample(self.parts[k].reward))
         with job.lock:
             for j, s in zip(idx, scores):
                 job.scores[k][j] = s
@@ -209,6 +252,8 @@ class RewardScorer:
         total, error = 0.0, ""
         for part, row in zip(self.parts, scores):
             s = row[j]
+            if s is UNSCORED:
+                continue
             if isinstance(s, Failure):
                 parts[part.name] = 0.0
                 error = error or f"{part.name}: {s.reason}"
@@ -217,12 +262,12 @@ class RewardScorer:
                 total += part.weight * s
         if not error and not math.isfinite(total):
             total, error = 0.0, f"weighted sum is not finite ({parts})"
-        return RewardResult(reward=total, parts=parts, failed=bool(error), error=error)
+        return RewardResult(reward=total, parts=parts, failed=bool(error), error=error, scored=bool(parts))
 
     # ------------------------------------------------------------------------------------ stats
 
     def _record(self, job: _Job, results: list[RewardResult]) -> None:
-        failures: list[tuple[str, Failure, int]] = []
+        failures: list[tuple[Part, Failure, int]] = []
         with self._lock:
             t, w = self._totals, self._window
             t["samples"] += len(results)
@@ -230,22 +275,26 @@ class RewardScorer:
             w["batch_s"] += time.monotonic() - job.started
             for j, r in enumerate(results):
                 t["failed"] += r.failed
-                w["n"] += 1
-                w["reward"] += r.reward
+                t["unscored"] += not r.scored
+                w["n"] += r.scored
+                w["reward"] += r.reward if r.scored else 0.0
                 for part, row in zip(self.parts, job.scores):
                     s = row[j]
-                    if isinstance(s, Failure):
+                    if s is UNSCORED:
+                        t[f"{part.name}/unscored"] += 1
+                    elif isinstance(s, Failure):
                         t[f"kind/{s.kind}"] += 1
                         t[f"{part.name}/failed"] += 1
-                        failures.append((part.name, s, t[f"{part.name}/failed"]))
+                        failures.append((part, s, t[f"{part.name}/failed"]))
                     else:
                         w[f"{part.name}/n"] += 1
                         w[f"{part.name}/sum"] += s
-        for name, f, count in failures:
+        for part, f, count in failures:
             if count in (1, 10, 100) or count % 1000 == 0:  # a steady failure is logged, not flooded
                 log.warning(
-                    "reward %r failed on a sample (%s; %d such failures so far): it adds 0 to the reward%s",
-                    name, f.reason, count, ", and its group is dropped" if self.on_failure == "drop_group" else "",
+                    "reward %r (%s) failed on a sample (%s; %d such failures so far): it adds 0 to the reward%s; "
+                    "fix the function or %s", part.name, part.key, f.reason, count,
+                    ", and its group is dropped" if self.on_failure == "drop_group" else "", part.key,
                 )
 
     def stats(self) -> dict[str, float]:
@@ -255,6 +304,7 @@ class RewardScorer:
             out = {
                 "reward/samples_total": float(t["samples"]),
                 "reward/failed_total": float(t["failed"]),
+                "reward/unscored_total": float(t["unscored"]),
                 "reward/timeouts_total": float(t["kind/timeout"]),
                 "reward/errors_total": float(t["kind/error"]),
                 "reward/nonfinite_total": float(t["kind/nonfinite"]),
@@ -265,6 +315,7 @@ class RewardScorer:
                 out["timing/reward_batch_s"] = w["batch_s"] / w["batches"]
             for part in self.parts:
                 out[f"reward/{part.name}/failed_total"] = float(t[f"{part.name}/failed"])
+                out[f"reward/{part.name}/unscored_total"] = float(t[f"{part.name}/unscored"])
                 if w[f"{part.name}/n"]:
                     out[f"reward/{part.name}/mean"] = w[f"{part.name}/sum"] / w[f"{part.name}/n"]
             self._window = Counter()

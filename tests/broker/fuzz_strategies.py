@@ -309,6 +309,7 @@ def valid_frames() -> list[bytes]:
             transport="gloo", buckets=[[m.ParamSpec(name="w", shape=[2, 3], dtype="float32")]])),
         m.Control(req_id=22, client_id="fz-l0", action="pause", reason="seed"),
         m.GetStatus(req_id=23), m.GetVersion(req_id=24, client_id="fz-r0"),
+        m.Leave(req_id=25, client_id="fz-r1", reason="seed"),
     ]
     return [m.encode(x) for x in msgs]
 
@@ -321,6 +322,6 @@ def valid_replies() -> list[bytes]:
         m.PromptLease(req_id=35, lease_id="L", prompts=[m.Prompt(prompt_id="0:1", prompt="1+1=", answer="2")], expires_in_s=3.0),
         m.BatchLease(req_id=36, lease_id="B", groups=[group], expires_in_s=6.0),
         m.CurrentVersion(req_id=37, version=3), m.GroupAcks(req_id=38, acks=[m.GroupAck(group_id="g", status="accepted")]),
-        m.VersionAnnouncement(version=2), m.ControlAnnouncement(action="pause"),
+        m.VersionAnnouncement(version=2), m.ControlAnnouncement(action="pause"), m.ControlAnnouncement(action="done"),
     ]
     return [m.encode(x) for x in msgs]

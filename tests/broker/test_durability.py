@@ -121,7 +121,8 @@ def test_recovery_resynchronises_after_a_flipped_bit_and_quarantines_it(tmp_path
     assert len(kept) >= 99, f"kept {len(kept)} of 100"  # only the damaged record is lost (before: 10 of 100)
     lost = {prompt_of[g] for g in set(prompt_of) - kept}
     assert lost <= {p.prompt_id for p in r.prompts.reissue}  # ... and its prompt is generated again
-    assert r.recovery["regions_quarantined"] == 1 and 0 < r.recovery["bytes_skipped"] < 2000
+    # one record skipped: the largest here is the 100-prompt lease (~2.7 kB with its answers in metadata)
+    assert r.recovery["regions_quarantined"] == 1 and 0 < r.recovery["bytes_skipped"] < 4096
     quarantined = list((tmp_path / "quarantine").iterdir())
     assert len(quarantined) == 1 and quarantined[0].stat().st_mode & 0o777 == 0o600
     assert bytes(data[at : at + 1]) in quarantined[0].read_bytes()

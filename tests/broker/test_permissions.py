@@ -50,6 +50,7 @@ def sample(kind: type, client_id: str, role: str = "rollout") -> m.Message:
         m.Rewind: lambda: m.Rewind(req_id=7, client_id=client_id, step=1),
         m.PublishVersion: lambda: m.PublishVersion(req_id=7, client_id=client_id, version=1),
         m.Control: lambda: m.Control(req_id=7, client_id=client_id, action="stop"),
+        m.Leave: lambda: m.Leave(req_id=7, client_id=client_id, reason="test"),
     }[kind]()
 
 

@@ -282,3 +282,49 @@ def test_discarded_versions_stay_discarded_for_late_arrivals(state):
     assert late.count == 0 and state.counters["discarded"] == 1
     publish(state, 4)  # the restored weights, as a new version
     assert push(state, make_group(b.prompt_id, version=4)).count == 1  # ... trains
+
+
+# ----------------------------------------------------------------------------------- leaving
+
+
+def register(state, client, role, now=0.0):
+    return state.handle(m.Register(req_id=1, client_id=client, role=role), now)
+
+
+def test_a_client_that_leaves_is_out_of_the_fleet_at_once(state):
+    register(state, "r0", "rollout")
+    register(state, "r1", "rollout")
+    fill(state, 2)  # r0 pushed two groups
+    held = lease_prompts(state, 3, client="r1")
+    batch = lease_batch(state, 2)
+    assert sum(c.role == "rollout" and c.alive for c in state.status(0, 1.0).clients) == 2
+    reply = state.handle(m.Leave(req_id=2, client_id="r1", reason="SIGTERM"), 1.0)
+    assert reply.count == 3  # its prompt lease re-issued now, not after broker.prompt_lease_s
+    st = state.status(0, 1.0)
+    assert [c.client_id for c in st.clients if c.role == "rollout"] == ["r0"]  # fleet size 1 at once
+    assert [p.prompt_id for p in lease_prompts(state, 3, client="r0").prompts] == [p.prompt_id for p in held.prompts]
+    assert state.handle(m.Leave(req_id=3, client_id="l0", reason="stopped"), 1.0).count == 2  # its batch requeued
+    assert [g.group_id for g in lease_batch(state, 2, client="l1").groups] == [g.group_id for g in batch.groups]
+    assert not [a for _, a in state.announcements if getattr(a, "action", "") == "done"]  # a stop is not `done`
+
+
+def test_a_learner_that_finished_tells_the_fleet(state):
+    register(state, "l0", "learner")
+    state.handle(m.Leave(req_id=2, client_id="l0", reason="training finished at step 9", done=True), 0.0)
+    [(topic, ann)] = state.announcements
+    assert topic == m.TOPIC_CONTROL and ann.action == "done" and ann.reason == "training finished at step 9"
+    throttle = lease_prompts(state, 2)  # a server that missed the announcement learns it from its next lease
+    assert isinstance(throttle, m.Throttle) and throttle.reason == "done: training finished at step 9"
+    register(state, "l0", "learner")  # a new learner (a resume): training goes on
+    assert isinstance(lease_prompts(state, 2), m.PromptLease)
+    state.announcements.clear()
+    state.announce_shutdown()
+    assert [a.action for _, a in state.announcements] == ["done"]
+
+
+def test_unscorable_prompts_are_counted_and_not_reissued(state):
+    lease = lease_prompts(state, 3)
+    reply = state.handle(m.ReturnPrompts(req_id=1, client_id="r0", lease_id=lease.lease_id, prompt_ids=["0:1"],
+                                         unscored=True), 0.0)
+    assert reply.count == 1 and state.counters["prompts_unscored"] == 1 and not state.prompts.reissue
+    assert state.prompts.leased == 2 and "0:1" not in [p.prompt_id for p in lease_prompts(state, 5, client="r1").prompts]

@@ -43,6 +43,8 @@ def examples() -> list[msgspec.Struct]:
         m.Control(req_id=11, client_id="l0", action="discard", reason="rollback", min_version=3, max_version=6),
         m.GetStatus(req_id=12),
         m.GetVersion(req_id=13, client_id="r0"),
+        m.Leave(req_id=14, client_id="l0", reason="training finished", done=True),
+        m.ReturnPrompts(req_id=15, client_id="r0", lease_id="L1", prompt_ids=["0:2"], unscored=True),
     ]
 
 

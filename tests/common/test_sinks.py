@@ -84,3 +84,91 @@ def test_prometheus_sink_serves_the_latest_metrics_over_http(tmp_path):
     assert values["fleetrl_broker_queue_depth"] == 3.0 and "fleetrl_actor_loss" not in values  # inf is skipped
     with pytest.raises(OSError):  # closed: the port is free again and nothing answers
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+ROWS = [{"step": 4, "policy_version": 3, "group": "g1", "prompt": "<|user|>1+2=<eos><|assistant|>", "response": "3",
+         "reward": 1.0, "parts": {"exact": 1.0}, "advantage": 0.5, "finish_reason": "stop", "tokens": 2},
+        {"step": 4, "policy_version": 3, "group": "g1", "prompt": "<|user|>1+2=<eos><|assistant|>", "response": "4|x",
+         "reward": 0.0, "parts": {"exact": 0.0}, "advantage": -0.5, "finish_reason": "length", "tokens": 5}]
+
+
+def test_completions_reach_the_jsonl_file_and_tensorboard_text(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monitor = Monitor.for_run(tmp_path, 0, cfg=load_config(None, ["telemetry.tensorboard=true"]))
+    monitor.log(4, METRICS)
+    monitor.log_completions(4, ROWS)
+    monitor.close()
+    lines = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert lines == ROWS
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    acc.Reload()
+    [event] = acc.Tensors("completions")
+    text = event.tensor_proto.string_val[0].decode()
+    assert event.step == 4 and "| policy_version | prompt | response |" in text
+    assert "<\\|user\\|>1+2=<eos><\\|assistant\\|>" in text and "| 4\\|x |" in text  # pipes escaped: the table holds
+
+
+@pytest.fixture
+def wandb_env(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for key in ("WANDB_MODE", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_GROUP", "WANDB_TAGS", "WANDB_NAME",
+                "WANDB_DIR", "WANDB_DISABLED"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
+    return monkeypatch
+
+
+def test_wandb_takes_entity_group_tags_name_and_logs_a_completions_table(tmp_path, wandb_env):
+    from fleetrl.learner.sinks import WandbSink
+
+    cfg = load_config(None, ["telemetry.wandb_project=fleetrl-test", "telemetry.wandb_group=sweep-1",
+                             "telemetry.wandb_tags=[grpo, cpu]", "telemetry.wandb_name=trial-3"])
+    monitor = Monitor.for_run(tmp_path, 0, cfg=cfg)
+    [sink] = [s for s in monitor.sinks if isinstance(s, WandbSink)]
+    assert (sink.run.group, list(sink.run.tags), sink.run.name) == ("sweep-1", ["grpo", "cpu"], "trial-3")
+    assert sink.run.settings.mode == "offline"  # nothing set: offline
+    monitor.log(4, METRICS)
+    monitor.log_completions(4, ROWS)
+    monitor.close()
+    [run] = (tmp_path / "wandb").glob("offline-run-*")
+    [table] = run.glob("files/media/table/completions_*.table.json")
+    data = json.loads(table.read_text())
+    assert data["columns"][:4] == ["step", "policy_version", "prompt", "response"] and len(data["data"]) == 2
+
+
+def test_wandb_variables_are_respected(tmp_path, wandb_env):
+    from fleetrl.learner.sinks import WandbSink
+
+    wandb_env.setenv("WANDB_MODE", "disabled")  # honoured: no wandb sink at all
+    cfg = load_config(None, ["telemetry.wandb_project=fleetrl-test"])
+    assert not [s for s in make_sinks(cfg, tmp_path, 0) if isinstance(s, WandbSink)]
+    wandb_env.setenv("WANDB_MODE", "offline")
+    wandb_env.setenv("WANDB_PROJECT", "from-env")  # a project from the environment turns it on
+    wandb_env.setenv("WANDB_RUN_GROUP", "env-group")
+    wandb_env.setenv("WANDB_NAME", "env-name")
+    sinks = make_sinks(load_config(None, []), tmp_path, 0)
+    try:
+        [sink] = [s for s in sinks if isinstance(s, WandbSink)]
+        assert (sink.run.project, sink.run.group, sink.run.name) == ("from-env", "env-group", "env-name")
+    finally:
+        for s in sinks:
+            s.close()
+
+
+def test_prometheus_binds_loopback_by_default(tmp_path):
+    pytest.importorskip("prometheus_client")
+    from fleetrl.learner.sinks import PrometheusSink
+
+    assert load_config(None, []).telemetry.prometheus_host == "127.0.0.1"
+    sinks = make_sinks(load_config(None, ["telemetry.prometheus_port=0"]), tmp_path, 0)
+    try:
+        [sink] = [s for s in sinks if isinstance(s, PrometheusSink)]
+        assert sink.server.server_address[0] == "127.0.0.1"
+    finally:
+        for s in sinks:
+            s.close()

@@ -88,3 +88,44 @@ def test_eval_command_prints_table_and_writes_json(rows, tiny_model_dir, tmp_pat
     assert result["metrics"]["eval/n"] == 4 and result["metrics"]["eval/accuracy"] == 1.0
     assert [r["prompt"] for r in result["rows"]] == [r["prompt"] for r in rows[:4]]
     assert cli_main(["eval", "--model", tiny_model_dir, "--data", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_distinct_n_hand_computed():
+    from fleetrl.rollout.eval import distinct_n
+
+    # unigrams of [1,2,3] + [1,2,4]: six, four distinct; bigrams (1,2) (2,3) (1,2) (2,4): three distinct of four
+    assert distinct_n([[1, 2, 3], [1, 2, 4]], 1) == pytest.approx(4 / 6)
+    assert distinct_n([[1, 2, 3], [1, 2, 4]], 2) == pytest.approx(3 / 4)
+    assert distinct_n([[5, 5], [5, 5]], 1) == pytest.approx(1 / 4)  # collapsed onto one token
+    assert distinct_n([[], [7]], 2) == 1.0  # no bigram at all
+
+
+def test_length_distribution_truncation_and_diversity(engine, rows, tiny_model_dir):
+    metrics, records = evaluate_detailed(tiny_model_dir, rows, k=1, samples=3, temperature=1.0, max_new_tokens=MAX_NEW,
+                                         reward="exact", engine=engine, seed=1)
+    lengths = sorted(r["greedy_tokens"] for r in records)
+    assert metrics["eval/response_len_max"] == lengths[-1] and metrics["eval/response_len_p50"] == lengths[len(lengths) // 2]
+    assert metrics["eval/truncated_frac"] == pytest.approx(sum(r["greedy_truncated"] for r in records) / len(records))
+    assert metrics["eval/truncated_frac"] == pytest.approx(sum(t == MAX_NEW for t in lengths) / len(lengths))
+    assert 0 < metrics["eval/distinct_1"] <= 1 and 0 < metrics["eval/distinct_2"] <= 1
+    assert metrics["eval/success_threshold"] == 1.0
+
+
+def test_success_is_explicit_for_shaped_rewards_and_printed(engine, rows, tiny_model_dir, tmp_path, capsys):
+    """A shaped reward (1.1 for a wrong answer) scored 100% when "correct" silently meant reward >= 1."""
+    from fleetrl.common.config import ConfigError, load_config
+
+    shaped = load_config(None, ["rollout.rewards=[{name: exact}, {name: length, weight: 0.1, args: {target: 1}}]"])
+    with pytest.raises(ConfigError, match="--success: which reward counts as correct is ambiguous"):
+        evaluate(tiny_model_dir, rows, cfg=shaped, k=0, engine=engine)
+    assert evaluate(tiny_model_dir, rows, cfg=shaped, k=0, engine=engine, success=0.95)["eval/success_threshold"] == 0.95
+    data = tmp_path / "q.jsonl"  # other column names: --prompt-key / --answer-key
+    data.write_text("".join(json.dumps({"question": r["prompt"], "solution": r["answer"]}) + "\n" for r in rows))
+    args = ["eval", "--model", tiny_model_dir, "--data", str(data), "--k", "0", "--max-new-tokens", str(MAX_NEW),
+            "--reward", "exact", "--device", "cpu"]
+    assert cli_main(args) == 2  # no `prompt` column: one line naming --prompt-key
+    assert "rows have no 'prompt' column" in capsys.readouterr().err
+    assert cli_main([*args, "--prompt-key", "question", "--answer-key", "solution", "--success", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "correct            reward >= 1  (--success)" in printed and "greedy accuracy    1.0000" in printed
+    assert "truncated at max_new_tokens" in printed

@@ -146,19 +146,21 @@ def test_python_async_function(scorer_of):
 def test_failing_user_function_is_counted_and_scores_zero(scorer_of):
     scorer = scorer_of(spec("python", function=f"{USER}:odd_values"), spec("regex", 0.5, pattern="."))
     results = scorer.score([sample(r) for r in ["nan", "inf", "text", "none", "ok"]])
-    assert [r.failed for r in results] == [True, True, True, True, False]
-    # failed part adds 0; the regex part still counts: 0.5 * 1
+    assert [r.failed for r in results] == [True, True, True, False, False]  # None is no score, not a failure
+    # failed part adds 0; the regex part still counts: 0.5 * 1; None adds nothing and is not in `parts`
     assert [r.reward for r in results] == [0.5, 0.5, 0.5, 0.5, 1.5]
-    assert results[0].parts == {"python": 0.0, "regex": 1.0}
+    assert results[0].parts == {"odd_values": 0.0, "regex": 1.0}  # metrics are named after the function
+    assert results[3].parts == {"regex": 1.0} and results[3].scored
     assert "non-finite nan" in results[0].error and "expected a number" in results[2].error
     assert all(math.isfinite(r.reward) for r in results)
     raising = scorer_of(spec("python", function=f"{USER}:boom"))
     [r] = raising.score([sample("x")])
-    assert r.failed and r.reward == 0.0 and r.error == "python: ValueError: cannot score 'x'"
+    assert r.failed and r.reward == 0.0 and r.error == "boom: ValueError: cannot score 'x'"
     stats = scorer.stats()
-    assert stats["reward/nonfinite_total"] == 4 and stats["reward/failed_total"] == 4
-    assert stats["reward/python/failed_total"] == 4 and stats["reward/regex/mean"] == 1.0
-    assert stats["reward/python/mean"] == 1.0  # only the sample that did not fail
+    assert stats["reward/nonfinite_total"] == 3 and stats["reward/failed_total"] == 3
+    assert stats["reward/odd_values/failed_total"] == 3 and stats["reward/regex/mean"] == 1.0
+    assert stats["reward/odd_values/unscored_total"] == 1 and stats["reward/unscored_total"] == 0
+    assert stats["reward/odd_values/mean"] == 1.0  # only the sample that did not fail
     assert raising.stats()["reward/errors_total"] == 1
 
 
@@ -171,7 +173,7 @@ def test_hung_function_times_out_and_the_scorer_keeps_going(scorer_of):
     try:
         assert [r.failed for r in results] == [True, False, False]
         assert [r.reward for r in results] == [0.0, 1.0, 1.0]
-        assert results[0].error == "python: timed out after 0.2 s"
+        assert results[0].error == "hang_if_asked: timed out after 0.2 s"
         # the one worker was stuck: a replacement scored b and c without waiting for the hung call
         assert elapsed < 2.0
         stats = scorer.stats()
@@ -353,3 +355,49 @@ def test_importing_rewards_stays_light():
     probe = "import sys, fleetrl.rollout.rewards\nprint(sorted(m for m in ('torch', 'transformers', 'sympy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------ batched TRL form and None = no score
+
+
+def test_a_reward_function_in_trls_documented_batched_form_runs_as_written(scorer_of):
+    scorer = scorer_of(spec("python", function=f"{USER}:reward_func"))
+    batch = [sample(r"so \boxed{4}", metadata={"ground_truth": "4"}), sample(r"\boxed{5}", metadata={"ground_truth": "4"}),
+             sample("no box", metadata={"ground_truth": "4"})]
+    results = scorer.score(batch)
+    assert [r.reward for r in results] == [1.0, 0.0, 0.0] and not any(r.failed for r in results)
+    assert results[0].parts == {"reward_func": 1.0}  # named after the function
+    assert scorer.parts[0].reward.per_sample is False  # it names `completions`: batched, one call per batch
+
+
+def test_none_is_no_score_counted_and_skipped_never_zero(scorer_of):
+    scorer = scorer_of(spec("python", function=f"{USER}:multi_task_reward_func"), spec("length", 0.5, target=100))
+    batch = [sample("2+2=4", metadata={"task": "math"}), sample("def f(): pass", metadata={"task": "code"})]
+    math_row, code_row = scorer.score(batch)
+    assert math_row.parts["multi_task_reward_func"] == 1.0 and code_row.scored and not code_row.failed
+    assert "multi_task_reward_func" not in code_row.parts  # not a 0: absent
+    assert code_row.reward == 0.5 * code_row.parts["length"]  # the weighted sum over the parts that scored it
+    alone = scorer_of(spec("python", function=f"{USER}:none_per_sample"))
+    skipped, kept = alone.score([sample("skip"), sample("keep")])
+    assert not skipped.scored and not skipped.failed and kept.scored and kept.reward == 1.0
+    stats = alone.stats()
+    assert stats["reward/unscored_total"] == 1 and stats["reward/none_per_sample/unscored_total"] == 1
+    assert stats["reward/none_per_sample/mean"] == 1.0  # the unscored sample is not averaged in as 0
+
+
+def test_trls_own_accuracy_reward_with_chat_prompts(scorer_of):
+    pytest.importorskip("trl")
+    scorer = scorer_of(spec("python", function="trl.rewards:accuracy_reward"))
+    chat = [{"role": "user", "content": "What is 1/3 as a fraction?"}]
+    batch = [sample(r"My answer is \boxed{\frac{1}{3}}", prompt=chat, metadata={"solution": r"\frac{1}{3}"}),
+             sample(r"My answer is \boxed{\frac{1}{2}}", prompt=chat, metadata={"solution": r"\frac{1}{3}"}),
+             sample(r"\boxed{1}", prompt=chat, metadata={"solution": "no parseable gold here"})]
+    right, wrong, unparseable = scorer.score(batch)
+    assert right.reward == 1.0 and wrong.reward == 0.0 and not right.failed and not wrong.failed
+    assert not unparseable.scored and not unparseable.failed  # TRL returns None: skipped, not a 0
+
+
+def test_a_batched_function_missing_its_column_fails_naming_it(scorer_of):
+    scorer = scorer_of(spec("python", function=f"{USER}:reward_func"))
+    [r] = scorer.score([sample(r"\boxed{1}", metadata={"answer_text": "1"})])
+    assert r.failed and "needs the data column(s) ['ground_truth']" in r.error

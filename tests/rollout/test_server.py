@@ -192,6 +192,59 @@ def test_dropped_groups_are_not_pushed_and_their_prompts_return(engine, tiny_mod
         fleet.stop()
 
 
+def test_unscorable_groups_are_skipped_and_their_prompts_not_reissued(engine, tiny_model_dir):
+    fleet = Fleet(engine, tiny_model_dir, "rollout.prompts_per_batch=4",
+                  "rollout.rewards=[{name: python, args: {function: 'tests.rollout.user_rewards:odd_rows_unscorable'}}]")
+    try:
+        fleet.server.start()
+        batch = fleet.server.step()
+        fleet.server.shutdown(finish=True, give_back=True)
+        pushed = fleet.drain()
+        odd = [p.prompt_id for p in batch.prompts if int(p.prompt[:2]) % 2]
+        assert odd and sorted(g.prompt_id for g in pushed) == sorted(
+            p.prompt_id for p in batch.prompts if p.prompt_id not in odd)
+        assert all(r == 1.0 for g in pushed for r in g.rewards)  # never a 0 for "no score"
+        assert fleet.state.counters["prompts_unscored"] == len(odd) and not fleet.state.prompts.reissue
+        assert fleet.server.stats.totals["groups_unscored"] == len(odd) and fleet.state.prompts.leased == 0
+    finally:
+        fleet.stop()
+
+
+def test_a_stopping_server_leaves_the_fleet_at_once(engine, tiny_model_dir):
+    fleet = Fleet(engine, tiny_model_dir, "broker.queue_capacity=1000").start_thread()
+    wait_for(lambda: fleet.state.clients.get("rollout-0-test") is not None, what="registration")
+    assert fleet.stop() == 0
+    assert fleet.state.clients.get("rollout-0-test") is None  # gone now, not after broker.client_timeout_s
+    assert fleet.client.calls["leave"] == 1 and fleet.state.prompts.leased == 0
+
+
+def test_a_server_exits_when_the_learner_is_done_unless_it_stays(engine, tiny_model_dir):
+    fleet = Fleet(engine, tiny_model_dir, "broker.queue_capacity=1000", n_prompts=500).start_thread()
+    fleet.learner.connect()
+    wait_for(lambda: fleet.state.counters["groups_in"] >= B, what="groups")
+    fleet.learner.leave("training finished at step 3", done=True)
+    fleet.thread.join(20)
+    assert not fleet.thread.is_alive() and fleet.exit_code == 0
+    assert fleet.server.stop_reason == "done: training finished at step 3"
+    assert fleet.state.prompts.leased == 0 and fleet.state.clients.get("rollout-0-test") is None
+    fleet.stop()
+    stays = Fleet(engine, tiny_model_dir, "broker.queue_capacity=1000", "rollout.stay_after_done=true",
+                  n_prompts=500).start_thread()
+    try:
+        stays.learner.connect()
+        wait_for(lambda: stays.state.counters["groups_in"] >= B, what="groups")
+        stays.learner.leave("training finished", done=True)
+        time.sleep(1.5)
+        assert stays.thread.is_alive() and not stays.server.stopping
+        groups_in = stays.state.counters["groups_in"]
+        time.sleep(1.0)
+        assert stays.state.counters["groups_in"] <= groups_in + B  # at most the batch in hand: no new work
+        stays.learner.connect()  # the next learner registers: the server leases again
+        wait_for(lambda: stays.state.counters["groups_in"] >= groups_in + 2 * B, what="groups for the next learner")
+    finally:
+        assert stays.stop() == 0
+
+
 def test_abandoned_batch_returns_its_prompts(engine, tiny_model_dir):
     """What a second SIGTERM does: the groups in flight are not pushed, their prompts go back at once."""
     fleet = Fleet(engine, tiny_model_dir)
@@ -242,7 +295,7 @@ def test_pause_resume_and_stop_announcements(engine, tiny_model_dir):
     operator.control("stop", reason="test over")
     fleet.thread.join(20)
     assert not fleet.thread.is_alive() and fleet.exit_code == 0
-    assert "stop announced" in fleet.server.stop_reason
+    assert fleet.server.stop_reason.startswith(("stop announced", "the broker is stopping"))  # announcement or throttle first
     assert fleet.state.prompts.leased == 0  # the groups in flight were pushed, nothing is held
     fleet.stop()
 

@@ -85,7 +85,7 @@ def test_group_versions_take_the_oldest_and_send_per_token_versions_only_when_th
 
     lease = m.PromptLease(req_id=1, lease_id="L", expires_in_s=60.0, prompts=[m.Prompt(prompt_id="0:0", prompt="x")])
     batch = Batch(lease, [[1, 2, 3]], [spans], 3, 0.1, Future())
-    [group], _ = build_groups(batch, [RewardResult(1.0, {}, False)] * 2, "r", lambda res: False)
+    [group], _, _ = build_groups(batch, [RewardResult(1.0, {}, False)] * 2, "r", lambda res: False)
     assert group.policy_version == 2 and group.version_array().tolist() == [3, 3, 2, 2, 3]
     assert m.check_group(group) is None
     decoded = m.decode_request(m.encode(m.PushGroups(req_id=1, client_id="r", groups=[group])))

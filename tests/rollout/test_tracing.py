@@ -46,7 +46,7 @@ def test_each_group_carries_its_own_prompt_context_in_the_lease_trace(traced):
     trace.record("generate", time.monotonic() - 0.1, time.monotonic(), prompts=3)
     results = [RewardResult(float(i % 2), {}, False) for i in range(6)]
     results[4:] = [RewardResult(0.0, {}, False)] * 2  # the last prompt's group is dropped below
-    groups, dropped = build_groups(batch, results, "rollout-0-h-1", lambda res: all(r.reward == 0 for r in res))
+    groups, dropped, _ = build_groups(batch, results, "rollout-0-h-1", lambda res: all(r.reward == 0 for r in res))
     assert dropped == ["0:2"] and len(groups) == 2
     spans = traced()
     [root], [generate] = spans["prompt.lease"], spans["generate"]
@@ -65,7 +65,7 @@ def test_each_group_carries_its_own_prompt_context_in_the_lease_trace(traced):
 def test_without_tracing_groups_carry_no_context():
     lease = m.PromptLease(req_id=1, lease_id="L1", expires_in_s=60.0, prompts=[m.Prompt(prompt_id="0:0", prompt="x")])
     assert LeaseTrace.start(lease, "r", 0, time.time_ns()) is None
-    groups, _ = build_groups(_batch(None, lease), [RewardResult(1.0, {}, False)] * 2, "r", lambda res: False)
+    groups, _, _ = build_groups(_batch(None, lease), [RewardResult(1.0, {}, False)] * 2, "r", lambda res: False)
     assert groups[0].trace == {}
 
 
@@ -76,7 +76,7 @@ def test_a_sampler_from_the_environment_marks_unsampled_groups(tmp_path, monkeyp
     try:
         lease = m.PromptLease(req_id=1, lease_id="L", expires_in_s=60.0, prompts=[m.Prompt(prompt_id="0:0", prompt="x")])
         batch = _batch(LeaseTrace.start(lease, "r", 0, time.time_ns()), lease)
-        [group], _ = build_groups(batch, [RewardResult(1.0, {}, False)] * 2, "r", lambda res: False)
+        [group], _, _ = build_groups(batch, [RewardResult(1.0, {}, False)] * 2, "r", lambda res: False)
         assert group.trace["traceparent"].endswith("-00") and not telemetry.sampled(group.trace)
         assert telemetry.flush_tracing() and telemetry.read_spans(tmp_path) == []
     finally:

@@ -66,3 +66,37 @@ async def async_hang_if_asked(response: str, metadata: dict) -> float:
 
 def needs_unknown(response: str, reference: str) -> float:
     return 0.0
+
+
+# ------------------------------------------------------------------ TRL's batched form, as its docs write it
+
+
+def reward_func(completions, ground_truth, **kwargs):
+    """TRL docs, "Using a custom reward function", example with a ground truth column."""
+    import re
+
+    # Regular expression to capture content inside \boxed{}
+    matches = [re.search(r"\\boxed\{(.*?)\}", completion) for completion in completions]
+    contents = [match.group(1) if match else "" for match in matches]
+    # Reward 1 if the content is the same as the ground truth, 0 otherwise
+    return [1.0 if c == gt else 0.0 for c, gt in zip(contents, ground_truth)]
+
+
+def multi_task_reward_func(prompts, completions, task, **kwargs):
+    """TRL docs' multi-task example: None for the samples this function does not apply to."""
+    rewards = []
+    for prompt, completion, t in zip(prompts, completions, task):
+        if t == "math":
+            rewards.append(1.0 if completion.strip().endswith("4") else 0.0)
+        else:
+            rewards.append(None)
+    return rewards
+
+
+def none_per_sample(response: str):
+    return None if response == "skip" else 1.0
+
+
+def odd_rows_unscorable(prompt: str, response: str):
+    """None (no score) for every response to a prompt whose first operand is odd: such groups cannot be scored."""
+    return None if int(prompt[:2]) % 2 else 1.0
