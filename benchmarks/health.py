@@ -161,7 +161,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", default="/tmp/health-bench")
     ap.add_argument("--faults", default=",".join(FAULTS), help="comma list of " + ", ".join(FAULTS) + " (or none)")
-    ap.add_argument("--seeds", type=int, default=5, help="healthy runs (seeds 1..N); 0 for none")
+    ap.add_argument("--seeds", type=int, default=5, help="healthy runs (seeds FIRST..FIRST+N-1); 0 for none")
+    ap.add_argument("--first-seed", type=int, default=1)
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--healthy-steps", type=int, default=None, help="steps of each healthy run (default --steps)")
     ap.add_argument("--inject-at", type=int, default=60)
@@ -186,7 +187,7 @@ def main() -> int:
         for kind in kinds:
             runs[f"fault-{kind}"] = run_one(f"fault-{kind}", work, args, 0, kind)
         healthy_args = argparse.Namespace(**{**vars(args), "steps": args.healthy_steps or args.steps})
-        for seed in range(1, args.seeds + 1):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             runs[f"healthy-{seed}"] = run_one(f"healthy-{seed}", work, healthy_args, seed, None)
     ordered = sorted(runs.values(), key=lambda r: (r["fault"] is None, r["name"]))
     summary = summarize(ordered)
