@@ -401,8 +401,8 @@ class RolloutServer:
         if self.receiver is None or self.receiver.pending_version() is None:
             return
         start_ns, t0 = time.time_ns(), time.perf_counter()
-        load = self._stale.wrap(functools.partial(self.receiver.apply), self.receiver.pending_version)  # faults: off
-        load = functools.partial(load, self.engine)
+        load = functools.partial(self._stale.wrap(self.receiver.apply, self.receiver.pending_version),  # faults: off
+                                 self.engine)
         try:
             version = self.engine.loop.call(self.engine.swap_weights(load, self.cfg.rollout.inflight_update))
         except ValueError as e:  # names, shapes or dtypes that do not fit: the engine changed nothing
