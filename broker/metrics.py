@@ -1,13 +1,16 @@
 """The broker's ``Status`` reply as namespaced monitor metrics.
 
-``broker/...`` are the broker's own queue, rates and staleness; ``fleet/...`` aggregate the stats the
+``broker/...`` are the broker's own queue, rates and staleness (and, from the socket broker's
+`WireStats`, its bytes in and out and its process's ``resource/broker/*``); ``fleet/...`` aggregate the stats the
 rollout servers send with their heartbeats. The learner logs both every step; `fleetrl status --json`
 prints them.
 """
 
 from __future__ import annotations
 
+from fleetrl.broker.ingest import Rate
 from fleetrl.common import messages as m
+from fleetrl.common.resources import ProcessResources
 
 
 def status_metrics(status: m.Status) -> dict[str, float]:
@@ -30,6 +33,7 @@ def status_metrics(status: m.Status) -> dict[str, float]:
         "broker/clients_alive": sum(c.alive for c in status.clients),
         "broker/uncommitted": status.uncommitted,
         "broker/policy_version": status.policy_version,
+        **status.stats,  # broker/bytes_{in,out}[_per_s], resource/broker/* (the socket broker only)
         **fleet_metrics(status),
     }
 
@@ -50,4 +54,43 @@ def fleet_metrics(status: m.Status) -> dict[str, float]:
         "fleet/version_lag_max": max((status.policy_version - s.get("rollout/policy_version", 0.0) for s in stats),
                                      default=0.0),
         "fleet/weights_load_s_max": float(max((s.get("weights/load_s", 0.0) for s in stats), default=0.0)),
+        **fleet_resources(stats),
     }
+
+
+def fleet_resources(stats: list[dict[str, float]]) -> dict[str, float]:
+    """The rollout servers' ``resource/rollout/*`` (CPU, RSS, GPU) and weight-load bandwidth, aggregated:
+    a key only the servers that report it count in, and a key no server reports is left out (no GPU: no
+    GPU keys)."""
+    out: dict[str, float] = {}
+    for key, how in (("cpu_percent", "max"), ("cpu_percent", "mean"), ("rss_mb", "max"), ("gpu_util_percent", "mean"),
+                     ("gpu_mem_mb", "max")):
+        values = [s[f"resource/rollout/{key}"] for s in stats if f"resource/rollout/{key}" in s]
+        if values:
+            out[f"resource/rollout/{key}_{how}"] = max(values) if how == "max" else sum(values) / len(values)
+    loads = [s["weights/load_mb_per_s"] for s in stats if s.get("weights/load_mb_per_s")]
+    if loads:
+        out["fleet/weights_load_mb_per_s_min"] = min(loads)
+    return out
+
+
+class WireStats:
+    """Bytes the broker received and sent (request payloads; replies and announcements), and its process."""
+
+    def __init__(self) -> None:
+        self.bytes_in = self.bytes_out = 0
+        self.rate_in, self.rate_out = Rate(), Rate()
+        self.resources = ProcessResources("resource/broker")
+
+    def received(self, n: int, now: float) -> None:
+        self.bytes_in += n
+        self.rate_in.add(now, n)
+
+    def sent(self, n: int, now: float) -> None:
+        self.bytes_out += n
+        self.rate_out.add(now, n)
+
+    def stats(self, now: float) -> dict[str, float]:
+        return {"broker/bytes_in": float(self.bytes_in), "broker/bytes_out": float(self.bytes_out),
+                "broker/bytes_in_per_s": self.rate_in.per_s(now), "broker/bytes_out_per_s": self.rate_out.per_s(now),
+                **self.resources.sample()}

@@ -31,6 +31,7 @@ import zmq.auth
 from fleetrl.broker import auth
 from fleetrl.broker.audit import AuditLog
 from fleetrl.broker.guard import Guard
+from fleetrl.broker.metrics import WireStats
 from fleetrl.broker.prompts import PromptSource, rows_to_prompts
 from fleetrl.broker.spool import Spool
 from fleetrl.broker.state import BrokerState
@@ -110,6 +111,8 @@ class BrokerServer:
         self._stop = asyncio.Event()
         self._next_guard = 0.0
         self._guard_chain = False  # a 10 ms guard chain is running (connections under pressure)
+        self.wire = WireStats()
+        state.status_stats = self.wire.stats
 
     # -------------------------------------------------------------- sockets
     def _bind(self, sock: zmq.Socket, port: int) -> str:
@@ -213,6 +216,7 @@ class BrokerServer:
         """One request: frames are [client identity, payload]; groups decode as views into the payload."""
         ident = frames[0].bytes
         fd = frames[-1].get(zmq.SRCFD)
+        self.wire.received(sum(len(f) for f in frames[1:]), now)
         if self.guard is not None:
             self.guard.delivered(fd, sum(len(f) for f in frames[1:]), now)
         if len(frames) != 2:
@@ -294,12 +298,17 @@ class BrokerServer:
             except OSError as e:
                 self.state.counters["fsync_errors"] += 1
                 log.error("spool fsync failed (%s); the records reached the OS but may not survive a machine crash", e)
+        now = time.monotonic()
         for ident, reply in replies:
-            self.router.send([ident, m.encode(reply)])
+            payload = m.encode(reply)
+            self.router.send([ident, payload])
+            self.wire.sent(len(payload), now)
             if isinstance(reply, m.BatchLease) and telemetry.enabled():
                 trace_batch_lease(reply)
         for topic, ann in self.state.announcements:
-            self.pub.send_multipart([topic, m.encode(ann)])
+            payload = m.encode(ann)
+            self.pub.send_multipart([topic, payload])
+            self.wire.sent(len(payload), now)
         self.state.announcements.clear()
 
     def _on_batch(self, batch: list[list[zmq.Frame]]) -> None:
@@ -389,11 +398,13 @@ def trace_ingest(req: m.PushGroup | m.PushGroups, reply: m.Message, start_ns: in
 
 
 def trace_batch_lease(reply: m.BatchLease) -> None:
-    """A ``broker.batch_lease`` span (the moment the groups leave the queue) linked to each group's trace."""
-    telemetry.record_span("broker.batch_lease", time.time_ns(), parent=telemetry.ROOT,
-                          links=telemetry.group_links(reply.groups),
-                          attributes={"fleetrl.lease_id": reply.lease_id, "fleetrl.groups": len(reply.groups),
-                                      "fleetrl.dropped_stale": reply.dropped_stale})
+    """A ``broker.batch_lease`` span in each sampled group's trace: the moment it left the queue for a learner."""
+    now = time.time_ns()
+    for g in reply.groups:
+        if telemetry.sampled(g.trace):
+            telemetry.record_span("broker.batch_lease", now, now, parent=g.trace, attributes={
+                "fleetrl.group_id": g.group_id, "fleetrl.lease_id": reply.lease_id, "fleetrl.groups": len(reply.groups),
+                "fleetrl.policy_version": g.policy_version})
 
 
 def write_endpoint_file(run_dir: str | Path, server: BrokerServer) -> Path:

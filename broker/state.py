@@ -55,6 +55,7 @@ class BrokerState:
         self.rejected: Counter[str] = Counter()
         self.staleness_hist: Counter[int] = Counter()
         self.rate_out = Rate()
+        self.status_stats: Callable[[float], dict[str, float]] = lambda now: {}  # the server's wire and process stats
         self.pub_port = 0  # set by the server once the PUB socket is bound
         self.announcements: list[tuple[bytes, m.Message]] = []  # to publish after this request
         self.spool_failing = ""  # the error while the spool cannot be written ("" = fine)
@@ -462,6 +463,7 @@ class BrokerState:
             paused=self.paused, data_epoch=self.prompts.epoch, data_cursor=self.prompts.pos,
             throttled=self.counters["throttled"], uncommitted=sum(len(e) for e in self.uncommitted.values()),
             counters={k: v for k, v in self.counters.items() if k not in STATUS_FIELDS and v},
+            stats=self.status_stats(now),
         )
 
 

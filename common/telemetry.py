@@ -7,7 +7,8 @@ code with one function call. The other exporters:
 
 - ``console``: one JSON line per span on stdout (the process's log under ``fleetrl run``);
 - ``jsonl``: ``<run_dir>/traces/<service>-<pid>.jsonl``, one file per process (several processes
-  share a run directory), one :func:`span_record` per line; ``fleetrl trace RUN_DIR`` reads them all;
+  share a run directory), one ``span_record`` per line (``common/trace_files.py``); ``fleetrl trace
+  RUN_DIR`` reads them all;
 - ``otlp``: OTLP over HTTP to ``telemetry.otlp_endpoint`` (an OpenTelemetry collector, Jaeger,
   Tempo...).
 
@@ -36,10 +37,14 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from fleetrl.common.trace_files import (  # noqa: F401 - re-exported: telemetry.read_spans, ...
+    TRACES_DIR, JsonlSpanExporter, read_spans, span_record, trace_files,
+)
 
 if TYPE_CHECKING:
     from fleetrl.common.messages import SampleGroup
@@ -48,7 +53,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("fleetrl.telemetry")
 
 SERVICES = ("broker", "rollout", "learner")
-TRACES_DIR = "traces"  # <run_dir>/traces/<service>-<pid>.jsonl
 ROOT = Context()  # pass as ``parent`` to start a new trace instead of a child of the current span
 MAX_LINKS = 4096  # a learner step links to every group it trained on (the SDK's default limit is 128)
 EXPORT_DELAY_MS = 1000  # spans reach the exporter within about this long
@@ -60,100 +64,38 @@ _active: "_Tracing | None" = None
 
 
 class UrandomIdGenerator(IdGenerator):
-    """Trace and span ids from ``os.urandom``: independent of ``random.seed`` in training code."""
+    """Trace and span ids from ``os.urandom``: independent of ``random.seed`` in training code.
+
+    The bytes are read 4 KiB at a time (one ``getrandom`` call costs ~100 us on some virtual machines,
+    more than the rest of a span), and the pool is emptied in a forked child, so a parent and its
+    child never hand out the same bytes.
+    """
+
+    POOL = 4096
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool, self._at = b"", 0
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._pool, self._at = b"", 0
+
+    def _take(self, n: int) -> int:
+        while True:
+            with self._lock:
+                if self._at + n > len(self._pool):
+                    self._pool, self._at = os.urandom(self.POOL), 0
+                value = int.from_bytes(self._pool[self._at : self._at + n], "little")
+                self._at += n
+            if value:  # 0 is the invalid id
+                return value
 
     def generate_span_id(self) -> int:
-        while not (value := int.from_bytes(os.urandom(8), "little")):  # 0 is the invalid id
-            pass
-        return value
+        return self._take(8)
 
     def generate_trace_id(self) -> int:
-        while not (value := int.from_bytes(os.urandom(16), "little")):
-            pass
-        return value
-
-
-# --------------------------------------------------------------------------------- span records
-
-
-def _hex_span(span_id: int) -> str:
-    return f"{span_id:016x}"
-
-
-def _hex_trace(trace_id: int) -> str:
-    return f"{trace_id:032x}"
-
-
-def span_record(span: ReadableSpan) -> dict[str, Any]:
-    """One finished span as the JSON object the jsonl exporter writes (and ``fleetrl trace`` reads).
-
-    Keys: name, trace_id (32 hex), span_id and parent_id (16 hex; parent_id null for a root),
-    service (``fleetrl-<service>``), instance (``service.instance.id``), start_ns / end_ns (Unix
-    nanoseconds), status, attributes, links ([{trace_id, span_id, attributes}]) and, when there are
-    any, events.
-    """
-    ctx, res = span.context, span.resource.attributes if span.resource else {}
-    out: dict[str, Any] = {
-        "name": span.name,
-        "trace_id": _hex_trace(ctx.trace_id),
-        "span_id": _hex_span(ctx.span_id),
-        "parent_id": _hex_span(span.parent.span_id) if span.parent is not None else None,
-        "service": res.get("service.name", ""),
-        "instance": res.get("service.instance.id", ""),
-        "start_ns": span.start_time,
-        "end_ns": span.end_time,
-        "status": span.status.status_code.name,
-        "attributes": dict(span.attributes or {}),
-        "links": [{"trace_id": _hex_trace(link.context.trace_id), "span_id": _hex_span(link.context.span_id),
-                   "attributes": dict(link.attributes or {})} for link in span.links],
-    }
-    if span.events:
-        out["events"] = [{"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})}
-                         for e in span.events]
-    return out
-
-
-class JsonlSpanExporter(SpanExporter):
-    """Appends one JSON object per span to ``path`` (one file per process: no interleaving)."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
-        self._lock = threading.Lock()
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        text = "".join(json.dumps(span_record(s), default=str) + "\n" for s in spans)
-        with self._lock:
-            if self._file.closed:
-                return SpanExportResult.FAILURE
-            self._file.write(text)
-            self._file.flush()
-        return SpanExportResult.SUCCESS
-
-    def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        return True
-
-    def shutdown(self) -> None:
-        with self._lock:
-            self._file.close()
-
-
-def trace_files(run_dir: str | Path) -> list[Path]:
-    """Every process's span file of a run directory."""
-    return sorted((Path(run_dir) / TRACES_DIR).glob("*.jsonl"))
-
-
-def read_spans(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All span records of a run directory (a partly written last line is skipped)."""
-    spans = []
-    for path in trace_files(run_dir):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                spans.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return spans
+        return self._take(16)
 
 
 # ------------------------------------------------------------------------------------ set-up
@@ -220,9 +162,10 @@ def setup_tracing(service: str, cfg: TelemetryConfig, run_dir: str | Path | None
 
 def shutdown_tracing() -> None:
     """Export what is buffered and go back to the no-op tracer (also runs at process exit)."""
-    global _active
+    global _active, _exemplar
     with _lock:
         active, _active = _active, None
+        _exemplar = {}
     if active is not None:
         active.provider.shutdown()
 
@@ -266,6 +209,25 @@ def sampled(carrier: Mapping[str, str] | None) -> bool:
     return len(parent) == 55 and parent[-1] in "13579bdf"
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
+def remote_context(carrier: Mapping[str, str] | None) -> trace.SpanContext:
+    """The span context ``carrier`` names (invalid for ``{}`` or a malformed one).
+
+    A ``traceparent`` of our own shape (version 00, no ``tracestate``) is read by slicing, several
+    times cheaper than the propagator's regular expression (the learner reads two per group a step);
+    anything else goes through the propagator.
+    """
+    tp = carrier.get("traceparent", "") if carrier else ""
+    if len(tp) == 55 and tp.startswith("00-") and "tracestate" not in carrier and tp[35] == tp[52] == "-" \
+            and _HEX.issuperset(tp[3:35]) and _HEX.issuperset(tp[36:52]) and _HEX.issuperset(tp[53:]):
+        trace_id, span_id = int(tp[3:35], 16), int(tp[36:52], 16)
+        if trace_id and span_id:
+            return trace.SpanContext(trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(int(tp[53:], 16)))
+    return trace.get_current_span(extract(carrier)).get_span_context()
+
+
 def extract(carrier: Mapping[str, str] | None) -> Context:
     """A context whose parent is the span ``carrier`` names (an empty context for ``{}``)."""
     return _propagator.extract(carrier or {}, context=Context())
@@ -276,7 +238,8 @@ def _parent(parent: Context | Mapping[str, str] | trace.Span | None) -> Context 
         return parent
     if isinstance(parent, trace.Span):
         return trace.set_span_in_context(parent)
-    return extract(parent)
+    ctx = remote_context(parent)
+    return trace.set_span_in_context(trace.NonRecordingSpan(ctx)) if ctx.is_valid else Context()
 
 
 def link_from(carrier: Mapping[str, str] | None, attributes: Mapping[str, Any] | None = None) -> trace.Link | None:
@@ -289,8 +252,7 @@ def group_links(groups: Iterable[SampleGroup]) -> list[trace.Link]:
     """Links to the trace of every sampled group (``fleetrl.group_id`` on each link); ``[]`` when tracing is off."""
     if not enabled():
         return []
-    return [trace.Link(trace.get_current_span(extract(g.trace)).get_span_context(), {"fleetrl.group_id": g.group_id})
-            for g in groups if sampled(g.trace)]
+    return [trace.Link(remote_context(g.trace), {"fleetrl.group_id": g.group_id}) for g in groups if sampled(g.trace)]
 
 
 @contextmanager
@@ -321,6 +283,28 @@ def record_span(name: str, start_ns: int, end_ns: int | None = None,
                                 start_time=start_ns)
     s.end(end_time=end_ns if end_ns is not None else time.time_ns())
     return s
+
+
+# ------------------------------------------------------------------------------------ exemplars
+
+_exemplar: dict[str, str] = {}
+
+
+def note_exemplar(carrier: Mapping[str, str] | None, group_id: str) -> None:
+    """Remember a sampled group's trace as this process's metric exemplar (the learner, once per step).
+
+    The Prometheus sink attaches it to the step's counters and histogram (OpenMetrics exemplars:
+    ``trace_id``, ``group_id``), so a dashboard point jumps to the trace of a group that step trained.
+    An unsampled or empty carrier changes nothing.
+    """
+    global _exemplar
+    if sampled(carrier):
+        _exemplar = {"trace_id": carrier["traceparent"][3:35], "group_id": group_id}
+
+
+def exemplar() -> dict[str, str]:
+    """The latest :func:`note_exemplar` (``{}`` before the first, and whenever tracing is off)."""
+    return dict(_exemplar)
 
 
 def wall_ns(monotonic_s: float) -> int:

@@ -1,11 +1,10 @@
 """`fleetrl trace RUN_DIR [--group ID]`: the timeline of one group from the run's jsonl spans.
 
-Reads every ``<run_dir>/traces/*.jsonl`` (``telemetry.exporter: jsonl``). A group's trace is the trace
-of the prompt lease it came from (docs/monitoring.md, "Traces"); the timeline shows the spans of that
-trace that concern the group — the lease, generation, reward and push of its batch, its ``prompt``
-span, its ``broker.ingest`` — then the spans elsewhere that link to it (``broker.batch_lease``, the
-``learner.step`` that trained on it) with their children (``weights.publish``). Without ``--group``
-it lists the latest groups.
+Reads every ``<run_dir>/traces/*.jsonl`` (``telemetry.exporter: jsonl``). Each group has a trace of its
+own (docs/monitoring.md, "Traces"), and the timeline is that trace: the rollout's lease, generation,
+reward and push, the broker's ingest and batch lease, the learner's ``learner.train`` and
+``learner.publish_weights``, and the rollout servers' ``rollout.load_weights`` of that version.
+Without ``--group`` it lists the latest groups.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from fleetrl.common.telemetry import TRACES_DIR, read_spans
+from fleetrl.common.trace_files import TRACES_DIR, read_spans
 
 GROUP = "fleetrl.group_id"
 PROMPT = "fleetrl.prompt_id"
@@ -23,17 +22,14 @@ Span = dict[str, Any]
 
 
 class Spans:
-    """The spans of a run, indexed by group, trace and parent."""
+    """The spans of a run, indexed by group and trace."""
 
     def __init__(self, spans: list[Span]):
         self.spans = sorted(spans, key=lambda s: s["start_ns"])
         self.by_trace: dict[str, list[Span]] = defaultdict(list)
-        self.children: dict[str, list[Span]] = defaultdict(list)
         self.groups: dict[str, list[Span]] = defaultdict(list)  # group id -> spans naming it
         for s in self.spans:
             self.by_trace[s["trace_id"]].append(s)
-            if s.get("parent_id"):
-                self.children[s["parent_id"]].append(s)
             if GROUP in s["attributes"]:
                 self.groups[s["attributes"][GROUP]].append(s)
 
@@ -45,27 +41,11 @@ class Spans:
         return found[0]
 
     def timeline(self, group_id: str) -> list[Span]:
-        """The spans of the group's trace that concern it, then the spans linking to it, in time order."""
+        """The spans of the group's trace that concern it (all of them, unless one names another group), in time order."""
         own = self.groups[group_id]
-        trace_id = own[0]["trace_id"]
+        trace_id = next((s["trace_id"] for s in own if s["name"] == "rollout.group"), own[0]["trace_id"])
         prompt_id = next((s["attributes"][PROMPT] for s in own if PROMPT in s["attributes"]), None)
-        out = [s for s in self.by_trace[trace_id] if _concerns(s, group_id, prompt_id)]
-        seen = {s["span_id"] for s in out}
-        for s in self.spans:
-            if s["span_id"] not in seen and _links_to(s, trace_id, group_id):
-                out.extend(self._subtree(s, seen))
-        return sorted(out, key=lambda s: s["start_ns"])
-
-    def _subtree(self, root: Span, seen: set[str]) -> list[Span]:
-        out, todo = [], [root]
-        while todo:
-            s = todo.pop()
-            if s["span_id"] in seen:
-                continue
-            seen.add(s["span_id"])
-            out.append(s)
-            todo.extend(self.children.get(s["span_id"], ()))
-        return out
+        return [s for s in self.by_trace[trace_id] if _concerns(s, group_id, prompt_id)]
 
     def latest(self, n: int) -> list[tuple[str, list[Span]]]:
         """The ``n`` most recent groups (by their first span) with their timelines."""
@@ -77,12 +57,6 @@ def _concerns(span: Span, group_id: str, prompt_id: str | None) -> bool:
     """A span of the group's trace is on its timeline unless it names another group or prompt."""
     attributes = span["attributes"]
     return attributes.get(GROUP, group_id) == group_id and attributes.get(PROMPT, prompt_id) == prompt_id
-
-
-def _links_to(span: Span, trace_id: str, group_id: str) -> bool:
-    """The span links to the group's trace (to the group itself when the link names one)."""
-    return any(link["trace_id"] == trace_id and link["attributes"].get(GROUP, group_id) == group_id
-               for link in span.get("links", ()))
 
 
 def _details(span: Span) -> str:
@@ -102,11 +76,11 @@ def format_timeline(group_id: str, spans: list[Span]) -> str:
     total = (max(s["end_ns"] for s in spans) - t0) / 1e9
     lines = [f"group {group_id}  prompt {prompt}  trace {', '.join(sorted(trace_ids))}  "
              f"{len(spans)} spans over {total:.3f} s",
-             f"  {'offset':>10}  {'duration':>10}  {'process':<24}  {'span':<18}  details"]
+             f"  {'offset':>10}  {'duration':>10}  {'process':<24}  {'span':<24}  details"]
     for s in spans:
         who = s.get("instance") or s.get("service", "")
         lines.append(f"  {(s['start_ns'] - t0) / 1e9:>+9.3f}s  {(s['end_ns'] - s['start_ns']) / 1e9:>9.4f}s  "
-                     f"{who[:24]:<24}  {s['name']:<18}  {_details(s)}")
+                     f"{who[:24]:<24}  {s['name']:<24}  {_details(s)}")
     return "\n".join(lines)
 
 
@@ -114,7 +88,7 @@ def format_list(entries: list[tuple[str, list[Span]]]) -> str:
     lines = [f"{'group':<32}  {'prompt':<10}  {'spans':>5}  {'lease → last span':>17}  trained at step"]
     for gid, spans in entries:
         prompt = next((s["attributes"][PROMPT] for s in spans if PROMPT in s["attributes"]), "?")
-        steps = [str(s["attributes"].get("fleetrl.step", "?")) for s in spans if s["name"] == "learner.step"]
+        steps = [str(s["attributes"].get("fleetrl.step", "?")) for s in spans if s["name"] == "learner.train"]
         span_s = (max(s["end_ns"] for s in spans) - spans[0]["start_ns"]) / 1e9
         lines.append(f"{gid:<32}  {prompt:<10}  {len(spans):>5}  {span_s:>16.3f}s  {', '.join(steps) or '-'}")
     lines.append("show one with: fleetrl trace RUN_DIR --group ID (a unique prefix of the id is enough)")

@@ -3,7 +3,8 @@
 ``metrics.jsonl`` in the run directory is always written (one JSON object per step, with ``step``
 and ``time``); the console, TensorBoard, wandb and Prometheus sinks (``learner/sinks.py``, turned on
 in the ``telemetry`` section) plug in through the same ``Sink`` interface. Sample completions
-(``log_completions``) go to ``completions.jsonl`` and to the sinks that show tables.
+(``log_completions``) go to ``completions.jsonl`` and to the sinks that show tables. Each row also
+gets this process's resource metrics (``resource/learner/*``, ``common/resources.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetrl.common.config.schema import JobConfig
+from fleetrl.common.resources import ProcessResources
 from fleetrl.learner.sinks import ConsoleSink, JsonlSink, Sink, make_sinks
 
 __all__ = ["ConsoleSink", "JsonlSink", "Monitor", "Sink"]
@@ -23,6 +25,8 @@ class Monitor:
         self.sinks = sinks
         self.completions_path = completions_path
         self.history: list[dict[str, float]] = []
+        # this process's CPU, RSS and GPU (resource/learner/*) beside every row, where there are sinks
+        self.resources = ProcessResources("resource/learner") if sinks else None
 
     @classmethod
     def for_run(cls, run_dir: Path, rank: int, console_every: int = 1, cfg: JobConfig | None = None) -> "Monitor":
@@ -39,6 +43,8 @@ class Monitor:
             sink.write_completions(step, rows)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.resources is not None:
+            metrics = {**metrics, **self.resources.sample()}
         self.history.append({"step": step, **metrics})
         for sink in self.sinks:
             sink.write(step, metrics)

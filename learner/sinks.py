@@ -3,9 +3,9 @@
 ``metrics.jsonl`` is always written; the console gets a short line per step; the ``telemetry``
 section adds TensorBoard event files (``tensorboard: true``), a wandb run (``wandb_project`` or
 ``WANDB_PROJECT``; offline unless ``wandb_mode`` / ``WANDB_MODE`` say otherwise, off with
-``WANDB_MODE=disabled``) and a Prometheus endpoint served through the OpenTelemetry metrics SDK
-(``prometheus_port`` on ``prometheus_host``, loopback by default). TensorBoard, wandb and the
-Prometheus exporter are the optional ``tracking`` extra (``pip install 'fleetrl[tracking]'``): each
+``WANDB_MODE=disabled``) and a Prometheus endpoint with OpenMetrics exemplars
+(``prometheus_port`` on ``prometheus_host``, loopback by default). TensorBoard, wandb and
+prometheus_client are the optional ``tracking`` extra (``pip install 'fleetrl[tracking]'``): each
 is imported only when its sink is built, and a sink asked for without its library fails at start-up
 with that install hint.
 
@@ -80,7 +80,7 @@ class ConsoleSink:
     """A short log line every ``every`` steps."""
 
     KEYS = ("reward/mean", "actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm", "off_policy/staleness_mean",
-            "throughput/samples_per_s")
+            "throughput/samples_per_s", "resource/learner/cpu_percent", "resource/learner/rss_mb")
 
     def __init__(self, every: int = 1):
         self.every = every
@@ -186,44 +186,66 @@ def prometheus_name(key: str) -> str:
     return "fleetrl_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
 
 
-class PrometheusSink:
-    """``http://HOST:PORT/metrics`` serving the latest value of every metric as a gauge.
+class _LatestGauges:
+    """A prometheus_client collector: the latest value of every metric, one gauge each."""
 
-    Built on the OpenTelemetry metrics SDK: one gauge per metric key (``fleetrl_<key>`` with ``/``
-    and other characters as ``_``) and ``fleetrl_step``, read by a ``PrometheusMetricReader`` on a
-    registry of its own, served by ``prometheus_client``'s HTTP server.
+    def __init__(self, family: Any):
+        self.family, self.values = family, {}  # prometheus name -> (key, value)
+
+    def collect(self):
+        for name, (key, value) in list(self.values.items()):
+            yield self.family(name, key, value=value)
+
+
+class PrometheusSink:
+    """``http://HOST:PORT/metrics``: the latest value of every metric as a gauge, and exemplars.
+
+    Gauges: ``fleetrl_<key>`` (``/`` and other characters as ``_``) and ``fleetrl_step``. Beside them
+    ``fleetrl_learner_steps_total`` and ``fleetrl_learner_samples_total`` (counters) and
+    ``fleetrl_learner_step_seconds`` (a histogram of ``timing/step_total_s``) carry an OpenMetrics
+    exemplar per step, ``{trace_id, group_id}`` of a group that step trained (``telemetry.exemplar()``,
+    set by ``learner/tracing.py``), shown to scrapers that ask for ``application/openmetrics-text``
+    (Prometheus with exemplar storage on, Grafana): a point on a dashboard links to the trace.
+    Served by ``prometheus_client``'s HTTP server on a registry of its own.
     """
 
+    STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
     def __init__(self, port: int, service: str = "learner", addr: str = "127.0.0.1"):
-        setting = "telemetry.prometheus_port"
-        exporter = _need("opentelemetry.exporter.prometheus", setting)
-        prometheus = _need("prometheus_client", setting)
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.resources import Resource
+        prometheus = _need("prometheus_client", "telemetry.prometheus_port")
+        from prometheus_client.core import GaugeMetricFamily
 
         self.registry = prometheus.CollectorRegistry()
-        self.reader = exporter.PrometheusMetricReader(registry=self.registry)
-        self.provider = MeterProvider(metric_readers=[self.reader],
-                                      resource=Resource.create({"service.name": f"fleetrl-{service}"}))
-        self.meter = self.provider.get_meter("fleetrl")
-        self.gauges: dict[str, Any] = {}
+        self.gauges = _LatestGauges(GaugeMetricFamily)
+        self.registry.register(self.gauges)
+        self.steps = prometheus.Counter("fleetrl_learner_steps", "learner steps", registry=self.registry)
+        self.samples = prometheus.Counter("fleetrl_learner_samples", "samples trained on", registry=self.registry)
+        self.step_s = prometheus.Histogram("fleetrl_learner_step_seconds", "timing/step_total_s",
+                                           buckets=self.STEP_BUCKETS, registry=self.registry)
         try:
             self.server, self.thread = prometheus.start_http_server(port, addr=addr, registry=self.registry)
         except OSError as e:
-            self.provider.shutdown()
             raise ConfigError(f"telemetry.prometheus_port={port}: cannot serve metrics on {addr}:{port} ({e}); "
                               "choose a free port (or null), or check telemetry.prometheus_host") from None
         self.port = self.server.server_port
         log.info("serving Prometheus metrics on http://%s:%d/metrics", addr, self.port)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        for key, value in {"step": float(step), **metrics}.items():
-            if not math.isfinite(value):
-                continue
-            gauge = self.gauges.get(key)
-            if gauge is None:
-                gauge = self.gauges[key] = self.meter.create_gauge(prometheus_name(key), description=key)
-            gauge.set(float(value))
+        from fleetrl.common import telemetry
+
+        values = {prometheus_name(k): (k, float(v)) for k, v in {"step": float(step), **metrics}.items()
+                  if math.isfinite(v)}
+        self.gauges.values = {**self.gauges.values, **values}
+        exemplar = telemetry.exemplar() or None
+        if "batch/samples" not in metrics and "timing/step_total_s" not in metrics:
+            return  # not a training step (e.g. the step-0 evaluation)
+        self.steps.inc(1, exemplar=exemplar)
+        samples = metrics.get("batch/samples", 0.0)
+        if math.isfinite(samples) and samples > 0:
+            self.samples.inc(samples, exemplar=exemplar)
+        seconds = metrics.get("timing/step_total_s")
+        if seconds is not None and math.isfinite(seconds):
+            self.step_s.observe(seconds, exemplar=exemplar)
 
     def write_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
         pass
@@ -231,7 +253,6 @@ class PrometheusSink:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-        self.provider.shutdown()
 
 
 def make_sinks(cfg: JobConfig | None, run_dir: str | Path, rank: int, console_every: int = 1) -> list[Sink]:

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import msgspec
 import numpy as np
 import torch
 import torch.distributed as tdist
@@ -51,6 +52,7 @@ from fleetrl.learner.runtime import (
     trainable_module,
 )
 from fleetrl.learner.source import Interrupted
+from fleetrl.learner.tracing import StepTraces
 
 log = logging.getLogger("fleetrl.learner")
 
@@ -96,6 +98,7 @@ class Learner:
         self.health = HealthMonitor(cfg.health, self.run_dir / "events.jsonl" if dist.is_main else None) \
             if cfg.health.enabled else None
         self.lr_scale = 1.0  # health.lr_factor ** rollbacks
+        self.traces = StepTraces()
         self.completions = CompletionLog(cfg) if dist.is_main else None
 
     @property
@@ -107,12 +110,13 @@ class Learner:
         t0, start_ns = time.perf_counter(), time.time_ns()
         leased = self.source.next(self.step + 1, self.stop_requested)
         with telemetry.span("learner.step", telemetry.ROOT, {"fleetrl.step": self.step + 1},
-                            telemetry.group_links(leased.groups), start_ns):  # linked to every group's trace
+                            telemetry.group_links(leased.groups), start_ns) as step_span:  # linked to every group
             batch = self.actor.plan(leased)
             with injected_faults(self, self.step + 1):  # FLEETRL_FAULT (benchmarks/health.py); off by default
                 stats = self.actor.step(batch, self.version)
             self.step += 1
             self.source.ack(leased, self.step)
+            self.traces.trained(step_span, leased.groups, self.step, self.version, start_ns)  # learner/tracing.py
             self.trained_log.write({"step": self.step, "version": self.version, "group_ids": leased.ids})
             main_only = self.broker_metrics() if self.dist.is_main and self.fleet else {}  # sizes the broadcast
             if self.dist.is_main:  # per reward function (rank 0's groups: keys may differ between ranks)
@@ -160,9 +164,11 @@ class Learner:
         """Send the current weights to the rollout fleet as version ``version + 1`` (collective)."""
         self.version += 1
         expected = self.fleet_size
-        announce = lambda info: self.client.publish_version(self.version, self.step, info)  # noqa: E731
-        return self.publisher.publish(self.version, self.step, self.full_params(),
-                                      announce if self.dist.is_main else (lambda info: None), expected)
+        with self.traces.publishing(self.version, self.step) as traces:  # spans in the trained groups' traces
+            announce = lambda info: self.client.publish_version(  # noqa: E731
+                self.version, self.step, msgspec.structs.replace(info, traces=traces))
+            return self.publisher.publish(self.version, self.step, self.full_params(),
+                                          announce if self.dist.is_main else (lambda info: None), expected)
 
     def full_params(self):
         """(name, full tensor) under the base model's names; with model.lora the merged weights (collective)."""

@@ -61,7 +61,7 @@ class WeightPublisher:
         t0 = time.perf_counter()
         attributes = {"fleetrl.policy_version": version, "fleetrl.step": step, "fleetrl.transport": self.cfg.transport}
         try:
-            with telemetry.span("weights.publish", attributes=attributes) as span:  # a child of the learner step
+            with telemetry.span("learner.publish_weights", attributes=attributes) as span:  # child of learner.step
                 sent = self._sender.send(version, step, _checked(it, self.specs), announce, expected_receivers)
                 span.set_attributes({"fleetrl.mb": sent.nbytes / ws.MB, "fleetrl.receivers": sent.receivers,
                                     "fleetrl.failed": sent.failed})

@@ -341,8 +341,9 @@ class Finisher:
                 self.client.return_prompts(batch.lease.lease_id, back)
                 self.stats.add(prompts_returned=len(back))
             if batch.trace is not None:
-                batch.trace.record("reward", batch.submitted, batch.rewards_done or t0)
-                batch.trace.record("push", t0, t0 + push_s, groups=len(gs))
+                ids = [p.prompt_id for p in batch.lease.prompts]
+                batch.trace.record("rollout.reward", batch.submitted, batch.rewards_done or t0, ids)
+                batch.trace.record("rollout.push", t0, t0 + push_s, ids, groups=len(gs))
             self.leases.close(batch.lease.lease_id, [g.prompt_id for g in gs])
             self.on_done(batch)
         self.stats.add(batches=len(batches), tokens=sum(b.num_tokens for b in batches), **counts)

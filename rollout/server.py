@@ -40,6 +40,7 @@ from fleetrl.common import messages as m
 from fleetrl.common.config import load_config
 from fleetrl.common.config.checks import require_model_dir
 from fleetrl.common.log import setup_logging
+from fleetrl.common.resources import ProcessResources
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.rollout.engines import Generation, Request, SamplingParams, create_engine
 from fleetrl.rollout.fleet import exits_on_done, is_done_throttle, leave_fleet
@@ -48,7 +49,7 @@ from fleetrl.rollout.loop import (
 )
 from fleetrl.rollout.inflight import InFlight, max_inflight, trace_carrier
 from fleetrl.rollout.rewards import RewardScorer
-from fleetrl.rollout.tracing import LeaseTrace
+from fleetrl.rollout.tracing import LeaseTrace, genai_attributes, trace_load
 
 if TYPE_CHECKING:
     from fleetrl.rollout.weights import WeightReceiver
@@ -104,6 +105,8 @@ class RolloutServer:
         self._stale = faults.StaleWeights()
         self._told_done = False
         self._update_stats = {"weights/pause_ms": 0.0, "weights/updates_inflight": 0.0}
+        self.resources = ProcessResources("resource/rollout")
+        self._announced: dict[int, list[dict[str, str]]] = {}  # version -> the publish spans it was announced with
         check_chat_template(engine.tokenizer, cfg.data.apply_chat_template, cfg.model.tokenizer or cfg.model.path)
 
     # ------------------------------------------------------------------------------ lifecycle
@@ -300,9 +303,8 @@ class RolloutServer:
         g = self.cfg.rollout.group_size
         samples, baselines = [list(item.samples[:g])], ([item.samples[g]] if self.greedy_baseline else None)
         if item.trace is not None:
-            item.trace.record("generate", item.started, now, prompt_id=item.prompt.prompt_id,
-                              group_size=len(item.samples), tokens=sum(len(s.token_ids) for s in item.samples),
-                              policy_version=item.version)
+            item.trace.generated(item.prompt.prompt_id, genai_attributes(
+                self.cfg.model.path, self.params, item.prompt_ids, item.samples, item.version))
         lease = m.PromptLease(req_id=item.lease.req_id, lease_id=item.lease.lease_id,
                               expires_in_s=item.lease.expires_in_s, prompts=[item.prompt])
         inputs = reward_inputs(lease.prompts, samples) + reward_inputs(lease.prompts, [baselines] if baselines else [])
@@ -311,6 +313,8 @@ class RolloutServer:
                                    trace=item.trace, baselines=baselines))
 
     def _give_back(self, item: InFlight) -> None:
+        if item.trace is not None:
+            item.trace.dropped(item.prompt.prompt_id)
         try:
             self.client.return_prompts(item.lease.lease_id, [item.prompt.prompt_id])
             self.stats.add(prompts_returned=1)
@@ -385,6 +389,9 @@ class RolloutServer:
 
     def offer_version(self, version: int, weights: m.WeightsInfo) -> None:
         """Every announcement goes to the receiver, which orders versions by publish time (rollbacks)."""
+        if weights.traces and telemetry.enabled():  # the group traces this version's load joins (rollout/tracing.py)
+            self._announced = {v: t for v, t in self._announced.items() if v > version - 8}
+            self._announced[version] = weights.traces
         if self.receiver is None:
             if version == self.version:
                 return
@@ -411,7 +418,7 @@ class RolloutServer:
         pause_ms = 1000 * (time.perf_counter() - t0)
         if version is None or version == self.version:
             return
-        telemetry.record_span("weights.load", start_ns, parent=telemetry.ROOT, attributes={
+        trace_load(start_ns, self._announced.pop(version, []), {
             "fleetrl.policy_version": version, "fleetrl.previous_version": self.version,
             "fleetrl.inflight_update": self.cfg.rollout.inflight_update, "fleetrl.in_flight": len(self.inflight)})
         log.info("policy version %d -> %d: new weights loaded in flight (%s, %d groups in flight, paused %.0f ms)",
@@ -428,7 +435,9 @@ class RolloutServer:
     # --------------------------------------------------------------------------------- stats
 
     def weight_stats(self) -> dict[str, float]:
-        return {**(self.receiver.stats() if self.receiver is not None else {}), **self._update_stats}
+        """Weight sync and this process's resources (``resource/rollout/*``): in each metrics line and heartbeat."""
+        return {**(self.receiver.stats() if self.receiver is not None else {}), **self._update_stats,
+                **self.resources.sample()}
 
     def heartbeat_stats(self) -> tuple[int, dict[str, float]]:
         """(policy version, stats) for the broker's status: called from the client's thread."""

@@ -145,14 +145,18 @@ class WeightReceiver:
                             "waiting for the next version", update.version, update.path)
                 return False
             engine.load_weights_from_dir(update.path)
+            nbytes = sum(f.stat().st_size for f in Path(update.path).glob("*.safetensors"))
         else:
             engine.update_weights(update.named)
+            nbytes = sum(t.numel() * t.element_size() for _, t in update.named)
         with self._cv:
             if update.key >= self._held_key:
                 self._held, self._held_key = update.version, update.key
             self.transport.recycle(update.buffers)
             self._stats["weights/version"] = float(self._held)
-            self._stats["weights/load_s"] = time.perf_counter() - t0
+            self._stats["weights/load_s"] = seconds = time.perf_counter() - t0
+            self._stats["weights/load_mb"] = nbytes / (1 << 20)  # load bandwidth: what a sync costs this server
+            self._stats["weights/load_mb_per_s"] = nbytes / (1 << 20) / max(seconds, 1e-9)
         return True
 
     def stats(self) -> dict[str, float]:

@@ -25,6 +25,7 @@ class WeightsInfo(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     round_id: int = 0  # broadcast: which round of the group to join
     published_at: float = 0.0  # stamped by the broker when it relays the version: orders versions across resumes and rollbacks
     secret: str = ""  # broadcast: the round's secret (hex); only holders find the round's keys on the TCPStore
+    traces: list[dict[str, str]] = []  # W3C contexts of the publish spans in (some of) the trained groups' traces
 
 
 class JoinRecord(msgspec.Struct, gc=False):  # Rollout -> Learner (TCPStore)

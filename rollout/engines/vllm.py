@@ -205,7 +205,11 @@ class VllmEngine(Engine):
             raise ValueError("the prompt is empty; every prompt needs at least one token")
         prompt = {"prompt_token_ids": list(request.prompt_ids), "cache_salt": f"v{self.version}"}
         final = None
-        async for out in self._llm.generate(prompt, to_vllm_params(request.params), request_id=request.request_id):
+        # the caller's span (rollout.generate) as the parent of vLLM's own request spans, when vLLM traces
+        # (engine arg otlp_traces_endpoint); vLLM ignores it otherwise
+        trace = {"trace_headers": dict(request.trace)} if request.trace else {}
+        async for out in self._llm.generate(prompt, to_vllm_params(request.params), request_id=request.request_id,
+                                            **trace):
             final = out
         if final is None:
             raise RuntimeError(f"vLLM returned nothing for request {request.request_id}")

@@ -50,7 +50,8 @@ def test_tensorboard_sink_writes_scalars(tmp_path):
     events = LegacyEventFileLoader(str(events)).Load()
     scalars = [(e.step, v.tag, v.simple_value) for e in events for v in e.summary.value]
     assert (1, "reward/mean", 0.5) in scalars and (2, "reward/mean", 0.75) in scalars
-    assert {tag for _, tag, _ in scalars} == set(METRICS)
+    resources = {"resource/learner/cpu_percent", "resource/learner/rss_mb"}  # the monitor adds them to every row
+    assert {tag for _, tag, _ in scalars} == set(METRICS) | resources
 
 
 def test_wandb_sink_writes_an_offline_run(tmp_path, monkeypatch):
@@ -69,7 +70,6 @@ def test_wandb_sink_writes_an_offline_run(tmp_path, monkeypatch):
 
 
 def test_prometheus_sink_serves_the_latest_metrics_over_http(tmp_path):
-    pytest.importorskip("opentelemetry.exporter.prometheus")
     pytest.importorskip("prometheus_client")
     port = free_port()
     monitor = Monitor.for_run(tmp_path, 0, cfg=load_config(None, [f"telemetry.prometheus_port={port}"]))
@@ -82,8 +82,44 @@ def test_prometheus_sink_serves_the_latest_metrics_over_http(tmp_path):
     values = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(fleetrl_\w+)(?:\{[^}]*\})? (\S+)$", body, re.M)}
     assert values[prometheus_name("reward/mean")] == 0.25 and values["fleetrl_step"] == 2.0
     assert values["fleetrl_broker_queue_depth"] == 3.0 and "fleetrl_actor_loss" not in values  # inf is skipped
+    assert values["fleetrl_resource_learner_rss_mb"] > 10 and "fleetrl_resource_learner_cpu_percent" in values
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["resource/learner/rss_mb"] > 10 for row in rows)  # the same row in metrics.jsonl
     with pytest.raises(OSError):  # closed: the port is free again and nothing answers
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_prometheus_step_metrics_carry_the_trace_of_a_trained_group_as_an_exemplar(tmp_path):
+    """OpenMetrics exemplars: scraped with the OpenMetrics Accept header, the step counters and the
+    step-time histogram carry the trace id of a group the step trained (telemetry.note_exemplar,
+    called by learner/tracing.py); the plain text format has none."""
+    pytest.importorskip("prometheus_client")
+    from fleetrl.common import telemetry
+
+    port = free_port()
+    monitor = Monitor.for_run(tmp_path, 0, cfg=load_config(None, [f"telemetry.prometheus_port={port}"]))
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    try:
+        telemetry.note_exemplar({"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}, "g1")
+        monitor.log(1, {**METRICS, "batch/samples": 8.0, "timing/step_total_s": 0.7})
+        telemetry.note_exemplar({"traceparent": f"00-{'0' * 31}1-00f067aa0ba902b7-00"}, "g2")  # unsampled: ignored
+        url = f"http://127.0.0.1:{port}/metrics"
+        request = urllib.request.Request(url, headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            body, kind = reply.read().decode(), reply.headers["Content-Type"]
+        plain = urllib.request.urlopen(url, timeout=10).read().decode()
+    finally:
+        monitor.close()
+        telemetry.shutdown_tracing()  # clears the exemplar
+    assert kind.startswith("application/openmetrics-text") and body.rstrip().endswith("# EOF")
+    exemplar = f'# {{group_id="g1",trace_id="{trace_id}"}}'
+    lines = {line.split(" ")[0]: line for line in body.splitlines() if not line.startswith("#")}
+    assert lines["fleetrl_learner_steps_total"].startswith("fleetrl_learner_steps_total 1.0 " + exemplar)
+    assert lines["fleetrl_learner_samples_total"].startswith("fleetrl_learner_samples_total 8.0 " + exemplar)
+    assert exemplar + " 0.7" in lines['fleetrl_learner_step_seconds_bucket{le="1.0"}']  # the bucket 0.7 fell in
+    assert "trace_id" not in lines['fleetrl_learner_step_seconds_bucket{le="0.5"}']
+    assert "fleetrl_reward_mean 0.5" in body and "trace_id" not in plain
+    assert telemetry.exemplar() == {}
 
 
 ROWS = [{"step": 4, "policy_version": 3, "group": "g1", "prompt": "<|user|>1+2=<eos><|assistant|>", "response": "3",

@@ -22,6 +22,7 @@ from fleetrl.common import telemetry
 from fleetrl.common.config import ConfigError
 from fleetrl.common.config.schema import TelemetryConfig
 from fleetrl.common.trace_cli import Spans, main as trace_main
+from tests.common.otlp_receiver import OtlpReceiver
 from tests.helpers import make_group
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,6 +188,38 @@ def test_span_ids_differ_between_identically_seeded_processes(tmp_path):
     assert ids[0] == ids[1]
 
 
+def test_ids_from_the_urandom_pool_differ_in_a_forked_child_and_are_never_zero():
+    """The pool is emptied at fork: a child that inherits it draws fresh bytes, not its parent's."""
+    gen = telemetry.UrandomIdGenerator()
+    gen.generate_span_id()  # the pool is filled now
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ids, then exit without running the parent's atexit
+        os.write(write, json.dumps([gen.generate_span_id() for _ in range(8)]).encode())
+        os._exit(0)
+    os.close(write)
+    child = json.loads(os.read(read, 65536))
+    os.waitpid(pid, 0)
+    parent = [gen.generate_span_id() for _ in range(8)]
+    assert len(set(child) | set(parent)) == 16 and all(0 < i < 2**64 for i in child + parent)
+    ids = [gen.generate_trace_id() for _ in range(1000)]  # several pool refills
+    assert len(set(ids)) == 1000 and all(0 < i < 2**128 for i in ids)
+
+
+def test_remote_context_reads_our_traceparent_like_the_propagator():
+    from opentelemetry.trace import TraceFlags
+
+    for flags in ("01", "00"):
+        carrier = {"traceparent": f"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-{flags}"}
+        fast, slow = telemetry.remote_context(carrier), trace.get_current_span(telemetry.extract(carrier)).get_span_context()
+        assert fast == slow and fast.is_remote and fast.trace_flags == TraceFlags(int(flags))
+    for bad in ({}, None, {"traceparent": "00-" + "0" * 32 + "-00f067aa0ba902b7-01"},
+                {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e473X-00f067aa0ba902b7-01"}, {"traceparent": "junk"}):
+        assert not telemetry.remote_context(bad).is_valid
+    with_state = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "tracestate": "v=1"}
+    assert telemetry.remote_context(with_state).trace_state.get("v") == "1"  # the propagator's path keeps it
+
+
 # --------------------------------------------------------------------------------- fleetrl trace
 
 
@@ -199,30 +232,34 @@ def _span(name, trace_id, span_id, start_ms, dur_ms, instance, parent=None, link
 
 
 def _synthetic_run(run_dir: Path) -> None:
-    """Two groups (gA, gB) of one lease (trace T1), trained at step 7; a second lease (T2) untrained."""
-    T1, T2, T3 = "1" * 32, "2" * 32, "3" * 32
+    """Two groups of one lease, each with its own trace (gA: T1, gB: T2), both trained at step 7 and
+    published as version 7, which rollout-0 loads; gC (T3) is not trained yet."""
+    T1, T2, T3, T9 = "1" * 32, "2" * 32, "3" * 32, "9" * 32
     rollout = [
-        _span("prompt.lease", T1, "a0", 0, 5, "rollout-0", **{"fleetrl.lease_id": "L1"}),
-        _span("prompt", T1, "a1", 5, 300, "rollout-0", "a0", **{"fleetrl.prompt_id": "0:1", "fleetrl.group_id": "gA"}),
-        _span("prompt", T1, "a2", 5, 300, "rollout-0", "a0", **{"fleetrl.prompt_id": "0:2", "fleetrl.group_id": "gB"}),
-        _span("generate", T1, "a3", 6, 200, "rollout-0", "a0", **{"fleetrl.tokens": 16}),
-        _span("reward", T1, "a4", 206, 99, "rollout-0", "a0"),
-        _span("push", T1, "a5", 306, 4, "rollout-0", "a0", **{"fleetrl.groups": 2}),
-        _span("prompt.lease", T2, "b0", 400, 5, "rollout-0"),
-        _span("prompt", T2, "b1", 405, 50, "rollout-0", "b0", **{"fleetrl.prompt_id": "0:3", "fleetrl.group_id": "gC"}),
+        _span("rollout.group", T1, "a0", 0, 305, "rollout-0", **{"fleetrl.prompt_id": "0:1", "fleetrl.group_id": "gA"}),
+        _span("rollout.lease", T1, "a1", 1, 4, "rollout-0", "a0", **{"fleetrl.lease_id": "L1"}),
+        _span("rollout.generate", T1, "a2", 6, 200, "rollout-0", "a0", **{"gen_ai.usage.output_tokens": 16}),
+        _span("rollout.reward", T1, "a3", 206, 99, "rollout-0", "a0"),
+        _span("rollout.push", T1, "a4", 306, 4, "rollout-0", "a0", **{"fleetrl.groups": 2}),
+        _span("rollout.group", T2, "b0", 0, 305, "rollout-0", **{"fleetrl.prompt_id": "0:2", "fleetrl.group_id": "gB"}),
+        _span("rollout.lease", T2, "b1", 0, 5, "rollout-0", "b0", **{"fleetrl.lease_id": "L1"}),
+        _span("rollout.group", T3, "e0", 400, 50, "rollout-0", **{"fleetrl.prompt_id": "0:3", "fleetrl.group_id": "gC"}),
+        _span("rollout.load_weights", T1, "a9", 1500, 30, "rollout-0", "d3", **{"fleetrl.policy_version": 7}),
     ]
     broker = [
-        _span("broker.ingest", T1, "c1", 308, 1, "broker", "a1", **{"fleetrl.group_id": "gA"}),
-        _span("broker.ingest", T1, "c2", 308, 1, "broker", "a2", **{"fleetrl.group_id": "gB"}),
-        _span("broker.batch_lease", "4" * 32, "c3", 900, 1, "broker",
-              links=[(T1, "a1", {"fleetrl.group_id": "gA"}), (T1, "a2", {"fleetrl.group_id": "gB"})]),
+        _span("broker.ingest", T1, "c1", 308, 1, "broker", "a0", **{"fleetrl.group_id": "gA"}),
+        _span("broker.ingest", T2, "c2", 308, 1, "broker", "b0", **{"fleetrl.group_id": "gB"}),
+        _span("broker.batch_lease", T1, "c3", 900, 0, "broker", "a0", **{"fleetrl.group_id": "gA"}),
     ]
     learner = [
-        _span("learner.step", T3, "d1", 890, 600, "learner-0", links=[(T1, "a1", {"fleetrl.group_id": "gA"})],
+        _span("learner.step", T9, "d1", 890, 600, "learner-0", links=[(T1, "a0", {"fleetrl.group_id": "gA"}),
+                                                                      (T2, "b0", {"fleetrl.group_id": "gB"})],
               **{"fleetrl.step": 7}),
-        _span("weights.publish", T3, "d2", 1400, 80, "learner-0", "d1", **{"fleetrl.policy_version": 7}),
-        _span("learner.step", "5" * 32, "e1", 2000, 600, "learner-0", links=[(T1, "a2", {"fleetrl.group_id": "gB"})],
-              **{"fleetrl.step": 8}),
+        _span("learner.train", T1, "d2", 890, 500, "learner-0", "a0", links=[(T9, "d1", {})],
+              **{"fleetrl.group_id": "gA", "fleetrl.step": 7}),
+        _span("learner.publish_weights", T1, "d3", 1400, 80, "learner-0", "d2",
+              **{"fleetrl.group_id": "gA", "fleetrl.policy_version": 7}),
+        _span("learner.train", T2, "f2", 890, 500, "learner-0", "b0", **{"fleetrl.group_id": "gB", "fleetrl.step": 7}),
     ]
     (run_dir / "traces").mkdir(parents=True)
     for name, spans in (("rollout-11", rollout), ("broker-12", broker), ("learner-13", learner)):
@@ -234,14 +271,15 @@ def test_trace_cli_prints_the_timeline_of_one_group(tmp_path, capsys):
     _synthetic_run(tmp_path)
     assert trace_main(Namespace(run_dir=str(tmp_path), group="gA", n=10)) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("group gA  prompt 0:1  trace " + "1" * 32) and "9 spans over 1.490 s" in out[0]
+    assert out[0].startswith("group gA  prompt 0:1  trace " + "1" * 32) and "10 spans over 1.530 s" in out[0]
     rows = [line.split() for line in out[2:]]
-    assert [r[3] for r in rows] == ["prompt.lease", "prompt", "generate", "reward", "push", "broker.ingest",
-                                    "learner.step", "broker.batch_lease", "weights.publish"]
-    assert [r[0] for r in rows][:3] == ["+0.000s", "+0.005s", "+0.006s"]
-    assert rows[2][1] == "0.2000s" and rows[2][2] == "rollout-0" and "tokens=16" in out[4]
+    assert [r[3] for r in rows] == ["rollout.group", "rollout.lease", "rollout.generate", "rollout.reward",
+                                    "rollout.push", "broker.ingest", "learner.train", "broker.batch_lease",
+                                    "learner.publish_weights", "rollout.load_weights"]
+    assert [r[0] for r in rows][:3] == ["+0.000s", "+0.001s", "+0.006s"]
+    assert rows[2][1] == "0.2000s" and rows[2][2] == "rollout-0" and "gen_ai.usage.output_tokens=16" in out[4]
     assert rows[6][2] == "learner-0" and "step=7" in out[8]
-    assert not any("step=8" in line or "0:2" in line for line in out)  # gB's own spans and step stay out
+    assert not any("0:2" in line or "gB" in line for line in out)  # gB's trace stays out
 
 
 def test_trace_cli_lists_the_latest_groups_and_explains_what_is_missing(tmp_path, capsys):
@@ -249,7 +287,7 @@ def test_trace_cli_lists_the_latest_groups_and_explains_what_is_missing(tmp_path
     assert trace_main(Namespace(run_dir=str(tmp_path), group=None, n=2)) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in out[1:3]] == ["gB", "gC"]
-    assert out[1].split()[-1] == "8" and out[2].split()[-1] == "-"  # trained at step 8 / not trained
+    assert out[1].split()[-1] == "7" and out[2].split()[-1] == "-"  # trained at step 7 / not trained
     assert trace_main(Namespace(run_dir=str(tmp_path), group="g", n=10)) == 1
     assert "3 groups match 'g'" in capsys.readouterr().err
     assert trace_main(Namespace(run_dir=str(tmp_path / "none"), group=None, n=10)) == 1
@@ -260,36 +298,62 @@ def test_trace_cli_lists_the_latest_groups_and_explains_what_is_missing(tmp_path
 # ------------------------------------------------------------------------------ across processes
 
 
-def test_one_trace_follows_a_group_from_generation_to_the_learner_step(tmp_path, tiny_model_dir, arith_data):
+def test_one_trace_per_group_reaches_a_real_otlp_receiver_from_every_process(tmp_path, tiny_model_dir, arith_data):
+    """A real `fleetrl run` (broker, rollout and learner processes) with telemetry.exporter=otlp, sending to
+    an OTLP/HTTP receiver in this test: one trace id holds the rollout's, the broker's and the learner's
+    spans of one group, chained parent to child, on to the weight publish and the rollout's load of it."""
     run_dir = tmp_path / "run"
     job = tmp_path / "job.yaml"
-    job.write_text(json.dumps({  # JSON is YAML
-        "model": {"path": tiny_model_dir}, "data": {"train": arith_data},
-        "rollout": {"max_new_tokens": 4, "group_size": 2, "prompts_per_batch": 2, "device": "cpu"},
-        "learner": {"total_steps": 3, "groups_per_step": 2}, "broker": {"max_staleness": 1},
-        "sync": {"transport": "filesystem"}, "telemetry": {"exporter": "jsonl"},
-    }))
-    proc = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "run", "--config", str(job), "--run-dir",
-                           str(run_dir), "--no-status"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    with OtlpReceiver() as rx:
+        job.write_text(json.dumps({  # JSON is YAML
+            "model": {"path": tiny_model_dir}, "data": {"train": arith_data},
+            "rollout": {"max_new_tokens": 4, "group_size": 2, "prompts_per_batch": 2, "device": "cpu"},
+            "learner": {"total_steps": 3, "groups_per_step": 2}, "broker": {"max_staleness": 1},
+            "sync": {"transport": "filesystem"}, "telemetry": {"exporter": "otlp", "otlp_endpoint": rx.endpoint},
+        }))
+        proc = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "run", "--config", str(job), "--run-dir",
+                               str(run_dir), "--no-status"], capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    services = {f.name.rsplit("-", 1)[0] for f in telemetry.trace_files(run_dir)}
-    assert services == {"broker", "rollout", "learner"}
-    spans = Spans(telemetry.read_spans(run_dir))
+    assert rx.requests > 0 and not rx.bad
+    pids = {(s["service"], s["pid"]) for s in rx.spans}
+    assert {svc for svc, _ in pids} == {"fleetrl-broker", "fleetrl-rollout", "fleetrl-learner"} and len(pids) == 3
+    assert len({s["span_id"] for s in rx.spans}) == len(rx.spans)  # os.urandom ids: no repeats across processes
+    spans = Spans(rx.spans)
     steps = [s for s in spans.spans if s["name"] == "learner.step"]
     assert len(steps) == 3 and all(len(s["links"]) == 2 for s in steps)
-    link = steps[-1]["links"][0]
-    group_id, trace_id = link["attributes"]["fleetrl.group_id"], link["trace_id"]
-    in_trace = {(s["name"], s["service"]) for s in spans.by_trace[trace_id]}
-    assert {("prompt.lease", "fleetrl-rollout"), ("generate", "fleetrl-rollout"), ("reward", "fleetrl-rollout"),
-            ("push", "fleetrl-rollout"), ("broker.ingest", "fleetrl-broker")} <= in_trace
-    [ingest] = [s for s in spans.by_trace[trace_id] if s["name"] == "broker.ingest"
-                and s["attributes"]["fleetrl.group_id"] == group_id]
-    [prompt] = [s for s in spans.by_trace[trace_id] if s["span_id"] == ingest["parent_id"]]
-    assert prompt["name"] == "prompt" and prompt["attributes"]["fleetrl.group_id"] == group_id
-    assert link["span_id"] == prompt["span_id"]  # the step links to the context the group carried
-    timeline = [s["name"] for s in spans.timeline(group_id)]
-    assert {"generate", "broker.ingest", "broker.batch_lease", "learner.step", "weights.publish"} <= set(timeline)
-    assert any(s["name"] == "weights.load" for s in spans.spans)
+    trains = [s for s in spans.spans if s["name"] == "learner.train"]
+    assert len(trains) == 6 and all(len({s["trace_id"] for s in trains if s["attributes"]["fleetrl.step"] == k}) == 2
+                                    for k in (1, 2, 3))  # two groups a step, each in a trace of its own
+    loaded = [t for t in trains if any(s["name"] == "rollout.load_weights" for s in spans.by_trace[t["trace_id"]])]
+    assert loaded, "no trained group's trace holds the rollout's load of the version that carried it"
+    train = loaded[0]
+    group_id, trace = train["attributes"]["fleetrl.group_id"], spans.by_trace[train["trace_id"]]
+    one = lambda name: [s for s in trace if s["name"] == name]  # noqa: E731
+    [root], [lease], [gen], [ingest], [batch_lease] = (one(n) for n in (
+        "rollout.group", "rollout.lease", "rollout.generate", "broker.ingest", "broker.batch_lease"))
+    [publish], loads = one("learner.publish_weights"), one("rollout.load_weights")
+    assert root["parent_id"] is None and root["service"] == "fleetrl-rollout" and root["instance"] == "rollout-0"
+    assert {root["attributes"]["fleetrl.group_id"], ingest["attributes"]["fleetrl.group_id"],
+            batch_lease["attributes"]["fleetrl.group_id"]} == {group_id}
+    for child in (lease, gen, ingest, batch_lease, train, *one("rollout.reward"), *one("rollout.push")):
+        assert child["parent_id"] == root["span_id"], child["name"]  # every hop hangs under the group's root
+    assert (ingest["service"], batch_lease["service"], train["service"]) == (
+        "fleetrl-broker", "fleetrl-broker", "fleetrl-learner")
+    assert gen["attributes"]["gen_ai.operation.name"] == "text_completion" and gen["attributes"]["gen_ai.usage.output_tokens"] > 0
+    assert publish["parent_id"] == train["span_id"] and publish["service"] == "fleetrl-learner"
+    version = publish["attributes"]["fleetrl.policy_version"]
+    assert all(s["parent_id"] == publish["span_id"] and s["service"] == "fleetrl-rollout"
+               and s["attributes"]["fleetrl.policy_version"] == version for s in loads)
+    [step] = [s for s in steps if s["span_id"] == train["links"][0]["span_id"]]  # the step's own trace, linked
+    assert step["attributes"]["fleetrl.step"] == train["attributes"]["fleetrl.step"]
+    assert any(s["name"] == "learner.publish_weights" and s["parent_id"] == step["span_id"] for s in spans.spans)
+    assert root["start_ns"] <= ingest["start_ns"] <= batch_lease["start_ns"] <= publish["start_ns"] <= loads[0]["start_ns"]
+    # what arrived is also what `fleetrl trace` reads: the group's whole path, one trace
+    rx.write_jsonl(run_dir / "traces" / "otlp.jsonl")
     cli = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "trace", str(run_dir), "--group", group_id[:8]],
                          capture_output=True, text=True, cwd=ROOT)
-    assert cli.returncode == 0 and "learner.step" in cli.stdout and "rollout-0" in cli.stdout, cli.stderr
+    assert cli.returncode == 0, cli.stderr
+    assert f"trace {train['trace_id']} " in cli.stdout.splitlines()[0]
+    for name in ("rollout.generate", "broker.batch_lease", "learner.train", "learner.publish_weights",
+                 "rollout.load_weights"):
+        assert name in cli.stdout, cli.stdout
