@@ -91,11 +91,11 @@ def discard_abandoned(lr: "Learner", name: str, target_step: int, bad_from: int,
 
 def record_timeline(lr: "Learner", start_ns: int, reason: str, target_step: int, version: int, bad_from: int,
                     bad_to: int, requeued: int) -> None:
-    """The rollback in the trained log (``trained-<rank>.jsonl``) and as a ``health.rollback`` span (a root:
+    """The rollback in the trained log (``trained-<rank>.jsonl``) and as a ``learner.rollback`` span (a root:
     it belongs to no group's trace); the events.jsonl line is ``HealthMonitor.record_rollback``'s."""
     lr.trained_log.write({"rollback": lr.step, "to_step": target_step, "restored_version": version,
                           "discarded": [bad_from, bad_to], "published_version": lr.version, "time": time.time()})
-    telemetry.record_span("health.rollback", start_ns, parent=telemetry.ROOT, attributes={
+    telemetry.record_span("learner.rollback", start_ns, parent=telemetry.ROOT, attributes={
         "fleetrl.step": lr.step, "fleetrl.rollback.to_step": target_step, "fleetrl.rollback.reason": reason,
         "fleetrl.rollback.restored_version": version, "fleetrl.rollback.discarded_min_version": bad_from,
         "fleetrl.rollback.discarded_max_version": bad_to, "fleetrl.policy_version": lr.version,

@@ -1,6 +1,6 @@
 """A rollback really restores: after it no group with a token from a rolled-back version is trained, the
 fleet is on the restored weights, the RNG and the LR are the checkpoint's (LR lowered), and the event
-is on the timeline (events.jsonl, the trained log, a ``health.rollback`` span)."""
+is on the timeline (events.jsonl, the trained log, a ``learner.rollback`` span)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from fleetrl.broker.inproc import InprocBroker
 from fleetrl.common import messages as m
+from fleetrl.common import telemetry
 from fleetrl.common.config import load_config
 from fleetrl.learner import rollback as rollback_mod
 from fleetrl.learner.runtime import init_distributed
@@ -81,7 +82,7 @@ def job(tiny_model_dir, tmp_path, *overrides):
 
 
 def test_no_group_of_a_discarded_version_is_trained_after_the_rollback(dist, tiny_model_dir, tmp_path, monkeypatch):
-    cfg = job(tiny_model_dir, tmp_path)
+    cfg = job(tiny_model_dir, tmp_path, "telemetry.exporter=jsonl")
     state = make_state("broker.queue_capacity=100000", "broker.accept_unleased=true", "broker.max_staleness=100",
                        n_prompts=400, vocab_size=263)
     broker = InprocBroker(state)
@@ -99,9 +100,12 @@ def test_no_group_of_a_discarded_version_is_trained_after_the_rollback(dist, tin
     fleet.start()
     try:
         assert train(cfg, tmp_path, client=client) == 0
+        assert telemetry.flush_tracing()
+        spans = [s for s in telemetry.read_spans(tmp_path) if s["name"] == "learner.rollback"]
     finally:
         fleet.halt.set()
         fleet.join(5)
+        telemetry.shutdown_tracing()
     log = [json.loads(line) for line in (tmp_path / "trained-0.jsonl").read_text().splitlines()]
     rollbacks = [i for i, row in enumerate(log) if "rollback" in row]
     assert rollbacks, "the collapse was not rolled back"
@@ -119,5 +123,7 @@ def test_no_group_of_a_discarded_version_is_trained_after_the_rollback(dist, tin
     # RNG and LR restored (LR lowered)
     assert torch.equal(restored["rng"], torch.as_tensor(restored["saved"]))
     assert restored["lr"] < 1e-3
+    assert len(spans) == len(rollbacks)  # the rollback on the trace timeline, with what it discarded
+    assert spans[0]["attributes"]["fleetrl.rollback.discarded_min_version"] == log[rollbacks[0]]["discarded"][0]
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["rule"] for e in events].count("rollback") >= 1
