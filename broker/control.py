@@ -9,9 +9,10 @@
   is a *hold* of that learner: it lifts its own hold, and a dead learner's hold lifts by itself after
   ``broker.client_timeout_s``. The broker is paused while any pause or hold stands.
 - **Stop** (operator): rollouts are told to finish; ``resume`` by an operator undoes it.
-- **Discard**: a closed range ``[min_version, max_version]`` (empty when min > max); queued groups of those versions are
-  dropped and their prompts re-issued, and the range is kept (merged with the others, spooled) so
-  late arrivals from it are dropped too.
+- **Discard**: a closed range ``[min_version, max_version]`` (empty when min > max); queued groups with any
+  token sampled by those versions (not only their oldest, ``policy_version``) are dropped and their
+  prompts re-issued, and the range is kept (merged with the others, spooled) so late arrivals that
+  touch it are dropped too.
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ class Controls:
 
     def _discard(self, lo: int, hi: int) -> int:
         s = self.s
-        doomed = [gid for gid in s.q.queue if gid in s.q.queued and lo <= s.q.groups[gid].policy_version <= hi]
+        doomed_range = VersionRanges([(lo, hi)])  # any token from [lo, hi], not only the oldest
+        doomed = [gid for gid in s.q.queue if gid in s.q.queued and doomed_range.touches(s.q.groups[gid])]
         s.drop(doomed, "discarded", requeue_prompts=True, also=[sp.VersionsDiscarded(lo, hi)])
         self.discarded.add(lo, hi)
         return len(doomed)

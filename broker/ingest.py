@@ -108,8 +108,9 @@ class Ingest:
                                                    f"broker.max_held_groups={s.max_held}); push again later"))
                 continue
             seen.add(g.group_id)
-            if g.policy_version in s.controls.discarded:
-                out.append(Verdict(g, "stale", f"policy version {g.policy_version} was rolled back by the learner",
+            if s.controls.discarded.touches(g):
+                out.append(Verdict(g, "stale", f"policy versions of group {g.group_id} (oldest {g.policy_version}) "
+                                               "were rolled back by the learner",
                                    "discarded"))
             elif g.policy_version < oldest:
                 out.append(Verdict(g, "stale", f"policy version {g.policy_version} is older than {oldest}",

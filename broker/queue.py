@@ -95,6 +95,21 @@ class VersionRanges:
         i = bisect.bisect_right(self.lo, version) - 1
         return i >= 0 and version <= self.hi[i]
 
+    def overlaps(self, lo: int, hi: int) -> bool:
+        """Whether any version in ``[lo, hi]`` is in a range."""
+        i = bisect.bisect_left(self.hi, lo)  # first range that ends at or after lo
+        return i < len(self.lo) and self.lo[i] <= hi
+
+    def touches(self, group: m.SampleGroup) -> bool:
+        """Whether any token of ``group`` was sampled by a version in a range (not only its oldest, its
+        ``policy_version``: with in-flight updates a group started on a healthy version can finish on a
+        rolled-back one)."""
+        if not self.lo:
+            return False
+        if not len(group.token_versions):
+            return group.policy_version in self
+        return self.overlaps(group.policy_version, int(group.version_array().max()))
+
     def __len__(self) -> int:
         return len(self.lo)
 

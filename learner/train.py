@@ -13,8 +13,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import random
 import time
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as tdist
 
 from fleetrl.broker.client import status_metrics
-from fleetrl.common import telemetry
+from fleetrl.common import faults, telemetry
 from fleetrl.common.config import load_config, save_resolved
 from fleetrl.common.config.checks import require_model_dir
 from fleetrl.common.log import setup_logging
@@ -110,7 +112,8 @@ class Learner:
         with telemetry.span("learner.step", telemetry.ROOT, {"fleetrl.step": self.step + 1},
                             telemetry.group_links(leased.groups), start_ns) as step_span:  # linked to every group
             batch = self.actor.plan(leased)
-            stats = self.actor.step(batch, self.version)
+            with injected_faults(self, self.step + 1):  # FLEETRL_FAULT (benchmarks/health.py); off by default
+                stats = self.actor.step(batch, self.version)
             self.step += 1
             self.source.ack(leased, self.step)
             self.traces.trained(step_span, leased.groups, self.step, self.version, start_ns)  # learner/tracing.py
@@ -121,7 +124,7 @@ class Learner:
                 if self.completions is not None and self.completions.due(self.step) and leased.groups:
                     self.monitor.log_completions(self.step, self.completions.rows(
                         self.step, leased.groups, sample_advantages(batch)))
-            if self.fleet and self.step % self.cfg.sync.interval == 0:
+            if self.fleet and self.step % self.cfg.sync.interval == 0 and finite_update(stats):
                 main_only.update(self.publish())
             if self.evaluator is not None and self.step % self.cfg.run.eval_interval == 0:
                 main_only.update(self.evaluator(self.module))
@@ -229,44 +232,10 @@ class Learner:
 
     def rollback(self, reason: str) -> bool:
         """Restore the newest healthy checkpoint with a lower LR; False if there is none (then stop).
+        The steps, in order, are in ``learner/rollback.py``."""
+        from fleetrl.learner.rollback import roll_back
 
-        Pause the fleet; load the checkpoint (model, optimizer, scheduler) but keep counting steps
-        forward; scale the LR by health.lr_factor; forget the groups trained since (commit) and discard
-        the queued and late ones of the rolled-back versions; publish the restored weights as a new
-        version; resume the fleet.
-        """
-        steps = [int(path.name.split("-")[1]) for path in self.ckpt.complete()]
-        target_step = self.health.rollback_target(steps)
-        if target_step is None:
-            log.error("health: %s, but no checkpoint is tagged healthy to roll back to", reason)
-            return False
-        target = self.ckpt.dir / tag_of(target_step)
-        for step in steps:
-            if step > target_step:  # the abandoned timeline's checkpoints are never rollback targets
-                self.ckpt.mark_healthy(self.ckpt.dir / tag_of(step), False)
-        main = self.dist.is_main and self.fleet
-        if main:
-            self.client.control("pause", reason=f"rollback: {reason}")
-        state = self.ckpt.load(self.engine, target)
-        if self.critic is not None:
-            self.critic.load(target)
-        bad_from, bad_to = state["version"] + 1, self.version
-        self.actor.load_state_dict(state["actor"])
-        self.lr_scale = state.get("lr_scale", 1.0) * self.cfg.health.lr_factor
-        self._apply_lr_scale()
-        if main:
-            if self.cfg.broker.commit_on_checkpoint:
-                self.client.commit(self.step)  # trained on the bad policy's groups: never replay them
-            self.client.control("discard", reason=f"rollback to {target.name}", min_version=bad_from, max_version=bad_to)
-        self.health.record_rollback(to_step=state["step"], from_step=self.step)
-        self.health.rewind_to(state.get("health"), state["step"])
-        if self.fleet:
-            self.publish()  # the restored weights, as a version newer than every rolled-back one
-        if main:
-            self.client.control("resume", reason="rollback done")
-        log.warning("health: rolled back to %s (policy version %d), lr x%.3g, discarded versions %d..%d: %s",
-                    target.name, state["version"], self.lr_scale, bad_from, bad_to, reason)
-        return True
+        return roll_back(self, reason)
 
     def _apply_lr_scale(self) -> None:
         """Scale the schedule's base LR (kept by the scheduler's state) and the current LR."""
@@ -290,6 +259,36 @@ class Learner:
         self.monitor.close()
         if self.publisher is not None:
             self.publisher.close()
+
+
+def finite_update(stats: dict[str, float]) -> bool:
+    """Whether the step's loss and grad norm are finite; weights from a step that is not are never published
+    (the fleet would sample from NaN weights while the health monitor decides)."""
+    ok = all(math.isfinite(stats.get(k, 0.0)) for k in ("actor/loss", "actor/grad_norm"))
+    if not ok:
+        log.error("step loss or grad norm is not finite: these weights are not published to the fleet")
+    return ok
+
+
+@contextlib.contextmanager
+def injected_faults(learner: "Learner", step: int):
+    """The learner's fault hooks (common/faults.py) around one update: ``lr_spike`` multiplies the LR state
+    (the scheduler's base LR too, so it stays until a checkpoint is restored), ``nan_grad`` makes every
+    gradient of the step NaN."""
+    if not faults.PLAN:
+        yield
+        return
+    factor = faults.lr_multiplier(step)
+    if factor != 1.0:
+        learner.scheduler.base_lrs = [lr * factor for lr in learner.scheduler.base_lrs]
+        for group in learner.optimizer.param_groups:
+            group["lr"] *= factor
+    hooks = faults.poison_grads(learner.module, step)
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 class JsonlLog:

@@ -35,7 +35,7 @@ from fleetrl.broker.client import (
     BrokerClient, BrokerError, BrokerUnavailable, SubscriptionLike, ZmqBrokerClient, client_identity, default_client_id,
     resolve_address,
 )
-from fleetrl.common import chaos, telemetry
+from fleetrl.common import chaos, faults, telemetry
 from fleetrl.common import messages as m
 from fleetrl.common.config import load_config
 from fleetrl.common.config.checks import require_model_dir
@@ -105,6 +105,7 @@ class RolloutServer:
         self._next_id = 0
         self._next_catchup = 0.0
         self._warned_no_receiver = False
+        self._stale = faults.StaleWeights()
         self._told_done = False
         self._update_stats = {"weights/pause_ms": 0.0, "weights/updates_inflight": 0.0}
         self.resources = ProcessResources("resource/rollout")
@@ -269,6 +270,8 @@ class RolloutServer:
                 self._unpushed += 1
             for j in range(n):
                 params = self.greedy_params if j == g else self.params
+                if faults.PLAN and j != g:  # entropy_collapse (a testing aid, off by default)
+                    params = dataclasses.replace(params, temperature=faults.temperature(params.temperature, self.version))
                 episode = self.env.episode(self.engine, task, params, f"{self.client_id}/{key}/{j}",
                                            trace_carrier(trace, prompt.prompt_id))
                 future = self.engine.loop.submit(episode)
@@ -423,7 +426,8 @@ class RolloutServer:
         if self.receiver is None or self.receiver.pending_version() is None:
             return
         start_ns, t0 = time.time_ns(), time.perf_counter()
-        load = functools.partial(self.receiver.apply, self.engine)
+        load = functools.partial(self._stale.wrap(self.receiver.apply, self.receiver.pending_version),  # faults: off
+                                 self.engine)
         try:
             version = self.engine.loop.call(self.engine.swap_weights(load, self.cfg.rollout.inflight_update))
         except ValueError as e:  # names, shapes or dtypes that do not fit: the engine changed nothing
@@ -438,6 +442,7 @@ class RolloutServer:
         log.info("policy version %d -> %d: new weights loaded in flight (%s, %d groups in flight, paused %.0f ms)",
                  self.version, version, self.cfg.rollout.inflight_update, len(self.inflight), pause_ms)
         self.version = version
+        faults.note_version(version)
         self._update_stats["weights/pause_ms"] = pause_ms
         self._update_stats["weights/updates_inflight"] += 1
         try:

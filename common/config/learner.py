@@ -85,11 +85,13 @@ class HealthConfig(Section):
         list[HealthRule], doc("Rules checked after every step (and at every checkpoint); see docs/monitoring.md.")
     ] = field(
         default_factory=lambda: [
-            HealthRule(name="non_finite", action="stop"),
+            # tuned on benchmarks/health.py (docs/monitoring.md, "The breaker, measured")
+            HealthRule(name="non_finite", action="rollback"),
             HealthRule(name="grad_spike", action="alert"),
-            HealthRule(name="reward_drop", action="alert"),
+            HealthRule(name="reward_drop", action="rollback", window=10, threshold=0.2),
+            HealthRule(name="length_collapse", action="rollback", window=10, threshold=0.6),
             HealthRule(name="entropy_floor", action="alert"),
-            HealthRule(name="mismatch_kl_ceiling", action="alert"),
+            HealthRule(name="mismatch_kl_ceiling", action="rollback", threshold=0.1),
         ]
     )
     healthy_window: Annotated[

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
+from fleetrl.common import faults
 from fleetrl.common.registry import RegistryError
 from fleetrl.rollout.rewards.base import REWARDS, Reward, RewardArgsError, RewardInput, RewardResult, SampleReward
 from fleetrl.rollout.rewards.runner import CallRunner, CallTimeout
@@ -238,6 +239,7 @@ class RewardScorer:
 
     def _finish(self, job: _Job) -> None:
         try:
+            faults.poison_scores(job.scores, [b.response for b in job.batch], as_score)  # off unless FLEETRL_FAULT
             results = [self._combine(job.scores, j) for j in range(len(job.batch))]
             self._record(job, results)
         except Exception as e:  # a bug here must reach the waiting server, not vanish in a callback
