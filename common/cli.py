@@ -96,9 +96,10 @@ def _init_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _init_data_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--task", default="arithmetic", choices=["arithmetic", "arithmetic-preference"],
-                   help="synthetic task: arithmetic (prompt, answer) or arithmetic-preference (prompt, chosen, "
-                   "rejected: the correct sum preferred over a wrong one, for offline DPO)")
+    p.add_argument("--task", default="arithmetic", choices=["arithmetic", "arithmetic-preference", "calc"],
+                   help="synthetic task: arithmetic (prompt, answer), arithmetic-preference (prompt, chosen, "
+                   "rejected: the correct sum preferred over a wrong one, for offline DPO) or calc (products of "
+                   "two-digit numbers with a calc tool; training rows carry the tool conversation for the warm start)")
     p.add_argument("--out", required=True, metavar="FILE.jsonl",
                    help="training split; the held-out split goes to FILE.eval.jsonl")
     p.add_argument("--n", type=int, default=20000, help="training rows (sampled from the non-held-out problems)")
@@ -150,6 +151,9 @@ def _sft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-minutes", type=float, default=10.0, help="stop after this long even below the target")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--seed", type=int, default=0, help="seed of init order and batches")
+    p.add_argument("--config", "-c", metavar="FILE", help="job YAML: with a multi-turn rollout.env, the early stop "
+                   "measures whole episodes in that environment (rows with `messages` train on conversations)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
 
 
 def _report_args(p: argparse.ArgumentParser) -> None:

@@ -25,28 +25,53 @@ def read_rows(path: str) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def encode_pairs(tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids + eos) per row; prompts are tokenized exactly as the rollout server does."""
+def encode_pairs(tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int], list[int]]]:
+    """(prompt ids, response ids, loss mask) per row, tokenized exactly as the rollout server does.
+
+    A row with ``messages`` (a whole conversation: a multi-turn warm start) is built turn by turn as an
+    episode is (``rollout/envs/codec.py``): assistant turns trained, observations and tool results not.
+    Other rows: the raw prompt, then the answer and eos, all trained."""
     out = []
+    codec = None
     for row in rows:
+        if "messages" in row:
+            if codec is None:
+                from fleetrl.rollout.envs.codec import ChatCodec
+
+                codec = ChatCodec(tokenizer)
+            out.append(codec.encode_conversation(row["messages"]))
+            continue
         prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         answer = tokenizer(str(row["answer"]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        out.append((prompt, answer))
+        out.append((prompt, answer, [1] * len(answer)))
     return out
 
 
-def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
-    """Right-padded input ids, attention mask and labels (-100 outside the answer)."""
-    L = max(len(p) + len(a) for p, a in pairs)
+def collate(pairs: list[tuple[list[int], list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Right-padded input ids, attention mask and labels (-100 outside the trained response tokens)."""
+    L = max(len(p) + len(a) for p, a, _ in pairs)
     ids = torch.full((len(pairs), L), pad_id, dtype=torch.long)
     attn = torch.zeros(len(pairs), L, dtype=torch.long)
     labels = torch.full((len(pairs), L), -100, dtype=torch.long)
-    for i, (p, a) in enumerate(pairs):
+    for i, (p, a, mask) in enumerate(pairs):
         seq = p + a
         ids[i, : len(seq)] = torch.tensor(seq)
         attn[i, : len(seq)] = 1
-        labels[i, len(p) : len(seq)] = torch.tensor(a)
+        labels[i, len(p) : len(seq)] = torch.where(torch.tensor(mask) > 0, torch.tensor(a), -100)
     return ids, attn, labels
+
+
+def episode_accuracy(cfg, model, tokenizer, rows: list[dict]) -> float:
+    """Greedy held-out success of whole episodes in ``cfg``'s environment (``fleetrl eval``'s implementation)."""
+    from fleetrl.rollout.engines.hf import HFEngine
+    from fleetrl.rollout.eval import evaluate
+
+    model.eval()
+    try:
+        engine = HFEngine.from_model(model, tokenizer, next(model.parameters()).device, seed=0)
+        return evaluate(cfg.model.path, rows, cfg=cfg, k=0, engine=engine, batch_size=len(rows))["eval/accuracy"]
+    finally:
+        model.train()
 
 
 @torch.no_grad()
@@ -67,7 +92,8 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int = 6,
 
 
 def sft(model_dir: str, data: str, eval_data: str, out: str, target_acc: float, lr: float, batch_size: int,
-        max_steps: int, eval_every: int, eval_n: int, seed: int, max_minutes: float) -> dict:
+        max_steps: int, eval_every: int, eval_n: int, seed: int, max_minutes: float, cfg=None) -> dict:
+    """``cfg``: a job whose ``rollout.env`` is multi-turn makes the early stop measure whole episodes."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -90,7 +116,8 @@ def sft(model_dir: str, data: str, eval_data: str, out: str, target_acc: float, 
         # evaluate every eval_every steps, five times as often once half-way to the target
         every = max(1, eval_every // 5) if acc >= target_acc / 2 else eval_every
         if step % every == 0:
-            acc = greedy_accuracy(model, tokenizer, held_out)
+            multi = cfg is not None and cfg.rollout.env.multi_turn
+            acc = episode_accuracy(cfg, model, tokenizer, held_out) if multi else greedy_accuracy(model, tokenizer, held_out)
             history.append({"step": step, "loss": loss.item(), "accuracy": acc, "time_s": time.monotonic() - t0})
             log.info("sft step %d  loss %.3f  held-out greedy accuracy %.1f%%", step, loss.item(), 100 * acc)
             if acc >= target_acc or (time.monotonic() - t0) / 60 > max_minutes:
@@ -106,8 +133,13 @@ def sft(model_dir: str, data: str, eval_data: str, out: str, target_acc: float, 
 def main(args) -> int:
     setup_logging("sft", "INFO")
     torch.set_num_threads(args.threads) if args.threads else None
+    cfg = None
+    if args.config:
+        from fleetrl.common.config import load_config
+
+        cfg = load_config(args.config, args.overrides)
     result = sft(args.model, args.data, args.eval_data, args.out, args.target_acc, args.lr, args.batch_size,
-                 args.max_steps, args.eval_every, args.eval_n, args.seed, args.max_minutes)
+                 args.max_steps, args.eval_every, args.eval_n, args.seed, args.max_minutes, cfg)
     print(f"warm start: {result['steps']} steps in {result['seconds']:.0f} s, held-out greedy accuracy "
           f"{100 * result['accuracy']:.1f}% -> {args.out}")
     return 0

@@ -26,6 +26,7 @@ command.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -40,6 +41,8 @@ from fleetrl.common.config.schema import JobConfig, ModelConfig, RewardSpec
 from fleetrl.common.data.tables import DataError, load_rows
 from fleetrl.rollout.engines import SamplingParams, create_engine
 from fleetrl.rollout.loop import check_chat_template, encode_prompt
+from fleetrl.rollout.envs import Episode, create_env
+from fleetrl.rollout.envs import groups as env_groups
 from fleetrl.rollout.rewards import RewardInput, RewardScorer
 
 log = logging.getLogger("fleetrl.eval")
@@ -113,17 +116,30 @@ def evaluate_detailed(model_dir: str, rows: Sequence[dict[str, Any]], *, cfg: Jo
         model_cfg = ModelConfig(path=model_dir, tokenizer=cfg.model.tokenizer, dtype=cfg.model.dtype,
                                 trust_remote_code=cfg.model.trust_remote_code)
         engine = create_engine("hf", model_cfg, rcfg, device or rcfg.device, seed)
+    env = None
     try:
         check_chat_template(engine.tokenizer, cfg.data.apply_chat_template, model_dir)
+        if rcfg.env.multi_turn:
+            if rcfg.env.type == "openai":
+                raise ValueError("rollout.env.type=openai: episodes come from agents; evaluate with the environment "
+                                 "the agent implements (e.g. rollout.env.type=tool), or run.eval_interval=0")
+            env = create_env(cfg, engine.tokenizer)
         with RewardScorer(specs, rcfg.reward_timeout_s, rcfg.reward_workers) as scorer:
             records = []
             for start in range(0, len(rows), batch_size):
                 chunk = rows[start : start + batch_size]
-                records += _eval_chunk(engine, scorer, cfg, chunk, greedy, sampled if k else None, samples, success)
+                records += _eval_chunk(engine, scorer, cfg, chunk, greedy, sampled if k else None, samples, success,
+                                       env)
     finally:
+        if env is not None:
+            env_metrics = env.metrics()
+            env.close()
         if own_engine:
             engine.close()
     metrics = summarize(records, k, samples, sampled.temperature)
+    if env is not None:
+        metrics.update({f"eval/{k[4:]}": v for k, v in env_metrics.items()
+                        if k in ("env/turns_mean", "env/tool_calls_wellformed_frac", "env/tool_calls_per_episode")})
     metrics["eval/success_threshold"] = success
     metrics["timing/eval_s"] = time.monotonic() - t0
     return metrics, records
@@ -139,22 +155,25 @@ def check_columns(rows: Sequence[dict[str, Any]], cfg: JobConfig) -> None:
 
 def _eval_chunk(engine: Any, scorer: RewardScorer, cfg: JobConfig, rows: list[dict[str, Any]],
                 greedy: SamplingParams, sampled: SamplingParams | None, samples: int,
-                success: float) -> list[dict[str, Any]]:
+                success: float, env: Any = None) -> list[dict[str, Any]]:
     """Generate and score one chunk of rows: one greedy response and ``samples`` sampled ones each."""
     data = cfg.data
     prompts = [row[data.prompt_key] for row in rows]
     answers = [None if row.get(data.answer_key) is None else str(row[data.answer_key]) for row in rows]
-    ids = [encode_prompt(engine.tokenizer, p, data.apply_chat_template, data.max_prompt_tokens) for p in prompts]
-    outs = [[g[0]] for g in engine.generate_batch(ids, greedy, 1)]
-    if sampled is not None:
-        outs = [g + s for g, s in zip(outs, engine.generate_batch(ids, sampled, samples))]
+    if env is not None:
+        outs = _episodes(engine, env, rows, prompts, answers, greedy, sampled, samples)
+    else:
+        ids = [encode_prompt(engine.tokenizer, p, data.apply_chat_template, data.max_prompt_tokens) for p in prompts]
+        outs = [[g[0]] for g in engine.generate_batch(ids, greedy, 1)]
+        if sampled is not None:
+            outs = [g + s for g, s in zip(outs, engine.generate_batch(ids, sampled, samples))]
     inputs = [
         RewardInput(prompt=p, response=s.text, answer=a,
                     metadata={c: v for c, v in row.items() if c != data.prompt_key},
                     finish_reason=s.finish_reason, num_tokens=len(s.token_ids))
         for p, a, row, gens in zip(prompts, answers, rows, outs) for s in gens
     ]
-    results = scorer.score(inputs)
+    results = env_groups.score(scorer, inputs, [s for gens in outs for s in gens]).result()
     per_row = len(outs[0])
     records = []
     for i, (p, a, gens) in enumerate(zip(prompts, answers, outs)):
@@ -162,16 +181,44 @@ def _eval_chunk(engine: Any, scorer: RewardScorer, cfg: JobConfig, rows: list[di
         sampled_res = [r for r in res[1:] if r.scored]
         records.append({
             "prompt": p, "answer": a, "greedy": gens[0].text, "greedy_reward": res[0].reward if res[0].scored else None,
-            "greedy_correct": res[0].reward >= success if res[0].scored else None,
+            "greedy_correct": (res[0].reward >= success and not failed(gens[0])) if res[0].scored else None,
             "greedy_tokens": len(gens[0].token_ids), "greedy_truncated": gens[0].finish_reason == "length",
             "sample_rewards": [r.reward for r in sampled_res], "samples_scored": len(sampled_res),
-            "samples_correct": sum(r.reward >= success for r in sampled_res),
+            "samples_correct": sum(r.reward >= success and not failed(g) for r, g in zip(res[1:], gens[1:]) if r.scored),
             "sample_tokens": [len(g.token_ids) for g in gens[1:]],
             "samples_truncated": sum(g.finish_reason == "length" for g in gens[1:]),
             "distinct": {n: distinct_n([list(g.token_ids) for g in gens[1:]], n) for n in (1, 2)} if len(gens) > 2 else {},
-            "failed": sum(r.failed for r in res), "unscored": sum(not r.scored for r in res),
+            "failed": sum(r.failed for r in res) + sum(failed(g) for g in gens), "unscored": sum(not r.scored for r in res),
+            **({"greedy_turns": gens[0].turns, "greedy_messages": gens[0].messages} if isinstance(gens[0], Episode) else {}),
         })
     return records
+
+
+def failed(sample: Any) -> bool:
+    """A failed environment episode (it scores as wrong and counts in ``failed``)."""
+    return isinstance(sample, Episode) and sample.failed
+
+
+def _episodes(engine: Any, env: Any, rows: list[dict[str, Any]], prompts: list[Any], answers: list[str | None],
+              greedy: SamplingParams, sampled: SamplingParams | None, samples: int) -> list[list[Any]]:
+    """One greedy episode (and ``samples`` sampled ones) per row, through ``env`` on ``engine``'s loop.
+    A failed episode scores as wrong (``greedy_correct`` is only true for a finished, scored episode)."""
+    import asyncio
+
+    from fleetrl.common import messages as m
+
+    async def row_episodes(i: int) -> list[Any]:
+        meta = {c: v for c, v in rows[i].items() if c not in ("prompt", "answer")}
+        task = env.task(m.Prompt(f"eval:{i}", prompts[i], answers[i], meta))
+        runs = [env.episode(engine, task, greedy, f"eval/{i}/greedy", None)]
+        runs += [env.episode(engine, task, dataclasses.replace(sampled, seed=sampled.seed + j), f"eval/{i}/{j}", None)
+                 for j in range(samples if sampled is not None else 0)]
+        return list(await asyncio.gather(*runs))
+
+    async def all_rows() -> list[list[Any]]:
+        return list(await asyncio.gather(*(row_episodes(i) for i in range(len(rows)))))
+
+    return engine.loop.call(all_rows())
 
 
 def distinct_n(responses: Sequence[Sequence[int]], n: int) -> float:

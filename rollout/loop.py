@@ -28,6 +28,7 @@ from fleetrl.broker.client import BrokerClient, BrokerError, BrokerUnavailable
 from fleetrl.common import messages as m
 from fleetrl.common.config import ConfigError
 from fleetrl.rollout.engines.base import Generation
+from fleetrl.rollout.envs.base import Episode
 from fleetrl.rollout.rewards import RewardInput, RewardResult
 from fleetrl.rollout.tracing import LeaseTrace
 
@@ -125,14 +126,16 @@ def build_groups(batch: Batch, results: Sequence[RewardResult], server_id: str,
             continue
         gid = uuid.uuid4().hex
         oldest, versions = group_versions(samples, batch.version)
+        episodes = [s for s in samples if isinstance(s, Episode)]
         groups.append(m.build_group(
             gid, prompt.prompt_id, oldest, ids,
             [(s.token_ids, s.logprobs) for s in samples], [r.reward for r in res],
-            [s.finish_reason for s in samples], token_versions=versions,
+            [s.finish_reason for s in samples], token_versions=versions, loss_masks=loss_masks(samples),
             reward_parts=[dict(r.parts) for r in res], failed=[r.failed for r in res],
             lease_id=batch.lease.lease_id, server_id=server_id, trace=trace_context(batch, prompt, gid),
             created_at=time.time(), metadata={"server": server_id, "gen_s": round(batch.gen_s, 4),
-                                              **({"baseline_reward": baseline_rewards[b]} if baseline_rewards else {})},
+                                              **({"baseline_reward": baseline_rewards[b]} if baseline_rewards else {}),
+                                              **({"turns": [e.turns for e in episodes]} if episodes else {})},
         ))
     return groups, dropped, unscored
 
@@ -141,6 +144,13 @@ def scored_only(samples: Sequence[Generation], results: Sequence[RewardResult]) 
     """The samples (and results) some reward scored: an unscored sample is skipped, never trained as a 0."""
     keep = [j for j, r in enumerate(results) if r.scored]
     return [samples[j] for j in keep], [results[j] for j in keep]
+
+
+def loss_masks(samples: Sequence[Generation]) -> list[list[int]] | None:
+    """Per-sample loss masks when any sample is a multi-turn episode (None = every token trained, the wire's default)."""
+    if not any(isinstance(s, Episode) for s in samples):
+        return None
+    return [s.loss_mask if isinstance(s, Episode) else [1] * len(s.token_ids) for s in samples]
 
 
 def group_versions(samples: Sequence[Generation], admitted: int) -> tuple[int, list[list[int]] | None]:

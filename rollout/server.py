@@ -42,11 +42,11 @@ from fleetrl.common.config.checks import require_model_dir
 from fleetrl.common.log import setup_logging
 from fleetrl.common.resources import ProcessResources
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.rollout.engines import Generation, Request, SamplingParams, create_engine
+from fleetrl.rollout.engines import Generation, SamplingParams, create_engine
+from fleetrl.rollout.envs import Environment, create_env
+from fleetrl.rollout.envs import groups as env_groups
 from fleetrl.rollout.fleet import exits_on_done, is_done_throttle, leave_fleet
-from fleetrl.rollout.loop import (
-    Batch, Finisher, MetricsFile, OpenLeases, Stats, check_chat_template, encode_prompt, return_leases, reward_inputs,
-)
+from fleetrl.rollout.loop import Batch, Finisher, MetricsFile, OpenLeases, Stats, return_leases, reward_inputs
 from fleetrl.rollout.inflight import InFlight, max_inflight, trace_carrier
 from fleetrl.rollout.rewards import RewardScorer
 from fleetrl.rollout.tracing import LeaseTrace, genai_attributes, trace_load
@@ -77,8 +77,11 @@ class RolloutServer:
 
     def __init__(self, cfg: JobConfig, client: BrokerClient, engine: Any, scorer: RewardScorer, *, server_index: int = 0,
                  run_dir: str | Path | None = None, receiver: WeightReceiver | None = None,
-                 stop_event: threading.Event | None = None):
+                 stop_event: threading.Event | None = None, env: Environment | None = None, endpoint: Any = None):
         self.cfg, self.client, self.engine, self.scorer, self.receiver = cfg, client, engine, scorer, receiver
+        # how each sample is produced (rollout.env); built and checked here unless the caller brings one
+        self.env = env if env is not None else create_env(cfg, engine.tokenizer)
+        self.endpoint = endpoint  # the OpenAI-compatible endpoint (rollout.openai), served while the server runs
         self.server_index, self.client_id = server_index, client.client_id
         self.run_dir = Path(run_dir) if run_dir else None
         self.params = SamplingParams.from_config(cfg.rollout)
@@ -107,7 +110,6 @@ class RolloutServer:
         self._update_stats = {"weights/pause_ms": 0.0, "weights/updates_inflight": 0.0}
         self.resources = ProcessResources("resource/rollout")
         self._announced: dict[int, list[dict[str, str]]] = {}  # version -> the publish spans it was announced with
-        check_chat_template(engine.tokenizer, cfg.data.apply_chat_template, cfg.model.tokenizer or cfg.model.path)
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -135,9 +137,11 @@ class RolloutServer:
         self.client.start_heartbeat(self.heartbeat_stats, reg.heartbeat_s or self.cfg.broker.heartbeat_s)
         push_deadline = max(self.cfg.broker.prompt_lease_s, 3 * self.cfg.broker.request_timeout_s)
         self.finisher = Finisher(self.client, self.scorer, self.client_id, self.leases, self.stats, self.metrics,
-                                 push_deadline, self.weight_stats, on_done=self._pushed)
+                                 push_deadline, self.batch_stats, on_done=self._pushed)
         self.on_current(reg.policy_version, reg.weights, reg.paused)
         self._next_catchup = time.monotonic() + CATCHUP_S
+        if self.endpoint is not None:
+            self.endpoint.start()
         if self.run_dir is not None:
             write_ready(self.run_dir, self.server_index, self.client_id, self.version)
         log.info("ready: %s registered with broker %s (broker at version %d%s), up to %d prompts x %d samples "
@@ -161,6 +165,7 @@ class RolloutServer:
         return lease
 
     def shutdown(self, finish: bool, give_back: bool) -> None:
+        self.env.begin_stop()
         if finish:
             try:
                 self.drain_inflight()
@@ -173,6 +178,9 @@ class RolloutServer:
                     give_back = False
             else:
                 self.finisher.abandon()
+        if self.endpoint is not None:
+            self.endpoint.close()
+        self.env.close()  # its HTTP client and threads; nothing of it is needed after the drain
         if give_back and len(self.leases):
             n = return_leases(self.client, self.leases, self.stats)
             log.info("returned %d leased prompt(s) to the broker, which re-issues them", n)
@@ -248,15 +256,15 @@ class RolloutServer:
         return reply
 
     def generate(self, lease: m.PromptLease, trace: LeaseTrace | None = None) -> list[InFlight]:
-        """Admit the lease's prompts: ``group_size`` requests each, handed to the engine at once."""
-        data, g = self.cfg.data, self.cfg.rollout.group_size
-        n = g + int(self.greedy_baseline)  # the last request of a group is the greedy baseline (remax)
+        """Admit the lease's prompts: ``group_size`` episodes each (rollout.env; single_turn: one request)."""
+        g = self.cfg.rollout.group_size
+        n = g + int(self.greedy_baseline)  # the last sample of a group is the greedy baseline (remax)
         admitted = []
         chaos.pin("rollout.generate")
         for prompt in lease.prompts:
-            ids = encode_prompt(self.engine.tokenizer, prompt.prompt, data.apply_chat_template, data.max_prompt_tokens)
+            task = self.env.task(prompt)
             key, self._next_id = self._next_id, self._next_id + 1
-            item = InFlight(lease, prompt, ids, self.version, time.monotonic(), trace, [None] * n)
+            item = InFlight(lease, prompt, task.prompt_ids, self.version, time.monotonic(), trace, [None] * n)
             self.inflight[key] = item
             with self._count_lock:
                 self._unpushed += 1
@@ -264,8 +272,9 @@ class RolloutServer:
                 params = self.greedy_params if j == g else self.params
                 if faults.PLAN and j != g:  # entropy_collapse (a testing aid, off by default)
                     params = dataclasses.replace(params, temperature=faults.temperature(params.temperature, self.version))
-                future = self.engine.submit(Request(ids, params, request_id=f"{self.client_id}/{key}/{j}",
-                                                    trace=trace_carrier(trace, prompt.prompt_id)))
+                episode = self.env.episode(self.engine, task, params, f"{self.client_id}/{key}/{j}",
+                                           trace_carrier(trace, prompt.prompt_id))
+                future = self.engine.loop.submit(episode)
                 future.add_done_callback(functools.partial(self._sample_done, key, j))
             admitted.append(item)
         return admitted
@@ -301,15 +310,24 @@ class RolloutServer:
             return
         now = time.monotonic()
         g = self.cfg.rollout.group_size
-        samples, baselines = [list(item.samples[:g])], ([item.samples[g]] if self.greedy_baseline else None)
+        kept = env_groups.survivors(item.samples[:g], self.cfg.rollout.env, g, self.env.stats)
+        baselines = [item.samples[g]] if self.greedy_baseline else None
+        if kept is None or (baselines and env_groups.is_dropped(baselines[0], "score")):
+            log.warning("prompt %s lost too many samples (failed environment steps or sessions; group rule: "
+                        "rollout.env.min_group_samples); it goes back to the broker", item.prompt.prompt_id)
+            self._give_back(item)
+            return
+        prompt_ids = env_groups.common_prompt(kept + (baselines or []), item.prompt_ids)
+        samples = [[env_groups.rebase(s, prompt_ids) for s in kept]]
+        baselines = [env_groups.rebase(s, prompt_ids) for s in baselines] if baselines else None
         if item.trace is not None:
             item.trace.generated(item.prompt.prompt_id, genai_attributes(
                 self.cfg.model.path, self.params, item.prompt_ids, item.samples, item.version))
         lease = m.PromptLease(req_id=item.lease.req_id, lease_id=item.lease.lease_id,
                               expires_in_s=item.lease.expires_in_s, prompts=[item.prompt])
         inputs = reward_inputs(lease.prompts, samples) + reward_inputs(lease.prompts, [baselines] if baselines else [])
-        rewards = self.scorer.submit(inputs)
-        self.finisher.submit(Batch(lease, [item.prompt_ids], samples, item.version, now - item.started, rewards,
+        rewards = env_groups.score(self.scorer, inputs, samples[0] + (baselines or []))
+        self.finisher.submit(Batch(lease, [prompt_ids], samples, item.version, now - item.started, rewards,
                                    trace=item.trace, baselines=baselines))
 
     def _give_back(self, item: InFlight) -> None:
@@ -434,6 +452,10 @@ class RolloutServer:
 
     # --------------------------------------------------------------------------------- stats
 
+    def batch_stats(self) -> dict[str, float]:
+        """What each metrics line adds: the weights' and the environment's counters (finisher thread)."""
+        return {**self.weight_stats(), **self.env.metrics(), **(self.endpoint.metrics() if self.endpoint else {})}
+
     def weight_stats(self) -> dict[str, float]:
         """Weight sync and this process's resources (``resource/rollout/*``): in each metrics line and heartbeat."""
         return {**(self.receiver.stats() if self.receiver is not None else {}), **self._update_stats,
@@ -511,16 +533,22 @@ def main(args) -> int:
                             {"service.instance.id": f"rollout-{index}", "fleetrl.client_id": client_id,
                              "fleetrl.server_index": index})
     device = resolve_device(cfg.rollout.device)
-    engine = scorer = client = receiver = None
+    engine = scorer = client = receiver = env = None
     try:
         engine = create_engine(cfg.rollout.engine, cfg.model, cfg.rollout, device, cfg.rollout.seed + index)
+        env = create_env(cfg, engine.tokenizer)
         scorer = RewardScorer.from_config(cfg.rollout)
         receiver = engine.weight_receiver(cfg, device, client_id)
         address = broker_address(cfg, args.broker, args.run_dir)
         client = ZmqBrokerClient(address, client_id, "rollout", rank=index, timeout_s=cfg.broker.request_timeout_s,
                               curve=cfg.broker.curve, info={"engine": cfg.rollout.engine, "device": device})
+        endpoint = None
+        if cfg.rollout.openai.enabled:
+            from fleetrl.rollout.endpoint.server import Endpoint
+
+            endpoint = Endpoint(cfg, engine, env, index, args.run_dir)
         server = RolloutServer(cfg, client, engine, scorer, server_index=index, run_dir=args.run_dir,
-                               receiver=receiver, stop_event=stop)
+                               receiver=receiver, stop_event=stop, env=env, endpoint=endpoint)
         return server.run()
     except BrokerUnavailable as e:
         hint = "" if "request_timeout_s" in str(e) else (
@@ -530,6 +558,6 @@ def main(args) -> int:
     except Abort:
         return 0
     finally:
-        for part in (receiver, scorer, client, engine):
+        for part in (receiver, scorer, client, env, engine):
             if part is not None:
                 part.close()

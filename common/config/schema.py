@@ -20,6 +20,7 @@ from msgspec import field
 from fleetrl.common.config.base import Section, doc
 from fleetrl.common.config.algorithm import AlgorithmConfig, DpoAlgorithm, RlAlgorithm
 from fleetrl.common.config.cluster import ClusterConfig
+from fleetrl.common.config.env import EnvConfig, OpenAIConfig
 from fleetrl.common.config.learner import HealthConfig, LearnerConfig
 
 
@@ -168,11 +169,18 @@ class RolloutConfig(Section):
         "Keep this server up when the learner finishes or the broker shuts down (it waits for the next learner); "
         "false: it returns its prompts, leaves the fleet and exits 0.")] = False
     vllm: Annotated[VllmConfig, doc("vLLM engine settings (engine: vllm).")] = field(default_factory=VllmConfig)
+    env: Annotated[EnvConfig, doc("How a sample is produced: single_turn, tool, user, http or openai "
+                                  "(docs/environments.md).")] = field(default_factory=EnvConfig)
+    openai: Annotated[OpenAIConfig, doc("The OpenAI-compatible endpoint of each rollout server "
+                                        "(docs/environments.md).")] = field(default_factory=OpenAIConfig)
 
     def __post_init__(self) -> None:
         for key, value in (("rollout.max_inflight", self.max_inflight), ("rollout.vllm.max_num_seqs", self.vllm.max_num_seqs)):
             if value is not None and value < 1:
                 raise ValueError(f"{key}={value} must be >= 1 (or null for the default)")
+        if self.env.type == "openai" and not self.openai.enabled:
+            raise ValueError("rollout.env.type is `openai` (samples come from agents through the endpoint) but "
+                             "rollout.openai.enabled is false; set rollout.openai.enabled=true")
 
 
 # -------------------------------------------------------------------------------------- broker

@@ -5,6 +5,9 @@ same length (``07+58=`` -> ``65``). Equal-length prompts keep position ids ident
 generation and training without any left-padding bookkeeping. The held-out split is drawn first and
 the training split never contains one of its problems.
 
+``calc``: products of two two-digit numbers (``37*48=`` -> ``1776``), for the multi-turn demo; the
+training rows also carry ``messages``, the tool conversation the warm start learns the format from.
+
 ``arithmetic-preference``: the same problems as preference pairs for offline DPO,
 ``{prompt, chosen, rejected, answer}`` with the correct sum chosen and a wrong one rejected: the
 correct sum plus a nonzero offset in [-9, 9] (a units-digit slip, sometimes with a carry error),
@@ -39,6 +42,24 @@ def arithmetic_problems(max_operand: int = 99) -> Iterator[tuple[str, str]]:
         for b in range(max_operand + 1):
             yield f"{a:0{width}d}+{b:0{width}d}=", str(a + b)
 
+
+@_task("calc")
+def calc_problems(max_operand: int = 99) -> Iterator[tuple[str, str]]:
+    """Products of two numbers in ``[10, max_operand]`` (``37*48=`` -> ``1776``): too hard for a small model
+    to compute, easy with the ``calc`` tool (``configs/multiturn.yaml``)."""
+    for a in range(10, max_operand + 1):
+        for b in range(10, max_operand + 1):
+            yield f"{a}*{b}=", str(a * b)
+
+
+def calc_conversation(prompt: str, answer: str) -> list[dict[str, str]]:
+    """The warm start's conversation of a calc problem: call the tool (pythonic format), read it, answer."""
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": f'calc("{prompt.rstrip("=")}")'},
+            {"role": "tool", "content": answer}, {"role": "assistant", "content": answer}]
+
+
+CONVERSATIONS: dict[str, Callable[[str, str], list[dict[str, str]]]] = {"calc": calc_conversation}
+"""Tasks whose training rows also carry ``messages``: the tool conversation a warm start trains on."""
 
 PREFERENCE_TASKS: dict[str, str] = {"arithmetic-preference": "arithmetic"}  # pair task -> its prompt task
 
@@ -96,6 +117,8 @@ def init_data(task: str, out: str, n: int, eval_n: int, seed: int, max_operand: 
     train, held_out = make_splits(PREFERENCE_TASKS.get(task, task), n, eval_n, seed, max_operand=max_operand)
     if task in PREFERENCE_TASKS:
         train, held_out = to_preference(train, seed), to_preference(held_out, seed + 1)
+    if task in CONVERSATIONS:
+        train = [{**r, "messages": CONVERSATIONS[task](r["prompt"], r["answer"])} for r in train]
     return write_jsonl(train, out), write_jsonl(held_out, eval_path(out))
 
 

@@ -1,0 +1,180 @@
+"""The OpenAI-compatible endpoint with the official `openai` client: inference round trips, OpenAI-style
+errors, and training sessions through the real server loop and the broker twin (an agent that only
+changed its base_url; the groups it produced; a session left open times out and is not trained)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from fleetrl.common.config import load_config
+from fleetrl.rollout.endpoint.server import Endpoint
+from tests.rollout.test_server import Fleet, wait_for
+
+KEY = "sekrit"
+
+
+@pytest.fixture(scope="module")
+def plain(engine, tiny_model_dir):
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "rollout.openai.enabled=true", "rollout.openai.port=0",
+                             f"rollout.openai.api_key={KEY}", "rollout.max_new_tokens=8"])
+    ep = Endpoint(cfg, engine)
+    ep.start()
+    yield ep
+    ep.close()
+
+
+def client(base_url, key=KEY):
+    return openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=30)
+
+
+def test_round_trip_with_the_openai_client(plain, engine):
+    c = client(plain.base_url)
+    assert [m.id for m in c.models.list().data] == ["fleetrl"]
+    r = c.chat.completions.create(model="fleetrl", messages=[{"role": "user", "content": "12+30="}], max_tokens=5,
+                                  temperature=0, logprobs=True)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    assert 1 <= r.usage.completion_tokens <= 5 and len(choice.logprobs.content) == r.usage.completion_tokens
+    # the same as calling the engine directly with the template's prompt (greedy)
+    from fleetrl.rollout.engines.base import SamplingParams
+
+    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": "12+30="}], add_generation_prompt=True,
+                                                tokenize=False)
+    ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    direct = engine.generate_batch([ids], SamplingParams(temperature=0, max_new_tokens=5), 1)[0][0]
+    assert choice.message.content == direct.text and r.usage.prompt_tokens == len(ids)
+    t = c.completions.create(model="fleetrl", prompt="07+58=", max_tokens=4, n=2, seed=3)
+    assert len(t.choices) == 2 and all(len(x.text) <= 4 for x in t.choices)
+
+
+def test_streaming_sends_the_whole_reply_as_events(plain):
+    c, messages = client(plain.base_url), [{"role": "user", "content": "12+30="}]
+    whole = c.chat.completions.create(model="fleetrl", messages=messages, max_tokens=5, temperature=0)
+    chunks = list(c.chat.completions.create(model="fleetrl", messages=messages, max_tokens=5, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert text == whole.choices[0].message.content and finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and not chunks[-1].choices
+    texts = list(c.completions.create(model="fleetrl", prompt="07+58=", max_tokens=4, temperature=0, stream=True))
+    assert len(texts) == 1 and texts[0].choices[0].text == c.completions.create(
+        model="fleetrl", prompt="07+58=", max_tokens=4, temperature=0).choices[0].text
+
+
+def test_errors_come_in_openai_format(plain):
+    c = client(plain.base_url)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="x", messages=[])
+    assert e.value.code == "invalid_value" and e.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        c.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}], extra_body={"stream": 3})
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        c.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}], temperature=9)
+    with pytest.raises(openai.AuthenticationError):
+        client(plain.base_url, key="wrong").models.list()
+    r = httpx.post(f"{plain.root}/v1/nowhere", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.post(f"{plain.base_url}/chat/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(f"{plain.root}/fleetrl/sessions", headers={"Authorization": f"Bearer {KEY}"}, json={})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "no_sessions"
+
+
+# ------------------------------------------------------------------------------ training sessions
+
+G = 2
+SESSIONS = ["rollout.env.type=openai", "rollout.openai.enabled=true", "rollout.openai.port=0", f"rollout.group_size={G}",
+            "rollout.prompts_per_batch=1", "rollout.env.max_turns=4", "rollout.max_new_tokens=6"]
+
+
+class AgentFleet(Fleet):
+    def __init__(self, engine, tiny_model_dir, *overrides):
+        super().__init__(engine, tiny_model_dir, *SESSIONS, *overrides, n_prompts=8)
+        self.server.endpoint = Endpoint(self.cfg, engine, self.server.env)
+
+    @property
+    def root(self):
+        return self.server.endpoint.root
+
+
+def agent(task_prompt, base_url):
+    """A plain OpenAI-client agent: asks, gets a 'tool' answer from its own code, asks again."""
+    c = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": task_prompt}]
+    replies = []
+    for turn in range(3):
+        r = c.chat.completions.create(model="fleetrl", messages=messages, max_tokens=5)
+        msg = r.choices[0].message
+        replies.append(msg.content)
+        messages += [msg.model_dump(exclude_none=True), {"role": "tool", "content": f"result {turn}"}]
+    return replies
+
+
+def test_an_openai_client_agent_trains_by_changing_base_url(engine, tiny_model_dir):
+    fleet = AgentFleet(engine, tiny_model_dir)
+    tok = engine.tokenizer
+    done = {}
+    try:
+        fleet.start_thread()
+        wait_for(lambda: fleet.server.endpoint.port, 20, "the endpoint")
+        for k in range(2 * G):
+            s = httpx.post(f"{fleet.root}/fleetrl/sessions", json={"wait_s": 20}, timeout=30).json()
+            replies = agent(s["task"]["prompt"], s["base_url"])
+            r = httpx.post(f"{fleet.root}/fleetrl/sessions/{s['session_id']}/close", json={"reward": float(k)}).json()
+            assert r["trained"] and r["turns"] == 3
+            done[float(k)] = (s, replies)
+        groups = []
+        wait_for(lambda: groups.extend(fleet.drain()) or len(groups) >= 2, 30, "groups from sessions")
+    finally:
+        fleet.stop()
+    for g in groups:
+        assert g.num_responses == G and g.metadata["turns"] == [3] * G
+        offsets = g.offsets()
+        for i in range(G):
+            s, replies = done[g.rewards[i]]
+            assert g.reward_parts[i] == {"env": g.rewards[i]} and fleet.prompt_text(g.prompt_id) == s["task"]["prompt"]
+            tokens, mask = g.token_array()[offsets[i]:offsets[i + 1]], g.loss_mask_array()[offsets[i]:offsets[i + 1]]
+            # the sampled segments (mask 1) are the replies the agent got, as tokens; the rest is mask 0
+            cuts = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+            segments = [tokens[a:b].tolist() for a, b in zip(cuts[::2], cuts[1::2])]
+            assert [tok.decode(x, skip_special_tokens=True) for x in segments] == replies
+            obs = tok.decode(tokens[cuts[1]:cuts[2]].tolist())
+            assert obs.endswith("<|tool|>result 0<eos><|assistant|>")
+
+
+def test_bad_history_is_refused_and_an_idle_session_times_out_untrained(engine, tiny_model_dir):
+    fleet = AgentFleet(engine, tiny_model_dir, "rollout.openai.session_timeout_s=1.5", "rollout.env.min_group_samples=1")
+    try:
+        fleet.start_thread()
+        wait_for(lambda: fleet.server.endpoint.port, 20, "the endpoint")
+        s = httpx.post(f"{fleet.root}/fleetrl/sessions", json={"wait_s": 20}).json()
+        c = client(fleet.server.endpoint.base_url, key="x")
+        ask = [{"role": "user", "content": s["task"]["prompt"]}]
+        r = c.chat.completions.create(model="m", messages=ask, user=s["session_id"])
+        with pytest.raises(openai.BadRequestError) as e:  # the history was rewritten
+            c.chat.completions.create(model="m", user=s["session_id"], messages=[
+                {"role": "user", "content": "something else"}, {"role": "assistant", "content": r.choices[0].message.content},
+                {"role": "user", "content": "more"}])
+        assert e.value.code == "session_history_mismatch"
+        other = httpx.post(f"{fleet.root}/fleetrl/sessions", json={"wait_s": 20}).json()  # the group's second
+        c2 = openai.OpenAI(base_url=other["base_url"], api_key="x", max_retries=0)
+        c2.chat.completions.create(model="m", messages=[{"role": "user", "content": other["task"]["prompt"]}])
+        httpx.post(f"{fleet.root}/fleetrl/sessions/{other['session_id']}/close", json={"reward": 1.0})
+        time.sleep(3.0)
+        with pytest.raises(openai.NotFoundError) as e:
+            c.chat.completions.create(model="m", messages=ask, user=s["session_id"])
+        assert e.value.code == "session_expired"
+        groups = []
+        wait_for(lambda: groups.extend(fleet.drain()) or groups, 20, "the surviving sample's group")
+    finally:
+        fleet.stop()
+    assert len(groups) == 1 and groups[0].num_responses == 1 and groups[0].rewards == [1.0]
+    totals = fleet.server.env.stats.totals
+    assert totals["timeouts"] >= 1 and totals["samples_dropped"] >= 1
+    assert fleet.server.env.sessions.counts["sessions_timed_out"] == 1
