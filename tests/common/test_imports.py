@@ -41,3 +41,8 @@ def test_launchers_import_without_torch_or_ray():
     probe = f"{code}\nimport sys\nprint(','.join(m for m in {(*HEAVY, 'ray')!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_weightsync_imports_without_torch():
+    """Its torch imports sit inside the functions (and under TYPE_CHECKING for annotations)."""
+    assert _loaded_after("import fleetrl.common.weightsync, fleetrl.common.weightsync.groups") == []
