@@ -57,7 +57,9 @@ def test_off_policy_batch_gives_finite_loss_and_is_metrics(dist, tiny_model_dir,
     learner = Learner(cfg, tmp_path, client, dist)
     stats = learner.train_step()
     assert math.isfinite(stats["actor/loss"]) and math.isfinite(stats["actor/grad_norm"])
-    assert stats["off_policy/mismatch_kl"] > 0.1
+    assert stats["off_policy/drift_kl"] > 0.1
+    # the groups are version 0, the weights being trained: the gap is engine mismatch, measured on every token
+    assert stats["off_policy/mismatch_kl"] > 0.1 and stats["off_policy/fresh_token_frac"] == 1.0
     assert 0 < stats["off_policy/is_ess"] <= 1 and stats["off_policy/is_capped_frac"] > 0.5
     assert stats["off_policy/is_weight_mean"] <= 2.0 + 1e-6  # truncated at the cap
     learner.close()
@@ -156,7 +158,7 @@ def test_loss_mask_holes_are_trained_around_and_never_read(dist, tiny_model_dir,
         assert batch.mask[0].tolist() == [1, 1, 0, 0, 1, 1, 0]
         stats.append(learner.actor.step(batch, 0))
         learner.close()
-    for key in ("actor/loss", "actor/grad_norm", "off_policy/mismatch_kl", "adv/abs_mean"):
+    for key in ("actor/loss", "actor/grad_norm", "off_policy/mismatch_kl", "off_policy/drift_kl", "adv/abs_mean"):
         assert stats[0][key] == stats[1][key] and math.isfinite(stats[0][key]), key
     assert stats[0]["adv/abs_mean"] > 0
 
