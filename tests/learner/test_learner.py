@@ -65,6 +65,44 @@ def test_off_policy_batch_gives_finite_loss_and_is_metrics(dist, tiny_model_dir,
     learner.close()
 
 
+def _spanning(groups, versions):
+    """The same groups with every response's tokens tagged with ``versions`` in turn (an in-flight update)."""
+    import numpy as np
+    import msgspec
+
+    out = []
+    for g in groups:
+        n = len(g.token_array())
+        tv = np.array([versions[i % len(versions)] for i in range(n)], dtype=np.int32)
+        out.append(msgspec.structs.replace(g, policy_version=int(tv.min()), token_versions=tv.tobytes()))
+    return out
+
+
+def test_mismatch_counts_only_tokens_of_the_trained_version_and_drift_counts_all(dist, tiny_model_dir, tmp_path):
+    cfg = job(tiny_model_dir, tmp_path, "algorithm.off_policy.mode=tis")
+    learner = Learner(cfg, tmp_path, inproc_client([])[0], dist)
+    groups = synthetic_groups(4, logp=-9.0)  # mu far from the tiny policy: large KL on any token it is taken over
+    stale = learner.actor.step(learner.actor.plan(Leased(groups=_spanning(groups, [1]))), 2)
+    assert "off_policy/mismatch_kl" not in stale and stale["off_policy/fresh_token_frac"] == 0.0  # all drift
+    assert stale["off_policy/drift_kl"] > 0.1
+    mixed = learner.actor.step(learner.actor.plan(Leased(groups=_spanning(groups, [1, 2]))), 2)
+    assert 0.3 < mixed["off_policy/fresh_token_frac"] < 0.7 and mixed["off_policy/mismatch_kl"] > 0.1
+    moved = learner.actor.step(learner.actor.plan(Leased(groups=_spanning(groups, [2]))), 2, pristine=False)
+    assert "off_policy/mismatch_kl" not in moved  # the weights changed since version 2 was published
+    learner.close()
+
+
+def test_the_learner_measures_mismatch_only_while_its_weights_are_the_published_ones(dist, tiny_model_dir, tmp_path):
+    cfg = job(tiny_model_dir, tmp_path, "sync.interval=2")
+    client, _ = inproc_client(synthetic_groups(8))
+    learner = Learner(cfg, tmp_path, client, dist)
+    first, second = learner.train_step(), learner.train_step()
+    assert "off_policy/mismatch_kl" in first  # version 0 sampled, version 0's weights trained
+    assert "off_policy/mismatch_kl" not in second and learner.version == 1  # one update since: nothing to compare
+    assert learner.pristine  # published after step 2
+    learner.close()
+
+
 def test_async_without_correction_is_refused(tiny_model_dir):
     with pytest.raises(ConfigError, match="algorithm.off_policy.mode=tis"):
         load_config(None, [f"model.path={tiny_model_dir}", "broker.max_staleness=1", "algorithm.off_policy.mode=none"])
