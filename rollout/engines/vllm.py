@@ -31,6 +31,7 @@ on them (announcements in, "what is pending" and "apply version v" out: control 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import pickle
@@ -263,6 +264,10 @@ class VllmEngine(Engine):
             log.warning("vllm engine: aborting in-flight requests failed (%s)", e)
         llm.shutdown()  # stops the engine-core process (and its workers): no orphan left behind
         self.loop.close()
+        # AsyncLLM.__del__ calls shutdown() again; left to the interpreter's teardown it runs after vLLM's
+        # module globals are gone ("TypeError: 'NoneType' object is not callable"). Collect it now.
+        del llm
+        gc.collect()
 
     @staticmethod
     async def _abort_all(llm: Any) -> None:
