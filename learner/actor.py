@@ -190,8 +190,8 @@ class PolicyActor:
 
 
 class MismatchMeter:
-    """``off_policy/mismatch_kl``: the engine mismatch over the tokens that the learner's published version
-    sampled, summed over micro-batches and ranks (one all-reduce) before dividing, so every rank reports the
+    """``off_policy/mismatch_kl``: the engine mismatch over the samples that the learner's published version
+    sampled from start to end (``mismatch_sums``), summed over micro-batches and ranks (one all-reduce) before dividing, so every rank reports the
     same value. Absent when no such token was trained this step (all were stale, or the weights changed
     since the publish: ``sync.interval`` > 1). ``off_policy/fresh_token_frac`` is the share it was taken over.
     """

@@ -102,7 +102,7 @@ class Learner:
         idle = self.health.rollback_rules_without_checkpoints(cfg.checkpoint.interval) if self.health else []
         if idle and dist.is_main:
             log.warning("%s roll back, but checkpoint.interval=0 saves no checkpoint to roll back to: they will alert "
-                        "instead (set checkpoint.interval, e.g. 100, to let them act)", ", ".join(idle))
+                        "instead, and non_finite will stop (set checkpoint.interval, e.g. 100, to let them act)", ", ".join(idle))
         self.lr_scale = 1.0  # health.lr_factor ** rollbacks
         self.traces = StepTraces()
         self.completions = CompletionLog(cfg) if dist.is_main else None

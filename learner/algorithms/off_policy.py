@@ -146,13 +146,18 @@ def off_policy_metrics(
 def mismatch_sums(old_logp: Tensor, behav_logp: Tensor, mask: Tensor, token_versions: Tensor,
                   version: int) -> tuple[Tensor, Tensor]:
     """Engine mismatch, like with like: the summed k3 estimate of KL(mu || pi) and the count, over the valid
-    tokens that policy version ``version`` sampled, where ``old_logp`` ``[B, T]`` are the learner's log-probs
-    under exactly the weights it published as ``version``. ``token_versions`` ``[B, T]`` int.
+    tokens of the samples that policy version ``version`` sampled from start to end, where ``old_logp``
+    ``[B, T]`` are the learner's log-probs under exactly the weights it published as ``version``.
+    ``token_versions`` ``[B, T]`` int.
 
-    On those tokens the engine and the learner ran the same weights, so any gap is the engine's numerics
-    or a broken weight sync, never staleness (policy drift is ``drift_kl``). Two 0-d tensors, so callers
-    can sum over micro-batches and ranks before dividing.
+    A whole sample, not a token: a token sampled after an in-flight update still attends to keys and values
+    the older weights computed (``rollout.inflight_update: keep``), so only a sample with every trained token
+    of ``version`` ran entirely on those weights. On those the engine and the learner ran the same weights,
+    so any gap is the engine's numerics or a broken weight sync, never staleness (policy drift is
+    ``drift_kl``). Two 0-d tensors, so callers can sum over micro-batches and ranks before dividing.
     """
-    fresh = (mask > 0) & (token_versions == version)
+    valid = mask > 0
+    pure = (~valid | (token_versions == version)).all(-1, keepdim=True)  # [B, 1]
+    fresh = valid & pure
     kl = k3(behav_logp.detach(), old_logp.detach())
     return torch.where(fresh, kl, 0.0).sum(), fresh.sum().to(kl.dtype)

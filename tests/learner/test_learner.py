@@ -65,15 +65,18 @@ def test_off_policy_batch_gives_finite_loss_and_is_metrics(dist, tiny_model_dir,
     learner.close()
 
 
-def _spanning(groups, versions):
-    """The same groups with every response's tokens tagged with ``versions`` in turn (an in-flight update)."""
+def _spanning(groups, first, rest=None):
+    """The same groups with each response's first token tagged ``first`` and the others ``rest`` (default
+    ``first``): ``first < rest`` is a response sampled across an in-flight update."""
     import numpy as np
     import msgspec
 
+    rest = first if rest is None else rest
     out = []
     for g in groups:
-        n = len(g.token_array())
-        tv = np.array([versions[i % len(versions)] for i in range(n)], dtype=np.int32)
+        offsets = g.offsets()
+        tv = np.full(offsets[-1], rest, dtype=np.int32)
+        tv[np.asarray(offsets[:-1])] = first
         out.append(msgspec.structs.replace(g, policy_version=int(tv.min()), token_versions=tv.tobytes()))
     return out
 
@@ -82,12 +85,14 @@ def test_mismatch_counts_only_tokens_of_the_trained_version_and_drift_counts_all
     cfg = job(tiny_model_dir, tmp_path, "algorithm.off_policy.mode=tis")
     learner = Learner(cfg, tmp_path, inproc_client([])[0], dist)
     groups = synthetic_groups(4, logp=-9.0)  # mu far from the tiny policy: large KL on any token it is taken over
-    stale = learner.actor.step(learner.actor.plan(Leased(groups=_spanning(groups, [1]))), 2)
+    stale = learner.actor.step(learner.actor.plan(Leased(groups=_spanning(groups, 1))), 2)
     assert "off_policy/mismatch_kl" not in stale and stale["off_policy/fresh_token_frac"] == 0.0  # all drift
     assert stale["off_policy/drift_kl"] > 0.1
-    mixed = learner.actor.step(learner.actor.plan(Leased(groups=_spanning(groups, [1, 2]))), 2)
-    assert 0.3 < mixed["off_policy/fresh_token_frac"] < 0.7 and mixed["off_policy/mismatch_kl"] > 0.1
-    moved = learner.actor.step(learner.actor.plan(Leased(groups=_spanning(groups, [2]))), 2, pristine=False)
+    spanning = learner.actor.step(learner.actor.plan(Leased(groups=_spanning(groups, 1, 2))), 2)
+    assert "off_policy/mismatch_kl" not in spanning  # across an update: its version-2 tokens saw version 1's KV
+    mixed = learner.actor.step(learner.actor.plan(Leased(groups=_spanning(groups[:2], 2) + _spanning(groups[2:], 1))), 2)
+    assert 0.2 < mixed["off_policy/fresh_token_frac"] < 0.8 and mixed["off_policy/mismatch_kl"] > 0.1
+    moved = learner.actor.step(learner.actor.plan(Leased(groups=_spanning(groups, 2))), 2, pristine=False)
     assert "off_policy/mismatch_kl" not in moved  # the weights changed since version 2 was published
     learner.close()
 

@@ -16,13 +16,15 @@ def k3(behav: float, learner: float) -> float:
     return math.expm1(log_r) - log_r
 
 
-def test_only_valid_tokens_of_the_trained_version_count():
-    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
-    behav = torch.tensor([[-1.5, -2.0, -0.1, -9.0]])
-    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    versions = torch.tensor([[7, 7, 6, 7]])  # token 2 was sampled by version 6: drift, not mismatch; token 3 is padding
+def test_only_samples_the_trained_version_sampled_from_start_to_end_count():
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-1.0, -1.0, -1.0, -1.0]])
+    behav = torch.tensor([[-1.5, -2.0, -0.1, -9.0], [-5.0, -5.0, -5.0, -5.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    # row 0: tokens 2-3 are an observation (mask 0, no version of ours) and padding; row 1 spans an in-flight
+    # update (6 -> 7): its version-7 tokens attend to version 6's keys and values, so none of it counts
+    versions = torch.tensor([[7, 7, -1, -1], [6, 6, 7, 7]])
     kl_sum, n = mismatch_sums(old, behav, mask, versions, version=7)
-    # token 0: log r = -1 - (-1.5) = 0.5 -> e^0.5 - 1 - 0.5 = 0.148721; token 1: log r = 0 -> 0
+    # row 0 token 0: log r = -1 - (-1.5) = 0.5 -> e^0.5 - 1 - 0.5 = 0.148721; token 1: log r = 0 -> 0
     assert n.item() == 2
     assert kl_sum.item() == pytest.approx(k3(-1.5, -1.0) + 0.0, rel=1e-6)
 
