@@ -271,9 +271,11 @@ class VllmEngine(Engine):
         except Exception as e:  # noqa: BLE001 - shutting down anyway
             log.warning("vllm engine: aborting in-flight requests failed (%s)", e)
         llm.shutdown()  # stops the engine-core process (and its workers): no orphan left behind
+        # AsyncLLM.__del__ calls shutdown() again, and vLLM's own objects keep the engine alive until the
+        # interpreter's teardown, when vLLM's module globals are gone ("Exception ignored in AsyncLLM.__del__
+        # ... TypeError: 'NoneType' object is not callable"). It is shut down: later calls do nothing.
+        llm.shutdown = lambda *args, **kwargs: None
         self.loop.close()
-        # AsyncLLM.__del__ calls shutdown() again; left to the interpreter's teardown it runs after vLLM's
-        # module globals are gone ("TypeError: 'NoneType' object is not callable"). Collect it now.
         del llm
         gc.collect()
 
