@@ -77,7 +77,8 @@ def run_job(name: str, model_dir: str, pref: str, pref_eval: str, steps: int, tm
     fleet = not cfg.data.preference
     broker = client = rollout = None
     if fleet:
-        state = make_state("broker.queue_capacity=100000", "broker.max_staleness=1000", n_prompts=100000,
+        state = make_state("broker.queue_capacity=100000", "broker.max_staleness=1000", "broker.accept_unleased=true",
+                           n_prompts=100000,
                            vocab_size=263)
         broker = InprocBroker(state)
         rollout = broker.client("r0", "rollout")

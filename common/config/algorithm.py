@@ -22,7 +22,9 @@ from fleetrl.common.config.base import Section, doc
 AdvEstimatorName = Literal["grpo", "grpo_var_floor", "drgrpo", "rloo", "remax", "reinforce_pp",
                            "reinforce_pp_baseline", "gae"]
 PolicyLossName = Literal["ppo_clip", "dapo", "gspo"]
-KlEstimatorName = Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs", "k1+", "kl+", "k3+", "low_var_kl+", "abs+"]
+KlEstimatorName = Literal[
+    "k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs", "k1+", "kl+", "k2+", "mse+", "k3+", "low_var_kl+", "abs+"
+]
 PreferenceLossName = Literal["sigmoid", "ipo", "ipo_norm", "hinge", "robust"]
 LossAggName = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -47,7 +49,8 @@ class OffPolicyConfig(Section):
         float, doc("Cap C of the importance weights: tis truncates them at C, decoupled drops tokens above C.", gt=0)
     ] = 2.0
     batch_normalize: Annotated[
-        bool, doc("Divide the applied weights by their mean over the micro-batch's valid tokens (mean weight 1).")
+        bool, doc("Divide the applied weights by their micro-batch mean (mean weight 1): over valid tokens at "
+                  "level token, over non-empty sequences at level sequence.")
     ] = False
 
 
@@ -66,7 +69,7 @@ class KlConfig(Section):
     estimator: Annotated[
         KlEstimatorName,
         doc("KL estimator: k1, k2, k3, abs (aliases kl, mse, low_var_kl); a trailing + keeps the value and takes "
-            "k2's gradient (straight-through, for placement: loss)."),
+            "k2's gradient (straight-through, for placement: loss; k2+ is k2 itself, for symmetry)."),
     ] = "k3"
     coef: Annotated[float, doc("KL coefficient (initial value when adaptive).", ge=0)] = 0.001
     adaptive: Annotated[AdaptiveKlConfig | None, doc("Adaptive KL controller (null = fixed coefficient).")] = None

@@ -102,19 +102,22 @@ def grpo_var_floor(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: RlA
 def remax(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: RlAlgorithm, baselines_B=None):
     """ReMax (Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method
     for Aligning Large Language Models", arXiv 2310.10505, Algorithm 1): REINFORCE with the reward of
-    the greedy response as baseline,
+    the greedy response as baseline, in the causal (reward-to-go) form:
 
-        A_i = R_i - R(greedy response to the same prompt)
+        A_it = G_it - R(greedy response to the same prompt),    G_it = sum_{k >= t} gamma^(k-t) r_ik
 
-    broadcast to every valid token. ``baselines_B`` holds the greedy reward per sample (the rollout
-    server scores a greedy response with each group when ``adv_estimator: remax``).
+    the same return as ``reinforce_pp`` (``gamma``, default 1.0; verl's ``remax`` is gamma = 1). With
+    the reward on the last token only, G_it = R_i on every valid token. ``baselines_B`` holds the
+    greedy reward per sample (the rollout server scores a greedy response with each group when
+    ``adv_estimator: remax``). Returns are the G_it.
     """
     if baselines_B is None:
         raise ValueError("adv_estimator remax needs each group's greedy-response reward (baselines_B); the rollout "
                          "server sends it when algorithm.adv_estimator=remax")
     m_BT = mask_BT.to(token_rewards_BT.dtype)
-    adv_B = _sequence_rewards(token_rewards_BT, m_BT) - baselines_B.to(token_rewards_BT.dtype)
-    return _broadcast(adv_B, m_BT)
+    returns_BT = discounted_returns(token_rewards_BT, mask_BT, cfg.gamma)
+    adv_BT = torch.where(m_BT > 0, returns_BT - baselines_B.to(token_rewards_BT.dtype)[:, None], 0.0)
+    return adv_BT, returns_BT
 
 
 @ADV_ESTIMATORS.register("drgrpo")

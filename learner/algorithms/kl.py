@@ -13,7 +13,7 @@ KL(pi || pi_ref) = E_pi[-log r]:
 | ``k3`` (``low_var_kl``) | (r - 1) - log r, bounded to [0, 10] | yes (inside the bound) | yes |
 | ``abs`` | abs(log r) | no | yes |
 
-A trailing ``+`` (``k1+``, ``k3+``, ``low_var_kl+``, ``abs+``) is the straight-through form of verl
+A trailing ``+`` (``k1+``, ``k2+``, ``k3+``, ``low_var_kl+``, ``abs+``) is the straight-through form of verl
 (after Shah et al. 2025, "On Computation and Design of KL Divergence for RL and RLHF", arXiv
 2505.17508): the value of the named estimator and the gradient of k2, whose gradient is the
 gradient of KL(pi || pi_ref) to first order, while the value of k1 / k3 is the unbiased one. It only
@@ -91,7 +91,7 @@ def _straight_through(value_fn: KlEstimator) -> KlEstimator:
     return estimator
 
 
-for _names, _fn in ((("k1+", "kl+"), k1), (("k3+", "low_var_kl+"), k3), (("abs+",), abs_kl)):
+for _names, _fn in ((("k1+", "kl+"), k1), (("k2+", "mse+"), k2), (("k3+", "low_var_kl+"), k3), (("abs+",), abs_kl)):
     KL_ESTIMATORS.register(*_names)(_straight_through(_fn))
 
 

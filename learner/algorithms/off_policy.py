@@ -14,9 +14,11 @@ that multiplies the clipped per-token policy objective:
 | ``decoupled`` | pi_theta / pi_prox | rho = pi_prox / mu, 0 where rho > C | Hilton et al. 2021 (arXiv 2110.00641); |
 | | | | AReaL, Fu et al. 2025 (arXiv 2505.24298) |
 
-``off_policy.batch_normalize`` divides the applied weights by their mean over the valid tokens of the
-loss call (a micro-batch), so they average 1 and only reweigh tokens against each other (the
-self-normalised importance sampling estimator; verl's batch-normalised rollout IS weights). The
+``off_policy.batch_normalize`` divides the applied weights by their mean over the loss call (a
+micro-batch), so they average 1 and only reweigh samples against each other (the self-normalised
+importance sampling estimator; verl's batch-normalised rollout IS weights). At ``level: token`` the
+mean is over valid tokens; at ``level: sequence`` it is over non-empty sequences (each sequence's one
+weight counts once, whatever its length), as verl does. The
 normalisation is per micro-batch: with the default token budget one step is one micro-batch.
 
 ``decoupled`` follows AReaL's ``ppo_actor_loss_fn``: tokens whose behaviour weight exceeds the cap get
@@ -93,6 +95,18 @@ def log_importance_ratio(
     return per_seq.expand_as(log_rho)
 
 
+def _batch_mean(weight: Tensor, mask: Tensor, level: str) -> Tensor:
+    """The mean ``batch_normalize`` divides by: over valid tokens (``token``), or over non-empty
+    sequences of each sequence's weight (``sequence``; the weight is one value per sequence)."""
+    if level != "sequence":
+        return masked_mean(weight, mask)
+    m = mask.to(weight.dtype)
+    n_B = m.sum(-1)
+    seq_w_B = torch.where(m > 0, weight, 0.0).sum(-1) / n_B.clamp_min(1)
+    non_empty_B = (n_B > 0).to(weight.dtype)
+    return (seq_w_B * non_empty_B).sum() / non_empty_B.sum().clamp_min(1)
+
+
 def behaviour_weights(
     old_logp: Tensor,
     behav_logp: Tensor,
@@ -106,7 +120,7 @@ def behaviour_weights(
     log_cap = math.log(cfg.cap)
     weight = WEIGHT_RULES[cfg.mode](log_rho, log_cap)
     if cfg.batch_normalize and cfg.mode != "none":
-        weight = weight / masked_mean(weight, mask).clamp_min(torch.finfo(weight.dtype).tiny)
+        weight = weight / _batch_mean(weight, mask, level or cfg.level).clamp_min(torch.finfo(weight.dtype).tiny)
     return BehaviourWeights(
         weight=weight,
         rho=log_rho.clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP).exp(),
