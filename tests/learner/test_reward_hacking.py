@@ -156,10 +156,12 @@ def test_bad_settings_name_the_field(field, value, match):
 
 
 def test_diversity_metrics_by_hand():
-    # responses of 2 prompt groups: bigrams (1,2) (2,3) | (1,2) (2,3) | (4,5) | (1,2): 6 bigrams, 3 distinct
+    # 2 prompt groups; framed by start S and end E the bigrams are S1 12 23 3E | S1 12 23 3E | S4 45 5E |
+    # S1 12 2E: 14 bigrams, 8 distinct (S1 12 23 3E S4 45 5E 2E)
     out = diversity_metrics([(1, 2, 3), (1, 2, 3), (4, 5), (1, 2)], [0, 0, 1, 1])
-    assert out["response/distinct_2"] == pytest.approx(0.5)
+    assert out["response/distinct_2"] == pytest.approx(8 / 14)
     assert out["response/identical_frac"] == pytest.approx(0.5)  # (1, 2, 3) only in group 0 of 2
+    # one-token answers, the same for 4 prompts: S9 9E x 4 -> 2 of 8 distinct; every group holds it
     same = diversity_metrics([(9,), (9,), (9,), (9,)], [0, 1, 2, 3])
-    assert "response/distinct_2" not in same  # no bigram: no such figure, rather than a made-up one
-    assert same["response/identical_frac"] == 1.0
+    assert same["response/distinct_2"] == pytest.approx(0.25) and same["response/identical_frac"] == 1.0
+    assert diversity_metrics([(), ()], [0, 1])["response/distinct_2"] == pytest.approx(0.5)  # empty answers count
