@@ -92,7 +92,8 @@ def summarize(results: dict[str, dict], cfg: HealthConfig) -> dict:
         rollbacks.update(r["rollbacks"])
     per_rule = {spec.name: {"action": spec.action, "alerts": rates(alerts[spec.name], steps),
                             "rollbacks": rates(rollbacks[spec.name], steps)} for spec in cfg.rules}
-    return {"steps": steps, "streams": {name: {"steps": r["steps"], "events": r["events"]} for name, r in results.items()},
+    streams = {name: {"steps": r["steps"], "events": r["events"]} for name, r in results.items()}
+    return {"steps": steps, "streams": streams,
             "rules": per_rule, "all": {"alerts": rates(sum(alerts.values()), steps),
                                        "rollbacks": rates(sum(rollbacks.values()), steps)}}
 

@@ -85,7 +85,8 @@ class HealthMonitor:
         healthy = self.last_bad is None or self.last_bad <= step - max(self.cfg.healthy_window, 1)
         self.checkpoints[step] = healthy
         if not healthy:
-            self.why_unhealthy[step] = f"{self.last_bad_rule} fired at step {self.last_bad}, within health.healthy_window"
+            self.why_unhealthy[step] = (f"{self.last_bad_rule} fired at step {self.last_bad}, "
+                                        "within health.healthy_window")
             log.warning("checkpoint at step %d is not tagged healthy: a health rule fired at step %d (within "
                         "health.healthy_window=%d steps); rollbacks will skip it", step, self.last_bad,
                         self.cfg.healthy_window)

@@ -418,9 +418,10 @@ class RewardHacking(Rule):
         drop, rise = best_acc - acc, reward - best_reward
         if drop <= self.threshold or rise <= self.REWARD_RISE:
             return None
-        return Fired(acc, best_acc - self.threshold, f"held-out {self.EVAL} fell {drop:.3g} (from {best_acc:.3g} at step "
-                     f"{best_step} to {acc:.3g}, more than {self.threshold:.3g}) while {self.metric} rose {rise:.3g} "
-                     f"(moving average {best_reward:.4g} -> {reward:.4g}): the policy is learning to please the reward, "
+        return Fired(acc, best_acc - self.threshold, f"held-out {self.EVAL} fell {drop:.3g} (from {best_acc:.3g} at "
+                     f"step {best_step} to {acc:.3g}, more than {self.threshold:.3g}) while {self.metric} rose "
+                     f"{rise:.3g} (moving average {best_reward:.4g} -> {reward:.4g}): the policy is learning to please "
+                     f"the reward, "
                      f"not the task (reward hacking)", best_step + 1, metric=self.EVAL)
 
     def cheap_signals(self, step: int) -> Fired | None:

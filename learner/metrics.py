@@ -37,8 +37,8 @@ def diversity_metrics(responses: Sequence[tuple[int, ...]], groups: Sequence[int
 
     ``distinct_2``: distinct token bigrams over all bigrams of the step, each response framed by a start
     and an end mark (so one-token and empty responses count too, and every rank reports the figure:
-    the learner averages the same keys over ranks). ``identical_frac``: the fraction of the step's prompt groups that contain the step's most
-    common response. Answers that agree within a group (one prompt) are expected; one response spread
+    the learner averages the same keys over ranks). ``identical_frac``: the fraction of the step's prompt
+    groups that contain the step's most common response. Answers that agree within a group (one prompt) are expected; one response spread
     over many different prompts is the sign of a policy that answers every prompt alike (reward hacking).
     """
     out: dict[str, float] = {}
