@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 VENV_VLLM ?= .venv-vllm
 
-.PHONY: demo test test-slow test-all test-cluster test-vllm install docs clean-venv
+.PHONY: demo test test-slow test-all test-cluster test-vllm test-health install docs clean-venv
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,11 @@ demo: $(STAMP)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/demo.sh
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not gpu and not cluster" --ignore=tests/vllm $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not gpu and not cluster and not quiet" --ignore=tests/vllm $(PYTEST_ARGS)
+
+# healthy runs stay quiet (issue 23): the demo at max_staleness 0/2/4/8, 300 steps each, no health event (~12 min)
+test-health: $(STAMP)
+	$(PY) -m pytest -q -m quiet tests/e2e/test_quiet_runs.py -p no:cacheprovider -s $(PYTEST_ARGS)
 
 # Real engines on this machine: a one-host Slurm (slurm-wlm + munge from apt, daemons started by the
 # tests) and a local Ray (the `ray` extra). Needs root; installs what it needs and fails loudly.
@@ -38,10 +42,10 @@ test-vllm:
 
 # the slow lane of .ci/run: the 100k-frame fuzz, unbounded long polls, chaos in pinned states (~7 min on 2 cores)
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m "slow and not gpu and not cluster" --ignore=tests/vllm $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "slow and not gpu and not cluster and not quiet" --ignore=tests/vllm $(PYTEST_ARGS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m "not cluster" --ignore=tests/vllm $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not cluster and not quiet" --ignore=tests/vllm $(PYTEST_ARGS)
 
 docs: $(STAMP)
 	$(VENV)/bin/fleetrl config docs > docs/config.md

@@ -19,6 +19,8 @@ the fleet. ``FLEETRL_FAULT_AT`` must be >= 1.
 | ``reward_hack`` | rollout | the reward pays 1 for a degenerate output: an empty or one-character answer |
 | ``stale_fleet`` | rollout | new weights are received and announced but the engine keeps the weights of the fault's start: the fleet's real policy falls ever further behind the learner's version (HF engine) |
 | ``entropy_collapse`` | rollout | sampling temperature ``FLEETRL_FAULT_TEMPERATURE`` (0.1) instead of ``rollout.temperature`` |
+| ``corrupt_weights`` | rollout | each weight load adds noise (``FLEETRL_FAULT_NOISE`` (0.05) x each tensor's std) while the server reports the new version: a corrupted sync (HF engine) |
+| ``engine_dtype`` | rollout | each weight load rounds the engine's weights through ``FLEETRL_FAULT_DTYPE`` (float8_e5m2) while the learner trains full precision: engine numerics (HF engine) |
 
 With ``FLEETRL_FAULT`` unset each hook costs one truthiness test. Nothing here runs in a normal job.
 """
@@ -34,7 +36,8 @@ from typing import Any, Callable
 log = logging.getLogger("fleetrl.faults")
 
 LEARNER_FAULTS = ("lr_spike", "nan_grad")
-ROLLOUT_FAULTS = ("nan_reward", "reward_hack", "stale_fleet", "entropy_collapse")
+ROLLOUT_FAULTS = ("nan_reward", "reward_hack", "stale_fleet", "entropy_collapse", "corrupt_weights", "engine_dtype")
+WEIGHT_FAULTS = ("stale_fleet", "corrupt_weights", "engine_dtype")  # applied by WeightFaults.wrap
 KINDS = LEARNER_FAULTS + ROLLOUT_FAULTS
 
 
@@ -46,6 +49,8 @@ class FaultPlan:
     lr_factor: float = 50.0
     fraction: float = 0.25
     temperature: float = 0.1
+    noise: float = 0.05
+    dtype: str = "float8_e5m2"
 
     def __post_init__(self):
         unknown = sorted(self.kinds - set(KINDS))
@@ -56,6 +61,8 @@ class FaultPlan:
         if self.duration < 1 or not 0 < self.fraction <= 1 or self.lr_factor <= 0 or self.temperature < 0:
             raise ValueError("FLEETRL_FAULT_FOR must be >= 1, FLEETRL_FAULT_FRACTION in (0, 1], "
                              "FLEETRL_FAULT_LR_FACTOR > 0 and FLEETRL_FAULT_TEMPERATURE >= 0")
+        if self.noise <= 0:
+            raise ValueError(f"FLEETRL_FAULT_NOISE={self.noise}: the noise scale must be > 0")
 
     def __bool__(self) -> bool:
         return bool(self.kinds)
@@ -72,7 +79,8 @@ class FaultPlan:
             return cls()
         return cls(kinds, int(env.get("FLEETRL_FAULT_AT", "0")), int(env.get("FLEETRL_FAULT_FOR", "10")),
                    float(env.get("FLEETRL_FAULT_LR_FACTOR", "50")), float(env.get("FLEETRL_FAULT_FRACTION", "0.25")),
-                   float(env.get("FLEETRL_FAULT_TEMPERATURE", "0.1")))
+                   float(env.get("FLEETRL_FAULT_TEMPERATURE", "0.1")), float(env.get("FLEETRL_FAULT_NOISE", "0.05")),
+                   env.get("FLEETRL_FAULT_DTYPE", "float8_e5m2"))
 
 
 PLAN = FaultPlan.from_env()
@@ -148,29 +156,62 @@ def poison_scores(scores: list[list[Any]], responses: list[str], nan_score: Call
                 row[j] = nan_score(math.nan)
 
 
-class StaleWeights:
-    """``stale_fleet``: wraps an engine's weight load so that, while the fault is active for the version
-    loaded, the engine's weights go back to those it held when the fault began (the load still
-    completes and the server reports the new version: a silent sync failure)."""
+class WeightFaults:
+    """The weight-sync and engine-numerics faults, around an engine's weight load (HF engine: ``engine.model``).
+    The load completes and the server reports the new version either way: a silent fault.
+
+    - ``stale_fleet``: while active for the version loaded, the engine's weights go back to those it held
+      when the fault began.
+    - ``corrupt_weights``: Gaussian noise of ``noise`` x each floating tensor's std is added (seeded by the
+      version, so every load is corrupted differently).
+    - ``engine_dtype``: every floating tensor is rounded through ``dtype`` and back (e.g. float8 weights
+      served against a full-precision learner).
+    """
 
     def __init__(self):
         self.saved: dict[str, Any] | None = None
 
     def wrap(self, load: Callable[[Any], int | None], version_of: Callable[[], int | None]) -> Callable[[Any], Any]:
-        if not PLAN or "stale_fleet" not in PLAN.kinds:
+        if not PLAN or not PLAN.kinds & set(WEIGHT_FAULTS):
             return load
 
-        def stale_load(engine: Any) -> int | None:
+        def faulty_load(engine: Any) -> int | None:
             pending = version_of()
+            stale = "stale_fleet" in PLAN.kinds
             before = {k: v.detach().clone() for k, v in engine.model.state_dict().items()} \
-                if self.saved is None else None
+                if stale and self.saved is None else None
             version = load(engine)
-            if version is not None and PLAN.active("stale_fleet", version):
+            if version is None:
+                return version
+            if PLAN.active("stale_fleet", version):
                 if self.saved is None:
                     self.saved = before
                 engine.model.load_state_dict(self.saved)
                 log.warning("fault stale_fleet: version %s received, the engine keeps the weights of the fault's start",
                             pending)
+            if PLAN.active("corrupt_weights", version) or PLAN.active("engine_dtype", version):
+                _perturb(engine.model, version)
             return version
 
-        return stale_load
+        return faulty_load
+
+
+def _perturb(model: Any, version: int) -> None:
+    import torch  # only here: this module imports without torch
+
+    gen = torch.Generator().manual_seed(version)
+    low = getattr(torch, PLAN.dtype, None)
+    if PLAN.active("engine_dtype", version) and not isinstance(low, torch.dtype):
+        raise ValueError(f"FLEETRL_FAULT_DTYPE={PLAN.dtype!r} is not a torch dtype (e.g. float8_e5m2, bfloat16)")
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.is_floating_point():
+                continue
+            if PLAN.active("corrupt_weights", version):
+                noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.device, p.dtype)
+                p.add_(noise * (PLAN.noise * p.detach().float().std().nan_to_num(0.0)).to(p.dtype))
+            if PLAN.active("engine_dtype", version):
+                p.copy_(p.to(low).to(p.dtype))
+    log.warning("fault %s at version %d: the engine's weights differ from the learner's", ",".join(
+        k for k in ("corrupt_weights", "engine_dtype") if PLAN.active(k, version)), version)
+

@@ -21,6 +21,7 @@ from collections import defaultdict
 
 import msgspec
 import torch
+import torch.distributed as tdist
 
 from fleetrl.common.config.algorithm import RlAlgorithm
 from fleetrl.common.config.schema import JobConfig
@@ -35,6 +36,7 @@ from fleetrl.learner.algorithms import (
     overlong_penalty,
 )
 from fleetrl.learner.algorithms.kl import KL_ESTIMATORS, kl_loss
+from fleetrl.learner.algorithms.off_policy import mismatch_sums
 from fleetrl.learner.batch import MicroBatch, RolloutBatch, pack_groups
 from fleetrl.learner.source import Leased
 from fleetrl.learner.update import Piece, accumulate_and_step, forward_passes, reduce_updates, response_logprobs
@@ -92,7 +94,10 @@ class PolicyActor:
         return tok
 
     # ------------------------------------------------------------- the step
-    def step(self, batch: RolloutBatch, version: int) -> dict[str, float]:
+    def step(self, batch: RolloutBatch, version: int, pristine: bool = True) -> dict[str, float]:
+        """One optimizer step on ``batch``. ``version``: the newest policy version the learner published;
+        ``pristine``: the weights being trained are exactly those of ``version`` (no update since the publish),
+        so the engine mismatch can be measured on the tokens ``version`` sampled."""
         t0 = time.perf_counter()
         if self.needs_old_pass():
             self._fill_logprobs(self.engine, batch, "old_logp")
@@ -108,16 +113,18 @@ class PolicyActor:
         batch.scatter("returns", returns)
         train_policy = self.critic is None or not self.critic.warming_up  # critic.warmup_steps: critic only
         metrics: dict[str, list[float]] = defaultdict(list)
+        mismatch = MismatchMeter(version if pristine else None, self.device)
         for epoch in range(self.cfg.learner.ppo_epochs):
             order = torch.arange(len(batch.micro)) if epoch == 0 else torch.randperm(len(batch.micro), generator=self.gen)
             for chunk in torch.tensor_split(order, min(self.cfg.learner.mini_batches, len(batch.micro))):
                 items = [batch.micro[i] for i in chunk.tolist()]
-                updates = self._update(items) if train_policy else {}
+                updates = self._update(items, mismatch if epoch == 0 else None) if train_policy else {}
                 if self.critic is not None:  # the critic's update next to the policy's, on the same samples
                     updates.update(self.critic.update(items))
                 for name, value in updates.items():
                     metrics[name].append(value)
         out = reduce_updates(metrics)
+        out.update(mismatch.metrics(batch.num_tokens))
         if self.critic is not None:
             out.update(self.critic.end_step(values, returns, batch.mask))
         out.update(self._batch_metrics(batch, adv, version))
@@ -129,8 +136,9 @@ class PolicyActor:
             out["actor/kl_coef"] = self.kl_ctl.value
         return out
 
-    def _update(self, items: list[MicroBatch]) -> dict[str, float]:
-        """One optimizer update on ``items``: micro-batches weighted to the mini-batch's aggregate."""
+    def _update(self, items: list[MicroBatch], mismatch: "MismatchMeter | None" = None) -> dict[str, float]:
+        """One optimizer update on ``items``: micro-batches weighted to the mini-batch's aggregate; the first
+        epoch's log-probs before any update also feed the engine-mismatch meter."""
         alg = self.alg
         per_token = alg.loss_agg == "token-mean"
         denom = sum(mb.num_tokens for mb in items) if per_token else float(sum(mb.size for mb in items))
@@ -139,6 +147,8 @@ class PolicyActor:
             logp, entropy = response_logprobs(self.engine, mb, self.temperature,
                                               entropy=True if alg.entropy_coef > 0 else "metric")
             old = mb.old_logp if mb.old_logp is not None else logp.detach()
+            if mismatch is not None:  # old: the weights as published (recomputed before the step, or no update yet)
+                mismatch.add(old, mb)
             out = self.loss_fn(LossInputs(logp=logp, old_logp=old, behav_logp=mb.behav_logp, adv=mb.adv, mask=mb.mask),
                                alg)
             loss, extra = out.loss, {}
@@ -188,3 +198,36 @@ def sampled_responses(batch: RolloutBatch) -> tuple[list[tuple[int, ...]], list[
         for row, i in enumerate(mb.index.tolist()):
             responses[i] = tuple(targets[row][mask[row]].tolist())
     return responses, batch.group_index.cpu().tolist()
+
+
+class MismatchMeter:
+    """``off_policy/mismatch_kl``: the engine mismatch over the samples that the learner's published version
+    sampled from start to end (``mismatch_sums``), summed over micro-batches and ranks (one all-reduce) before dividing, so every rank reports the
+    same value. Absent when no such token was trained this step (all were stale, or the weights changed
+    since the publish: ``sync.interval`` > 1). ``off_policy/fresh_token_frac`` is the share it was taken over.
+    """
+
+    def __init__(self, version: int | None, device: torch.device):
+        self.version, self.device = version, device
+        self.kl_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.count = torch.zeros((), dtype=torch.float64, device=device)
+        self.seen: set[int] = set()  # a dummy pass (ranks matched under ZeRO-3) repeats a micro-batch
+
+    def add(self, old_logp: torch.Tensor, mb: MicroBatch) -> None:
+        if self.version is None or mb.token_versions is None or id(mb) in self.seen:
+            return
+        self.seen.add(id(mb))
+        kl, n = mismatch_sums(old_logp, mb.behav_logp, mb.mask, mb.token_versions, self.version)
+        self.kl_sum += kl.double()
+        self.count += n.double()
+
+    def metrics(self, num_tokens: int) -> dict[str, float]:
+        t = torch.stack([self.kl_sum, self.count, torch.tensor(float(num_tokens), dtype=torch.float64,
+                                                                device=self.device)])
+        if tdist.is_initialized() and tdist.get_world_size() > 1:  # every rank calls step(): collective-safe
+            tdist.all_reduce(t)
+        kl_sum, count, total = t.tolist()
+        out = {"off_policy/fresh_token_frac": count / total if total else 0.0}
+        if count > 0:
+            out["off_policy/mismatch_kl"] = kl_sum / count
+        return out

@@ -47,6 +47,7 @@ class MicroBatch:
     mask: torch.Tensor  # [b, T] float loss mask
     behav_logp: torch.Tensor  # [b, T] the engine's log-probs of the sampled tokens
     response_len: int  # T of this micro-batch
+    token_versions: torch.Tensor | None = None  # [b, T] int64 policy version that sampled each token (-1 padding)
     old_logp: torch.Tensor | None = None  # [b, T] filled by the step's passes
     ref_logp: torch.Tensor | None = None
     values: torch.Tensor | None = None
@@ -109,6 +110,7 @@ class _Sample:
     response: np.ndarray  # int64 [n]
     mask: np.ndarray  # float32 [n]
     logp: np.ndarray  # float32 [n]
+    versions: np.ndarray | None = None  # int32 [n] the policy version that sampled each token
 
     @property
     def total(self) -> int:
@@ -138,6 +140,7 @@ def _to_micro(samples: list[_Sample], ids: list[int], device: torch.device, pad_
     targets = np.zeros((b, T), dtype=np.int64)
     mask = np.zeros((b, T), dtype=np.float32)
     behav = np.zeros((b, T), dtype=np.float32)
+    versions = np.full((b, T), -1, dtype=np.int64)
     steps = np.arange(T)
     for row, i in enumerate(ids):
         s = samples[i]
@@ -149,9 +152,11 @@ def _to_micro(samples: list[_Sample], ids: list[int], device: torch.device, pad_
         targets[row, :n] = s.response
         mask[row, :n] = s.mask
         behav[row, :n] = s.logp
+        if s.versions is not None:
+            versions[row, :n] = s.versions
     put = lambda a: torch.from_numpy(a).to(device, non_blocking=True)  # noqa: E731
     return MicroBatch(torch.tensor(ids, dtype=torch.int64), put(input_ids), put(attention), put(logit_pos),
-                      put(targets), put(mask), put(behav), T)
+                      put(targets), put(mask), put(behav), T, token_versions=put(versions))
 
 
 def _samples_of(groups: list[SampleGroup]) -> tuple[list[_Sample], dict[str, list]]:
@@ -161,10 +166,11 @@ def _samples_of(groups: list[SampleGroup]) -> tuple[list[_Sample], dict[str, lis
         prompt = g.prompt_array().astype(np.int64)
         tokens, lps = g.token_array().astype(np.int64), g.logprob_array()  # one conversion per group;
         masks, offsets = g.loss_mask_array().astype(np.float32), g.offsets()  # samples are views into it
+        versions = g.version_array()
         baseline = (g.metadata or {}).get("baseline_reward")
         for i in range(g.num_responses):
             a, b = offsets[i], offsets[i + 1]
-            samples.append(_Sample(prompt, tokens[a:b], masks[a:b], lps[a:b]))
+            samples.append(_Sample(prompt, tokens[a:b], masks[a:b], lps[a:b], versions[a:b]))
             cols["rewards"].append(g.rewards[i])
             cols["group_index"].append(gi)
             cols["versions"].append(g.policy_version)

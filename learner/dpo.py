@@ -116,7 +116,7 @@ class DpoActor:
         for c, s in zip(batch.chunks, sums):
             c.ref_sum = s[c.rows]
 
-    def step(self, batch: PreferenceBatch, version: int) -> dict[str, float]:
+    def step(self, batch: PreferenceBatch, version: int, pristine: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()
         self.fill_reference(batch)
         t_fwd = time.perf_counter()

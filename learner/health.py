@@ -178,6 +178,34 @@ class HealthMonitor:
                         "none" if target is None else f"step {target}", self.target_evidence)
         return target
 
+    def rollback_unavailable(self, step: int, events: Iterable[HealthEvent], checkpoint_interval: int) -> str:
+        """A rollback rule fired but no checkpoint is tagged healthy. The run goes on and says so (an
+        ``alert`` event naming what is missing and the setting), unless a ``non_finite`` rule fired: then
+        the weights themselves are poisoned and only ``stop`` is left. Returns ``alert`` or ``stop``."""
+        fired = sorted({e.rule for e in events if e.action == "rollback"})
+        if checkpoint_interval == 0:
+            why = "checkpoint.interval=0 saves no checkpoint"
+        elif not self.checkpoints:
+            why = f"the first checkpoint is due at step {checkpoint_interval} (checkpoint.interval={checkpoint_interval})"
+        else:
+            why = (f"every checkpoint so far is inside a rule's evidence (health.healthy_window="
+                   f"{self.cfg.healthy_window})")
+        poisoned = "non_finite" in fired
+        then = ("the update was not finite, so the run stops" if poisoned else
+                "training goes on and the rule keeps alerting; set checkpoint.interval so that rollbacks can act")
+        event = HealthEvent(step, "rollback_unavailable", "stop" if poisoned else "alert", "health/rollbacks",
+                            float(self.rollbacks_done), float(self.cfg.max_rollbacks),
+                            f"{', '.join(fired)} asked for a rollback, but no checkpoint is tagged healthy: {why}; {then}",
+                            time.time())
+        self._emit(event)
+        if poisoned:
+            self.stop_reason = f"{', '.join(fired)} fired with no healthy checkpoint to roll back to ({why})"
+        return event.action
+
+    def rollback_rules_without_checkpoints(self, checkpoint_interval: int) -> list[str]:
+        """Rules whose rollback can never act because ``checkpoint.interval`` is 0 (warned at start-up)."""
+        return [f"{r.key} ({r.spec.name})" for r in self.rules if r.action == "rollback"] if checkpoint_interval == 0 else []
+
     def pop_revoked(self) -> list[int]:
         """Checkpoint steps whose healthy tag was withdrawn since the last call (update their meta.json)."""
         out, self._revoked = self._revoked, []

@@ -155,9 +155,11 @@ class KlCeiling(Limit):
 
 @HEALTH_RULES.register("mismatch_kl_ceiling")
 class MismatchKlCeiling(Limit):
-    METRIC, WINDOW, THRESHOLD = "off_policy/mismatch_kl", 5, 0.1
-    MEANING = ("the rollout fleet samples from a policy far from the one being trained "
-               "(stale or broken weight sync, or engine numerics), so updates are unreliable")
+    METRIC, WINDOW, THRESHOLD = "off_policy/mismatch_kl", 5, 0.01
+    MEANING = ("on tokens sampled by the very version being trained, the engine's log-probs disagree with the "
+               "learner's: a broken weight sync (stale or corrupted weights under a new version number) or engine "
+               "numerics (dtype, temperature, kernels), so the importance ratios are unreliable; policy drift from "
+               "staleness is off_policy/drift_kl and never fires this rule")
 
 
 @HEALTH_RULES.register("entropy_floor")

@@ -22,7 +22,8 @@ from typing import Any
 PANELS = [
     ("reward", ["reward/mean"], "reward (batch mean)"),
     ("eval", ["eval/accuracy"], "held-out greedy accuracy"),
-    ("kl", ["actor/kl", "off_policy/mismatch_kl"], "KL to reference / behaviour mismatch KL"),
+    ("kl", ["actor/kl", "off_policy/mismatch_kl", "off_policy/drift_kl"],
+     "KL to reference / engine mismatch KL / policy drift KL"),
     ("entropy", ["actor/entropy"], "policy entropy"),
     ("grad_norm", ["actor/grad_norm"], "grad norm"),
     ("clipfrac", ["actor/clipfrac"], "clip fraction"),

@@ -27,7 +27,7 @@ log = logging.getLogger("fleetrl.learner")
 
 
 def roll_back(lr: "Learner", reason: str) -> bool:
-    """Restore the newest healthy checkpoint; False if there is none (the caller stops the run).
+    """Restore the newest healthy checkpoint; False if there is none (the caller alerts, or stops the run).
 
     The learner keeps counting steps forward (the abandoned steps stay in the logs) and publishes the
     restored weights as a version newer than every rolled-back one, so versions never go back.
@@ -36,8 +36,7 @@ def roll_back(lr: "Learner", reason: str) -> bool:
     steps = [int(path.name.split("-")[1]) for path in lr.ckpt.complete()]
     target_step = lr.health.rollback_target(steps)
     if target_step is None:
-        log.error("health: %s, but no checkpoint is tagged healthy to roll back to", reason)
-        return False
+        return False  # the caller decides what then (HealthMonitor.rollback_unavailable)
     target = lr.ckpt.dir / tag_of(target_step)
     for step in steps:
         if step > target_step:  # the abandoned timeline's checkpoints are never rollback targets

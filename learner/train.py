@@ -88,6 +88,7 @@ class Learner:
         specs = lora_param_specs(self.module) if self.lora else param_specs(self.module)  # the base model's names
         self.publisher = WeightPublisher(cfg, run_dir, dist.rank, specs) if self.fleet else None
         self.step = self.version = 0
+        self.pristine = True  # the weights are exactly those published as `version` (no update since)
         self.samples_seen = 0
         self.fleet_size = 0
         # which groups each step trained (per rank); a resume marks the steps after it as replayed
@@ -97,6 +98,11 @@ class Learner:
 
         self.health = HealthMonitor(cfg.health, self.run_dir / "events.jsonl" if dist.is_main else None) \
             if cfg.health.enabled else None
+        self.last_events: list = []  # the health events of the newest step
+        idle = self.health.rollback_rules_without_checkpoints(cfg.checkpoint.interval) if self.health else []
+        if idle and dist.is_main:
+            log.warning("%s roll back, but checkpoint.interval=0 saves no checkpoint to roll back to: they will alert "
+                        "instead, and non_finite will stop (set checkpoint.interval, e.g. 100, to let them act)", ", ".join(idle))
         self.lr_scale = 1.0  # health.lr_factor ** rollbacks
         self.traces = StepTraces()
         self.completions = CompletionLog(cfg) if dist.is_main else None
@@ -113,7 +119,8 @@ class Learner:
                             telemetry.group_links(leased.groups), start_ns) as step_span:  # linked to every group
             batch = self.actor.plan(leased)
             with injected_faults(self, self.step + 1):  # FLEETRL_FAULT (benchmarks/health.py); off by default
-                stats = self.actor.step(batch, self.version)
+                stats = self.actor.step(batch, self.version, self.pristine)
+            self.pristine = False
             self.step += 1
             self.source.ack(leased, self.step)
             self.traces.trained(step_span, leased.groups, self.step, self.version, start_ns)  # learner/tracing.py
@@ -163,6 +170,7 @@ class Learner:
     def publish(self) -> dict[str, float]:
         """Send the current weights to the rollout fleet as version ``version + 1`` (collective)."""
         self.version += 1
+        self.pristine = True
         expected = self.fleet_size
         with self.traces.publishing(self.version, self.step) as traces:  # spans in the trained groups' traces
             announce = lambda info: self.client.publish_version(  # noqa: E731
@@ -231,7 +239,7 @@ class Learner:
         return int(t.item())
 
     def rollback(self, reason: str) -> bool:
-        """Restore the newest healthy checkpoint with a lower LR; False if there is none (then stop).
+        """Restore the newest healthy checkpoint with a lower LR; False if there is none (then alert or stop).
         The steps, in order, are in ``learner/rollback.py``."""
         from fleetrl.learner.rollback import roll_back
 
@@ -249,7 +257,7 @@ class Learner:
         """Feed the monitor; returns the action to take now: none | alert | rollback | stop."""
         if self.health is None:
             return "none"
-        events = self.health.observe(self.step, stats)
+        events = self.last_events = self.health.observe(self.step, stats)
         stats.update(self.health.metrics(events))
         for step in self.health.pop_revoked():
             self.ckpt.mark_healthy(self.ckpt.dir / tag_of(step), False)
@@ -332,7 +340,8 @@ def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None)
             action = learner.check_health(stats)
             learner.monitor.log(learner.step, stats)
             if action == "rollback" and not learner.rollback(f"rule fired at step {learner.step}"):
-                action = "stop"
+                action = learner.health.rollback_unavailable(learner.step, learner.last_events,
+                                                             cfg.checkpoint.interval)
             if action == "stop":
                 log.error("health monitor stops the run at step %d:\n%s", learner.step, learner.health.report())
                 final = learner.save()

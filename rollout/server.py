@@ -105,7 +105,7 @@ class RolloutServer:
         self._next_id = 0
         self._next_catchup = 0.0
         self._warned_no_receiver = False
-        self._stale = faults.StaleWeights()
+        self._stale = faults.WeightFaults()
         self._told_done = False
         self._update_stats = {"weights/pause_ms": 0.0, "weights/updates_inflight": 0.0}
         self.resources = ProcessResources("resource/rollout")

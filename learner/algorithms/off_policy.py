@@ -127,15 +127,37 @@ def off_policy_metrics(
 ) -> dict[str, Tensor]:
     """``off_policy/*`` metrics (0-d tensors), over valid tokens:
 
-    - ``mismatch_kl``: k3 estimate of KL(mu || pi_theta) on the sampled tokens.
+    - ``drift_kl``: k3 estimate of KL(mu || pi_theta) on the sampled tokens, against the weights being
+      trained: the policy drift of stale tokens plus any engine mismatch (``mismatch_sums`` separates
+      the engine's part).
     - ``is_weight_mean``, ``is_ess``: of the applied weights w; in mode ``none`` of the raw rho
       (what a correction would have to undo).
     - ``is_capped_frac``: share of tokens with rho > C.
     """
     shown = bw.rho if mode == "none" else bw.weight
     return {
-        "off_policy/mismatch_kl": masked_mean(k3(behav_logp.detach(), logp.detach()), mask),
+        "off_policy/drift_kl": masked_mean(k3(behav_logp.detach(), logp.detach()), mask),
         "off_policy/is_weight_mean": masked_mean(shown, mask),
         "off_policy/is_ess": effective_sample_size(shown, mask),
         "off_policy/is_capped_frac": masked_mean(bw.capped.to(shown.dtype), mask),
     }
+
+
+def mismatch_sums(old_logp: Tensor, behav_logp: Tensor, mask: Tensor, token_versions: Tensor,
+                  version: int) -> tuple[Tensor, Tensor]:
+    """Engine mismatch, like with like: the summed k3 estimate of KL(mu || pi) and the count, over the valid
+    tokens of the samples that policy version ``version`` sampled from start to end, where ``old_logp``
+    ``[B, T]`` are the learner's log-probs under exactly the weights it published as ``version``.
+    ``token_versions`` ``[B, T]`` int.
+
+    A whole sample, not a token: a token sampled after an in-flight update still attends to keys and values
+    the older weights computed (``rollout.inflight_update: keep``), so only a sample with every trained token
+    of ``version`` ran entirely on those weights. On those the engine and the learner ran the same weights,
+    so any gap is the engine's numerics or a broken weight sync, never staleness (policy drift is
+    ``drift_kl``). Two 0-d tensors, so callers can sum over micro-batches and ranks before dividing.
+    """
+    valid = mask > 0
+    pure = (~valid | (token_versions == version)).all(-1, keepdim=True)  # [B, 1]
+    fresh = valid & pure
+    kl = k3(behav_logp.detach(), old_logp.detach())
+    return torch.where(fresh, kl, 0.0).sum(), fresh.sum().to(kl.dtype)

@@ -31,6 +31,7 @@ on them (announcements in, "what is pending" and "apply version v" out: control 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import pickle
@@ -119,13 +120,20 @@ def span_versions(spans: Any, num_tokens: int, fallback: int) -> list[int]:
     return versions
 
 
-def to_generation(completion: Any, request_id: str, fallback_version: int) -> Generation:
-    """One vLLM ``CompletionOutput`` as our `Generation`."""
+def to_generation(completion: Any, request_id: str, fallback_version: int, submitted: int | None = None) -> Generation:
+    """One vLLM ``CompletionOutput`` as our `Generation`.
+
+    ``submitted``: our version when the request was submitted. Its prompt's prefix-cache entries are salted
+    with that version, so a request queued across a weight update may read keys and values the older
+    weights computed: its first token then carries the older label (the oldest weights it depended on),
+    which keeps the staleness bound and the mismatch measure honest."""
     if completion.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished request {request_id} with reason {completion.finish_reason!r} (aborted?)")
     token_ids = list(completion.token_ids)
     logprobs = [position[token].logprob for position, token in zip(completion.logprobs, token_ids)]
     versions = span_versions(getattr(completion, "weight_versions", None), len(token_ids), fallback_version)
+    if submitted is not None and versions and versions[0] > submitted:
+        versions[0] = submitted
     return Generation(token_ids, logprobs, completion.finish_reason, completion.text, versions=versions,
                       request_id=request_id)
 
@@ -203,7 +211,8 @@ class VllmEngine(Engine):
         check_params_fit(request.params, self.mode)
         if not request.prompt_ids:
             raise ValueError("the prompt is empty; every prompt needs at least one token")
-        prompt = {"prompt_token_ids": list(request.prompt_ids), "cache_salt": f"v{self.version}"}
+        submitted = self.version
+        prompt = {"prompt_token_ids": list(request.prompt_ids), "cache_salt": f"v{submitted}"}
         final = None
         # the caller's span (rollout.generate) as the parent of vLLM's own request spans, when vLLM traces
         # (engine arg otlp_traces_endpoint); vLLM ignores it otherwise
@@ -213,7 +222,7 @@ class VllmEngine(Engine):
             final = out
         if final is None:
             raise RuntimeError(f"vLLM returned nothing for request {request.request_id}")
-        return to_generation(final.outputs[0], request.request_id, self.version)
+        return to_generation(final.outputs[0], request.request_id, self.version, submitted)
 
     async def pause(self, mode: str) -> None:
         # finish: in-flight requests run to their end on the old weights (new ones queue meanwhile);
@@ -262,7 +271,13 @@ class VllmEngine(Engine):
         except Exception as e:  # noqa: BLE001 - shutting down anyway
             log.warning("vllm engine: aborting in-flight requests failed (%s)", e)
         llm.shutdown()  # stops the engine-core process (and its workers): no orphan left behind
+        # AsyncLLM.__del__ calls shutdown() again, and vLLM's own objects keep the engine alive until the
+        # interpreter's teardown, when vLLM's module globals are gone ("Exception ignored in AsyncLLM.__del__
+        # ... TypeError: 'NoneType' object is not callable"). It is shut down: later calls do nothing.
+        llm.shutdown = lambda *args, **kwargs: None
         self.loop.close()
+        del llm
+        gc.collect()
 
     @staticmethod
     async def _abort_all(llm: Any) -> None:

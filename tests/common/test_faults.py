@@ -92,10 +92,47 @@ def test_stale_fleet_keeps_the_weights_of_the_faults_start(plan):
             e.model.weight.fill_(float(v))
         return v
 
-    stale = faults.StaleWeights()
+    stale = faults.WeightFaults()
     wrapped = stale.wrap(load, lambda: None)
     assert wrapped(engine) == 1 and engine.model.weight[0, 0].item() == 1.0  # before the window: loaded
     assert wrapped(engine) == 2 and engine.model.weight[0, 0].item() == 1.0  # in it: back to version 1's weights
     assert wrapped(engine) == 3 and engine.model.weight[0, 0].item() == 1.0
     assert wrapped(engine) == 4 and engine.model.weight[0, 0].item() == 4.0  # window over: loads again
     assert not math.isnan(engine.model.weight[0, 0].item())
+
+
+def test_corrupt_and_dtype_faults_change_the_loaded_weights_inside_their_window(plan):
+    plan(kinds=frozenset({"corrupt_weights"}), at=2, duration=1)
+
+    class Engine:
+        model = torch.nn.Linear(4, 4, bias=False)
+
+    engine, versions = Engine(), iter([1, 2, 3])
+
+    def load(e):
+        v = next(versions)
+        with torch.no_grad():
+            e.model.weight.copy_(torch.arange(16.0).view(4, 4) / 7)
+        return v
+
+    wrapped = faults.WeightFaults().wrap(load, lambda: None)
+    clean = torch.arange(16.0).view(4, 4) / 7
+    assert wrapped(engine) == 1 and torch.equal(engine.model.weight.detach(), clean)
+    assert wrapped(engine) == 2 and not torch.equal(engine.model.weight.detach(), clean)  # noise, version reported
+    assert wrapped(engine) == 3 and torch.equal(engine.model.weight.detach(), clean)
+    plan(kinds=frozenset({"engine_dtype"}), at=1, duration=1, dtype="float8_e5m2")
+    versions = iter([1])
+    wrapped = faults.WeightFaults().wrap(load, lambda: None)
+    assert wrapped(engine) == 1
+    expected = clean.to(torch.float8_e5m2).float()  # rounded to 2 mantissa bits
+    assert torch.equal(engine.model.weight.detach(), expected) and not torch.equal(expected, clean)
+
+
+def test_an_unknown_fault_dtype_is_named(plan):
+    plan(kinds=frozenset({"engine_dtype"}), at=1, duration=1, dtype="float7")
+
+    class Engine:
+        model = torch.nn.Linear(2, 2)
+
+    with pytest.raises(ValueError, match="FLEETRL_FAULT_DTYPE='float7'"):
+        faults.WeightFaults().wrap(lambda e: 1, lambda: None)(Engine())

@@ -52,7 +52,7 @@ def test_default_config_is_safe_and_builds():
         ("reward_drop", "reward/mean", 20, 0.2),
         ("reward_checkpoint_decline", "reward/mean", 5, 0.05),
         ("kl_ceiling", "actor/kl", 5, 1.0),
-        ("mismatch_kl_ceiling", "off_policy/mismatch_kl", 5, 0.1),
+        ("mismatch_kl_ceiling", "off_policy/mismatch_kl", 5, 0.01),
         ("entropy_floor", "actor/entropy", 10, 0.03),
         ("length_collapse", "response/length_mean", 20, 0.5),
         ("grad_spike", "actor/grad_norm", 20, 10.0),
@@ -139,8 +139,44 @@ def test_kl_ceiling_on_the_moving_average():
 def test_mismatch_kl_ceiling_watches_the_off_policy_metric():
     m = monitor(HealthRule(name="mismatch_kl_ceiling", window=1))
     assert feed(m, "actor/kl", [5.0]) == {}  # not its metric
-    fired = feed(m, "off_policy/mismatch_kl", [0.05, 0.2], start=2)
-    assert list(fired) == [3] and fired[3][0].metric == "off_policy/mismatch_kl" and fired[3][0].threshold == 0.1
+    assert feed(m, "off_policy/drift_kl", [5.0]) == {}  # drift (staleness) is never a fault by itself
+    fired = feed(m, "off_policy/mismatch_kl", [0.005, 0.2], start=2)
+    assert list(fired) == [3] and fired[3][0].metric == "off_policy/mismatch_kl" and fired[3][0].threshold == 0.01
+
+
+def _rollback_events(m: HealthMonitor, step: int, rule: str = "reward_drop") -> list[HealthEvent]:
+    return [HealthEvent(step, rule, "rollback", "reward/mean", 0.1, 0.2, "fired", 0.0)]
+
+
+def test_a_rollback_with_no_checkpoint_yet_alerts_names_the_setting_and_training_goes_on(tmp_path):
+    m = monitor(HealthRule(name="reward_drop", action="rollback"), events_path=tmp_path / "events.jsonl")
+    assert m.rollback_unavailable(7, _rollback_events(m, 7), checkpoint_interval=50) == "alert"
+    (event,) = m.events
+    assert event.rule == "rollback_unavailable" and event.action == "alert" and event.step == 7
+    assert "reward_drop" in event.message and "checkpoint.interval=50" in event.message
+    assert "first checkpoint is due at step 50" in event.message and "training goes on" in event.message
+    assert json.loads((tmp_path / "events.jsonl").read_text())["rule"] == "rollback_unavailable"
+    assert m.stop_reason == ""
+
+
+def test_a_rollback_with_checkpoints_all_unhealthy_names_the_window():
+    m = monitor(HealthRule(name="reward_drop", action="rollback"), healthy_window=10)
+    m.checkpoints = {10: False, 20: False}
+    assert m.rollback_unavailable(25, _rollback_events(m, 25), checkpoint_interval=10) == "alert"
+    assert "health.healthy_window=10" in m.events[-1].message
+
+
+def test_a_non_finite_update_with_nothing_to_roll_back_to_stops():
+    m = monitor(HealthRule(name="non_finite", action="rollback"))
+    assert m.rollback_unavailable(3, _rollback_events(m, 3, "non_finite"), checkpoint_interval=0) == "stop"
+    assert m.events[-1].action == "stop" and "checkpoint.interval=0 saves no checkpoint" in m.events[-1].message
+    assert "non_finite" in m.stop_reason
+
+
+def test_rollback_rules_without_checkpoints_are_listed_for_the_start_up_warning():
+    m = monitor(HealthRule(name="reward_drop", action="rollback"), HealthRule(name="entropy_floor", action="alert"))
+    assert m.rollback_rules_without_checkpoints(0) == ["health.rules[0] (reward_drop)"]
+    assert m.rollback_rules_without_checkpoints(100) == []
 
 
 def test_entropy_floor():

@@ -57,9 +57,54 @@ def test_off_policy_batch_gives_finite_loss_and_is_metrics(dist, tiny_model_dir,
     learner = Learner(cfg, tmp_path, client, dist)
     stats = learner.train_step()
     assert math.isfinite(stats["actor/loss"]) and math.isfinite(stats["actor/grad_norm"])
-    assert stats["off_policy/mismatch_kl"] > 0.1
+    assert stats["off_policy/drift_kl"] > 0.1
+    # the groups are version 0, the weights being trained: the gap is engine mismatch, measured on every token
+    assert stats["off_policy/mismatch_kl"] > 0.1 and stats["off_policy/fresh_token_frac"] == 1.0
     assert 0 < stats["off_policy/is_ess"] <= 1 and stats["off_policy/is_capped_frac"] > 0.5
     assert stats["off_policy/is_weight_mean"] <= 2.0 + 1e-6  # truncated at the cap
+    learner.close()
+
+
+def _spanning(groups, first, rest=None):
+    """The same groups with each response's first token tagged ``first`` and the others ``rest`` (default
+    ``first``): ``first < rest`` is a response sampled across an in-flight update."""
+    import numpy as np
+    import msgspec
+
+    rest = first if rest is None else rest
+    out = []
+    for g in groups:
+        offsets = g.offsets()
+        tv = np.full(offsets[-1], rest, dtype=np.int32)
+        tv[np.asarray(offsets[:-1])] = first
+        out.append(msgspec.structs.replace(g, policy_version=int(tv.min()), token_versions=tv.tobytes()))
+    return out
+
+
+def test_mismatch_counts_only_tokens_of_the_trained_version_and_drift_counts_all(dist, tiny_model_dir, tmp_path):
+    cfg = job(tiny_model_dir, tmp_path, "algorithm.off_policy.mode=tis")
+    learner = Learner(cfg, tmp_path, inproc_client([])[0], dist)
+    groups = synthetic_groups(4, logp=-9.0)  # mu far from the tiny policy: large KL on any token it is taken over
+    stale = learner.actor.step(learner.actor.plan(Leased(groups=_spanning(groups, 1))), 2)
+    assert "off_policy/mismatch_kl" not in stale and stale["off_policy/fresh_token_frac"] == 0.0  # all drift
+    assert stale["off_policy/drift_kl"] > 0.1
+    spanning = learner.actor.step(learner.actor.plan(Leased(groups=_spanning(groups, 1, 2))), 2)
+    assert "off_policy/mismatch_kl" not in spanning  # across an update: its version-2 tokens saw version 1's KV
+    mixed = learner.actor.step(learner.actor.plan(Leased(groups=_spanning(groups[:2], 2) + _spanning(groups[2:], 1))), 2)
+    assert 0.2 < mixed["off_policy/fresh_token_frac"] < 0.8 and mixed["off_policy/mismatch_kl"] > 0.1
+    moved = learner.actor.step(learner.actor.plan(Leased(groups=_spanning(groups, 2))), 2, pristine=False)
+    assert "off_policy/mismatch_kl" not in moved  # the weights changed since version 2 was published
+    learner.close()
+
+
+def test_the_learner_measures_mismatch_only_while_its_weights_are_the_published_ones(dist, tiny_model_dir, tmp_path):
+    cfg = job(tiny_model_dir, tmp_path, "sync.interval=2")
+    client, _ = inproc_client(synthetic_groups(8))
+    learner = Learner(cfg, tmp_path, client, dist)
+    first, second = learner.train_step(), learner.train_step()
+    assert "off_policy/mismatch_kl" in first  # version 0 sampled, version 0's weights trained
+    assert "off_policy/mismatch_kl" not in second and learner.version == 1  # one update since: nothing to compare
+    assert learner.pristine  # published after step 2
     learner.close()
 
 
@@ -156,7 +201,7 @@ def test_loss_mask_holes_are_trained_around_and_never_read(dist, tiny_model_dir,
         assert batch.mask[0].tolist() == [1, 1, 0, 0, 1, 1, 0]
         stats.append(learner.actor.step(batch, 0))
         learner.close()
-    for key in ("actor/loss", "actor/grad_norm", "off_policy/mismatch_kl", "adv/abs_mean"):
+    for key in ("actor/loss", "actor/grad_norm", "off_policy/mismatch_kl", "off_policy/drift_kl", "adv/abs_mean"):
         assert stats[0][key] == stats[1][key] and math.isfinite(stats[0][key]), key
     assert stats[0]["adv/abs_mean"] > 0
 

@@ -324,6 +324,11 @@ def test_vllm_outputs_become_generations():
     assert out.request_id == "r1"
     assert to_generation(completion([4], "stop", "b"), "r2", 5).versions == [5]  # no spans: the engine's version
     assert span_versions([span("default", 0, 2)], 2, 0) == [0, 0]
+    # submitted at version 2, queued across the update to 3: its prompt's KV may be version 2's (the prefix
+    # cache is salted at submission), so the first token carries 2
+    queued = to_generation(completion([3, 5], "stop", "ab", [span("3", 0, 2)]), "r4", 3, submitted=2)
+    assert queued.versions == [2, 3]
+    assert to_generation(completion([3, 5], "stop", "ab", [span("3", 0, 2)]), "r5", 3, submitted=3).versions == [3, 3]
     with pytest.raises(RuntimeError, match="abort"):
         to_generation(completion([3], "abort", ""), "r3", 0)
 

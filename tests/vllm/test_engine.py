@@ -94,3 +94,24 @@ def test_settings_vllm_cannot_give_exact_logprobs_for_are_refused(small_dir):
 def test_a_request_that_does_not_fit_the_engine_mode_is_refused(vllm_engine):
     with pytest.raises(ValueError, match="raw log-probs"):
         vllm_engine.generate_batch([[5, 6]], SamplingParams(temperature=0.7), 1)
+
+
+def test_closing_the_engine_leaves_no_error_at_interpreter_exit(small_dir):
+    """A rollout process that closes its engine and exits prints no `Exception ignored in AsyncLLM.__del__`
+    (vLLM's destructor running again at teardown, after its module globals are gone)."""
+    import subprocess
+    import sys
+
+    from tests.vllm.conftest import DEVICE
+
+    child = (
+        "from fleetrl.common.config.schema import ModelConfig\n"
+        "from fleetrl.rollout.engines import create_engine\n"
+        "from tests.vllm.conftest import rollout_cfg\n"
+        f"e = create_engine('vllm', ModelConfig(path={str(small_dir)!r}, dtype='float32'), rollout_cfg(), {DEVICE!r}, 0)\n"
+        "e.close()\n"
+        "print('closed')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0 and "closed" in out.stdout, out.stderr[-3000:]
+    assert "Exception ignored" not in out.stderr and "AsyncLLM.__del__" not in out.stderr, out.stderr[-3000:]

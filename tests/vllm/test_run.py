@@ -6,6 +6,7 @@ from the supervised warm start, as in `make demo`."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,4 +60,15 @@ def test_fleetrl_run_with_the_vllm_engine_raises_held_out_accuracy(tmp_path):
     assert last["rollout/groups_pushed"] > 100 and last["weights/updates_inflight"] >= 5
     assert last["weights/rounds_ok"] >= 5  # received by the receiver inside the vLLM worker
     assert max(r["rollout/token_version_max"] for r in rollout) >= 5
-    assert "new weights loaded in flight" in (run_dir / "logs" / "rollout-0.log").read_text()
+    rollout_log = (run_dir / "logs" / "rollout-0.log").read_text()
+    assert "new weights loaded in flight" in rollout_log
+    # a healthy run: no health rule fired (off_policy/mismatch_kl compares like with like; drift is not a fault)
+    events = (run_dir / "events.jsonl").read_text().splitlines() if (run_dir / "events.jsonl").exists() else []
+    assert not events, events
+    mismatch = [r["off_policy/mismatch_kl"] for r in rows if "off_policy/mismatch_kl" in r]
+    print("vllm engine mismatch_kl: mean %.3g max %.3g over %d steps" % (sum(mismatch) / len(mismatch), max(mismatch),
+                                                                          len(mismatch)))
+    # the rollout leaves on `done` with exit 0, and the engine's shutdown leaves no error behind
+    assert re.search(r"rollout-0\s+exit 0", log), log[-3000:]
+    for text in (log, rollout_log):
+        assert "Exception ignored" not in text and "AsyncLLM.__del__" not in text, text[-3000:]

@@ -13,7 +13,7 @@ from fleetrl.learner.algorithms import POLICY_LOSSES, LossInputs
 METRIC_KEYS = {
     "actor/pg_loss", "actor/clipfrac", "actor/dual_clipfrac", "actor/approx_kl",
     "actor/ratio_min", "actor/ratio_mean", "actor/ratio_max",
-    "off_policy/mismatch_kl", "off_policy/is_ess", "off_policy/is_weight_mean", "off_policy/is_capped_frac",
+    "off_policy/drift_kl", "off_policy/is_ess", "off_policy/is_weight_mean", "off_policy/is_capped_frac",
 }
 AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 OFF_POLICY = [
@@ -136,7 +136,7 @@ def test_none_mode_ignores_behaviour_but_reports_the_mismatch():
     assert out.metrics["off_policy/is_weight_mean"] == pytest.approx(math.cosh(0.5))
     # k3 KL(mu || pi_theta) per token: r = pi/mu = e^{0.5}, e^{-0.5};  (r - 1) - log r
     k3 = [(math.exp(x) - 1) - x for x in (0.5, -0.5)]
-    assert out.metrics["off_policy/mismatch_kl"] == pytest.approx(sum(k3) / 2)
+    assert out.metrics["off_policy/drift_kl"] == pytest.approx(sum(k3) / 2)
 
 
 def test_weights_are_one_when_behaviour_equals_old():
@@ -146,8 +146,8 @@ def test_weights_are_one_when_behaviour_equals_old():
         out = POLICY_LOSSES["ppo_clip"](inp, _cfg(mode, level))
         assert out.loss.item() == pytest.approx(base.item())
         assert out.metrics["off_policy/is_ess"] == pytest.approx(1.0)
-        # with mu = pi_old, the mismatch KL(mu || pi_theta) is the approx KL(pi_old || pi_theta)
-        assert out.metrics["off_policy/mismatch_kl"] == pytest.approx(out.metrics["actor/approx_kl"])
+        # with mu = pi_old, the drift KL(mu || pi_theta) is the approx KL(pi_old || pi_theta)
+        assert out.metrics["off_policy/drift_kl"] == pytest.approx(out.metrics["actor/approx_kl"])
 
 
 # ------------------------------------------------------------------------------ loop reference
