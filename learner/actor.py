@@ -40,7 +40,7 @@ from fleetrl.learner.algorithms.off_policy import mismatch_sums
 from fleetrl.learner.batch import MicroBatch, RolloutBatch, pack_groups
 from fleetrl.learner.source import Leased
 from fleetrl.learner.update import Piece, accumulate_and_step, forward_passes, reduce_updates, response_logprobs
-from fleetrl.learner.metrics import sample_metrics
+from fleetrl.learner.metrics import diversity_metrics, sample_metrics
 
 
 class PolicyActor:
@@ -171,6 +171,7 @@ class PolicyActor:
         valid = adv[m > 0]
         return {
             **sample_metrics(batch.rewards, batch.lengths, batch.truncated, batch.versions, version),
+            **diversity_metrics(*sampled_responses(batch)),
             "adv/mean": float(masked_mean(adv, m)),
             "adv/abs_mean": float(masked_mean(adv.abs(), m)),
             "adv/max": float(valid.max()) if valid.numel() else 0.0,
@@ -187,6 +188,16 @@ class PolicyActor:
 
     def load_state_dict(self, state: dict) -> None:
         self.kl_ctl.load_state_dict(state["kl_ctl"])
+
+
+def sampled_responses(batch: RolloutBatch) -> tuple[list[tuple[int, ...]], list[int]]:
+    """Each sample's sampled tokens (loss mask 1: tokens an environment appended are left out) and its group."""
+    responses: list[tuple[int, ...]] = [()] * batch.size
+    for mb in batch.micro:
+        targets, mask = mb.targets.cpu(), mb.mask.cpu() > 0
+        for row, i in enumerate(mb.index.tolist()):
+            responses[i] = tuple(targets[row][mask[row]].tolist())
+    return responses, batch.group_index.cpu().tolist()
 
 
 class MismatchMeter:

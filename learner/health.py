@@ -52,10 +52,14 @@ class HealthMonitor:
         self.stop_reason = ""
         self.checkpoints: dict[int, bool] = {}  # step -> healthy verdict
         self._revoked: list[int] = []
+        self.why_unhealthy: dict[int, str] = {}  # checkpoint step -> the evidence that took its healthy tag
+        self.target_evidence = ""  # why the last rollback_target is not simply the newest checkpoint
         self._reset_tracking()
 
     def _reset_tracking(self) -> None:
         self.last_bad: int | None = None  # newest step at which any rule fired
+        self.last_bad_rule = ""
+        self.onsets: dict[str, tuple[int, int]] = {}  # rule -> (earliest evidence step, step it fired) since rollback
         self.pending: list[HealthEvent] = []  # fired by checkpoint rules, returned by the next observe()
         self.streak = [0] * len(self.rules)
         self.missing = [0] * len(self.rules)
@@ -81,6 +85,8 @@ class HealthMonitor:
         healthy = self.last_bad is None or self.last_bad <= step - max(self.cfg.healthy_window, 1)
         self.checkpoints[step] = healthy
         if not healthy:
+            self.why_unhealthy[step] = (f"{self.last_bad_rule} fired at step {self.last_bad}, "
+                                        "within health.healthy_window")
             log.warning("checkpoint at step %d is not tagged healthy: a health rule fired at step %d (within "
                         "health.healthy_window=%d steps); rollbacks will skip it", step, self.last_bad,
                         self.cfg.healthy_window)
@@ -91,7 +97,10 @@ class HealthMonitor:
             self.streak[i] = 0
             return None
         self.last_bad = step if self.last_bad is None else max(self.last_bad, step)
-        self._revoke(fired.since, step)
+        self.last_bad_rule = rule.spec.name
+        name = rule.spec.name
+        self.onsets[name] = (min(fired.since, self.onsets.get(name, (fired.since, step))[0]), step)
+        self._revoke(fired.since, step, name)
         self.streak[i] += 1
         if (self.streak[i] - 1) % (rule.window or 1):
             return None  # still firing: repeat the event only every `window` evaluations
@@ -100,12 +109,13 @@ class HealthMonitor:
         self._emit(event)
         return event
 
-    def _revoke(self, since: int, step: int) -> None:
+    def _revoke(self, since: int, step: int, rule: str = "") -> None:
         """Checkpoints inside the evidence of a rule that fired now lose their healthy verdict."""
         for c, healthy in self.checkpoints.items():
             if healthy and since <= c < step:
                 self.checkpoints[c] = False
                 self._revoked.append(c)
+                self.why_unhealthy[c] = f"inside the evidence of {rule} (from step {since}, fired at step {step})"
                 log.warning("checkpoint at step %d is no longer counted healthy: the evidence of a rule that fired at "
                             "step %d starts at step %d", c, step, since)
 
@@ -142,9 +152,31 @@ class HealthMonitor:
         return action
 
     def rollback_target(self, candidates: Iterable[int]) -> int | None:
-        """Newest of ``candidates`` (steps of complete checkpoints) this monitor tagged healthy, or None."""
-        healthy = [c for c in candidates if self.checkpoints.get(c, False)]
-        return max(healthy, default=None)
+        """Newest of ``candidates`` (steps of complete checkpoints) tagged healthy and older than the start of
+        the evidence of every rule that fired within ``health.healthy_window`` steps of the newest firing
+        (where the divergence began), or None.
+
+        ``target_evidence`` names, for each newer checkpoint passed over, what ruled it out.
+        """
+        candidates = sorted(set(candidates))
+        recent = {r: v for r, v in self.onsets.items() if self.last_bad is not None
+                  and v[1] >= self.last_bad - max(self.cfg.healthy_window, 1)}  # the episode that led here
+        began = min((since for since, _ in recent.values()), default=None)
+        healthy = [c for c in candidates if self.checkpoints.get(c, False) and (began is None or c < began)]
+        target = max(healthy, default=None)
+        skipped = [c for c in candidates if target is None or c > target]
+        reasons = []
+        for c in skipped:
+            why = self.why_unhealthy.get(c)
+            if why is None and began is not None and c >= began:
+                rule = min(recent, key=lambda r: recent[r][0])
+                why = f"at or after step {began}, where the evidence of {rule} begins"
+            reasons.append(f"step {c}: {why or 'not tagged healthy by this monitor'}")
+        self.target_evidence = "; ".join(reasons)
+        if reasons:
+            log.warning("health: rollback target %s; newer checkpoints passed over: %s",
+                        "none" if target is None else f"step {target}", self.target_evidence)
+        return target
 
     def rollback_unavailable(self, step: int, events: Iterable[HealthEvent], checkpoint_interval: int) -> str:
         """A rollback rule fired but no checkpoint is tagged healthy. The run goes on and says so (an
@@ -186,7 +218,8 @@ class HealthMonitor:
                             f"rolled back from step {from_step} to the healthy checkpoint at step {to_step} "
                             f"(rollback {self.rollbacks_done} of at most {self.cfg.max_rollbacks}); the learning rate "
                             f"is multiplied by {self.cfg.lr_factor:g} and groups from the abandoned policy versions "
-                            f"are discarded", time.time())
+                            f"are discarded" + (f"; newer checkpoints passed over: {self.target_evidence}"
+                                                if self.target_evidence else ""), time.time())
         self._emit(event)
         return event
 
@@ -201,10 +234,10 @@ class HealthMonitor:
         if state is None:
             self.reset_after_rollback(step)
             return
-        kept = (self.events, self.rollbacks_done, self.stop_reason, self.checkpoints)
+        kept = (self.events, self.rollbacks_done, self.stop_reason, self.checkpoints, self.why_unhealthy)
         self.load_state_dict(state)
-        self.events, self.rollbacks_done, self.stop_reason, checkpoints = kept
-        self.pending = []
+        self.events, self.rollbacks_done, self.stop_reason, checkpoints, self.why_unhealthy = kept
+        self.pending, self.onsets = [], {}
         self.checkpoints = {c: h for c, h in checkpoints.items() if c <= step}
 
     def reset_after_rollback(self, step: int) -> None:
@@ -237,7 +270,8 @@ class HealthMonitor:
         return {"rules": [(r.spec.name, r.state_dict()) for r in self.rules], "events": [asdict(e) for e in self.events],
                 "rollbacks_done": self.rollbacks_done, "stop_reason": self.stop_reason,
                 "checkpoints": dict(self.checkpoints), "last_bad": self.last_bad, "streak": list(self.streak),
-                "pending": [asdict(e) for e in self.pending]}
+                "pending": [asdict(e) for e in self.pending],
+                "onsets": {k: list(v) for k, v in self.onsets.items()}, "why_unhealthy": dict(self.why_unhealthy)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore; a rule whose position or name changed in the config starts fresh (with a warning)."""
@@ -255,3 +289,5 @@ class HealthMonitor:
         self.rollbacks_done, self.stop_reason = state["rollbacks_done"], state["stop_reason"]
         self.checkpoints = {int(k): bool(v) for k, v in state["checkpoints"].items()}
         self.last_bad = state["last_bad"]
+        self.onsets = {k: (int(v[0]), int(v[1])) for k, v in state.get("onsets", {}).items()}
+        self.why_unhealthy = {int(k): v for k, v in state.get("why_unhealthy", {}).items()}

@@ -6,6 +6,9 @@ of the oldest policy that produced any of its tokens.
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Sequence
+
 import torch
 
 
@@ -24,3 +27,26 @@ def sample_metrics(rewards_B: torch.Tensor, lengths_B: torch.Tensor, truncated_B
         "off_policy/staleness_mean": float(lag.mean()),
         "off_policy/staleness_max": float(lag.max()),
     }
+
+
+START, END = -1, -2  # marks around each response for distinct_2 (no token id is negative)
+
+
+def diversity_metrics(responses: Sequence[tuple[int, ...]], groups: Sequence[int]) -> dict[str, float]:
+    """``response/distinct_2`` and ``response/identical_frac`` of one step's sampled responses (token ids).
+
+    ``distinct_2``: distinct token bigrams over all bigrams of the step, each response framed by a start
+    and an end mark (so one-token and empty responses count too, and every rank reports the figure:
+    the learner averages the same keys over ranks). ``identical_frac``: the fraction of the step's prompt
+    groups that contain the step's most common response. Answers that agree within a group (one prompt) are expected; one response spread
+    over many different prompts is the sign of a policy that answers every prompt alike (reward hacking).
+    """
+    out: dict[str, float] = {}
+    if responses:
+        framed = [(START, *r, END) for r in responses]
+        bigrams = [f[i : i + 2] for f in framed for i in range(len(f) - 1)]
+        out["response/distinct_2"] = len(set(bigrams)) / len(bigrams)
+        top, _ = Counter(responses).most_common(1)[0]
+        with_top = {g for r, g in zip(responses, groups) if r == top}
+        out["response/identical_frac"] = len(with_top) / len(set(groups))
+    return out

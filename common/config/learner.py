@@ -14,7 +14,8 @@ from msgspec import Meta, field
 from fleetrl.common.config.base import Section, doc
 
 HealthRuleName = Literal["reward_drop", "reward_floor", "reward_checkpoint_decline", "kl_ceiling", "mismatch_kl_ceiling",
-                         "entropy_floor", "length_collapse", "grad_spike", "non_finite"]
+                         "entropy_floor", "length_collapse", "grad_spike", "non_finite",
+                         "reward_hacking"]
 """The names of ``learner/health_rules.py``'s registry; a test keeps the two equal."""
 
 
