@@ -109,6 +109,24 @@ class Session:
         self.lock = asyncio.Lock()
         self.last_active = time.monotonic()
         self.truncated = ""
+        self.replay: tuple[str, dict[str, Any]] | None = None  # (call key, response) of the last call
+        self.pending = ""  # the key of the call in progress
+
+    def snapshot(self) -> tuple:
+        """What a call may change, to put back when it fails (a session is a transaction per call)."""
+        ep = self.builder.ep if self.builder else None
+        return (self.builder, self.codec, self.kind, list(self.conv), self.text, self.truncated, self.last,
+                len(ep.token_ids) if ep else 0, ep.turns if ep else 0, len(ep.messages) if ep else 0)
+
+    def rollback(self, snap: tuple) -> None:
+        """Undo a failed call: the session is as it was before it (``snapshot``)."""
+        (self.builder, self.codec, self.kind, self.conv, self.text, self.truncated, self.last, n, turns, m) = snap
+        if self.builder is not None:
+            ep = self.builder.ep
+            for name in ("token_ids", "logprobs", "versions", "loss_mask"):
+                del getattr(ep, name)[n:]
+            del ep.messages[m:]
+            ep.turns = turns
 
     def _kind(self, kind: str) -> None:
         if self.kind and self.kind != kind:
