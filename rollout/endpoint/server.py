@@ -393,7 +393,12 @@ class Endpoint:
     async def session_state(self, request: Any) -> Any:
         from aiohttp import web
 
-        return web.json_response(self._state(self._manager().get(request.match_info["sid"])))
+        manager, sid = self._manager(), request.match_info["sid"]
+        if sid in manager.ended and sid not in manager.open:  # an ended session: what happens to its tokens
+            fate = manager.fate(sid)
+            return web.json_response({"session_id": sid, "ended": manager.ended[sid], **fate,
+                                      "trained": {"trained": True, "dropped": False}.get(fate["status"])})
+        return web.json_response(self._state(manager.get(sid)))
 
     async def close_session(self, request: Any) -> Any:
         from aiohttp import web
@@ -409,8 +414,9 @@ class Endpoint:
         if session.lock.locked():
             raise ApiError(409, f"session {sid} has a call in progress; close it after the call returns", "session_busy")
         ep = manager.end(sid, None if reward is None else float(reward))
-        return web.json_response({"session_id": sid, "reward": ep.reward, "turns": ep.turns,
-                                  "tokens": len(ep.token_ids), "trained": not ep.failed})
+        fate = manager.fate(sid, ep)
+        return web.json_response({"session_id": sid, "reward": ep.reward, "turns": ep.turns, "tokens": len(ep.token_ids),
+                                  **fate, "trained": {"trained": True, "dropped": False}.get(fate["status"])})
 
     async def abandon_session(self, request: Any) -> Any:
         from aiohttp import web

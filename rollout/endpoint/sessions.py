@@ -225,6 +225,8 @@ class SessionManager:
         self.waiting: deque[Slot] = deque()
         self.open: dict[str, Session] = {}
         self.ended: dict[str, str] = {}  # session id -> how it ended (expired, closed...), for clear errors
+        self.groups: dict[str, str] = {}  # ended session id -> its group (request id prefix)
+        self.fates: dict[str, tuple[bool, str]] = {}  # group -> (pushed, reason), set by the server (settled)
         self.counts: Counter[str] = Counter()
         self._ready: asyncio.Event | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -275,8 +277,11 @@ class SessionManager:
         session = self.get(sid)
         del self.open[sid]
         self.ended[sid] = how
+        self.groups[sid] = session.slot.request_id.rpartition("/")[0]
         while len(self.ended) > 10000:
-            self.ended.pop(next(iter(self.ended)))
+            old = next(iter(self.ended))
+            self.ended.pop(old)
+            self.fates.pop(self.groups.pop(old, ""), None)
         ep = session.episode(reward) if failure is None else EpisodeBuilder([], []).finish(failure=failure)
         self.counts[f"sessions_{how.replace(' ', '_')}"] += 1
         if not session.slot.future.done():
@@ -304,6 +309,21 @@ class SessionManager:
             self.waiting.popleft().future.set_result(EpisodeBuilder([], []).finish(failure=EnvFailure(reason)))
             self.counts["slots_expired"] += 1
 
+    def fate(self, sid: str, ep: Episode | None = None) -> dict[str, Any]:
+        """What happens to an ended session's tokens: ``{"status": "trained" | "dropped" | "pending", "reason"}``.
+        "trained" means its group was pushed to the learners' queue (the broker may still drop a group that
+        grew too stale); "pending" means its group waits for sibling sessions: ask again with
+        GET /fleetrl/sessions/<id>."""
+        if ep is not None and ep.failed:
+            return {"status": "dropped", "reason": ep.error or ep.failure}
+        fate = self.fates.get(self.groups.get(sid, ""))
+        if fate is None:
+            if self.ended.get(sid, "closed") != "closed":
+                return {"status": "dropped", "reason": f"the session {self.ended[sid]}"}
+            return {"status": "pending", "reason": "the group waits for its other sessions to end",
+                    "ask": f"GET /fleetrl/sessions/{sid}"}
+        return {"status": "trained", "reason": ""} if fate[0] else {"status": "dropped", "reason": fate[1]}
+
     def metrics(self) -> dict[str, float]:
         out = {f"openai/{k}_total": float(v) for k, v in self.counts.items()}
         out["openai/sessions_open"] = float(len(self.open))
@@ -323,6 +343,9 @@ class AgentEnv(Environment):
         ep = await self.sessions.offer(task, params, request_id, engine)
         self.stats.episode(ep)
         return ep
+
+    def settled(self, group: str, pushed: bool, reason: str) -> None:
+        self.sessions.fates[group] = (pushed, reason)
 
     def begin_stop(self) -> None:
         loop = self.sessions.loop

@@ -127,10 +127,13 @@ def test_an_openai_client_agent_trains_by_changing_base_url(engine, tiny_model_d
             s = httpx.post(f"{fleet.root}/fleetrl/sessions", json={"wait_s": 20}, timeout=30).json()
             replies = agent(s["task"]["prompt"], s["base_url"])
             r = httpx.post(f"{fleet.root}/fleetrl/sessions/{s['session_id']}/close", json={"reward": float(k)}).json()
-            assert r["trained"] and r["turns"] == 3
+            assert r["status"] == "pending" and r["trained"] is None and r["turns"] == 3  # its group is not complete
             done[float(k)] = (s, replies)
         groups = []
         wait_for(lambda: groups.extend(fleet.drain()) or len(groups) >= 2, 30, "groups from sessions")
+        for s, _ in done.values():  # asked later: the groups were pushed
+            fate = httpx.get(f"{fleet.root}/fleetrl/sessions/{s['session_id']}").json()
+            assert fate["status"] == "trained" and fate["trained"] is True
     finally:
         fleet.stop()
     for g in groups:
@@ -232,3 +235,25 @@ def test_out_of_vocabulary_token_ids_are_a_400(plain, engine):
         c.completions.create(model="fleetrl", prompt=[1, 2, len(engine.tokenizer) + 5], max_tokens=2)
     assert e.value.body["param"] == "prompt" and "vocabulary" in e.value.message
     assert c.completions.create(model="fleetrl", prompt=[1, 2, 3], max_tokens=2).choices
+
+
+def test_close_says_when_the_group_rule_drops_the_session(engine, tiny_model_dir):
+    """Issue 28: closing one session of a group whose sibling is abandoned used to answer trained: true."""
+    fleet = AgentFleet(engine, tiny_model_dir)  # min_group_samples defaults to the group size here
+    try:
+        fleet.start_thread()
+        wait_for(lambda: fleet.server.endpoint.port, 20, "the endpoint")
+        a, b = (httpx.post(f"{fleet.root}/fleetrl/sessions", json={"wait_s": 20}, timeout=30).json() for _ in range(G))
+        assert a["group"] == b["group"]
+        openai.OpenAI(base_url=a["base_url"], api_key="x", max_retries=0).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": a["task"]["prompt"]}])
+        closed = httpx.post(f"{fleet.root}/fleetrl/sessions/{a['session_id']}/close", json={"reward": 1.0}).json()
+        assert closed["status"] == "pending" and closed["ask"] == f"GET /fleetrl/sessions/{a['session_id']}"
+        assert httpx.post(f"{fleet.root}/fleetrl/sessions/{b['session_id']}/abandon").json()["trained"] is False
+        fates = []
+        wait_for(lambda: fates.append(httpx.get(f"{fleet.root}/fleetrl/sessions/{a['session_id']}").json())
+                 or fates[-1]["status"] != "pending", 20, "the group's fate")
+    finally:
+        fleet.stop()
+    assert fates[-1]["status"] == "dropped" and fates[-1]["trained"] is False
+    assert "too few" in fates[-1]["reason"] and not fleet.drain()
