@@ -313,6 +313,10 @@ class RolloutServer:
         kept = env_groups.survivors(item.samples[:g], self.cfg.rollout.env, g, self.env.stats)
         baselines = [item.samples[g]] if self.greedy_baseline else None
         group = f"{self.client_id}/{key}"
+        if kept is None and all(env_groups.untaken(s) for s in item.samples[:g]):
+            self.env.settled(group, False, "no agent took the group's tasks")  # logged once by the sessions
+            self._give_back(item)
+            return
         if kept is None or (baselines and env_groups.is_dropped(baselines[0], "score")):
             log.warning("prompt %s lost too many samples (failed environment steps or sessions; group rule: "
                         "rollout.env.min_group_samples); it goes back to the broker", item.prompt.prompt_id)

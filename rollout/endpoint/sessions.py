@@ -38,6 +38,7 @@ from fleetrl.rollout.envs.episode import Budget, EpisodeBuilder
 
 log = logging.getLogger("fleetrl.rollout.endpoint")
 REAP_S = 0.5
+NO_AGENT = "no agent opened a session for this sample within {:g} s"
 
 
 class ApiError(Exception):
@@ -300,8 +301,11 @@ class SessionManager:
             while self.waiting and now - self.waiting[0].offered > self.timeout_s:
                 slot = self.waiting.popleft()
                 self.counts["slots_expired"] += 1
-                slot.future.set_result(EpisodeBuilder([], []).finish(failure=EnvTimeout(
-                    f"no agent opened a session for this sample within {self.timeout_s:g} s")))
+                if self.counts["slots_expired"] == 1:
+                    log.warning("no agent took a task within %g s (rollout.openai.session_timeout_s): is an agent "
+                                "opening sessions (POST /fleetrl/sessions)? Its group goes back to the broker; later "
+                                "ones are counted in openai/slots_expired_total, not logged", self.timeout_s)
+                slot.future.set_result(EpisodeBuilder([], []).finish(failure=EnvTimeout(NO_AGENT.format(self.timeout_s))))
 
     def fail_waiting(self, reason: str) -> None:
         """Every slot no agent took yet fails (the server is stopping); open sessions may still finish."""

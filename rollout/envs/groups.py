@@ -36,6 +36,11 @@ def is_dropped(sample: Generation, on_truncation: str) -> bool:
     return isinstance(sample, Episode) and (sample.failed or (on_truncation == "drop" and bool(sample.truncated)))
 
 
+def untaken(sample: Generation) -> bool:
+    """An agent session's sample that no agent took (it expired waiting): not a failure of the task."""
+    return isinstance(sample, Episode) and sample.error.startswith("no agent opened a session")
+
+
 def survivors(samples: Sequence[Generation], env_cfg: Any, group_size: int,
               stats: EnvStats) -> list[Generation] | None:
     """The samples the group keeps, or None when too few survive (the group rule above)."""

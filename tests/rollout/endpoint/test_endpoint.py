@@ -257,3 +257,18 @@ def test_close_says_when_the_group_rule_drops_the_session(engine, tiny_model_dir
         fleet.stop()
     assert fates[-1]["status"] == "dropped" and fates[-1]["trained"] is False
     assert "too few" in fates[-1]["reason"] and not fleet.drain()
+
+
+def test_no_agent_is_logged_once_as_such_and_the_header_does_not_collide_with_verifiers(engine, tiny_model_dir, caplog):
+    fleet = AgentFleet(engine, tiny_model_dir, "rollout.openai.session_timeout_s=0.6")
+    assert fleet.cfg.rollout.openai.session_header.lower() != "x-session-id"  # verifiers sends X-Session-ID
+    try:
+        with caplog.at_level("WARNING", logger="fleetrl"):
+            fleet.start_thread()
+            wait_for(lambda: fleet.server.env.sessions.counts["slots_expired"] >= 2 * G, 20, "slots to expire")
+            time.sleep(0.5)
+            warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    finally:
+        fleet.stop()
+    assert sum("no agent took a task" in w for w in warnings) == 1
+    assert not any("lost too many samples" in w for w in warnings)
