@@ -8,9 +8,11 @@
     POST /fleetrl/sessions/<id>/abandon   the session's tokens are not trained
     GET  /fleetrl/sessions/<id>           the session's state;   GET /fleetrl/health
 
-A call belongs to a training session when it names one: the ``rollout.openai.session_header``
-header, else the ``user`` field, else the base URL ``/sessions/<id>/v1`` (so an agent written with the
-official ``openai`` client trains by changing its ``base_url`` and nothing else). Other calls are
+A call belongs to a training session when it names one: the base URL ``/sessions/<id>/v1``, else the
+``rollout.openai.session_header`` header, else the ``user`` field when it names one of this server's
+sessions (so an agent written with the official ``openai`` client trains by changing its ``base_url``
+and nothing else). A session call is a transaction (``_session_call``): a failed call changes nothing,
+a repeat of the last call (same body or ``Idempotency-Key``) gets the recorded response. Other calls are
 plain inference on the current weights, not trained. In a session the rollout's sampling settings
 apply (temperature, top_p, top_k: the learner's log-probs assume them); ``max_tokens`` and ``stop``
 are honoured within the budgets of ``rollout.env``. Errors come in OpenAI's format,

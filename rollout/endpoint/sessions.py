@@ -11,7 +11,7 @@ token sequence, token-in/token-out:
   replies it got, compared as role, text, tool calls and tool_call_id) and add new messages; only
   the new ones are rendered and appended as tokens (mask 0); the reply's tokens are appended as
   sampled (mask 1). A call that rewrites the history is refused (400, ``session_history_mismatch``),
-  the session stays open;
+  the session stays open; any failed call leaves the session as it was (``snapshot`` / ``rollback``);
 - ``POST /fleetrl/sessions/<id>/close`` with ``{"reward": r}`` ends it with that reward, without one
   ``rollout.rewards`` score the last reply (with the task's answer); ``.../abandon`` drops it.
 
