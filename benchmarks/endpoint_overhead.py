@@ -107,7 +107,7 @@ def main() -> int:
         s = engine.loop.call(env.sessions.start(5.0))
         t0 = time.perf_counter()
         r = client.chat.completions.create(model="m", messages=messages, max_tokens=a.tokens,
-                                           extra_headers={"X-Session-Id": s.id})
+                                           extra_headers={"X-Fleetrl-Session": s.id})
         took = time.perf_counter() - t0
         engine.loop.loop.call_soon_threadsafe(env.sessions.end, s.id, 1.0)
         fut.result(5)

@@ -312,12 +312,27 @@ class RolloutServer:
         g = self.cfg.rollout.group_size
         kept = env_groups.survivors(item.samples[:g], self.cfg.rollout.env, g, self.env.stats)
         baselines = [item.samples[g]] if self.greedy_baseline else None
+        group = f"{self.client_id}/{key}"
+        if kept is None and all(env_groups.untaken(s) for s in item.samples[:g]):
+            self.env.settled(group, False, "no agent took the group's tasks")  # logged once by the sessions
+            self._give_back(item)
+            return
         if kept is None or (baselines and env_groups.is_dropped(baselines[0], "score")):
             log.warning("prompt %s lost too many samples (failed environment steps or sessions; group rule: "
                         "rollout.env.min_group_samples); it goes back to the broker", item.prompt.prompt_id)
+            self.env.settled(group, False, "too few of the group's samples survived (failed, abandoned or timed-out "
+                             "sessions; rollout.env.min_group_samples)")
             self._give_back(item)
             return
         prompt_ids = env_groups.common_prompt(kept + (baselines or []), item.prompt_ids)
+        kept = env_groups.fitting(kept, prompt_ids, self.cfg.rollout.env, g, self.env.stats)
+        if kept is None or (baselines and not env_groups.fits(baselines[0], prompt_ids)):
+            log.warning("prompt %s: its samples' prompts differ and too few share one (group rule: "
+                        "rollout.env.min_group_samples); it goes back to the broker", item.prompt.prompt_id)
+            self.env.settled(group, False, "the group's samples began with different prompts and too few shared one")
+            self._give_back(item)
+            return
+        self.env.settled(group, True, "")
         samples = [[env_groups.rebase(s, prompt_ids) for s in kept]]
         baselines = [env_groups.rebase(s, prompt_ids) for s in baselines] if baselines else None
         if item.trace is not None:

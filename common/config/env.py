@@ -119,8 +119,9 @@ class OpenAIConfig(Section):
     api_key: Annotated[str | None, doc("Bearer token every request must carry (null = none; set one whenever host "
                                        "is not loopback).")] = None
     model_name: Annotated[str, doc("The model id /v1/models lists (requests may name any model).")] = "fleetrl"
-    session_header: Annotated[str, doc("Header naming a request's training session (else the `user` field, else "
-                                       "the session in the base URL /sessions/<id>/v1).")] = "X-Session-Id"
+    session_header: Annotated[str, doc("Header naming a request's training session (after the session in the base "
+                                       "URL /sessions/<id>/v1; the `user` field only when it names a session). Not "
+                                       "X-Session-Id, which verifiers sends on every call.")] = "X-Fleetrl-Session"
     session_timeout_s: Annotated[float, doc(
         "A training session without a call or a close for this long is closed as failed: its tokens are not "
         "trained (counted; its group follows rollout.env.min_group_samples).", gt=0)] = 300.0

@@ -8,9 +8,11 @@
     POST /fleetrl/sessions/<id>/abandon   the session's tokens are not trained
     GET  /fleetrl/sessions/<id>           the session's state;   GET /fleetrl/health
 
-A call belongs to a training session when it names one: the ``rollout.openai.session_header``
-header, else the ``user`` field, else the base URL ``/sessions/<id>/v1`` (so an agent written with the
-official ``openai`` client trains by changing its ``base_url`` and nothing else). Other calls are
+A call belongs to a training session when it names one: the base URL ``/sessions/<id>/v1``, else the
+``rollout.openai.session_header`` header, else the ``user`` field when it names one of this server's
+sessions (so an agent written with the official ``openai`` client trains by changing its ``base_url``
+and nothing else). A session call is a transaction (``_session_call``): a failed call changes nothing,
+a repeat of the last call (same body or ``Idempotency-Key``) gets the recorded response. Other calls are
 plain inference on the current weights, not trained. In a session the rollout's sampling settings
 apply (temperature, top_p, top_k: the learner's log-probs assume them); ``max_tokens`` and ``stop``
 are honoured within the budgets of ``rollout.env``. Errors come in OpenAI's format,
@@ -171,10 +173,17 @@ class Endpoint:
             raise ApiError(400, "the request body must be a JSON object", "invalid_json")
         if body.get("stream") not in (None, False, True):
             raise ApiError(400, "stream must be true or false", "invalid_value", param="stream")
+        if body.get("model") is not None and not isinstance(body["model"], str):
+            raise ApiError(400, f"model must be a string (the served model is {self.opts.model_name!r}), got "
+                           f"{body['model']!r}", "invalid_type", param="model")
         return body
 
     def _session(self, request: Any, body: dict[str, Any]) -> Session | None:
-        sid = (request.headers.get(self.opts.session_header) or body.get("user") or request.match_info.get("sid"))
+        sid = request.match_info.get("sid") or request.headers.get(self.opts.session_header)
+        user = body.get("user")
+        if not sid and isinstance(user, str) and self.sessions is not None and (
+                user in self.sessions.open or user in self.sessions.ended):
+            sid = user  # the `user` field is a fallback, only when it names one of this server's sessions
         if not sid:
             return None
         if self.sessions is None:  # inference only: a session header is routing affinity, nothing to train
@@ -182,12 +191,7 @@ class Endpoint:
                 raise ApiError(400, "this server has no training sessions (rollout.env.type is "
                                f"{self.cfg.rollout.env.type!r}; sessions need rollout.env.type=openai)", "no_sessions")
             return None
-        try:
-            return self.sessions.get(sid)
-        except ApiError:
-            if request.match_info.get("sid") or request.headers.get(self.opts.session_header) or sid in self.sessions.ended:
-                raise
-            return None  # a `user` field that names no session (and never did): plain inference
+        return self.sessions.get(sid)
 
     def codec(self, tools: Any) -> ChatCodec:
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
@@ -272,18 +276,24 @@ class Endpoint:
         else:
             if n != 1:
                 raise ApiError(400, "a training session takes n=1 (one reply per call)", "invalid_value", param="n")
-            async with self._turn(session):
+
+            async def turn() -> dict[str, Any]:
                 ids = session.chat_context(messages, codec)
-                gens = await self._session_generate(session, ids, self._params(body, session))
+                gens = await self._generate(ids, self._params(body, session), 1)
                 replies = [self._reply(gens[0], tools)]
                 session.record(gens[0], replies[0][0])
-            self.counts["calls_session"] += 1
+                return self._chat_response(body, ids, gens, replies)
+
+            return await stream.send(request, body, await self._session_call(request, body, session, turn))
+        return await stream.send(request, body, self._chat_response(body, ids, gens, replies))
+
+    def _chat_response(self, body: dict[str, Any], ids: list[int], gens: list[Generation],
+                       replies: list[tuple[dict[str, Any], str]]) -> dict[str, Any]:
         choices = [{"index": j, "message": message, "finish_reason": finish,
                     "logprobs": self._logprobs(gen) if body.get("logprobs") else None}
                    for j, (gen, (message, finish)) in enumerate(zip(gens, replies))]
-        return await stream.send(request, body, {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": body.get("model") or self.opts.model_name, "choices": choices, "usage": self._usage(ids, gens)})
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": body.get("model") or self.opts.model_name, "choices": choices, "usage": self._usage(ids, gens)}
 
     async def completions(self, request: Any) -> Any:
         body = await self._body(request)
@@ -295,8 +305,13 @@ class Endpoint:
             raise ApiError(400, "prompt must be a non-empty string or a list of token ids (one prompt per call)",
                            "invalid_value", param="prompt")
         n = _number(body, "n", 1, int, 1, 16)
-        session = self._session(request, body)
         tok = self.engine.tokenizer
+        vocab = len(tok)
+        if isinstance(prompt, list) and not all(0 <= t < vocab for t in prompt):
+            bad = next(t for t in prompt if not 0 <= t < vocab)
+            raise ApiError(400, f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})",
+                           "invalid_value", param="prompt")
+        session = self._session(request, body)
         if session is None:
             ids = list(prompt) if isinstance(prompt, list) else tok(prompt, add_special_tokens=False)["input_ids"]
             gens = await self._generate(ids, self._params(body, None), n)
@@ -304,34 +319,55 @@ class Endpoint:
         else:
             if n != 1:
                 raise ApiError(400, "a training session takes n=1 (one completion per call)", "invalid_value", param="n")
-            async with self._turn(session):
+
+            async def turn() -> dict[str, Any]:
                 ids = session.text_context(prompt, tok)
-                gens = await self._session_generate(session, ids, self._params(body, session))
+                gens = await self._generate(ids, self._params(body, session), 1)
                 session.record(gens[0], None)
-            self.counts["calls_session"] += 1
+                return self._text_response(body, ids, gens)
+
+            return await stream.send(request, body, await self._session_call(request, body, session, turn))
+        return await stream.send(request, body, self._text_response(body, ids, gens))
+
+    def _text_response(self, body: dict[str, Any], ids: list[int], gens: list[Generation]) -> dict[str, Any]:
         choices = [{"index": j, "text": g.text, "finish_reason": g.finish_reason, "logprobs": None}
                    for j, g in enumerate(gens)]
-        return await stream.send(request, body, {
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": body.get("model") or self.opts.model_name, "choices": choices, "usage": self._usage(ids, gens)})
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": body.get("model") or self.opts.model_name, "choices": choices, "usage": self._usage(ids, gens)}
 
-    async def _session_generate(self, session: Session, ids: list[int], params: SamplingParams) -> list[Generation]:
-        """One reply in a session; an engine failure ends the session as failed (its tokens are not trained)."""
-        from fleetrl.rollout.envs.base import EnvFailure
+    @staticmethod
+    def _call_key(request: Any, body: dict[str, Any]) -> str:
+        """What makes two calls the same call: the ``Idempotency-Key`` header, else the route and the body's
+        content (streaming options aside)."""
+        given = request.headers.get("Idempotency-Key")
+        if given:
+            return f"key:{given}"
+        content = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        return f"{request.path.rpartition('/v1/')[2]}:{json.dumps(content, sort_keys=True, default=str)}"
 
-        try:
-            return await self._generate(ids, params, 1)
-        except ApiError:
-            raise
-        except Exception as e:
-            self.sessions.end(session.id, failure=EnvFailure(f"generation failed: {e}"), how="failed")
-            raise
-
-    def _turn(self, session: Session) -> Any:
-        if session.lock.locked():
+    async def _session_call(self, request: Any, body: dict[str, Any], session: Session, turn: Any) -> dict[str, Any]:
+        """One call of a session, as a transaction: it extends the session only when it succeeds (a failed
+        validation or generation leaves the session as it was), and a repeat of the last call (same content
+        or ``Idempotency-Key``; e.g. a client's retry after a timeout) gets the recorded response again."""
+        key = self._call_key(request, body)
+        if session.lock.locked() and key != session.pending:
             raise ApiError(409, f"session {session.id} has a call in progress; one call at a time per session",
                            "session_busy")
-        return session.lock
+        async with session.lock:  # a retry of the call in progress waits for it, then replays it
+            if session.replay is not None and session.replay[0] == key:
+                self.counts["calls_replayed"] += 1
+                return session.replay[1]
+            snap, session.pending = session.snapshot(), key
+            try:
+                resp = await turn()
+            except BaseException:
+                session.rollback(snap)
+                raise
+            finally:
+                session.pending = ""
+            session.replay = (key, resp)
+            self.counts["calls_session"] += 1
+            return resp
 
     # ------------------------------------------------------------------------------ fleetrl routes
 
@@ -359,7 +395,12 @@ class Endpoint:
     async def session_state(self, request: Any) -> Any:
         from aiohttp import web
 
-        return web.json_response(self._state(self._manager().get(request.match_info["sid"])))
+        manager, sid = self._manager(), request.match_info["sid"]
+        if sid in manager.ended and sid not in manager.open:  # an ended session: what happens to its tokens
+            fate = manager.fate(sid)
+            return web.json_response({"session_id": sid, "ended": manager.ended[sid], **fate,
+                                      "trained": {"trained": True, "dropped": False}.get(fate["status"])})
+        return web.json_response(self._state(manager.get(sid)))
 
     async def close_session(self, request: Any) -> Any:
         from aiohttp import web
@@ -375,8 +416,9 @@ class Endpoint:
         if session.lock.locked():
             raise ApiError(409, f"session {sid} has a call in progress; close it after the call returns", "session_busy")
         ep = manager.end(sid, None if reward is None else float(reward))
-        return web.json_response({"session_id": sid, "reward": ep.reward, "turns": ep.turns,
-                                  "tokens": len(ep.token_ids), "trained": not ep.failed})
+        fate = manager.fate(sid, ep)
+        return web.json_response({"session_id": sid, "reward": ep.reward, "turns": ep.turns, "tokens": len(ep.token_ids),
+                                  **fate, "trained": {"trained": True, "dropped": False}.get(fate["status"])})
 
     async def abandon_session(self, request: Any) -> Any:
         from aiohttp import web

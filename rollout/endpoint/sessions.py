@@ -11,7 +11,7 @@ token sequence, token-in/token-out:
   replies it got, compared as role, text, tool calls and tool_call_id) and add new messages; only
   the new ones are rendered and appended as tokens (mask 0); the reply's tokens are appended as
   sampled (mask 1). A call that rewrites the history is refused (400, ``session_history_mismatch``),
-  the session stays open;
+  the session stays open; any failed call leaves the session as it was (``snapshot`` / ``rollback``);
 - ``POST /fleetrl/sessions/<id>/close`` with ``{"reward": r}`` ends it with that reward, without one
   ``rollout.rewards`` score the last reply (with the task's answer); ``.../abandon`` drops it.
 
@@ -38,6 +38,7 @@ from fleetrl.rollout.envs.episode import Budget, EpisodeBuilder
 
 log = logging.getLogger("fleetrl.rollout.endpoint")
 REAP_S = 0.5
+NO_AGENT = "no agent opened a session for this sample within {:g} s"
 
 
 class ApiError(Exception):
@@ -109,6 +110,24 @@ class Session:
         self.lock = asyncio.Lock()
         self.last_active = time.monotonic()
         self.truncated = ""
+        self.replay: tuple[str, dict[str, Any]] | None = None  # (call key, response) of the last call
+        self.pending = ""  # the key of the call in progress
+
+    def snapshot(self) -> tuple:
+        """What a call may change, to put back when it fails (a session is a transaction per call)."""
+        ep = self.builder.ep if self.builder else None
+        return (self.builder, self.codec, self.kind, list(self.conv), self.text, self.truncated, self.last,
+                len(ep.token_ids) if ep else 0, ep.turns if ep else 0, len(ep.messages) if ep else 0)
+
+    def rollback(self, snap: tuple) -> None:
+        """Undo a failed call: the session is as it was before it (``snapshot``)."""
+        (self.builder, self.codec, self.kind, self.conv, self.text, self.truncated, self.last, n, turns, m) = snap
+        if self.builder is not None:
+            ep = self.builder.ep
+            for name in ("token_ids", "logprobs", "versions", "loss_mask"):
+                del getattr(ep, name)[n:]
+            del ep.messages[m:]
+            ep.turns = turns
 
     def _kind(self, kind: str) -> None:
         if self.kind and self.kind != kind:
@@ -207,6 +226,8 @@ class SessionManager:
         self.waiting: deque[Slot] = deque()
         self.open: dict[str, Session] = {}
         self.ended: dict[str, str] = {}  # session id -> how it ended (expired, closed...), for clear errors
+        self.groups: dict[str, str] = {}  # ended session id -> its group (request id prefix)
+        self.fates: dict[str, tuple[bool, str]] = {}  # group -> (pushed, reason), set by the server (settled)
         self.counts: Counter[str] = Counter()
         self._ready: asyncio.Event | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -257,8 +278,11 @@ class SessionManager:
         session = self.get(sid)
         del self.open[sid]
         self.ended[sid] = how
+        self.groups[sid] = session.slot.request_id.rpartition("/")[0]
         while len(self.ended) > 10000:
-            self.ended.pop(next(iter(self.ended)))
+            old = next(iter(self.ended))
+            self.ended.pop(old)
+            self.fates.pop(self.groups.pop(old, ""), None)
         ep = session.episode(reward) if failure is None else EpisodeBuilder([], []).finish(failure=failure)
         self.counts[f"sessions_{how.replace(' ', '_')}"] += 1
         if not session.slot.future.done():
@@ -277,14 +301,32 @@ class SessionManager:
             while self.waiting and now - self.waiting[0].offered > self.timeout_s:
                 slot = self.waiting.popleft()
                 self.counts["slots_expired"] += 1
-                slot.future.set_result(EpisodeBuilder([], []).finish(failure=EnvTimeout(
-                    f"no agent opened a session for this sample within {self.timeout_s:g} s")))
+                if self.counts["slots_expired"] == 1:
+                    log.warning("no agent took a task within %g s (rollout.openai.session_timeout_s): is an agent "
+                                "opening sessions (POST /fleetrl/sessions)? Its group goes back to the broker; later "
+                                "ones are counted in openai/slots_expired_total, not logged", self.timeout_s)
+                slot.future.set_result(EpisodeBuilder([], []).finish(failure=EnvTimeout(NO_AGENT.format(self.timeout_s))))
 
     def fail_waiting(self, reason: str) -> None:
         """Every slot no agent took yet fails (the server is stopping); open sessions may still finish."""
         while self.waiting:
             self.waiting.popleft().future.set_result(EpisodeBuilder([], []).finish(failure=EnvFailure(reason)))
             self.counts["slots_expired"] += 1
+
+    def fate(self, sid: str, ep: Episode | None = None) -> dict[str, Any]:
+        """What happens to an ended session's tokens: ``{"status": "trained" | "dropped" | "pending", "reason"}``.
+        "trained" means its group was pushed to the learners' queue (the broker may still drop a group that
+        grew too stale); "pending" means its group waits for sibling sessions: ask again with
+        GET /fleetrl/sessions/<id>."""
+        if ep is not None and ep.failed:
+            return {"status": "dropped", "reason": ep.error or ep.failure}
+        fate = self.fates.get(self.groups.get(sid, ""))
+        if fate is None:
+            if self.ended.get(sid, "closed") != "closed":
+                return {"status": "dropped", "reason": f"the session {self.ended[sid]}"}
+            return {"status": "pending", "reason": "the group waits for its other sessions to end",
+                    "ask": f"GET /fleetrl/sessions/{sid}"}
+        return {"status": "trained", "reason": ""} if fate[0] else {"status": "dropped", "reason": fate[1]}
 
     def metrics(self) -> dict[str, float]:
         out = {f"openai/{k}_total": float(v) for k, v in self.counts.items()}
@@ -305,6 +347,9 @@ class AgentEnv(Environment):
         ep = await self.sessions.offer(task, params, request_id, engine)
         self.stats.episode(ep)
         return ep
+
+    def settled(self, group: str, pushed: bool, reason: str) -> None:
+        self.sessions.fates[group] = (pushed, reason)
 
     def begin_stop(self) -> None:
         loop = self.sessions.loop

@@ -142,7 +142,8 @@ class EnvStats:
     on the finisher's): ``*_total`` since start, means over the episodes since the last ``take``."""
 
     TOTALS = ("episodes", "errors", "timeouts", "template_errors", "malformed_tool_calls", "tool_calls",
-              "tool_errors", "turns_cut", "truncated", "samples_dropped", "groups_dropped", "groups_partial")
+              "tool_errors", "turns_cut", "truncated", "samples_dropped", "groups_dropped", "groups_partial",
+              "prompt_mismatch")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -211,6 +212,10 @@ class Environment(abc.ABC):
 
     def metrics(self) -> dict[str, float]:
         return self.stats.take()
+
+    def settled(self, group: str, pushed: bool, reason: str) -> None:
+        """The fate of the group whose request ids start with ``group + "/"``: pushed to the broker, or dropped
+        by the group rule (``reason``). Sessions report it to their agents; other environments ignore it."""
 
     def begin_stop(self) -> None:
         """The server admits no more prompts and finishes the samples in flight (sessions: the waiting ones fail)."""

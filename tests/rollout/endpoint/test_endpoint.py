@@ -127,10 +127,13 @@ def test_an_openai_client_agent_trains_by_changing_base_url(engine, tiny_model_d
             s = httpx.post(f"{fleet.root}/fleetrl/sessions", json={"wait_s": 20}, timeout=30).json()
             replies = agent(s["task"]["prompt"], s["base_url"])
             r = httpx.post(f"{fleet.root}/fleetrl/sessions/{s['session_id']}/close", json={"reward": float(k)}).json()
-            assert r["trained"] and r["turns"] == 3
+            assert r["status"] == "pending" and r["trained"] is None and r["turns"] == 3  # its group is not complete
             done[float(k)] = (s, replies)
         groups = []
         wait_for(lambda: groups.extend(fleet.drain()) or len(groups) >= 2, 30, "groups from sessions")
+        for s, _ in done.values():  # asked later: the groups were pushed
+            fate = httpx.get(f"{fleet.root}/fleetrl/sessions/{s['session_id']}").json()
+            assert fate["status"] == "trained" and fate["trained"] is True
     finally:
         fleet.stop()
     for g in groups:
@@ -178,3 +181,94 @@ def test_bad_history_is_refused_and_an_idle_session_times_out_untrained(engine, 
     totals = fleet.server.env.stats.totals
     assert totals["timeouts"] >= 1 and totals["samples_dropped"] >= 1
     assert fleet.server.env.sessions.counts["sessions_timed_out"] == 1
+
+
+def test_a_failed_call_changes_nothing_and_a_retry_gets_the_recorded_reply(engine, tiny_model_dir):
+    """Issue 28: a rejected parameter used to leave its new message in the session (the retry got
+    session_no_new_message and the learner trained a stray generation prompt); a client's retry of a call
+    that already succeeded used to get 'message N differs'; `user` used to override the base URL's session."""
+    fleet = AgentFleet(engine, tiny_model_dir, "rollout.env.min_group_samples=1", "rollout.openai.session_timeout_s=4")
+    tok = engine.tokenizer
+    try:
+        fleet.start_thread()
+        wait_for(lambda: fleet.server.endpoint.port, 20, "the endpoint")
+        s = httpx.post(f"{fleet.root}/fleetrl/sessions", json={"wait_s": 20}, timeout=30).json()
+        c = openai.OpenAI(base_url=s["base_url"], api_key="x", max_retries=0, timeout=30)
+        ask = [{"role": "user", "content": s["task"]["prompt"]}]
+        first = c.chat.completions.create(model="m", messages=ask, user="end-user-42")  # `user` is not a session
+        ask += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Too low."}]
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="m", messages=ask, max_tokens=0)
+        assert e.value.body["param"] == "max_tokens"
+        second = c.chat.completions.create(model="m", messages=ask, max_tokens=4)  # the valid retry is accepted
+        again = c.chat.completions.create(model="m", messages=ask, max_tokens=4)  # a resend: the recorded reply
+        assert again.id == second.id and again.choices[0].message.content == second.choices[0].message.content
+        ask += [second.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Guess."}]
+        keyed = c.chat.completions.create(model="m", messages=ask, extra_headers={"Idempotency-Key": "k3"})
+        ask2 = ask[:-1] + [{"role": "user", "content": "Guess again."}]  # same key, other content: still a replay
+        assert c.chat.completions.create(model="m", messages=ask2, extra_headers={"Idempotency-Key": "k3"}).id == keyed.id
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=123, messages=ask2)
+        assert e.value.body["param"] == "model"
+        state = httpx.get(f"{fleet.root}/fleetrl/sessions/{s['session_id']}").json()
+        assert state["turns"] == 3
+        httpx.post(f"{fleet.root}/fleetrl/sessions/{s['session_id']}/close", json={"reward": 1.0})
+        other = httpx.post(f"{fleet.root}/fleetrl/sessions/{s['session_id']}/close", json={"reward": 1.0})
+        assert other.status_code == 404
+        groups = []
+        wait_for(lambda: groups.extend(fleet.drain()) or groups, 30, "the session's group")
+    finally:
+        fleet.stop()
+    g = groups[0]
+    tokens, mask = g.response_tokens(0), g.loss_mask_array()[: g.lengths[0]]
+    cuts = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    observations = [tok.decode(tokens[b:a].tolist()) for b, a in zip(cuts[1::2], cuts[2::2])]
+    # each observation is exactly the new user message once: no stray generation prompt, no doubled end of turn
+    assert [o.split("<|user|>")[-1] for o in observations] == ["Too low.<eos><|assistant|>", "Guess.<eos><|assistant|>"]
+    assert all(o.count("<|assistant|>") == 1 for o in observations)
+    assert fleet.server.endpoint.counts["calls_replayed"] == 2 and fleet.server.endpoint.counts["calls_session"] == 3
+
+
+def test_out_of_vocabulary_token_ids_are_a_400(plain, engine):
+    c = client(plain.base_url)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="fleetrl", prompt=[1, 2, len(engine.tokenizer) + 5], max_tokens=2)
+    assert e.value.body["param"] == "prompt" and "vocabulary" in e.value.message
+    assert c.completions.create(model="fleetrl", prompt=[1, 2, 3], max_tokens=2).choices
+
+
+def test_close_says_when_the_group_rule_drops_the_session(engine, tiny_model_dir):
+    """Issue 28: closing one session of a group whose sibling is abandoned used to answer trained: true."""
+    fleet = AgentFleet(engine, tiny_model_dir)  # min_group_samples defaults to the group size here
+    try:
+        fleet.start_thread()
+        wait_for(lambda: fleet.server.endpoint.port, 20, "the endpoint")
+        a, b = (httpx.post(f"{fleet.root}/fleetrl/sessions", json={"wait_s": 20}, timeout=30).json() for _ in range(G))
+        assert a["group"] == b["group"]
+        openai.OpenAI(base_url=a["base_url"], api_key="x", max_retries=0).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": a["task"]["prompt"]}])
+        closed = httpx.post(f"{fleet.root}/fleetrl/sessions/{a['session_id']}/close", json={"reward": 1.0}).json()
+        assert closed["status"] == "pending" and closed["ask"] == f"GET /fleetrl/sessions/{a['session_id']}"
+        assert httpx.post(f"{fleet.root}/fleetrl/sessions/{b['session_id']}/abandon").json()["trained"] is False
+        fates = []
+        wait_for(lambda: fates.append(httpx.get(f"{fleet.root}/fleetrl/sessions/{a['session_id']}").json())
+                 or fates[-1]["status"] != "pending", 20, "the group's fate")
+    finally:
+        fleet.stop()
+    assert fates[-1]["status"] == "dropped" and fates[-1]["trained"] is False
+    assert "too few" in fates[-1]["reason"] and not fleet.drain()
+
+
+def test_no_agent_is_logged_once_as_such_and_the_header_does_not_collide_with_verifiers(engine, tiny_model_dir, caplog):
+    fleet = AgentFleet(engine, tiny_model_dir, "rollout.openai.session_timeout_s=0.6")
+    assert fleet.cfg.rollout.openai.session_header.lower() != "x-session-id"  # verifiers sends X-Session-ID
+    try:
+        with caplog.at_level("WARNING", logger="fleetrl"):
+            fleet.start_thread()
+            wait_for(lambda: fleet.server.env.sessions.counts["slots_expired"] >= 2 * G, 20, "slots to expire")
+            time.sleep(0.5)
+            warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    finally:
+        fleet.stop()
+    assert sum("no agent took a task" in w for w in warnings) == 1
+    assert not any("lost too many samples" in w for w in warnings)
