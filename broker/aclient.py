@@ -255,9 +255,11 @@ class AsyncBrokerClient:
                 await asyncio.sleep(1.0)
         return [acks[g.group_id] for g in groups]
 
-    async def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False) -> m.Ack:
+    async def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False,
+                       filtered: bool = False) -> m.Ack:
         return await self.request(lambda r: m.ReturnPrompts(req_id=r, client_id=self.client_id, lease_id=lease_id,
-                                                            prompt_ids=list(prompt_ids or []), unscored=unscored))
+                                                            prompt_ids=list(prompt_ids or []), unscored=unscored,
+                                  filtered=filtered))
 
     async def leave(self, reason: str = "", done: bool = False, timeout_s: float = 5.0) -> m.Ack:
         """Leave the fleet now (graceful exit); ``done``: a learner that finished. One short try: a client on its
