@@ -51,3 +51,41 @@ def test_a_valid_frame_goes_in_one_push_and_rejected_acks_return_their_prompts()
 def test_a_single_refused_group_is_counted_not_raised():
     client, refused = FramesClient(bad={"g0"}), []
     assert finisher(client).push(groups(1), refused) == {"groups_rejected": 1} and refused == ["p0"]
+
+
+class Scorer:
+    """What the finisher asks of a scorer: the drop rule and its stats."""
+
+    def should_drop(self, results):
+        return False
+
+    def stats(self):
+        return {}
+
+
+def test_dynamic_sampling_at_the_rollout_returns_flat_groups_as_filtered_and_pushes_the_rest():
+    from concurrent.futures import Future
+
+    from fleetrl.broker.inproc import InprocBroker
+    from fleetrl.rollout.engines.base import Generation
+    from fleetrl.rollout.loop import Batch
+    from fleetrl.rollout.rewards import RewardResult
+    from tests.broker.conftest import make_state
+
+    broker = InprocBroker(make_state())
+    client = broker.client("r0", "rollout")
+    lease = client.lease_prompts(3, 0)
+    leases, stats = OpenLeases(), Stats()
+    leases.add(lease)
+    f = Finisher(client, Scorer(), "r0", leases, stats, MetricsFile(None), 5.0, dict, filter_no_signal=True)
+    try:
+        rewards: Future = Future()
+        rewards.set_result([RewardResult(r, {}, False) for r in (1.0, 1.0, 0.0, 1.0, 0.0, 0.0)])  # flat, mixed, flat
+        samples = [[Generation([5, 6], [-0.1, -0.2], "stop", "x") for _ in range(2)] for _ in range(3)]
+        f.finish(Batch(lease, [[1, 2]] * 3, samples, 0, 0.1, rewards))
+    finally:
+        f.close()
+    state = broker.state
+    assert [g.prompt_id for g in state.groups.values()] == [lease.prompts[1].prompt_id]  # only the group with signal
+    assert state.counters["prompts_filtered"] == 2 and not state.prompts.reissue and state.prompts.leased == 0
+    assert stats.heartbeat()["rollout/groups_filtered"] == 2 and len(leases) == 0
