@@ -28,7 +28,9 @@ def test_the_demo_at_every_staleness_runs_300_steps_without_a_health_event(tmp_p
         assert run["events"] == 0, (name, run["event_lines"])
         assert set(quiet_runs.DEFAULT_RULES) <= set(run["events_per_rule"]), run["events_per_rule"]
         # like with like: the engine mismatch of an honest HF engine is numerics noise, far under the ceiling
-        assert run["mismatch_kl"]["n"] > 0 and run["mismatch_kl"]["max"] < 1e-3, (name, run["mismatch_kl"])
+        # (at staleness 4-8 almost no sample is of the version being trained, so it may go unmeasured there)
+        assert run["mismatch_kl"]["n"] > 0 or name in ("s4", "s8"), (name, run["mismatch_kl"])
+        assert run["mismatch_kl"].get("max", 0.0) < 1e-3, (name, run["mismatch_kl"])
     drift = {name: run["drift_kl"]["mean"] for name, run in result["runs"].items()}
     assert drift["s8"] > drift["s0"], drift  # staleness costs drift, which no rule reads
     assert code == 0
