@@ -204,15 +204,14 @@ class AsyncBrokerClient:
     async def push_group(self, group: m.SampleGroup, deadline_s: float = 600.0) -> m.Ack:
         """Push until acknowledged (the broker de-duplicates retries); BrokerError for an invalid group."""
         limit, _ = self._limits()
-        body = m.encode_raw(group)  # encoded once: the size check and every attempt reuse it
-        frame_len = len(m.encode(m.PushGroup(req_id=0, client_id=self.client_id, group=body)))
-        if limit and frame_len > limit:
-            raise BrokerError("too_large", f"group {group.group_id} is {frame_len} bytes, over "
+        frame = m.encode(m.PushGroup(req_id=0, client_id=self.client_id, group=group))
+        if limit and len(frame) > limit:
+            raise BrokerError("too_large", f"group {group.group_id} is {len(frame)} bytes, over "
                                            f"broker.max_message_bytes={limit}; generate shorter responses or raise that setting")
         give_up = time.monotonic() + deadline_s
         while True:
             try:
-                reply = await self.request(lambda r: m.PushGroup(req_id=r, client_id=self.client_id, group=body))
+                reply = await self.request(lambda r: m.PushGroup(req_id=r, client_id=self.client_id, group=group))
             except BrokerUnavailable:
                 if time.monotonic() > give_up:
                     raise
@@ -230,24 +229,19 @@ class AsyncBrokerClient:
         limit, most = self._limits()
         if most and len(groups) > most:
             return await self.push_groups(groups[:most], deadline_s) + await self.push_groups(groups[most:], deadline_s)
-        bodies = [m.encode_raw(g) for g in groups]  # each group encoded once: size check, send and retries reuse it
-        frame_len = len(m.encode(m.PushGroups(req_id=0, client_id=self.client_id, groups=[])))
-        n = len(bodies)  # msgpack's array header: 1 byte (empty, as above), 1 / 3 / 5 bytes for n groups
-        frame_len += sum(len(b) for b in bodies) + (0 if n < 16 else 2 if n < 65536 else 4)
-        if limit and frame_len > limit:
+        frame = m.encode(m.PushGroups(req_id=0, client_id=self.client_id, groups=groups))
+        if limit and len(frame) > limit:
             if len(groups) == 1:
-                raise BrokerError("too_large", f"group {groups[0].group_id} is {frame_len} bytes, over "
+                raise BrokerError("too_large", f"group {groups[0].group_id} is {len(frame)} bytes, over "
                                                f"broker.max_message_bytes={limit}; generate shorter responses or raise it")
             half = len(groups) // 2
             return await self.push_groups(groups[:half], deadline_s) + await self.push_groups(groups[half:], deadline_s)
         give_up = time.monotonic() + deadline_s
         acks: dict[str, m.GroupAck] = {}
         todo = list(groups)
-        encoded = {g.group_id: b for g, b in zip(groups, bodies)}
         while todo:
-            body = [encoded[g.group_id] for g in todo]  # a retry re-sends the same bytes; only the envelope is new
             try:
-                reply = await self.request(lambda r: m.PushGroups(req_id=r, client_id=self.client_id, groups=body))
+                reply = await self.request(lambda r: m.PushGroups(req_id=r, client_id=self.client_id, groups=todo))
             except BrokerUnavailable:
                 if time.monotonic() > give_up:
                     raise
@@ -261,11 +255,9 @@ class AsyncBrokerClient:
                 await asyncio.sleep(1.0)
         return [acks[g.group_id] for g in groups]
 
-    async def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False,
-                       filtered: bool = False) -> m.Ack:
+    async def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False) -> m.Ack:
         return await self.request(lambda r: m.ReturnPrompts(req_id=r, client_id=self.client_id, lease_id=lease_id,
-                                                            prompt_ids=list(prompt_ids or []), unscored=unscored,
-                                  filtered=filtered))
+                                                            prompt_ids=list(prompt_ids or []), unscored=unscored))
 
     async def leave(self, reason: str = "", done: bool = False, timeout_s: float = 5.0) -> m.Ack:
         """Leave the fleet now (graceful exit); ``done``: a learner that finished. One short try: a client on its

@@ -64,8 +64,7 @@ class BrokerClient(Protocol):
 
     def push_groups(self, groups: list[m.SampleGroup], deadline_s: float = 600.0) -> list[m.GroupAck]: ...
 
-    def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False,
-                       filtered: bool = False) -> m.Ack: ...
+    def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False) -> m.Ack: ...
 
     def leave(self, reason: str = "", done: bool = False) -> m.Ack: ...
 
@@ -149,9 +148,8 @@ class ZmqBrokerClient:
     def push_groups(self, groups: list[m.SampleGroup], deadline_s: float = 600.0) -> list[m.GroupAck]:
         return self._run(self.client.push_groups(groups, deadline_s))
 
-    def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False,
-                       filtered: bool = False) -> m.Ack:
-        return self._run(self.client.return_prompts(lease_id, prompt_ids, unscored, filtered))
+    def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False) -> m.Ack:
+        return self._run(self.client.return_prompts(lease_id, prompt_ids, unscored))
 
     def leave(self, reason: str = "", done: bool = False) -> m.Ack:
         return self._run(self.client.leave(reason, done))

@@ -138,7 +138,6 @@ class Ingest:
     def _apply(self, v: Verdict, client: ClientState, now: float) -> None:
         s, g = self.s, v.group
         s.prompts.fulfil(g.prompt_id)
-        s.filtered_reissues.pop(g.prompt_id, None)
         s.q.remember(g.group_id)
         s.counters["groups_in"] += 1
         client.groups_pushed += 1

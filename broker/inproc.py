@@ -117,11 +117,9 @@ class InprocBrokerClient:
                 time.sleep(0.2)
         return [acks[g.group_id] for g in groups]
 
-    def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False,
-                       filtered: bool = False) -> m.Ack:
+    def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False) -> m.Ack:
         return self._call(lambda r: m.ReturnPrompts(req_id=r, client_id=self.client_id, lease_id=lease_id,
-                                                    prompt_ids=list(prompt_ids or []), unscored=unscored,
-                                  filtered=filtered))
+                                                    prompt_ids=list(prompt_ids or []), unscored=unscored))
 
     def leave(self, reason: str = "", done: bool = False) -> m.Ack:
         return self._call(lambda r: m.Leave(req_id=r, client_id=self.client_id, reason=reason, done=done))

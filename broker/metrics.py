@@ -33,8 +33,6 @@ def status_metrics(status: m.Status) -> dict[str, float]:
         "broker/clients_alive": sum(c.alive for c in status.clients),
         "broker/uncommitted": status.uncommitted,
         "broker/policy_version": status.policy_version,
-        # dynamic sampling at the rollouts: prompts whose group had no signal, returned instead of pushed
-        "broker/prompts_filtered": float(status.counters.get("prompts_filtered", 0)),
         **status.stats,  # broker/bytes_{in,out}[_per_s], resource/broker/* (the socket broker only)
         **fleet_metrics(status),
     }

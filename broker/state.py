@@ -65,7 +65,6 @@ class BrokerState:
         self.controls = Controls(self)
         self.ingest = Ingest(self)
         self.recovery: dict[str, int] = {}
-        self.filtered_reissues: dict[str, int] = {}  # prompt id -> times issued again after a filtered group
         self.learner_done = ""  # why the learner finished ("" = training goes on); a learner registering clears it
         if spool is not None:
             self._recover(spool.recover())
@@ -303,8 +302,6 @@ class BrokerState:
         if role is not None and lease.client_id != req.client_id:
             raise Unauthorized(f"prompt lease {req.lease_id} is held by {lease.client_id}, not {req.client_id}")
         ids = list(dict.fromkeys(req.prompt_ids)) or list(lease.prompts)  # a repeated id is returned once
-        if req.filtered:  # dynamic sampling at the rollout: no signal, so they free the admission window now
-            return self._filtered(req, lease, ids)
         if req.unscored:  # no reward could score them: re-issuing would only score nothing again
             returned = [i for i in ids if i in lease.prompts]
             for pid in returned:
@@ -314,25 +311,6 @@ class BrokerState:
         self._log([sp.PromptsRequeued([lease.prompts[i] for i in ids if i in lease.prompts])])
         n = self.prompts.give_back(req.lease_id, ids)
         return m.Ack(req_id=req.req_id, ref=req.lease_id, count=n)
-
-    def _filtered(self, req: m.ReturnPrompts, lease: Any, ids: list[str]) -> m.Ack:
-        """Prompts whose group the rollout filtered (all rewards equal): counted, closed in their lease, and
-        issued again only while ``broker.reissue_filtered`` allows (each prompt at most that many times, so a
-        prompt that is always filtered never spins)."""
-        returned = [i for i in ids if i in lease.prompts]
-        again = [i for i in returned if self.filtered_reissues.get(i, 0) < self.bcfg.reissue_filtered]
-        if again:
-            self._log([sp.PromptsRequeued([lease.prompts[i] for i in again])])
-            self.prompts.give_back(req.lease_id, again)
-            for pid in again:
-                self.filtered_reissues[pid] = self.filtered_reissues.get(pid, 0) + 1
-            self.counters["prompts_filtered_reissued"] += len(again)
-        for pid in returned:
-            if pid not in again:
-                self.prompts.fulfil(pid)
-                self.filtered_reissues.pop(pid, None)
-        self.counters["prompts_filtered"] += len(returned)
-        return m.Ack(req_id=req.req_id, ref=req.lease_id, count=len(returned))
 
     def _on_PushGroup(self, req: m.PushGroup, now: float, role: str | None = None) -> m.Message:
         (status, reason), = self.ingest.push([req.group], self._touch(req.client_id, now, "rollout"), now)

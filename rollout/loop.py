@@ -140,12 +140,6 @@ def build_groups(batch: Batch, results: Sequence[RewardResult], server_id: str,
     return groups, dropped, unscored
 
 
-def no_signal(group: m.SampleGroup) -> bool:
-    """Dynamic sampling's test (DAPO, as the learner's ``dynamic_sampling_filter``): a group of one, or one whose
-    rewards are all equal, has zero advantage under every group estimator."""
-    return len(group.rewards) < 2 or max(group.rewards) == min(group.rewards)
-
-
 def scored_only(samples: Sequence[Generation], results: Sequence[RewardResult]) -> tuple[list, list]:
     """The samples (and results) some reward scored: an unscored sample is skipped, never trained as a 0."""
     keep = [j for j, r in enumerate(results) if r.scored]
@@ -205,8 +199,8 @@ class OpenLeases:
 class Stats:
     """Counters of one server, read by heartbeats (client thread) and metrics (finisher thread)."""
 
-    COUNTERS = ("batches", "groups_pushed", "groups_dropped", "groups_unscored", "groups_filtered", "groups_stale",
-                "groups_rejected", "prompts_returned", "tokens", "throttles")
+    COUNTERS = ("batches", "groups_pushed", "groups_dropped", "groups_unscored", "groups_stale", "groups_rejected",
+                "prompts_returned", "tokens", "throttles")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -269,11 +263,8 @@ class Finisher:
 
     def __init__(self, client: BrokerClient, scorer: Any, server_id: str, leases: OpenLeases, stats: Stats,
                  metrics: MetricsFile, push_deadline_s: float, extra_metrics: Callable[[], dict[str, float]],
-                 on_done: Callable[[Batch], None] | None = None, filter_no_signal: bool = False):
+                 on_done: Callable[[Batch], None] | None = None):
         self.client, self.scorer, self.server_id = client, scorer, server_id
-        # algorithm.dynamic_sampling: groups without signal are never pushed; their prompts go back, counted, so
-        # they free the broker's admission window at once instead of being discarded by the learner
-        self.filter_no_signal = filter_no_signal
         self.leases, self.stats, self.metrics = leases, stats, metrics
         self.push_deadline_s, self.extra_metrics = push_deadline_s, extra_metrics
         self.on_done = on_done or (lambda batch: None)
@@ -347,13 +338,6 @@ class Finisher:
                 self.client.return_prompts(batch.lease.lease_id, unscored, unscored=True)
                 self.leases.close(batch.lease.lease_id, unscored)
                 self.stats.add(groups_unscored=len(unscored))
-            if self.filter_no_signal:
-                flat = [g.prompt_id for g in groups if no_signal(g)]
-                if flat:
-                    groups = [g for g in groups if not no_signal(g)]
-                    self.client.return_prompts(batch.lease.lease_id, flat, filtered=True)
-                    self.leases.close(batch.lease.lease_id, flat)
-                    self.stats.add(groups_filtered=len(flat))
             built.append((batch, results, groups))
         groups = [g for _, _, gs in built for g in gs]
         t0 = time.monotonic()

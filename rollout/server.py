@@ -137,8 +137,7 @@ class RolloutServer:
         self.client.start_heartbeat(self.heartbeat_stats, reg.heartbeat_s or self.cfg.broker.heartbeat_s)
         push_deadline = max(self.cfg.broker.prompt_lease_s, 3 * self.cfg.broker.request_timeout_s)
         self.finisher = Finisher(self.client, self.scorer, self.client_id, self.leases, self.stats, self.metrics,
-                                 push_deadline, self.batch_stats, on_done=self._pushed,
-                                 filter_no_signal=bool(getattr(self.cfg.algorithm, "dynamic_sampling", False)))
+                                 push_deadline, self.batch_stats, on_done=self._pushed)
         self.on_current(reg.policy_version, reg.weights, reg.paused)
         self._next_catchup = time.monotonic() + CATCHUP_S
         if self.endpoint is not None:

@@ -222,9 +222,6 @@ class BrokerConfig(Section):
         int, doc("Oldest policy lag (in versions) a group may have when trained; 0 = synchronous.", ge=0)
     ] = 2
     requeue_stale: Annotated[bool, doc("Re-issue the prompts of groups dropped as stale.")] = True
-    reissue_filtered: Annotated[int, doc(
-        "Times a prompt whose group the rollout filtered (algorithm.dynamic_sampling: all rewards equal) is issued "
-        "again; 0 = never (it is counted as prompts_filtered and the cursor moves on).", ge=0)] = 0
     max_message_bytes: Annotated[int, doc("Frames larger than this are refused with `too_large`.", ge=1024)] = (
         64 * 1024 * 1024
     )

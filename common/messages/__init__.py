@@ -95,7 +95,6 @@ from fleetrl.common.messages.codec import (  # noqa: F401
     decode_reply,
     decode_request,
     encode,
-    encode_raw,
     peek_header,
     peek_push_count,
     to_dict,

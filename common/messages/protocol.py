@@ -68,8 +68,6 @@ class ReturnPrompts(Message, tag=5):  # Rollout -> Broker (shutdown: give leased
     lease_id: str
     prompt_ids: list[str] = []  # empty = every prompt of the lease still open
     unscored: bool = False  # no reward function could score them: count them, do not re-issue them
-    filtered: bool = False  # dynamic sampling at the rollout: every reward of the group was equal (counted; re-issued
-    #                         at most broker.reissue_filtered times)
 
 
 class LeaseBatch(Message, tag=6):  # Learner -> Broker
