@@ -1,5 +1,5 @@
 """Healthy runs stay quiet (issue 23): the demo at `broker.max_staleness` 0, 2, 4 and 8, 300 steps each with the
-default health rules, and not one health event. `make test-health` runs it (a lane of .ci/run, ~12 min); the
+default health rules, and not one health event. `make test-health` runs it (~17 min on the 2-core box, so not in .ci/run); the
 figures per rule and the drift per staleness are saved by benchmarks/quiet_runs.py."""
 
 from __future__ import annotations
