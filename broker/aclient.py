@@ -204,14 +204,15 @@ class AsyncBrokerClient:
     async def push_group(self, group: m.SampleGroup, deadline_s: float = 600.0) -> m.Ack:
         """Push until acknowledged (the broker de-duplicates retries); BrokerError for an invalid group."""
         limit, _ = self._limits()
-        frame = m.encode(m.PushGroup(req_id=0, client_id=self.client_id, group=group))
-        if limit and len(frame) > limit:
-            raise BrokerError("too_large", f"group {group.group_id} is {len(frame)} bytes, over "
+        body = m.encode_raw(group)  # encoded once: the size check and every attempt reuse it
+        frame_len = len(m.encode(m.PushGroup(req_id=0, client_id=self.client_id, group=body)))
+        if limit and frame_len > limit:
+            raise BrokerError("too_large", f"group {group.group_id} is {frame_len} bytes, over "
                                            f"broker.max_message_bytes={limit}; generate shorter responses or raise that setting")
         give_up = time.monotonic() + deadline_s
         while True:
             try:
-                reply = await self.request(lambda r: m.PushGroup(req_id=r, client_id=self.client_id, group=group))
+                reply = await self.request(lambda r: m.PushGroup(req_id=r, client_id=self.client_id, group=body))
             except BrokerUnavailable:
                 if time.monotonic() > give_up:
                     raise
@@ -229,19 +230,24 @@ class AsyncBrokerClient:
         limit, most = self._limits()
         if most and len(groups) > most:
             return await self.push_groups(groups[:most], deadline_s) + await self.push_groups(groups[most:], deadline_s)
-        frame = m.encode(m.PushGroups(req_id=0, client_id=self.client_id, groups=groups))
-        if limit and len(frame) > limit:
+        bodies = [m.encode_raw(g) for g in groups]  # each group encoded once: size check, send and retries reuse it
+        frame_len = len(m.encode(m.PushGroups(req_id=0, client_id=self.client_id, groups=[])))
+        n = len(bodies)  # msgpack's array header: 1 byte (empty, as above), 1 / 3 / 5 bytes for n groups
+        frame_len += sum(len(b) for b in bodies) + (0 if n < 16 else 2 if n < 65536 else 4)
+        if limit and frame_len > limit:
             if len(groups) == 1:
-                raise BrokerError("too_large", f"group {groups[0].group_id} is {len(frame)} bytes, over "
+                raise BrokerError("too_large", f"group {groups[0].group_id} is {frame_len} bytes, over "
                                                f"broker.max_message_bytes={limit}; generate shorter responses or raise it")
             half = len(groups) // 2
             return await self.push_groups(groups[:half], deadline_s) + await self.push_groups(groups[half:], deadline_s)
         give_up = time.monotonic() + deadline_s
         acks: dict[str, m.GroupAck] = {}
         todo = list(groups)
+        encoded = {g.group_id: b for g, b in zip(groups, bodies)}
         while todo:
+            body = [encoded[g.group_id] for g in todo]  # a retry re-sends the same bytes; only the envelope is new
             try:
-                reply = await self.request(lambda r: m.PushGroups(req_id=r, client_id=self.client_id, groups=todo))
+                reply = await self.request(lambda r: m.PushGroups(req_id=r, client_id=self.client_id, groups=body))
             except BrokerUnavailable:
                 if time.monotonic() > give_up:
                     raise

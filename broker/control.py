@@ -76,6 +76,8 @@ class Controls:
             s.counters["version_rewinds"] += 1
             log.warning("policy version goes back from %d to %d (learner resumed or rolled back)", self.version, req.version)
         self.version, self.version_step, self.weights, self.version_known = req.version, req.step, weights, True
+        if s.measured is not None:
+            s.measured.published(req.version)
         s.announcements.append((m.TOPIC_VERSION, m.VersionAnnouncement(version=req.version, step=req.step, weights=weights)))
         return m.Ack(req_id=req.req_id, ref=str(req.version))
 

@@ -7,6 +7,8 @@ of the weights that generated it; while the learner trains on weights of version
 
 from __future__ import annotations
 
+import math
+
 
 def min_fresh_version(current_version: int, max_staleness: int) -> int:
     """Oldest group version that may still be trained while the learner holds ``current_version``.
@@ -36,6 +38,46 @@ def admission_capacity(groups_per_step: int, sync_interval: int, max_staleness: 
     ``queued + generating + training <= capacity``; otherwise it throttles rollouts.
     """
     return groups_per_step * sync_interval * (max_staleness + 1)
+
+
+class MeasuredCapacity:
+    """Admission sized from what learners actually take per published version.
+
+    `admission_capacity` assumes every group admitted is trained. With dynamic sampling a learner
+    leases, filters and leases again until its share is full, so a version consumes
+    ``groups_per_step * sync_interval / keep_rate`` groups. A window sized for the kept groups alone holds
+    ``keep_rate * (max_staleness + 1)`` versions of work and drains every step (issue 24: 52% filtered, the
+    learner waited 38% of each step). This meter counts the groups handed to learners between two published
+    versions, smooths the count over versions (an exponential average, weight ``alpha`` on the newest), and
+    sizes the window to ``max_staleness + 1`` such versions: never below the static capacity, never above
+    ``max_factor`` times it (a run whose groups are nearly all filtered does not admit without bound).
+
+    The off-policy invariant does not rest on this number: the broker still checks every group's version
+    when it fills a batch lease (`min_fresh_version`). Admitting more than is consumed costs only groups
+    dropped as stale; admitting less costs a waiting learner.
+    """
+
+    def __init__(self, per_version: int, max_staleness: int, max_factor: float = 8.0, alpha: float = 0.3):
+        self.base, self.windows = max(1, per_version), max_staleness + 1
+        self.max_factor, self.alpha = max_factor, alpha
+        self.per_version = float(self.base)  # the smoothed groups taken per version
+        self.taken = 0  # groups handed to learners since `since`
+        self.since: int | None = None  # the version the count started at (None: no version seen yet)
+
+    def taken_by_learner(self, n: int) -> None:
+        self.taken += n
+
+    def published(self, version: int) -> None:
+        """A learner published ``version``: close the count of the versions it advanced over."""
+        if self.since is not None and version > self.since:
+            per = self.taken / (version - self.since)
+            self.per_version += self.alpha * (per - self.per_version)
+        self.since, self.taken = version, 0  # a rewind (rollback, resume) restarts the count
+
+    @property
+    def capacity(self) -> int:
+        per = min(max(self.per_version, self.base), self.base * self.max_factor)
+        return math.ceil(round(per * self.windows, 6))
 
 
 def rollout_is_fresh(current_version: int, rollout_version: int, max_staleness: int) -> bool:

@@ -30,7 +30,7 @@ from fleetrl.broker.leases import BatchLeases, Unauthorized
 from fleetrl.broker.permissions import REGISTRATION_FREE, authorize
 from fleetrl.broker.prompts import PromptSource
 from fleetrl.broker.queue import GroupQueue
-from fleetrl.broker.staleness import admission_capacity, min_fresh_version, rollout_is_fresh, staleness
+from fleetrl.broker.staleness import MeasuredCapacity, admission_capacity, min_fresh_version, rollout_is_fresh, staleness
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import JobConfig
 
@@ -48,9 +48,11 @@ class BrokerState:
         self.prompts, self.vocab_size, self.spool, self.audit, self.wall = prompts, vocab_size, spool, audit, wall
         self.broker_id = broker_id or uuid.uuid4().hex[:12]
         self.started = clock()
-        self.capacity = self.bcfg.queue_capacity or admission_capacity(
-            cfg.learner.groups_per_step, cfg.sync.interval, self.bcfg.max_staleness)
-        self.max_held = self.bcfg.max_held_groups or max(16 * self.capacity, 10_000)
+        static = admission_capacity(cfg.learner.groups_per_step, cfg.sync.interval, self.bcfg.max_staleness)
+        self.measured = (MeasuredCapacity(cfg.learner.groups_per_step * cfg.sync.interval, self.bcfg.max_staleness)
+                         if self.bcfg.queue_capacity is None and self.bcfg.admission == "measured" else None)
+        self.fixed_capacity = self.bcfg.queue_capacity or static
+        self.max_held = self.bcfg.max_held_groups or max(16 * self.fixed_capacity * (8 if self.measured else 1), 10_000)
         self.counters: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
         self.staleness_hist: Counter[int] = Counter()
@@ -78,6 +80,11 @@ class BrokerState:
     version = property(lambda self: self.controls.version)
     paused = property(lambda self: self.controls.paused)
     discarded_versions = property(lambda self: self.controls.discarded.ranges())
+
+    @property
+    def capacity(self) -> int:
+        """Most groups queued + generating + training (broker.queue_capacity, else measured or static)."""
+        return self.measured.capacity if self.measured is not None else self.fixed_capacity
 
     def load(self) -> int:
         """Groups queued, being generated, or being trained: what admission control bounds."""
@@ -363,6 +370,8 @@ class BrokerState:
             self.staleness_hist[staleness(self.version, self.q.groups[gid].policy_version)] += 1
         lease = self.batches.open(req.client_id, ids, now)
         self.rate_out.add(now, len(ids))
+        if self.measured is not None:
+            self.measured.taken_by_learner(len(ids))
         return m.BatchLease(req_id=req.req_id, lease_id=lease.lease_id, groups=[self.q.groups[g] for g in ids],
                             expires_in_s=self.bcfg.batch_lease_s, dropped_stale=len(stale))
 
@@ -463,7 +472,7 @@ class BrokerState:
             paused=self.paused, data_epoch=self.prompts.epoch, data_cursor=self.prompts.pos,
             throttled=self.counters["throttled"], uncommitted=sum(len(e) for e in self.uncommitted.values()),
             counters={k: v for k, v in self.counters.items() if k not in STATUS_FIELDS and v},
-            stats=self.status_stats(now),
+            stats={**self.status_stats(now), "broker/capacity": float(self.capacity)},
         )
 
 

@@ -232,8 +232,14 @@ class BrokerConfig(Section):
         600.0
     )
     queue_capacity: Annotated[
-        int | None, doc("Most groups queued + in flight (null = what learners use within max_staleness versions).")
+        int | None, doc("Most groups queued + in flight (null = sized by `admission`).")
     ] = None
+    admission: Annotated[
+        Literal["measured", "static"],
+        doc("How a null queue_capacity is sized: `measured` = groups learners take per published version "
+            "(dynamic sampling's filtered groups included) x (max_staleness + 1), between 1x and 8x `static`; "
+            "`static` = groups_per_step x sync.interval x (max_staleness + 1)."),
+    ] = "measured"
     commit_on_checkpoint: Annotated[
         bool, doc("Keep consumed groups until a learner checkpoint covers them (exact resume).")
     ] = False

@@ -95,6 +95,7 @@ from fleetrl.common.messages.codec import (  # noqa: F401
     decode_reply,
     decode_request,
     encode,
+    encode_raw,
     peek_header,
     peek_push_count,
     to_dict,

@@ -21,6 +21,13 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
+def encode_raw(obj: Any) -> msgspec.Raw:
+    """``obj`` encoded once, to sit inside later messages as it is (a push's groups, re-sent on every retry
+    with only the small envelope encoded again): ``encode(PushGroups(..., groups=encode_raw(groups)))`` is the
+    same frame as with the groups themselves."""
+    return msgspec.Raw(_encoder.encode(obj))
+
+
 def _decode(decoder: msgspec.msgpack.Decoder, buf: bytes, what: str) -> Any:
     try:
         return decoder.decode(buf)

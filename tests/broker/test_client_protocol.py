@@ -10,6 +10,7 @@ import pytest
 from fleetrl.broker.client import BrokerClient, SubscriptionLike, Subscription, ZmqBrokerClient
 from fleetrl.broker.inproc import InprocBroker, InprocBrokerClient, InprocSubscription
 from tests.broker.conftest import make_state
+from fleetrl.common import messages as m
 
 METHODS = [name for name, v in vars(BrokerClient).items() if callable(v) and not name.startswith("_")]
 
@@ -46,3 +47,17 @@ def test_receivers_mirror_the_senders():
     from fleetrl.rollout.weights import RECEIVERS
 
     assert RECEIVERS.names() == SENDERS.names() == ["filesystem", "gloo", "nccl"]
+
+
+def test_a_push_frame_reuses_groups_encoded_once():
+    """Issue 24: the groups of a push are encoded once (size check, send, retries): the frame built from
+    their pre-encoded bytes is byte for byte the frame of the groups themselves, for 1 to 20 groups."""
+    from tests.helpers import make_group
+
+    for n in (1, 15, 16, 20):
+        groups = [make_group(f"0:{i}") for i in range(n)]
+        plain = m.encode(m.PushGroups(req_id=9, client_id="r0", groups=groups))
+        once = m.encode(m.PushGroups(req_id=9, client_id="r0", groups=[m.encode_raw(g) for g in groups]))
+        assert once == plain and m.decode_request(once).groups[n - 1].group_id == groups[-1].group_id
+        header = len(m.encode(m.PushGroups(req_id=9, client_id="r0", groups=[])))
+        assert len(plain) == header + sum(len(m.encode_raw(g)) for g in groups) + (0 if n < 16 else 2)
