@@ -12,8 +12,8 @@ on this machine:
   max 5 new tokens, temperature 1.0, no KL (beta 0), one pass per batch, token-mean loss ("dapo"),
   group-std advantages, fp32 on CPU, no vLLM.
 
-Every system evaluates held-out greedy accuracy (`fleetrl.learner.sft.greedy_accuracy`, the same 500
-problems, 5 new tokens) every ``--eval-interval`` optimizer steps, inside the measured wall time
+Every system evaluates held-out greedy accuracy with fleetrl's in-run evaluator (`rollout/eval.py:
+evaluate_model` under configs/demo.yaml: the same engine, 500 problems, 5 new tokens, the `exact` reward) every ``--eval-interval`` optimizer steps, inside the measured wall time
 (fleetrl's `learner.max_minutes` counts its evaluations, so the TRL callback does too). The clock
 starts when each trainer is ready and has scored the warm start (step 0); start-up is not counted.
 Reported per system: samples/s (completions generated and trained per second of wall time), the
@@ -245,12 +245,24 @@ def final_weights_accuracy(run_dir: Path, work: dict) -> float | None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from fleetrl.learner.sft import greedy_accuracy, read_rows
+    from fleetrl.learner.sft import read_rows
 
     hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(exports[-1], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(exports[-1])
-    return greedy_accuracy(model, tokenizer, read_rows(work["eval"])[:EVAL_N], MAX_NEW_TOKENS)
+    return demo_accuracy(model, tokenizer, read_rows(work["eval"])[:EVAL_N])
+
+
+def demo_accuracy(model, tokenizer, rows: list[dict]) -> float:
+    """Held-out greedy accuracy as every system is scored: fleetrl's in-run evaluator
+    (`rollout/eval.py: evaluate_model`, what `run.eval_interval` calls) with configs/demo.yaml's sampling,
+    stops and reward."""
+    from fleetrl.common.config import load_config
+    from fleetrl.rollout.eval import evaluate_model
+
+    cfg = load_config(ROOT / "configs" / "demo.yaml", [])
+    assert cfg.rollout.max_new_tokens == MAX_NEW_TOKENS, "configs/demo.yaml and this benchmark disagree on max_new_tokens"
+    return evaluate_model(model, tokenizer, rows, cfg, batch_size=256)["eval/accuracy"]
 
 
 # ----------------------------------------------------------------------------------- TRL
@@ -287,8 +299,6 @@ def make_budget_callback(seconds: float, eval_every: int, samples_per_step: int,
     """A TrainerCallback: held-out greedy accuracy every ``eval_every`` steps, stop after ``seconds``."""
     from transformers import TrainerCallback
 
-    from fleetrl.learner.sft import greedy_accuracy
-
     class WallTimeBudget(TrainerCallback):
         def __init__(self):
             self.t0, self.rows, self.eval_s, self.reward, self.progress = 0.0, [], 0.0, [], []
@@ -297,7 +307,7 @@ def make_budget_callback(seconds: float, eval_every: int, samples_per_step: int,
 
         def _eval(self, model, step: int) -> None:
             t = time.monotonic()
-            acc = greedy_accuracy(model, tokenizer, rows, MAX_NEW_TOKENS)
+            acc = demo_accuracy(model, tokenizer, rows)
             if step:
                 self.eval_s += time.monotonic() - t
             row = {"step": step, "time_s": time.monotonic() - self.t0 if step else 0.0, "accuracy": acc}
@@ -353,7 +363,7 @@ def trl_train(workdir: Path, out: Path, args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
 
-    from fleetrl.learner.sft import greedy_accuracy, read_rows
+    from fleetrl.learner.sft import read_rows
 
     warm = workdir / "models" / "demo-warm"
     train_rows, eval_rows = read_rows(workdir / "data" / "arith.jsonl"), read_rows(workdir / "data" / "arith.eval.jsonl")
@@ -368,7 +378,7 @@ def trl_train(workdir: Path, out: Path, args) -> dict:
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(warm)
-    eval_tokenizer = AutoTokenizer.from_pretrained(warm)  # greedy_accuracy sets padding_side; keep TRL's untouched
+    eval_tokenizer = AutoTokenizer.from_pretrained(warm)  # the evaluator's engine sets padding_side; keep TRL's untouched
     budget = make_budget_callback(60 * args.minutes, args.eval_interval, PROMPTS_PER_STEP * GROUP_SIZE,
                                   eval_tokenizer, eval_rows[:EVAL_N], out / "curve.jsonl")
     trainer = GRPOTrainer(model=model, reward_funcs=exact, args=trl_config(out, args.seed), train_dataset=dataset,
@@ -380,7 +390,7 @@ def trl_train(workdir: Path, out: Path, args) -> dict:
         "torch_threads": torch.get_num_threads(), "steps": last["step"], "samples": last["samples"],
         "wall_s": last["time_s"], "eval_s": budget.eval_s, "curve": budget.rows, "reward_mean": thin(budget.reward),
         "progress": thin([{"time_s": p["time_s"], "samples": p["samples"]} for p in budget.progress]),
-        "final_weights_accuracy": greedy_accuracy(trainer.model, eval_tokenizer, eval_rows[:EVAL_N], MAX_NEW_TOKENS),
+        "final_weights_accuracy": demo_accuracy(trainer.model, eval_tokenizer, eval_rows[:EVAL_N]),
         "command": "GRPOTrainer(GRPOConfig(" + ", ".join(f"{k}={v!r}" for k, v in TRL_MATCHED.items()) + "))",
     }
 

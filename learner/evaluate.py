@@ -42,15 +42,8 @@ class Evaluator:
     def __call__(self, module: torch.nn.Module) -> dict[str, float]:
         if not self.rows:
             return {}
-        from fleetrl.rollout.engines.hf import HFEngine
-        from fleetrl.rollout.eval import evaluate
+        from fleetrl.rollout.eval import evaluate_model
 
-        engine = HFEngine.from_model(module, self.tokenizer, self.device, seed=self.cfg.rollout.seed)
-        was_training = module.training
-        module.eval()
-        try:
-            metrics = evaluate(self.cfg.model.path, self.rows, cfg=self.cfg, k=0, engine=engine, batch_size=EVAL_BATCH,
-                               success=self.cfg.run.eval_success)
-        finally:
-            module.train(was_training)
+        metrics = evaluate_model(module, self.tokenizer, self.rows, self.cfg, batch_size=EVAL_BATCH,
+                                 seed=self.cfg.rollout.seed, success=self.cfg.run.eval_success)
         return metrics

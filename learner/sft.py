@@ -61,34 +61,19 @@ def collate(pairs: list[tuple[list[int], list[int], list[int]]], pad_id: int) ->
     return ids, attn, labels
 
 
-def episode_accuracy(cfg, model, tokenizer, rows: list[dict]) -> float:
-    """Greedy held-out success of whole episodes in ``cfg``'s environment (``fleetrl eval``'s implementation)."""
-    from fleetrl.rollout.engines.hf import HFEngine
-    from fleetrl.rollout.eval import evaluate
+def held_out_accuracy(cfg, model, tokenizer, rows: list[dict], model_dir: str) -> float:
+    """Greedy held-out accuracy with the in-run evaluator (`rollout/eval.py: evaluate_model`): ``cfg``'s
+    rewards, stops and environment (whole episodes when it is multi-turn). Without a job config: the
+    arithmetic task's exact answer within 6 new tokens."""
+    from fleetrl.rollout.eval import evaluate_model
 
-    model.eval()
-    try:
-        engine = HFEngine.from_model(model, tokenizer, next(model.parameters()).device, seed=0)
-        return evaluate(cfg.model.path, rows, cfg=cfg, k=0, engine=engine, batch_size=len(rows))["eval/accuracy"]
-    finally:
-        model.train()
+    if cfg is None:
+        from fleetrl.common.config import load_config
+        from fleetrl.common.config.schema import RewardSpec
 
-
-@torch.no_grad()
-def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int = 6, batch_size: int = 250) -> float:
-    """Share of rows whose greedy answer (text up to eos) equals the ground truth."""
-    model.eval()
-    correct = 0
-    tokenizer.padding_side = "left"
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
-        enc = tokenizer([r["prompt"] for r in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None,
-                             temperature=None, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        correct += sum(t.strip() == str(r["answer"]).strip() for t, r in zip(texts, chunk))
-    model.train()
-    return correct / max(1, len(rows))
+        cfg = load_config(None, ["rollout.max_new_tokens=6", f"model.path={model_dir}"])
+        cfg.rollout.rewards = [RewardSpec(name="exact")]
+    return evaluate_model(model, tokenizer, rows, cfg, batch_size=len(rows))["eval/accuracy"]
 
 
 def sft(model_dir: str, data: str, eval_data: str, out: str, target_acc: float, lr: float, batch_size: int,
@@ -116,8 +101,7 @@ def sft(model_dir: str, data: str, eval_data: str, out: str, target_acc: float, 
         # evaluate every eval_every steps, five times as often once half-way to the target
         every = max(1, eval_every // 5) if acc >= target_acc / 2 else eval_every
         if step % every == 0:
-            multi = cfg is not None and cfg.rollout.env.multi_turn
-            acc = episode_accuracy(cfg, model, tokenizer, held_out) if multi else greedy_accuracy(model, tokenizer, held_out)
+            acc = held_out_accuracy(cfg, model, tokenizer, held_out, model_dir)
             history.append({"step": step, "loss": loss.item(), "accuracy": acc, "time_s": time.monotonic() - t0})
             log.info("sft step %d  loss %.3f  held-out greedy accuracy %.1f%%", step, loss.item(), 100 * acc)
             if acc >= target_acc or (time.monotonic() - t0) / 60 > max_minutes:

@@ -88,6 +88,26 @@ def evaluate(model_dir: str, rows: Sequence[dict[str, Any]], *, cfg: JobConfig |
                              batch_size=batch_size, engine=engine)[0]
 
 
+def evaluate_model(model: Any, tokenizer: Any, rows: Sequence[dict[str, Any]], cfg: JobConfig, *, k: int = 0,
+                   batch_size: int = 256, seed: int = 0, success: float | None = None) -> dict[str, float]:
+    """`evaluate` on a model in memory (the learner's periodic evaluation, `fleetrl sft`'s early stop,
+    `benchmarks/vs_trl.py` for every system): the same engine, sampling, stop rules and rewards as a run's
+    rollouts. The model is put in eval mode for the call and given back in the mode it had."""
+    import torch
+
+    from fleetrl.rollout.engines.hf import HFEngine
+
+    engine = HFEngine.from_model(model, tokenizer, next(model.parameters()).device, seed=seed)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return evaluate(cfg.model.path, rows, cfg=cfg, k=k, engine=engine, batch_size=batch_size, seed=seed,
+                            success=success)
+    finally:
+        model.train(was_training)
+
+
 def evaluate_detailed(model_dir: str, rows: Sequence[dict[str, Any]], *, cfg: JobConfig | None = None,
                       n: int | None = None, k: int = 1, samples: int | None = None, temperature: float | None = None,
                       max_new_tokens: int | None = None, reward: str | None = None, success: float | None = None,

@@ -129,3 +129,28 @@ def test_success_is_explicit_for_shaped_rewards_and_printed(engine, rows, tiny_m
     printed = capsys.readouterr().out
     assert "correct            reward >= 1  (--success)" in printed and "greedy accuracy    1.0000" in printed
     assert "truncated at max_new_tokens" in printed
+
+
+def test_evaluate_model_scores_a_model_in_memory_like_the_run_and_gives_its_mode_back(rows, engine, tiny_model_dir):
+    """The one evaluator (issue 24): `evaluate_model` on a model object agrees with `evaluate` on its
+    directory, leaves a training model in training mode, and `fleetrl sft`'s early stop reads it too."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fleetrl.common.config import load_config
+    from fleetrl.learner.sft import held_out_accuracy
+    from fleetrl.rollout.eval import evaluate_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model.train()
+    cfg = load_config(None, [f"rollout.max_new_tokens={MAX_NEW}", f"model.path={tiny_model_dir}"])
+    cfg.rollout.rewards = [type(cfg.rollout.rewards[0])(name="exact")]
+    half = rows[:3] + [{**r, "answer": r["answer"] + "x"} for r in rows[3:]]
+    metrics = evaluate_model(model, tokenizer, half, cfg)
+    assert metrics["eval/accuracy"] == pytest.approx(0.5) and model.training
+    assert metrics["eval/accuracy"] == evaluate(tiny_model_dir, half, cfg=cfg, k=0)["eval/accuracy"]
+    # no job config: the arithmetic task's exact answer within 6 new tokens
+    ids = [encode_prompt(engine.tokenizer, r["prompt"], False, 100) for r in rows]
+    six = [g[0].text for g in engine.generate_batch(ids, SamplingParams(temperature=0, max_new_tokens=6), 1)]
+    half6 = [{**r, "answer": t if i < 2 else t + "x"} for i, (r, t) in enumerate(zip(rows, six))]
+    assert held_out_accuracy(None, model, tokenizer, half6, tiny_model_dir) == pytest.approx(2 / 6) and model.training
