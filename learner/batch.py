@@ -167,7 +167,7 @@ def _samples_of(groups: list[SampleGroup]) -> tuple[list[_Sample], dict[str, lis
         tokens, lps = g.token_array().astype(np.int64), g.logprob_array()  # one conversion per group;
         masks, offsets = g.loss_mask_array().astype(np.float32), g.offsets()  # samples are views into it
         versions = g.version_array()
-        baseline = (g.metadata or {}).get("baseline_reward")
+        baseline = g.baseline_reward
         for i in range(g.num_responses):
             a, b = offsets[i], offsets[i + 1]
             samples.append(_Sample(prompt, tokens[a:b], masks[a:b], lps[a:b], versions[a:b]))

@@ -133,9 +133,9 @@ def build_groups(batch: Batch, results: Sequence[RewardResult], server_id: str,
             [s.finish_reason for s in samples], token_versions=versions, loss_masks=loss_masks(samples),
             reward_parts=[dict(r.parts) for r in res], failed=[r.failed for r in res],
             lease_id=batch.lease.lease_id, server_id=server_id, trace=trace_context(batch, prompt, gid),
-            created_at=time.time(), metadata={"server": server_id, "gen_s": round(batch.gen_s, 4),
-                                              **({"baseline_reward": baseline_rewards[b]} if baseline_rewards else {}),
-                                              **({"turns": [e.turns for e in episodes]} if episodes else {})},
+            created_at=time.time(), baseline_reward=baseline_rewards[b] if baseline_rewards else None,
+            metadata={"server": server_id, "gen_s": round(batch.gen_s, 4),
+                      **({"turns": [e.turns for e in episodes]} if episodes else {})},
         ))
     return groups, dropped, unscored
 

@@ -60,6 +60,7 @@ class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     metadata: dict[str, Any] = {}
     loss_mask: memoryview = b""  # uint8 [sum(lengths)] or empty (= all 1): 0 marks appended, untrained tokens
     token_versions: memoryview = b""  # int32 LE [sum(lengths)] or empty (= all policy_version)
+    baseline_reward: float | None = None  # ReMax: the reward of the prompt's greedy response (None = not sampled)
 
     def __post_init__(self) -> None:
         gid, n = self.group_id, len(self.lengths)
@@ -92,6 +93,10 @@ class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
         if max(map(abs, self.rewards)) > FLOAT32_MAX:
             raise ValueError(f"group {gid} has a reward beyond the float32 range ({max(map(abs, self.rewards)):g}); "
                              "rewards are trained in float32, where it would be inf")
+        if self.baseline_reward is not None and not (math.isfinite(self.baseline_reward)
+                                                      and abs(self.baseline_reward) <= FLOAT32_MAX):
+            raise ValueError(f"group {gid} has a baseline_reward that is not a finite float32 ({self.baseline_reward}); "
+                             "send the greedy response's reward, or none")
         if not len(self.prompt_tokens) or len(self.prompt_tokens) % 4:
             raise ValueError(f"group {gid} prompt_tokens is {len(self.prompt_tokens)} bytes, not int32 ids")
         if not 0 <= self.policy_version <= MAX_POLICY_VERSION:

@@ -192,3 +192,16 @@ def test_bad_loss_mask_or_token_versions_are_refused_with_the_reason():
     older = m.build_group("g", "p", 3, [1], [([5], [-1])], [1.0], token_versions=[[2]])
     assert "oldest version" in m.check_group(older)
     assert "0 or 1" in m.check_group(m.build_group("g", "p", 3, [1], [([5], [-1])], [1.0], loss_masks=[[2]]))
+
+
+def test_the_remax_baseline_is_a_typed_field_an_old_frame_decodes_without_it_and_a_nan_one_is_refused():
+    from tests.helpers import make_group
+
+    g = make_group("0:1")
+    plain = m.encode(m.PushGroup(req_id=1, client_id="r0", group=g))
+    assert m.decode_request(plain).group.baseline_reward is None  # omitted when unset: a frame from before issue 24
+    g.baseline_reward = 0.25
+    assert m.decode_request(m.encode(m.PushGroup(req_id=1, client_id="r0", group=g))).group.baseline_reward == 0.25
+    g.baseline_reward = float("nan")
+    with pytest.raises(m.ProtocolError, match="baseline_reward"):
+        m.decode_request(m.encode(m.PushGroup(req_id=1, client_id="r0", group=g)))

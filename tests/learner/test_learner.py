@@ -210,7 +210,7 @@ def test_remax_trains_against_the_greedy_baseline_the_groups_carry(dist, tiny_mo
     cfg = job(tiny_model_dir, tmp_path, "algorithm.adv_estimator=remax")
     groups = synthetic_groups(4)
     for g in groups:
-        g.metadata["baseline_reward"] = 0.5  # what the rollout server scored for the greedy response
+        g.baseline_reward = 0.5  # what the rollout server scored for the greedy response
     learner = Learner(cfg, tmp_path, inproc_client(groups)[0], dist)
     batch = learner.actor.plan(learner.source.next(1))
     assert batch.baselines.tolist() == [0.5] * 16

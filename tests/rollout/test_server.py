@@ -514,7 +514,7 @@ def test_remax_groups_carry_the_reward_of_a_greedy_response(engine, tiny_model_d
                 want = scorer.score([RewardInput(prompt=fleet.prompt_text(g.prompt_id), response=out.text, answer=None,
                                                  metadata={},
                                                  finish_reason=out.finish_reason, num_tokens=len(out.token_ids))])[0]
-                assert g.metadata["baseline_reward"] == pytest.approx(want.reward)
+                assert g.baseline_reward == pytest.approx(want.reward) and "baseline_reward" not in g.metadata
         finally:
             scorer.close()
     finally:
