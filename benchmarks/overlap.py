@@ -1,0 +1,163 @@
+"""Does the asynchrony overlap? The demo job for ``--minutes`` of RL, and how busy it kept the machine.
+
+Runs ``fleetrl run --config configs/demo.yaml`` (the demo's warm start, built as `make demo` builds it)
+and samples the CPU time of the job's whole process tree once a second. Reports, over the RL phase only
+(from the learner's first step to its last):
+
+- ``cores_busy``: CPU seconds of all the job's processes / wall seconds (2.0 = both cores of a 2-core box);
+- per process: learner, rollout servers, broker (CPU seconds / wall seconds each);
+- ``wait_frac``: the learner's ``timing/wait_batch_s`` / ``timing/step_total_s``, summed over steps;
+- trained samples/s, the rollout's throttled seconds, the held-out accuracy curve (start, best, end);
+- others' CPU share: the machine's busy CPU not spent by the job (a figure above 10% is flagged).
+
+    python benchmarks/overlap.py [--minutes 3] [--label after] [--set KEY=VALUE ...]
+    python benchmarks/overlap.py --pythonpath DIR --label before    # another tree's code (see docs/benchmarks.md)
+
+``--pythonpath DIR`` puts DIR first on the children's PYTHONPATH, so a directory holding ``fleetrl/`` with
+``common``, ``broker``, ``rollout`` and ``learner`` linked to an older checkout runs that checkout's code with
+this venv: the before/after comparison of one session on one box. Saves benchmarks/results/overlap-<label>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vs_trl import BUSY_SHARE, ROOT, CpuWatch, prepare, stop  # noqa: E402
+
+
+def role_of(proc: psutil.Process) -> str:
+    """learner / rollout-N / broker / other, from the command line `fleetrl run` starts each child with."""
+    try:
+        argv = proc.cmdline()
+    except psutil.Error:
+        return "other"
+    if "rollout" in argv:
+        return "rollout-" + (argv[argv.index("--server-index") + 1] if "--server-index" in argv else "0")
+    if "broker" in argv:
+        return "broker"
+    if "learner" in argv or "fleetrl.learner" in argv:
+        return "learner"
+    return "other"
+
+
+def tree_cpu(root: psutil.Process, seen: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per role of ``root``'s live descendants; ``seen`` keeps each process's last reading, so one
+    that exits between samples keeps its last value (the RL phase ends before any exits)."""
+    try:
+        procs = root.children(recursive=True)
+    except psutil.Error:
+        procs = []
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            seen[p.pid] = (seen.get(p.pid, (role_of(p), 0.0))[0], t.user + t.system)
+        except psutil.Error:
+            pass
+    out: dict[str, float] = {}
+    for role, cpu in seen.values():
+        out[role] = out.get(role, 0.0) + cpu
+    return out
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # the line being written
+            pass
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=3.0)
+    ap.add_argument("--label", default="after")
+    ap.add_argument("--pythonpath", help="run another tree's fleetrl (a dir holding fleetrl/{common,broker,rollout,learner})")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)")
+    ap.add_argument("--workdir", default=str(ROOT), help="where models/demo-warm and data/ are (default: the checkout)")
+    ap.add_argument("--eval-interval", type=int, default=40)
+    args = ap.parse_args()
+    work = prepare(Path(args.workdir), 0.25)
+    run_dir = ROOT / "runs" / f"overlap-{args.label}-{time.strftime('%Y%m%d-%H%M%S')}"
+    overrides = [f"model.path={work['warm']}", f"data.train={work['train']}", f"data.eval={work['eval']}",
+                 f"learner.max_minutes={args.minutes}", f"run.eval_interval={args.eval_interval}", "checkpoint.interval=0",
+                 *args.set]
+    argv = [sys.executable, "-m", "fleetrl.common.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
+            "--run-dir", str(run_dir), "--no-status", *overrides]
+    env = dict(os.environ)
+    if args.pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([args.pythonpath, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir.with_suffix(".log")
+    seen: dict[int, tuple[str, float]] = {}
+    samples: list[tuple[float, int, dict[str, float], float]] = []  # (time, learner steps, cpu per role, machine busy)
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=ROOT)
+        root = psutil.Process(proc.pid)
+        watch = CpuWatch()
+        deadline = time.monotonic() + 60 * args.minutes + 600
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                steps = sum(1 for r in read_rows(run_dir / "metrics.jsonl") if r.get("step", 0) > 0 and "timing/step_total_s" in r)
+                samples.append((time.monotonic(), steps, tree_cpu(root, seen), CpuWatch._busy()))
+                time.sleep(1.0)
+        finally:
+            code = proc.wait(timeout=5) if proc.poll() is not None else stop(proc)
+    whole = watch.result()
+    rl = [s for s in samples if s[1] > 0]
+    rows = [r for r in read_rows(run_dir / "metrics.jsonl") if r.get("step", 0) > 0 and "timing/step_total_s" in r]
+    if len(rl) < 2 or not rows:
+        print(f"the run made no progress (exit {code}); see {log}")
+        return 1
+    last = next(i for i, s in enumerate(rl) if s[1] == rl[-1][1])  # the first sample at the final step count
+    first, end = rl[0], rl[max(1, last)]
+    wall = end[0] - first[0]
+    per_role = {k: (end[2].get(k, 0.0) - first[2].get(k, 0.0)) / wall for k in end[2]}
+    busy = (end[3] - first[3]) / wall
+    cores = os.cpu_count() or 1
+    evals = [(r["step"], r["eval/accuracy"]) for r in read_rows(run_dir / "metrics.jsonl") if "eval/accuracy" in r]
+    rollout_rows = read_rows(run_dir / "rollout-0.metrics.jsonl")
+    wait = sum(r.get("timing/wait_batch_s", 0.0) for r in rows)
+    total = sum(r["timing/step_total_s"] for r in rows)
+    rl_wall = rows[-1]["time"] - (rows[0]["time"] - rows[0]["timing/step_total_s"])
+    result = {
+        "label": args.label, "pythonpath": args.pythonpath, "overrides": overrides, "exit_code": code,
+        "run_dir": str(run_dir), "cores": cores, "rl_wall_s": rl_wall, "steps": rows[-1]["step"],
+        "cores_busy": sum(per_role.values()), "cpu_per_role": per_role,
+        "wait_frac": wait / total if total else None,
+        "trained_samples_per_s": rows[-1].get("batch/samples_total", 0.0) / rl_wall,
+        "rollout_throttled_s": sum(r.get("rollout/throttled_s", 0.0) for r in rollout_rows),
+        "filtered_groups_per_step": sum(r.get("batch/filtered_groups", 0.0) for r in rows) / len(rows),
+        "broker_capacity_last": rows[-1].get("broker/capacity"),
+        "eval": {"start": evals[0][1] if evals else None, "best": max((a for _, a in evals), default=None),
+                 "end": evals[-1][1] if evals else None, "curve": evals},
+        "others_cpu_share": max(0.0, busy - sum(per_role.values())) / cores,
+        "others_cpu_share_whole_run": whole["others_cpu_share"],
+    }
+    result["comparable"] = result["others_cpu_share"] <= BUSY_SHARE
+    path = ROOT / "benchmarks" / "results" / f"overlap-{args.label}.json"
+    path.write_text(json.dumps(result, indent=1))
+    roles = ", ".join(f"{k} {v:.2f}" for k, v in sorted(per_role.items()))
+    print(f"{args.label}: {result['cores_busy']:.2f} of {cores} cores busy during RL ({roles}); learner waits "
+          f"{100 * (result['wait_frac'] or 0):.0f}% of each step; {result['trained_samples_per_s']:.0f} trained samples/s; "
+          f"{result['steps']} steps; rollout throttled {result['rollout_throttled_s']:.0f} s; held-out "
+          f"{100 * (result['eval']['start'] or 0):.1f}% -> {100 * (result['eval']['end'] or 0):.1f}%; others' CPU share "
+          f"{100 * result['others_cpu_share']:.1f}%{'' if result['comparable'] else ' (BUSY: not comparable)'}")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
