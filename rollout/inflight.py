@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from fleetrl.common import messages as m
@@ -35,6 +36,34 @@ def max_inflight(cfg: JobConfig) -> int:
     if cfg.rollout.max_inflight is not None:
         return cfg.rollout.max_inflight
     return cfg.learner.groups_per_step * cfg.sync.interval * (cfg.broker.max_staleness + 1)
+
+
+class InflightBudget:
+    """The rollout side of admission: prompts admitted and not yet pushed or given back, bounded by
+    ``rollout.max_inflight`` (thread-safe: the finisher's thread gives room back)."""
+
+    def __init__(self, cfg: JobConfig):
+        self.most, self.per_lease = max_inflight(cfg), cfg.rollout.prompts_per_batch
+        self.unpushed = 0
+        self._lock = threading.Lock()
+
+    def room(self) -> int:
+        with self._lock:
+            return max(0, self.most - self.unpushed)
+
+    def lease_floor(self) -> int:
+        """Lease only when at least this many prompts fit (half a lease), or when nothing is in flight."""
+        with self._lock:
+            busy = self.unpushed > 0
+        return max(1, min(self.per_lease, self.most) // 2) if busy else 1
+
+    def admitted(self, n: int = 1) -> None:
+        with self._lock:
+            self.unpushed += n
+
+    def released(self, n: int = 1) -> None:
+        with self._lock:
+            self.unpushed -= n
 
 
 def trace_carrier(trace: LeaseTrace | None, prompt_id: str) -> dict[str, str] | None:

@@ -44,12 +44,13 @@ from fleetrl.common.resources import ProcessResources
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.rollout.engines import Generation, SamplingParams, create_engine
 from fleetrl.rollout.envs import Environment, create_env
-from fleetrl.rollout.envs import groups as env_groups
 from fleetrl.rollout.fleet import exits_on_done, is_done_throttle, leave_fleet
-from fleetrl.rollout.loop import Batch, Finisher, MetricsFile, OpenLeases, Stats, return_leases, reward_inputs
-from fleetrl.rollout.inflight import InFlight, max_inflight, trace_carrier
+from fleetrl.rollout.loop import Batch, Finisher, MetricsFile, OpenLeases, Stats, return_leases
+from fleetrl.rollout.apply import WeightApplier
+from fleetrl.rollout.assembly import GroupAssembly
+from fleetrl.rollout.inflight import InFlight, InflightBudget, trace_carrier
 from fleetrl.rollout.rewards import RewardScorer
-from fleetrl.rollout.tracing import LeaseTrace, genai_attributes, trace_load
+from fleetrl.rollout.tracing import LeaseTrace
 
 if TYPE_CHECKING:
     from fleetrl.rollout.weights import WeightReceiver
@@ -88,8 +89,9 @@ class RolloutServer:
         # ReMax's baseline: one greedy response per prompt, scored with the group (its reward rides along)
         self.greedy_baseline = getattr(cfg.algorithm, "adv_estimator", None) == "remax"
         self.greedy_params = dataclasses.replace(self.params, temperature=0.0, seed=None)
-        self.max_inflight = max_inflight(cfg)
-        self.version = 0  # the weights the engine holds: model.path until a new version is applied
+        self.budget = InflightBudget(cfg)  # admission on this side: rollout.max_inflight prompts unpushed
+        self.weights = WeightApplier(cfg, engine, receiver, on_loaded=self._loaded)  # the engine's version
+        self.assembly = GroupAssembly(cfg, self.env, scorer, self.client_id, self.params, self.greedy_baseline)
         self.paused = False
         self.stop_reason = ""
         self._stop = stop_event or threading.Event()
@@ -98,18 +100,17 @@ class RolloutServer:
         self.sub: SubscriptionLike | None = None
         self.finisher: Finisher | None = None
         self.inflight: dict[int, InFlight] = {}  # admitted, not yet handed to the finisher
-        self._unpushed = 0  # admitted and not yet pushed / dropped (what max_inflight bounds)
-        self._count_lock = threading.Lock()
         self._done: queue.SimpleQueue[tuple[int, int, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._next_id = 0
         self._next_catchup = 0.0
-        self._warned_no_receiver = False
-        self._stale = faults.WeightFaults()
         self._told_done = False
-        self._update_stats = {"weights/pause_ms": 0.0, "weights/updates_inflight": 0.0}
         self.resources = ProcessResources("resource/rollout")
-        self._announced: dict[int, list[dict[str, str]]] = {}  # version -> the publish spans it was announced with
+
+    @property
+    def version(self) -> int:
+        """The weights the engine holds (model.path until a new version is applied)."""
+        return self.weights.version
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -146,7 +147,7 @@ class RolloutServer:
             write_ready(self.run_dir, self.server_index, self.client_id, self.version)
         log.info("ready: %s registered with broker %s (broker at version %d%s), up to %d prompts x %d samples "
                  "in flight, in-flight updates: %s", self.client_id, reg.broker_id, reg.policy_version,
-                 ", paused" if reg.paused else "", self.max_inflight, self.cfg.rollout.group_size,
+                 ", paused" if reg.paused else "", self.budget.most, self.cfg.rollout.group_size,
                  self.cfg.rollout.inflight_update)
 
     def step(self) -> m.PromptLease | None:
@@ -154,7 +155,7 @@ class RolloutServer:
         groups to the finisher; waits a little when nothing could be admitted. Returns the lease admitted."""
         self.poll(0.0)
         lease = None
-        if self.room() >= self.lease_size_floor():
+        if self.room() >= self.budget.lease_floor():
             start_ns = time.time_ns()
             lease = self.lease(min(self.room(), self.cfg.rollout.prompts_per_batch))
             if lease is not None:
@@ -217,16 +218,7 @@ class RolloutServer:
 
     def room(self) -> int:
         """Prompts that may still be admitted (0 while paused or stopping)."""
-        if self.paused or self.stopping:
-            return 0
-        with self._count_lock:
-            return max(0, self.max_inflight - self._unpushed)
-
-    def lease_size_floor(self) -> int:
-        """Lease only when at least this many prompts fit (half a lease), or when nothing is in flight."""
-        with self._count_lock:
-            busy = self._unpushed > 0
-        return max(1, min(self.cfg.rollout.prompts_per_batch, self.max_inflight) // 2) if busy else 1
+        return 0 if self.paused or self.stopping else self.budget.room()
 
     def lease(self, n: int | None = None) -> m.PromptLease | None:
         """Up to ``n`` prompts (default prompts_per_batch), or None after waiting (paused, throttled, stopping)."""
@@ -266,8 +258,7 @@ class RolloutServer:
             key, self._next_id = self._next_id, self._next_id + 1
             item = InFlight(lease, prompt, task.prompt_ids, self.version, time.monotonic(), trace, [None] * n)
             self.inflight[key] = item
-            with self._count_lock:
-                self._unpushed += 1
+            self.budget.admitted()
             for j in range(n):
                 params = self.greedy_params if j == g else self.params
                 if faults.PLAN and j != g:  # entropy_collapse (a testing aid, off by default)
@@ -308,42 +299,11 @@ class RolloutServer:
                       item.failed)
             self._give_back(item)
             return
-        now = time.monotonic()
-        g = self.cfg.rollout.group_size
-        kept = env_groups.survivors(item.samples[:g], self.cfg.rollout.env, g, self.env.stats)
-        baselines = [item.samples[g]] if self.greedy_baseline else None
-        group = f"{self.client_id}/{key}"
-        if kept is None and all(env_groups.untaken(s) for s in item.samples[:g]):
-            self.env.settled(group, False, "no agent took the group's tasks")  # logged once by the sessions
+        batch = self.assembly.build(key, item)
+        if batch is None:
             self._give_back(item)
-            return
-        if kept is None or (baselines and env_groups.is_dropped(baselines[0], "score")):
-            log.warning("prompt %s lost too many samples (failed environment steps or sessions; group rule: "
-                        "rollout.env.min_group_samples); it goes back to the broker", item.prompt.prompt_id)
-            self.env.settled(group, False, "too few of the group's samples survived (failed, abandoned or timed-out "
-                             "sessions; rollout.env.min_group_samples)")
-            self._give_back(item)
-            return
-        prompt_ids = env_groups.common_prompt(kept + (baselines or []), item.prompt_ids)
-        kept = env_groups.fitting(kept, prompt_ids, self.cfg.rollout.env, g, self.env.stats)
-        if kept is None or (baselines and not env_groups.fits(baselines[0], prompt_ids)):
-            log.warning("prompt %s: its samples' prompts differ and too few share one (group rule: "
-                        "rollout.env.min_group_samples); it goes back to the broker", item.prompt.prompt_id)
-            self.env.settled(group, False, "the group's samples began with different prompts and too few shared one")
-            self._give_back(item)
-            return
-        self.env.settled(group, True, "")
-        samples = [[env_groups.rebase(s, prompt_ids) for s in kept]]
-        baselines = [env_groups.rebase(s, prompt_ids) for s in baselines] if baselines else None
-        if item.trace is not None:
-            item.trace.generated(item.prompt.prompt_id, genai_attributes(
-                self.cfg.model.path, self.params, item.prompt_ids, item.samples, item.version))
-        lease = m.PromptLease(req_id=item.lease.req_id, lease_id=item.lease.lease_id,
-                              expires_in_s=item.lease.expires_in_s, prompts=[item.prompt])
-        inputs = reward_inputs(lease.prompts, samples) + reward_inputs(lease.prompts, [baselines] if baselines else [])
-        rewards = env_groups.score(self.scorer, inputs, samples[0] + (baselines or []))
-        self.finisher.submit(Batch(lease, [prompt_ids], samples, item.version, now - item.started, rewards,
-                                   trace=item.trace, baselines=baselines))
+        else:
+            self.finisher.submit(batch)
 
     def _give_back(self, item: InFlight) -> None:
         if item.trace is not None:
@@ -358,8 +318,7 @@ class RolloutServer:
         self._pushed(None)
 
     def _pushed(self, batch: Batch | None) -> None:  # the finisher's thread
-        with self._count_lock:
-            self._unpushed -= len(batch.samples) if batch is not None else 1
+        self.budget.released(len(batch.samples) if batch is not None else 1)
         self._wake.set()
 
     def wait_progress(self, seconds: float) -> None:
@@ -421,45 +380,14 @@ class RolloutServer:
             self.paused = paused
 
     def offer_version(self, version: int, weights: m.WeightsInfo) -> None:
-        """Every announcement goes to the receiver, which orders versions by publish time (rollbacks)."""
-        if weights.traces and telemetry.enabled():  # the group traces this version's load joins (rollout/tracing.py)
-            self._announced = {v: t for v, t in self._announced.items() if v > version - 8}
-            self._announced[version] = weights.traces
-        if self.receiver is None:
-            if version == self.version:
-                return
-            if not self._warned_no_receiver:
-                log.warning("policy version %d announced but this server has no weight receiver; it keeps "
-                            "generating with version %d", version, self.version)
-                self._warned_no_receiver = True
-            return
-        self.receiver.on_version(version, weights)
+        self.weights.offer(version, weights)
 
     def apply_weights(self) -> None:
-        """An in-flight update when the receiver holds a complete version: the engine pauses (as
-        ``rollout.inflight_update`` says), loads it, resumes; tokens sampled after carry the new version."""
-        if self.receiver is None or self.receiver.pending_version() is None:
-            return
-        start_ns, t0 = time.time_ns(), time.perf_counter()
-        load = functools.partial(self._stale.wrap(self.receiver.apply, self.receiver.pending_version),  # faults: off
-                                 self.engine)
-        try:
-            version = self.engine.loop.call(self.engine.swap_weights(load, self.cfg.rollout.inflight_update))
-        except ValueError as e:  # names, shapes or dtypes that do not fit: the engine changed nothing
-            log.error("could not load new weights (%s); generating with version %d until the next one", e, self.version)
-            return
-        pause_ms = 1000 * (time.perf_counter() - t0)
-        if version is None or version == self.version:
-            return
-        trace_load(start_ns, self._announced.pop(version, []), {
-            "fleetrl.policy_version": version, "fleetrl.previous_version": self.version,
-            "fleetrl.inflight_update": self.cfg.rollout.inflight_update, "fleetrl.in_flight": len(self.inflight)})
-        log.info("policy version %d -> %d: new weights loaded in flight (%s, %d groups in flight, paused %.0f ms)",
-                 self.version, version, self.cfg.rollout.inflight_update, len(self.inflight), pause_ms)
-        self.version = version
-        faults.note_version(version)
-        self._update_stats["weights/pause_ms"] = pause_ms
-        self._update_stats["weights/updates_inflight"] += 1
+        """An in-flight update when the receiver holds a complete version (rollout/apply.py)."""
+        self.weights.apply(len(self.inflight))
+
+    def _loaded(self, version: int) -> None:
+        """New weights are in the engine: tell the broker at once (its throttle reads the version)."""
         try:
             self.client.heartbeat(version, self.heartbeat_stats()[1])
         except (BrokerError, BrokerUnavailable) as e:
@@ -473,15 +401,12 @@ class RolloutServer:
 
     def weight_stats(self) -> dict[str, float]:
         """Weight sync and this process's resources (``resource/rollout/*``): in each metrics line and heartbeat."""
-        return {**(self.receiver.stats() if self.receiver is not None else {}), **self._update_stats,
-                **self.resources.sample()}
+        return {**self.weights.metrics(), **self.resources.sample()}
 
     def heartbeat_stats(self) -> tuple[int, dict[str, float]]:
         """(policy version, stats) for the broker's status: called from the client's thread."""
-        with self._count_lock:
-            unpushed = self._unpushed
         stats = {**self.stats.heartbeat(), **self.weight_stats(), "rollout/policy_version": float(self.version),
-                 "rollout/paused": float(self.paused), "rollout/inflight": float(unpushed)}
+                 "rollout/paused": float(self.paused), "rollout/inflight": float(self.budget.unpushed)}
         return self.version, stats
 
 
