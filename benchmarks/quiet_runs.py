@@ -40,6 +40,7 @@ def prepare_multiturn(workdir: Path, minutes: float) -> dict:
     """The multi-turn demo's model, data and warm start (scripts/multiturn_demo.sh's commands), cached."""
     model, warm = workdir / "models" / "multiturn", workdir / "models" / "multiturn-warm"
     train, held_out = workdir / "data" / "calc.jsonl", workdir / "data" / "calc.eval.jsonl"
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
     if not (model / "config.json").exists():
         fleetrl_cli("init-model", "--out", str(model), "--preset", "small")
     if not held_out.exists():
