@@ -312,7 +312,11 @@ class Launcher:
 
     # ------------------------------------------------------------------------------- the run
 
+    def _pids(self) -> dict[str, int]:
+        return {c.name: c.proc.pid for c in self.children if c.proc is not None and c.alive}
+
     def run(self) -> int:
+        from fleetrl.common.launch.cpu import CpuMeter
         from fleetrl.common.launch.status import StatusLine
 
         old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -326,12 +330,15 @@ class Launcher:
             print(f"fleetrl run: {len(self.children)} processes ready in {time.monotonic() - self.started:.1f} s; "
                   f"run directory {self.run_dir}", flush=True)
             rl_start = time.monotonic()
+            cpu = CpuMeter()
+            cpu.begin(self._pids())
             with line:
                 while not self.stop_requested:
                     self.supervise(learner)
                     if not learner.alive:
                         break
                     line.update()
+                    cpu.sample(self._pids())
                     time.sleep(POLL_S)
                 line.update()
             if self.stop_requested:
@@ -344,8 +351,11 @@ class Launcher:
             if code != 0:
                 raise LaunchError(f"learner exited with code {code}; its log ({learner.log}) ends with:\n{learner.tail()}")
             summary = line.summary(time.monotonic() - rl_start)
+            used = cpu.result()
+            cpu.save(used, self.run_dir)
             self.shutdown(learner_done=True)
             print(summary, flush=True)
+            print(cpu.line(used), flush=True)
             return 0
         except LaunchError as e:
             print(f"fleetrl run: {e}", file=sys.stderr, flush=True)

@@ -28,6 +28,9 @@ def test_run_trains_publishes_and_checkpoints(tmp_path, tiny_model_dir, arith_da
     assert [p.parent.name for p in checkpoints] == ["step-00000002", "step-00000003"]
     assert (checkpoints[-1].parent / "hf" / "model.safetensors").exists()
     assert "samples/s" in out and "done" in out
+    cpu = json.loads((run_dir / "cpu.json").read_text())  # the CPU meter: every child, over the RL phase
+    assert {"learner", "broker", "rollout-0"} <= set(cpu["per_child"]) and cpu["cores_busy"] > 0
+    assert "CPU during RL" in out
 
 
 def test_sigint_stops_everything_with_a_checkpoint(tmp_path, tiny_model_dir, arith_data, empty_config):
