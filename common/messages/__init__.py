@@ -45,6 +45,7 @@ from fleetrl.common.messages.groups import (  # noqa: F401
     unpack_tokens,
 )
 from fleetrl.common.messages.weights import (  # noqa: F401
+    BucketSeal,
     CatchupOffer,
     JoinRecord,
     ParamSpec,
@@ -52,6 +53,7 @@ from fleetrl.common.messages.weights import (  # noqa: F401
     WeightsInfo,
     decode_join,
     decode_offer,
+    decode_seal,
     decode_plan,
     encode_record,
 )
