@@ -398,17 +398,18 @@ class BroadcastSender:
     def _catchup_loop(self) -> None:
         while not self._closed.wait(CATCHUP_POLL_S):
             try:
+                # every store op under the lock: the store client is not thread-safe (a publish uses it too)
                 if self._store is not None and self._lock.acquire(blocking=False):
                     try:
                         self._sweep(self._store)
+                        self._serve_catchup()
                     finally:
                         self._lock.release()
-                self._serve_catchup()
             except Exception:  # noqa: BLE001 - the loop must survive; the next request is served anyway
                 log.exception("weight sync: a catch-up round failed")
 
     def _serve_catchup(self) -> None:
-        """One catch-up round of the host copy for the receivers that asked since the last one."""
+        """One catch-up round of the host copy for the receivers that asked since the last one (lock held)."""
         last, store = self._last, self._store
         if last is None or store is None:
             return
@@ -422,27 +423,19 @@ class BroadcastSender:
                         missed.round_id, asked)
             self._served = asked
             return
-        if not self._lock.acquire(blocking=False):
-            log.debug("weight sync: %d catch-up request(s) wait for the publish in progress", asked - self._served)
-            return
-        try:
-            if self._last != last:  # a publish replaced the copy meanwhile
-                return
-            before, self._served = self._served, asked
-            self._round += 1
-            keys = ws.RoundKeys(ws.new_secret(), self._round)
-            self._keep(keys.root)
-            sealed = ws.auth.seal_secret(missed.secret, f"offer/{keys.round_id}", keys.secret)
-            offer = messages.CatchupOffer(keys.round_id, sealed, version)
-            offer.sig = self._signer.sign(ws.auth.offer_message(offer))
-            store.set(ckeys.offer, messages.encode_record(offer))
-            self._old_keys.append([ckeys.request, ckeys.offer])
-            sent = Sent()
-            members = self._close_round(store, keys, asked - before, time.monotonic() + self.cfg.timeout_s, sent)
-            if members:
-                self._catchup_round(store, keys, members, version)
-        finally:
-            self._lock.release()
+        before, self._served = self._served, asked
+        self._round += 1
+        keys = ws.RoundKeys(ws.new_secret(), self._round)
+        self._keep(keys.root)
+        sealed = ws.auth.seal_secret(missed.secret, f"offer/{keys.round_id}", keys.secret)
+        offer = messages.CatchupOffer(keys.round_id, sealed, version)
+        offer.sig = self._signer.sign(ws.auth.offer_message(offer))
+        store.set(ckeys.offer, messages.encode_record(offer))
+        self._old_keys.append([ckeys.request, ckeys.offer])
+        sent = Sent()
+        members = self._close_round(store, keys, asked - before, time.monotonic() + self.cfg.timeout_s, sent)
+        if members:
+            self._catchup_round(store, keys, members, version)
 
     def _catchup_round(self, store: TCPStore, keys: ws.RoundKeys, members: list[messages.JoinRecord], version: int) -> None:
         ranks = {mb.identity: i for i, mb in enumerate(members, start=1)}

@@ -120,8 +120,9 @@ def test_a_non_member_adding_to_the_join_counter_neither_hangs_nor_crashes_the_l
 
 
 def test_big_sets_by_a_non_member_are_swept_at_the_next_publish(learner_model, tmp_path):
-    """128 SETs of 8 MiB grew the learner's RSS by 1 GiB and stayed; now keys no round uses are deleted."""
-    cfg = JobConfig(sync=SyncConfig(transport="gloo", timeout_s=TIMEOUT_S, bucket_mb=0.1))
+    """128 SETs of 8 MiB grew the learner's RSS by 1 GiB and stayed; now keys no round uses are deleted.
+    (catchup off: its poll sweeps every 0.5 s too, which would race the SETs this test checks first.)"""
+    cfg = JobConfig(sync=SyncConfig(transport="gloo", timeout_s=TIMEOUT_S, bucket_mb=0.1, catchup=False))
     pub = WeightPublisher(cfg, tmp_path, 0, specs_of(learner_model))
     infos = []
     try:
