@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from typing import Callable
 
 import pytest
 import torch
@@ -138,3 +139,51 @@ def test_big_sets_by_a_non_member_are_swept_at_the_next_publish(learner_model, t
         assert not [k for k in left if k.startswith("junk/") or len(k) > ws.MAX_KEY_CHARS]
     finally:
         pub.close()
+
+
+def forged_rounds_are_refused(receiver, plan: list, held: Callable[[], object]) -> None:
+    """Drive ``receiver`` (a `WeightReceiver`, or a vLLM engine's `WorkerReceivers`) through two rounds it
+    must refuse: one announced with no signing key, and one whose plan in the store (a store of the
+    attacker's own: what a rollout holding the round's secret can write into the learner's) is signed by
+    someone other than the announced learner. ``held()`` (the weights or outputs) must not change."""
+    learner_key, attacker_key = ws.Signer(), ws.Signer()
+    store = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    before = held()
+
+    unsigned = ws.RoundKeys(ws.new_secret(), 1)  # a learner of an older version: refused before joining
+    receiver.on_version(1, messages.WeightsInfo(transport="gloo", master_addr="127.0.0.1", master_port=store.port,
+                                                round_id=1, secret=unsigned.secret, buckets=plan,
+                                                published_at=time.time()))
+    deadline = time.monotonic() + 30
+    while receiver.pending_version() is not None or receiver.stats().get("weights/rounds_missed", 0) < 1:
+        assert time.monotonic() < deadline, "the unsigned announcement was not refused"
+        time.sleep(0.05)
+    assert not store.check([unsigned.count])
+
+    keys = ws.RoundKeys(ws.new_secret(), 2)  # the learner's key announced, the attacker's plan in the store
+    receiver.on_version(2, messages.WeightsInfo(transport="gloo", master_addr="127.0.0.1", master_port=store.port,
+                                                round_id=2, secret=keys.secret, buckets=plan,
+                                                published_at=time.time(), signer=learner_key.public))
+    store.wait([keys.member(1)], timedelta(seconds=30))
+    victim = messages.decode_join(store.get(keys.member(1))).identity
+    forged = messages.RoundPlan(group="evil", size=2, ranks={victim: 1})
+    forged.sig = attacker_key.sign(ws.auth.plan_message(keys.round_id, forged))
+    store.set(keys.plan, messages.encode_record(forged))
+    # it waits out its deadline for a plan the learner signed, then asks for a catch-up round; it never took
+    # the forged plan: no rendezvous of group "evil", no re-formed round joined
+    store.wait([ws.CatchupKeys(keys.secret, keys.round_id).request], timedelta(seconds=30))
+    assert not [k for k in store.list_keys() if k.startswith(keys.group("evil"))]
+    assert not store.check([keys.reform(0).count])
+    assert receiver.pending_version() is None
+    assert held() == before
+
+
+def test_a_receiver_takes_only_rounds_the_learner_signed(learner_model):
+    cfg = JobConfig(sync=SyncConfig(transport="gloo", timeout_s=2, bucket_mb=0.1))
+    specs = [(n, tuple(p.shape), p.dtype) for n, p in learner_model.named_parameters()]
+    receiver = WeightReceiver(cfg, specs, "cpu", "rollout-0")
+    try:
+        forged_rounds_are_refused(receiver, ws.plan_buckets(specs_of(learner_model), int(0.1 * ws.MB)),
+                                  lambda: receiver.stats()["weights/version"])
+    finally:
+        receiver.close()
