@@ -114,8 +114,12 @@ class BatchLeased(Record, tag=11):  # who holds which groups (a late ack after a
     group_ids: list[str]
 
 
+class DiscardsSet(Record, tag=12):  # an operator's resume lifted the ranges discarded during its pause: these remain
+    ranges: list[tuple[int, int]]
+
+
 AnyRecord = Union[GroupAccepted, GroupsDone, GroupsAcked, Committed, Rewound, PromptsLeased, PromptsRequeued, VersionSet,
-                  SeenIds, VersionsDiscarded, BatchLeased]
+                  SeenIds, VersionsDiscarded, BatchLeased, DiscardsSet]
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyRecord)
 _TAGS = len(AnyRecord.__args__)
@@ -176,6 +180,8 @@ def _apply(state: Recovered, rec: Record) -> None:
             state.seen[gid] = None
     elif isinstance(rec, VersionsDiscarded):
         state.discarded.append((rec.min_version, rec.max_version))
+    elif isinstance(rec, DiscardsSet):
+        state.discarded = [(lo, hi) for lo, hi in rec.ranges]
     elif isinstance(rec, BatchLeased):
         state.batch_leases[rec.lease_id] = (rec.client_id, rec.group_ids)
         while len(state.batch_leases) > 4096:
