@@ -12,6 +12,7 @@ from fleetrl.broker.spool import Spool
 from fleetrl.broker.queue import VersionRanges
 from fleetrl.common import messages as m
 from tests.broker.conftest import make_state
+from tests.helpers import make_group
 
 
 def group(gid: str, n: int, oldest: int, newest: int) -> m.SampleGroup:
@@ -111,3 +112,24 @@ def test_an_operators_resume_lifts_what_it_discarded_during_its_pause(tmp_path):
     state.spool.compact(state.snapshot())
     state, _ = start()
     assert state.discarded_versions == [(1, 1), (9, 10)]
+
+
+def test_one_leased_prompt_takes_only_group_size_samples_per_hand_out():
+    """Issue 31: one leased prompt id accepted 10,000 groups against a capacity of 48 and the learner's next
+    batch was all junk. Now a prompt takes rollout.group_size samples each time it is handed out: a re-issued
+    prompt may be answered by its late first holder and by the next, and no more."""
+    state = make_state("rollout.group_size=2", "broker.max_staleness=100", n_prompts=50, vocab_size=100)
+    broker = InprocBroker(state)
+    rollout, other = broker.client("r0", "rollout"), broker.client("r1", "rollout")
+    rollout.connect(), other.connect()
+    (p, q) = rollout.lease_prompts(2, 0).prompts
+    flood = [make_group(p.prompt_id, gid=f"junk-{i}") for i in range(200)]  # 2 samples each
+    acks = rollout.push_groups(flood)
+    assert [a.status for a in acks].count("accepted") == 1 and len(state.q.groups) == 1
+    refused = next(a for a in acks if a.status == "rejected")
+    assert "rollout.group_size" in refused.reason and state.rejected["prompt_overanswered"] == 199
+    assert rollout.push_groups([make_group(q.prompt_id, gid="real")])[0].status == "accepted"  # others unaffected
+    state.prompts.requeue(p)  # re-issued (e.g. its lease expired): one more group's worth
+    assert other.lease_prompts(1, 0).prompts[0].prompt_id == p.prompt_id
+    assert [a.status for a in other.push_groups([make_group(p.prompt_id, gid=f"again-{i}") for i in range(3)])] == [
+        "accepted", "rejected", "rejected"]
