@@ -24,6 +24,7 @@ from fleetrl.common.messages.base import (  # noqa: F401
     FinishReason,
     LOGPROB_DTYPE,
     MASK_DTYPE,
+    MAX_ID_CHARS,
     MAX_POLICY_VERSION,
     Message,
     PROTOCOL_VERSION,
