@@ -9,10 +9,15 @@
   is a *hold* of that learner: it lifts its own hold, and a dead learner's hold lifts by itself after
   ``broker.client_timeout_s``. The broker is paused while any pause or hold stands.
 - **Stop** (operator): rollouts are told to finish; ``resume`` by an operator undoes it.
-- **Discard**: a closed range ``[min_version, max_version]`` (empty when min > max); queued groups with any
-  token sampled by those versions (not only their oldest, ``policy_version``) are dropped and their
-  prompts re-issued, and the range is kept (merged with the others, spooled) so late arrivals that
-  touch it are dropped too.
+- **Discard**: a closed range ``[min_version, max_version]`` (empty when min > max) of published versions
+  (``max_version`` at most the current version: a discard cannot mark versions not yet published, so
+  it never makes every later group stale); queued groups with any token sampled by those versions (not
+  only their oldest, ``policy_version``) are dropped and their prompts re-issued, and the range is kept
+  (merged with the others, spooled) so late arrivals that touch it are dropped too.
+- **Pause with discard** (operator): a range an operator discards while its pause stands is lifted by
+  the operator's ``resume`` (the dropped groups stay dropped; later arrivals from those versions are
+  taken again). A range discarded outside an operator pause, and a learner's rollback discard, stay.
+  A broker restart during the pause ends the pause (it is not spooled): the ranges stay then.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class Controls:
         self.pause_holds: dict[str, str] = {}  # learner client id -> reason of its rollback pause
         self.stopping = False
         self.discarded = VersionRanges()
+        self.kept_discards = VersionRanges()  # the ranges an operator's resume does not lift (all but `provisional`)
+        self.provisional = 0  # ranges an operator discarded during its pause: lifted by its resume
 
     @property
     def paused(self) -> bool:
@@ -60,6 +67,7 @@ class Controls:
             self.version_known = True
         for lo, hi in rec.discarded:  # -1: an open range from an older broker, closed at the recovered version
             self.discarded.add(lo, self.version if hi < 0 else hi)
+            self.kept_discards.add(lo, self.version if hi < 0 else hi)
 
     # ----------------------------------------------------------------------------- versions
     def publish(self, req: m.PublishVersion) -> m.Message:
@@ -104,13 +112,19 @@ class Controls:
                 return m.Error(req_id=req.req_id, code="bad_request", reason=(
                     f"discard takes a closed range of versions [min_version, max_version], both >= 0 (there is no "
                     f"open end any more); got [{req.min_version}, {req.max_version}]"))
+            if req.min_version <= req.max_version and req.max_version > self.version:
+                return m.Error(req_id=req.req_id, code="bad_request", reason=(
+                    f"discard covers only published versions: max_version {req.max_version} is past the current "
+                    f"version {self.version}; give --max-version {self.version} or less"))
             if req.min_version <= req.max_version:  # min > max: an empty range (a rollback to the current version)
-                count = self._discard(req.min_version, req.max_version)
+                count = self._discard(req.min_version, req.max_version, provisional=role == "operator" and self.operator_paused)
         elif role == "learner":
             self._learner_hold(req)
         elif req.action == "pause":
             self.operator_paused = True
         elif req.action == "resume":
+            if self.operator_paused and self.provisional:
+                self._lift_provisional()
             self.operator_paused, self.stopping = False, False
             self.pause_holds.clear()
         elif req.action == "stop":
@@ -126,13 +140,25 @@ class Controls:
         else:  # resume: only its own hold
             self.pause_holds.pop(req.client_id, None)
 
-    def _discard(self, lo: int, hi: int) -> int:
+    def _discard(self, lo: int, hi: int, provisional: bool = False) -> int:
         s = self.s
         doomed_range = VersionRanges([(lo, hi)])  # any token from [lo, hi], not only the oldest
         doomed = [gid for gid in s.q.queue if gid in s.q.queued and doomed_range.touches(s.q.groups[gid])]
         s.drop(doomed, "discarded", requeue_prompts=True, also=[sp.VersionsDiscarded(lo, hi)])
         self.discarded.add(lo, hi)
+        if provisional:
+            self.provisional += 1
+        else:
+            self.kept_discards.add(lo, hi)
         return len(doomed)
+
+    def _lift_provisional(self) -> None:
+        """An operator's resume: the ranges discarded during its pause are lifted (spooled as the set that stays)."""
+        kept = self.kept_discards.ranges()
+        self.s._log([sp.DiscardsSet(kept)])
+        log.warning("resume lifts the %d version range(s) discarded during the operator's pause; still discarded: %s",
+                    self.provisional, kept or "none")
+        self.discarded, self.provisional = VersionRanges(kept), 0
 
     def lift_dead_holds(self, dead: set[str]) -> None:
         for cid in [c for c in self.pause_holds if c in dead]:

@@ -4,7 +4,8 @@ A push is handled in three passes so that nothing is acknowledged before it is d
 spool write leaves no trace:
 
 1. **judge** each group without changing anything: ``duplicate`` (already held or seen), ``rejected``
-   (fails ``check_group``: tokens, log-probs, rewards, versions from the future, an unleased prompt),
+   (fails ``check_group``: tokens, log-probs, rewards, versions from the future, an unleased prompt; or
+   its prompt already had ``rollout.group_size`` samples for each time it was handed out),
    ``throttled`` (the broker holds ``broker.max_held_groups``, or an unleased push over capacity),
    else ``accepted`` — or ``stale`` when its version is too old or was discarded by a rollback;
 2. **write** the records of every group that is kept (accepted, or stale: remembered for de-duplication)
@@ -14,7 +15,7 @@ spool write leaves no trace:
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -89,6 +90,7 @@ class Ingest:
         max_version = s.version + bcfg.version_slack if s.controls.version_known else None
         oldest = min_fresh_version(s.version, bcfg.max_staleness)
         held, load, seen = len(s.q.groups), s.load(), set()
+        group_size, answering = s.cfg.rollout.group_size, Counter()  # samples per prompt id in this frame
         out = []
         for g in groups:
             if s.q.knows(g.group_id) or g.group_id in seen:
@@ -102,6 +104,13 @@ class Ingest:
             if problem:
                 s.rejected["invalid_group"] += 1
                 out.append(Verdict(g, "rejected", problem))
+                continue
+            n = len(g.rewards)
+            if leased and not s.prompts.room(g.prompt_id, answering[g.prompt_id] + n, group_size):
+                s.rejected["prompt_overanswered"] += 1
+                out.append(Verdict(g, "rejected", (
+                    f"group {g.group_id}: prompt {g.prompt_id!r} has had its {group_size} samples (rollout.group_size) "
+                    "for each time it was handed out; push one group per leased prompt")))
                 continue
             if held >= s.max_held or (not leased and load >= s.capacity):
                 out.append(Verdict(g, "throttled", f"the broker holds {held} groups (capacity {s.capacity}, at most "
@@ -118,6 +127,7 @@ class Ingest:
             else:
                 out.append(Verdict(g, "accepted"))
                 held, load = held + 1, load + (0 if leased else 1)
+            answering[g.prompt_id] += n
         return out
 
     def _records(self, kept: list[Verdict]) -> list[sp.Record]:
@@ -138,6 +148,7 @@ class Ingest:
     def _apply(self, v: Verdict, client: ClientState, now: float) -> None:
         s, g = self.s, v.group
         s.prompts.fulfil(g.prompt_id)
+        s.prompts.answered(g.prompt_id, len(g.rewards))
         s.q.remember(g.group_id)
         s.counters["groups_in"] += 1
         client.groups_pushed += 1

@@ -58,6 +58,7 @@ class PromptSource:
         self.leases: dict[str, PromptLeaseState] = {}
         self.lease_of: dict[str, str] = {}  # open prompt_id -> lease_id
         self.recent: OrderedDict[str, None] = OrderedDict()  # prompt ids leased or re-issued lately (known ones)
+        self.tally: OrderedDict[str, list[int]] = OrderedDict()  # prompt id -> [times handed out, samples accepted]
         self.reissued_total = 0
         self._taken_reissued = 0
 
@@ -143,7 +144,26 @@ class PromptSource:
         for p in prompts:
             self.lease_of[p.prompt_id] = lease.lease_id
             self._note(p.prompt_id)
+            self._tally(p.prompt_id)[0] += 1
         return lease
+
+    def _tally(self, prompt_id: str) -> list[int]:
+        rec = self.tally.setdefault(prompt_id, [0, 0])
+        self.tally.move_to_end(prompt_id)
+        while len(self.tally) > RECENT:
+            self.tally.popitem(last=False)
+        return rec
+
+    def room(self, prompt_id: str, samples: int, group_size: int) -> bool:
+        """Whether ``samples`` more samples for a known prompt fit its bound: ``group_size`` per hand-out
+        (a re-issued prompt may be answered by its first holder and by the next; one key pushing
+        10,000 groups for one leased prompt id may not)."""
+        handed, accepted = self.tally.get(prompt_id, (0, 0))
+        return accepted + samples <= max(1, handed) * group_size
+
+    def answered(self, prompt_id: str, samples: int) -> None:
+        if prompt_id in self.tally:  # handed out by this broker (imports under accept_unleased are not bounded here)
+            self.tally[prompt_id][1] += samples
 
     def fulfil(self, prompt_id: str) -> bool:
         """A group for ``prompt_id`` arrived: close it in its lease. False if it was not open."""

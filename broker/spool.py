@@ -37,6 +37,7 @@ from typing import Union
 import msgspec
 
 from fleetrl.common import chaos
+from fleetrl.common.config import ConfigError
 from fleetrl.common.messages import Prompt, SampleGroup, WeightsInfo
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,10 @@ log = logging.getLogger(__name__)
 HEADER = struct.Struct("<II")
 SEEN_WINDOW = 1 << 16  # group ids remembered across a compaction for de-duplication
 MAX_RECORD = 1 << 30  # no record is larger (a group is at most broker.max_message_bytes)
+
+
+class SpoolError(ConfigError):
+    """The spool directory holds something the broker cannot start from (one line at start-up)."""
 
 
 class SpoolUnavailable(Exception):
@@ -114,8 +119,12 @@ class BatchLeased(Record, tag=11):  # who holds which groups (a late ack after a
     group_ids: list[str]
 
 
+class DiscardsSet(Record, tag=12):  # an operator's resume lifted the ranges discarded during its pause: these remain
+    ranges: list[tuple[int, int]]
+
+
 AnyRecord = Union[GroupAccepted, GroupsDone, GroupsAcked, Committed, Rewound, PromptsLeased, PromptsRequeued, VersionSet,
-                  SeenIds, VersionsDiscarded, BatchLeased]
+                  SeenIds, VersionsDiscarded, BatchLeased, DiscardsSet]
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyRecord)
 _TAGS = len(AnyRecord.__args__)
@@ -176,6 +185,8 @@ def _apply(state: Recovered, rec: Record) -> None:
             state.seen[gid] = None
     elif isinstance(rec, VersionsDiscarded):
         state.discarded.append((rec.min_version, rec.max_version))
+    elif isinstance(rec, DiscardsSet):
+        state.discarded = [(lo, hi) for lo, hi in rec.ranges]
     elif isinstance(rec, BatchLeased):
         state.batch_leases[rec.lease_id] = (rec.client_id, rec.group_ids)
         while len(state.batch_leases) > 4096:
@@ -269,7 +280,17 @@ class Spool:
         self.write_errors = 0
 
     def _segments(self) -> list[Path]:
-        return sorted(self.dir.glob("segment-*.log"))
+        """The segment files, oldest first; raises SpoolError for something else under a segment's name (a
+        directory, a symlink, a name without an index), which must not stop start-up with a traceback."""
+        out = sorted(self.dir.glob("segment-*.log"))
+        for path in out:
+            if path.is_symlink() or not path.is_file():
+                what = "a symlink" if path.is_symlink() else "a directory" if path.is_dir() else "not a regular file"
+                raise SpoolError(f"spool segment {path} is {what}; move it out of broker.spool_dir ({self.dir})")
+            if not path.stem.split("-", 1)[1].isdigit():
+                raise SpoolError(f"spool file {path} is not a segment (segment-<index>.log); move it out of "
+                                 f"broker.spool_dir ({self.dir})")
+        return out
 
     def _path(self, index: int) -> Path:
         return self.dir / f"segment-{index:08d}.log"

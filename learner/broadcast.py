@@ -55,6 +55,7 @@ class Sent:
     receivers: int = 0
     failed: bool = False
     unknown_joiners: int = 0
+    tampered: int = 0  # store counters read out of range (a non-member wrote them): ignored, bounded
     reforms: int = 0
     dropped: int = 0  # receivers the round lost (dead, or too far behind at a re-form)
 
@@ -65,6 +66,7 @@ class Group:
     size: int
     ranks: dict[str, int]  # identity -> rank
     pg: Any
+    prefix: str = ""  # its store keys (kept by the sweep while the group lives)
 
 
 @dataclass
@@ -115,6 +117,10 @@ class BroadcastSender:
         self._served = 0  # catch-up requests answered for that round
         self._closed = threading.Event()
         self._catchup: threading.Thread | None = None
+        self._signer = ws.Signer()  # plans and bucket digests are signed; receivers verify (weightsync/auth.py)
+        self._digests: dict[int, str] = {}  # bucket -> SHA-256 of the last packed version's bytes
+        self._live: list[str] = []  # store key prefixes of recent rounds; the sweep deletes every other key
+        self._publishing = threading.Event()  # a publish waits: a catch-up round stops waiting for joins
 
     @property
     def port(self) -> int:
@@ -122,16 +128,20 @@ class BroadcastSender:
 
     # ---------------------------------------------------------------------------------- a publish
     def send(self, version: int, step: int, tensors: Tensors, announce: Announce, expected: int) -> Sent:
+        self._publishing.set()
         with self._lock:
+            self._publishing.clear()
             store = self._ensure_store()
             keys = self._next_round()
+            self._sweep(store)
             self._last = None  # the host copy is overwritten now
             deadline = time.monotonic() + self.cfg.timeout_s
             announce(messages.WeightsInfo(transport=self.cfg.transport, published_at=time.time(), secret=keys.secret,
                                           master_addr=self.cfg.master_addr, master_port=self.port, buckets=self.plan,
-                                          round_id=keys.round_id))
+                                          round_id=keys.round_id, signer=self._signer.public))
             rnd = Round(keys, None)
             t0 = time.perf_counter()
+            members: list[messages.JoinRecord] = []  # stays empty when closing the round raises
             try:
                 members = self._close_round(store, keys, expected, deadline, rnd.sent)
                 if members:
@@ -158,7 +168,39 @@ class BroadcastSender:
         self._round += 1
         for key in self._old_keys.pop(0) if len(self._old_keys) >= 2 else []:  # every receiver of it has read them
             self._store.delete_key(key)
-        return ws.RoundKeys(ws.new_secret(), self._round)
+        keys = ws.RoundKeys(ws.new_secret(), self._round)
+        self._keep(keys.root)
+        self._keep(ws.CatchupKeys(keys.secret, keys.round_id).request.removesuffix("request"))
+        return keys
+
+    def _keep(self, prefix: str) -> None:
+        """Keys under ``prefix`` survive the sweep (the prefixes of the last few rounds and groups)."""
+        self._live = (self._live + [prefix])[-32:]
+
+    def _sweep(self, store: TCPStore) -> int:
+        """Delete every key that no recent round of ours wrote or asked for (a non-member's SETs): what an
+        outsider stores costs the learner's memory only until the next publish or catch-up poll."""
+        live = tuple(self._live) + ((self._group.prefix,) if self._group is not None else ())
+        swept = 0
+        for key in store.list_keys():
+            if len(key) > ws.MAX_KEY_CHARS or not key.startswith(live):
+                store.delete_key(key)
+                swept += 1
+        if swept:
+            log.warning("weight sync: deleted %d store key(s) that no round of this learner uses (someone who can "
+                        "reach sync.master_addr wrote them)", swept)
+        return swept
+
+    def _set_plan(self, store: TCPStore, keys: ws.RoundKeys, plan: messages.RoundPlan) -> None:
+        """Sign and publish a round's plan: receivers take only a plan that verifies under the announced key."""
+        plan.sig = self._signer.sign(ws.auth.plan_message(keys.round_id, plan))
+        store.set(keys.plan, messages.encode_record(plan))
+
+    def _seal(self, store: TCPStore, keys: ws.RoundKeys, i: int) -> None:
+        """Sign bucket ``i``'s digest for this round: receivers keep the bucket only if its bytes match."""
+        dig = self._digests[i]
+        sig = self._signer.sign(ws.auth.seal_message(keys.round_id, i, dig))
+        store.set(keys.seal(i), messages.encode_record(messages.BucketSeal(dig, sig)))
 
     def _ensure_store(self) -> TCPStore:
         if self._store is None:
@@ -171,11 +213,21 @@ class BroadcastSender:
                      window_s: float = ws.JOIN_WINDOW_S) -> list[messages.JoinRecord]:
         """Wait for ``expected`` joins (at most ``window_s``), close the round, read who joined and proved it."""
         window_end = min(time.monotonic() + window_s, deadline)
-        while expected > 0 and store.add(keys.count, 0) < expected and time.monotonic() < window_end:
+        expected = min(expected, ws.MAX_JOINS)
+        while (expected > 0 and 0 <= store.add(keys.count, 0) < expected and time.monotonic() < window_end
+               and not self._publishing.is_set()):  # a catch-up round does not hold back a publish
             time.sleep(0.005)
         joined = store.add(keys.count, ws.CLOSED) - ws.CLOSED
-        member_keys = [keys.member(n) for n in range(1, joined + 1)]
-        self._old_keys.append(member_keys + [keys.plan, keys.abort] + [keys.progress(i) for i in range(len(self.layouts))])
+        if 0 <= joined <= ws.MAX_JOINS:
+            member_keys = [keys.member(n) for n in range(1, joined + 1)]
+        else:  # a non-member added to the counter (closed or inflated it): take the slots that were written
+            sent.tampered += 1
+            log.warning("weight sync round %d: its join counter reads %d (a non-member wrote it); taking only the "
+                        "join records present", keys.round_id, joined)
+            member_keys = self._written_slots(store, keys)
+        n_seals = len(self.layouts)
+        self._old_keys.append(member_keys + [keys.plan, keys.abort, keys.count] + [keys.progress(i) for i in range(n_seals)]
+                              + [keys.seal(i) for i in range(n_seals)])
         if member_keys:
             try:
                 store.wait(member_keys, timedelta(seconds=max(0.1, min(2.0, deadline - time.monotonic()))))
@@ -192,9 +244,21 @@ class BroadcastSender:
         if sent.unknown_joiners:
             log.warning("weight sync round %d: ignored %d join record(s) that did not prove the round's secret",
                         keys.round_id, sent.unknown_joiners)
-        if joined and not members:
-            store.set(keys.plan, messages.encode_record(messages.RoundPlan(group="", size=1, ranks={})))
+        if member_keys and not members:
+            self._set_plan(store, keys, messages.RoundPlan(group="", size=1, ranks={}))
         return members
+
+    @staticmethod
+    def _written_slots(store: TCPStore, keys: ws.RoundKeys, gap: int = 64) -> list[str]:
+        """The member slots present, scanned from 1 until ``gap`` missing in a row (at most MAX_JOINS)."""
+        found, missing = [], 0
+        for n in range(1, ws.MAX_JOINS + 1):
+            if store.check([keys.member(n)]):
+                found.append(keys.member(n))
+                missing = 0
+            elif (missing := missing + 1) >= gap:
+                break
+        return found
 
     @staticmethod
     def _member(store: TCPStore, key: str, keys: ws.RoundKeys) -> messages.JoinRecord | None:
@@ -212,15 +276,15 @@ class BroadcastSender:
         prev = self._group
         idents = [m.identity for m in members]
         if reuse_ok and prev is not None and set(idents) == set(prev.ranks) and all(m.group == prev.id for m in members):
-            store.set(keys.plan, messages.encode_record(messages.RoundPlan(prev.id, prev.size, prev.ranks, reuse=True)))
+            self._set_plan(store, keys, messages.RoundPlan(prev.id, prev.size, prev.ranks, reuse=True))
             return prev
         self._drop_group()
         ranks = {ident: i for i, ident in enumerate(idents, start=1)}
         plan = messages.RoundPlan(group=str(keys.round_id), size=len(ranks) + 1, ranks=ranks, resume=resume)
-        store.set(keys.plan, messages.encode_record(plan))
+        self._set_plan(store, keys, plan)
         pg = ws.new_group(self.cfg.transport, PrefixStore(keys.group(plan.group), store), 0, plan.size,
                           self.cfg.bucket_timeout_s, self.cfg.master_addr)
-        self._group = Group(plan.group, plan.size, ranks, pg)
+        self._group = Group(plan.group, plan.size, ranks, pg, keys.group(plan.group))
         log.info("weight sync: new %s group %s with %d receivers", self.cfg.transport, plan.group, len(ranks))
         return self._group
 
@@ -243,6 +307,7 @@ class BroadcastSender:
                 if inflight is not None:
                     ws.wait_work(inflight, self.cfg.bucket_timeout_s)
                 self._window(store, rnd, i)
+                self._seal(store, rnd.keys, i)
                 inflight = ws.broadcast(rnd.group.pg, flat, self.cfg.bucket_timeout_s)
                 if i == 1:
                     chaos.pin("learner.publish")
@@ -280,6 +345,7 @@ class BroadcastSender:
             self._drop_group(linger=True)
             rnd.sent.reforms += 1
             keys = rnd.keys.reform(attempt)
+            self._keep(keys.root)
             try:
                 members = self._close_round(store, keys, max(0, before - 1), time.monotonic() + self.cfg.timeout_s,
                                             rnd.sent, window_s=self.cfg.bucket_timeout_s)
@@ -290,12 +356,13 @@ class BroadcastSender:
                     log.warning("weight sync round %d: %d receiver(s) lack buckets before %d, which are gone; "
                                 "they miss this version", rnd.keys.round_id, len(behind), lowest)
                 if not members:
-                    store.set(keys.plan, messages.encode_record(messages.RoundPlan(group="", size=1, ranks={})))
+                    self._set_plan(store, keys, messages.RoundPlan(group="", size=1, ranks={}))
                     return False
                 resume = min(mb.have for mb in members)
                 rnd.keys, rnd.resume = keys, resume
                 rnd.group = self._group_for(store, keys, members, rnd, resume=resume, reuse_ok=False)
                 for j in range(resume, min(i + 1, len(self.layouts))):
+                    self._seal(store, keys, j)
                     ws.wait_work(ws.broadcast(rnd.group.pg, rnd.held[j], self.cfg.bucket_timeout_s),
                                  self.cfg.bucket_timeout_s)
                 return True
@@ -319,6 +386,7 @@ class BroadcastSender:
             flat[slot.offset : slot.offset + slot.numel].copy_(tensor.detach().reshape(-1))
         if not on_host and self._host:
             self._host[i][: layout.nbytes].view(dtype).copy_(flat, non_blocking=True)
+        self._digests[i] = ws.digest(flat.detach().reshape(-1).view(torch.uint8).cpu().numpy())
         return flat
 
     # ---------------------------------------------------------------------------- catch-up rounds
@@ -330,12 +398,18 @@ class BroadcastSender:
     def _catchup_loop(self) -> None:
         while not self._closed.wait(CATCHUP_POLL_S):
             try:
-                self._serve_catchup()
+                # every store op under the lock: the store client is not thread-safe (a publish uses it too)
+                if self._store is not None and self._lock.acquire(blocking=False):
+                    try:
+                        self._sweep(self._store)
+                        self._serve_catchup()
+                    finally:
+                        self._lock.release()
             except Exception:  # noqa: BLE001 - the loop must survive; the next request is served anyway
                 log.exception("weight sync: a catch-up round failed")
 
     def _serve_catchup(self) -> None:
-        """One catch-up round of the host copy for the receivers that asked since the last one."""
+        """One catch-up round of the host copy for the receivers that asked since the last one (lock held)."""
         last, store = self._last, self._store
         if last is None or store is None:
             return
@@ -344,33 +418,36 @@ class BroadcastSender:
         asked = store.add(ckeys.request, 0)
         if asked <= self._served:
             return
-        if not self._lock.acquire(blocking=False):
-            log.debug("weight sync: %d catch-up request(s) wait for the publish in progress", asked - self._served)
-            return
-        try:
-            if self._last != last:  # a publish replaced the copy meanwhile
-                return
+        if self._served < 0 or asked - self._served > ws.MAX_JOINS:  # a non-member added to the counter
+            log.warning("weight sync: the catch-up counter of round %d jumped to %d (a non-member wrote it); ignored",
+                        missed.round_id, asked)
             self._served = asked
-            self._round += 1
-            keys = ws.RoundKeys(ws.new_secret(), self._round)
-            store.set(ckeys.offer, messages.encode_record(messages.CatchupOffer(keys.round_id, keys.secret, version)))
-            self._old_keys.append([ckeys.request, ckeys.offer])
-            sent = Sent()
-            members = self._close_round(store, keys, asked, time.monotonic() + self.cfg.timeout_s, sent)
-            if members:
-                self._catchup_round(store, keys, members, version)
-        finally:
-            self._lock.release()
+            return
+        before, self._served = self._served, asked
+        self._round += 1
+        keys = ws.RoundKeys(ws.new_secret(), self._round)
+        self._keep(keys.root)
+        sealed = ws.auth.seal_secret(missed.secret, f"offer/{keys.round_id}", keys.secret)
+        offer = messages.CatchupOffer(keys.round_id, sealed, version)
+        offer.sig = self._signer.sign(ws.auth.offer_message(offer))
+        store.set(ckeys.offer, messages.encode_record(offer))
+        self._old_keys.append([ckeys.request, ckeys.offer])
+        sent = Sent()
+        members = self._close_round(store, keys, asked - before, time.monotonic() + self.cfg.timeout_s, sent)
+        if members:
+            self._catchup_round(store, keys, members, version)
 
     def _catchup_round(self, store: TCPStore, keys: ws.RoundKeys, members: list[messages.JoinRecord], version: int) -> None:
         ranks = {mb.identity: i for i, mb in enumerate(members, start=1)}
         plan = messages.RoundPlan(group=f"c{keys.round_id}", size=len(ranks) + 1, ranks=ranks)
-        store.set(keys.plan, messages.encode_record(plan))
+        self._set_plan(store, keys, plan)
+        self._keep(keys.group(plan.group))
         pg = ws.new_group("gloo", PrefixStore(keys.group(plan.group), store), 0, plan.size, self.cfg.bucket_timeout_s,
                           self.cfg.master_addr)
         try:
             for i, layout in enumerate(self.layouts):
                 flat = self._host[i][: layout.nbytes].view(getattr(torch, layout.dtype))
+                self._seal(store, keys, i)
                 ws.wait_work(ws.broadcast(pg, flat, self.cfg.bucket_timeout_s), self.cfg.bucket_timeout_s)
             log.info("weight sync: catch-up round %d sent version %d to %d receiver(s)", keys.round_id, version, len(ranks))
         finally:

@@ -38,7 +38,7 @@ from fleetrl.learner.broadcast import Announce, BroadcastSender, Sent, Tensors
 log = logging.getLogger(__name__)
 
 METRIC_KEYS = ("timing/sync_s", "sync/mb", "sync/mb_per_s", "sync/receivers", "sync/failed", "sync/unknown_joiners",
-               "sync/reforms", "sync/dropped")
+               "sync/reforms", "sync/dropped", "sync/tampered")
 
 SENDERS: Registry[type] = Registry("weight transport", config_key="sync.transport")
 
@@ -80,6 +80,7 @@ class WeightPublisher:
             "sync/unknown_joiners": float(sent.unknown_joiners),
             "sync/reforms": float(sent.reforms),
             "sync/dropped": float(sent.dropped),
+            "sync/tampered": float(sent.tampered),
         }
 
     def close(self) -> None:

@@ -73,7 +73,8 @@ class WeightReceiver:
         self._closed = False
         self._stats = {"weights/version": 0.0, "weights/load_s": 0.0, "weights/recv_s": 0.0, "weights/recv_mb_per_s": 0.0,
                        "weights/rounds_ok": 0.0, "weights/rounds_missed": 0.0, "weights/catchups": 0.0,
-                       "weights/reforms": 0.0, "weights/rejected": 0.0}
+                       "weights/reforms": 0.0, "weights/rejected": 0.0,
+                       "weights/forged": 0.0}
         self.transport = RECEIVERS[self.cfg.transport](self.cfg, specs, device, self.identity, self._deliver, self._count)
 
     # ------------------------------------------------------------------------- server side
@@ -215,6 +216,9 @@ class BroadcastReceiver:
 
     def offer(self, version: int, weights: messages.WeightsInfo, key: Key) -> None:
         reason = ws.check_plan(weights.buckets, self.expected)
+        if not reason and not weights.signer:
+            reason = ("the announcement carries no signing key (sync.transport gloo/nccl needs a learner of this "
+                      "fleetrl version: receivers take only plans and buckets the learner signed)")
         if reason:
             log.error("weight version %d cannot be received: %s", version, reason)
             self.deliver(None, key)
@@ -292,12 +296,15 @@ class BroadcastReceiver:
         try:
             buffers = self._buffers(layouts, self.device)
             self._held = receive_round(store, keys, self.identity, buffers, self.cfg.transport, host,
-                                       self.cfg.bucket_timeout_s, deadline, held)
+                                       self.cfg.bucket_timeout_s, deadline, held, signer=info.signer)
         except (RoundSkipped, ws.BucketFailed) as e:
+            if isinstance(e, ws.BucketForged) or isinstance(e.__cause__, ws.BucketForged):
+                self.count("weights/forged")
+                log.error("weight version %d: %s; someone other than the learner wrote to the round", version, e)
             log.info("weight version %d: %s; asking the learner for a catch-up round", version, e)
             if isinstance(e, ws.BucketFailed):
                 self._held = None  # retired by receive_round
-            buffers = self._catch_up(store, keys, version, layouts, host, deadline)
+            buffers = self._catch_up(store, keys, version, layouts, host, deadline, info.signer)
             if buffers is None:
                 return None
         named = [(s.name, buf[s.offset : s.offset + s.numel].view(s.shape))
@@ -305,11 +312,11 @@ class BroadcastReceiver:
         return Update(version, key, named=named, buffers=buffers)
 
     def _catch_up(self, store: TCPStore, missed: ws.RoundKeys, version: int, layouts, host: str,
-                  deadline: float) -> list[torch.Tensor] | None:
+                  deadline: float, signer: str) -> list[torch.Tensor] | None:
         """A fresh round of ``version`` from the learner's host copy (gloo, CPU buffers); None if none came."""
         tried: set[int] = set()
         for _ in range(2):
-            keys = request_catchup(store, missed, version, CATCHUP_WAIT_S, tried, self._newer_queued)
+            keys = request_catchup(store, missed, version, CATCHUP_WAIT_S, tried, self._newer_queued, signer)
             if keys is None:
                 log.warning("weight version %d: no catch-up round came (sync.catchup off, the learner busy, or a newer "
                             "version announced); going on with the next version", version)
@@ -318,7 +325,7 @@ class BroadcastReceiver:
             buffers = self._buffers(layouts, torch.device("cpu"))
             try:
                 joined = receive_round(store, keys, self.identity, buffers, "gloo", host, self.cfg.bucket_timeout_s,
-                                       max(deadline, time.monotonic() + self.cfg.timeout_s))
+                                       max(deadline, time.monotonic() + self.cfg.timeout_s), signer=signer)
             except (RoundSkipped, ws.BucketFailed) as e:
                 log.info("weight version %d: catch-up round %d: %s", version, keys.round_id, e)
                 continue

@@ -23,5 +23,6 @@ STAMP="$VENV/.installed-$(cat pyproject.toml scripts/vllm_env.sh | cksum | cut -
 "$PY" -c 'import torch; print(f"torch=={torch.__version__}")' > "$VENV/torch-constraint.txt"
 DS_BUILD_OPS=0 "$PY" -m pip install -q -c "$VENV/torch-constraint.txt" -e . pytest pytest-timeout
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$PY" -c 'import torch, vllm, transformers; print("torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__)'
+# fleetrl's own dependencies the workers need (cryptography: they verify the learner's signed plans and buckets)
+"$PY" -c 'import cryptography, torch, vllm, transformers; print("torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__, "cryptography", cryptography.__version__)'
 rm -f "$VENV"/.installed-* && touch "$STAMP"

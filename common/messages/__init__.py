@@ -24,6 +24,7 @@ from fleetrl.common.messages.base import (  # noqa: F401
     FinishReason,
     LOGPROB_DTYPE,
     MASK_DTYPE,
+    MAX_ID_CHARS,
     MAX_POLICY_VERSION,
     Message,
     PROTOCOL_VERSION,
@@ -45,6 +46,7 @@ from fleetrl.common.messages.groups import (  # noqa: F401
     unpack_tokens,
 )
 from fleetrl.common.messages.weights import (  # noqa: F401
+    BucketSeal,
     CatchupOffer,
     JoinRecord,
     ParamSpec,
@@ -52,6 +54,7 @@ from fleetrl.common.messages.weights import (  # noqa: F401
     WeightsInfo,
     decode_join,
     decode_offer,
+    decode_seal,
     decode_plan,
     encode_record,
 )

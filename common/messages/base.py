@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 import numpy as np
 
 PROTOCOL_VERSION = 2
 MAX_POLICY_VERSION = 2**31 - 1  # policy versions travel as int32 (token_versions); larger ones are refused at decode
+MAX_ID_CHARS = 256  # client, group, prompt and lease ids: longer ones are refused at decode (issue 31: a 16 MiB id)
+Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 FLOAT32_MAX = 3.4028234663852886e38  # rewards and advantages are trained in float32
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")

@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from fleetrl.common.messages.base import PROTOCOL_VERSION, ProtocolError
+from fleetrl.common.messages.base import MAX_ID_CHARS, PROTOCOL_VERSION, ProtocolError
 from fleetrl.common.messages.groups import SampleGroup
 from fleetrl.common.messages.protocol import Announcement, Reply, Request
 
@@ -35,6 +35,8 @@ def _decode(decoder: msgspec.msgpack.Decoder, buf: bytes, what: str) -> Any:
         text = str(e)
         if text.startswith("Invalid value") and text.endswith("at `$[0]`"):
             text = f"unknown message tag {text.split()[2]} (not a {what} of protocol v{PROTOCOL_VERSION})"
+        elif f"length <= {MAX_ID_CHARS}" in text:
+            text += f" (client, group, prompt and lease ids are at most {MAX_ID_CHARS} characters)"
         raise ProtocolError(f"invalid {what}: {text}") from None
     except msgspec.DecodeError as e:
         raise ProtocolError(f"undecodable {what} ({len(buf)} bytes): {e}") from None

@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 
 from fleetrl.common.messages.base import (
-    FLOAT32_MAX, LOGPROB_DTYPE, MASK_DTYPE, MAX_POLICY_VERSION, TOKEN_DTYPE, FinishReason,
+    FLOAT32_MAX, LOGPROB_DTYPE, MASK_DTYPE, MAX_POLICY_VERSION, TOKEN_DTYPE, FinishReason, Id,
 )
 
 MAX_METADATA_DEPTH = 16  # nesting of a group's metadata / reward_parts: deeper is refused at ingest
@@ -18,7 +18,7 @@ MAX_METADATA_DEPTH = 16  # nesting of a group's metadata / reward_parts: deeper 
 class Prompt(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """One prompt of the data set. ``prompt_id`` is stable across re-issues ("<epoch>:<index>")."""
 
-    prompt_id: str
+    prompt_id: Id
     prompt: Union[str, list[dict[str, str]]]  # raw text, or chat messages [{role, content}]
     answer: Union[str, None] = None
     metadata: dict[str, Any] = {}
@@ -42,8 +42,8 @@ class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
       group's staleness), so every entry is ``>= policy_version``. Default: all ``policy_version``.
     """
 
-    group_id: str  # unique per group; a retried push keeps it, so the broker de-duplicates
-    prompt_id: str
+    group_id: Id  # unique per group; a retried push keeps it, so the broker de-duplicates
+    prompt_id: Id
     policy_version: int
     prompt_tokens: memoryview  # int32 LE [P]
     lengths: list[int]  # [G] response lengths in tokens
@@ -53,7 +53,7 @@ class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     finish_reasons: list[FinishReason] = []  # [G]; empty = every response ended with "stop"
     reward_parts: list[dict[str, float]] = []  # [G] per reward function, for logging
     failed: list[bool] = []  # [G] a reward function failed on this sample
-    lease_id: str = ""
+    lease_id: Id = ""
     server_id: str = ""
     trace: dict[str, str] = {}  # W3C trace context (traceparent, tracestate)
     created_at: float = 0.0

@@ -10,12 +10,12 @@ from typing import Literal, Union
 
 import msgspec
 
-from fleetrl.common.messages.base import PROTOCOL_VERSION, ErrorCode, Message, Role
+from fleetrl.common.messages.base import PROTOCOL_VERSION, ErrorCode, Id, Message, Role
 from fleetrl.common.messages.groups import Prompt, SampleGroup
 from fleetrl.common.messages.weights import WeightsInfo
 
 class ClientInfo(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
-    client_id: str
+    client_id: Id
     role: str
     rank: int = 0
     policy_version: int = 0
@@ -29,7 +29,7 @@ class ClientInfo(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
 
 class Register(Message, tag=1):  # Rollout/Learner -> Broker
     req_id: int
-    client_id: str
+    client_id: Id
     role: Role
     protocol: int = PROTOCOL_VERSION
     rank: int = 0
@@ -38,41 +38,41 @@ class Register(Message, tag=1):  # Rollout/Learner -> Broker
 
 class Heartbeat(Message, tag=2):  # Rollout/Learner -> Broker
     req_id: int
-    client_id: str
+    client_id: Id
     policy_version: int = 0
     stats: dict[str, float] = {}
 
 
 class LeasePrompts(Message, tag=3):  # Rollout -> Broker
     req_id: int
-    client_id: str
+    client_id: Id
     n: int
     policy_version: int = 0
 
 
 class PushGroup(Message, tag=4):  # Rollout -> Broker
     req_id: int
-    client_id: str
+    client_id: Id
     group: SampleGroup
 
 
 class PushGroups(Message, tag=14):  # Rollout -> Broker: several groups in one frame (one ack each)
     req_id: int
-    client_id: str
+    client_id: Id
     groups: list[SampleGroup]
 
 
 class ReturnPrompts(Message, tag=5):  # Rollout -> Broker (shutdown: give leased prompts back)
     req_id: int
-    client_id: str
-    lease_id: str
-    prompt_ids: list[str] = []  # empty = every prompt of the lease still open
+    client_id: Id
+    lease_id: Id
+    prompt_ids: list[Id] = []  # empty = every prompt of the lease still open
     unscored: bool = False  # no reward function could score them: count them, do not re-issue them
 
 
 class LeaseBatch(Message, tag=6):  # Learner -> Broker
     req_id: int
-    client_id: str
+    client_id: Id
     n: int  # groups wanted
     wait_s: float = 0.0  # hold the request up to this long for groups to arrive
     min_groups: int = 1  # reply once this many are ready (or at wait_s with what is there)
@@ -80,28 +80,28 @@ class LeaseBatch(Message, tag=6):  # Learner -> Broker
 
 class AckBatch(Message, tag=7):  # Learner -> Broker (trained on the lease)
     req_id: int
-    client_id: str
-    lease_id: str
+    client_id: Id
+    lease_id: Id
     step: int = 0
-    group_ids: list[str] = []  # the groups done with; empty = all
+    group_ids: list[Id] = []  # the groups done with; empty = all
     keep_rest: bool = False  # False: the lease closes and groups not listed are requeued; True: they stay leased
 
 
 class Commit(Message, tag=8):  # Learner -> Broker (a checkpoint covers every ack up to `step`)
     req_id: int
-    client_id: str
+    client_id: Id
     step: int
 
 
 class Rewind(Message, tag=9):  # Learner -> Broker (resumed at `step`: requeue uncommitted later acks)
     req_id: int
-    client_id: str
+    client_id: Id
     step: int
 
 
 class PublishVersion(Message, tag=10):  # Learner rank 0 -> Broker
     req_id: int
-    client_id: str
+    client_id: Id
     version: int
     step: int = 0
     weights: WeightsInfo = msgspec.field(default_factory=WeightsInfo)
@@ -109,7 +109,7 @@ class PublishVersion(Message, tag=10):  # Learner rank 0 -> Broker
 
 class Control(Message, tag=11):  # Operator -> Broker (a learner: its rollback's pause, resume, discard)
     req_id: int
-    client_id: str
+    client_id: Id
     action: Literal["pause", "resume", "stop", "discard"]
     reason: str = ""
     min_version: int = 0  # discard: the closed range [min_version, max_version] of versions to drop
@@ -118,12 +118,12 @@ class Control(Message, tag=11):  # Operator -> Broker (a learner: its rollback's
 
 class GetStatus(Message, tag=12):  # anyone -> Broker
     req_id: int
-    client_id: str = ""
+    client_id: Id = ""
 
 
 class GetVersion(Message, tag=13):  # Rollout -> Broker (late subscriber catches up)
     req_id: int
-    client_id: str = ""
+    client_id: Id = ""
 
 
 class Leave(Message, tag=15):  # Rollout/Learner -> Broker: this client stops now (graceful exit)
@@ -132,7 +132,7 @@ class Leave(Message, tag=15):  # Rollout/Learner -> Broker: this client stops no
     broker announces ``done`` and rollouts exit unless ``rollout.stay_after_done``."""
 
     req_id: int
-    client_id: str
+    client_id: Id
     reason: str = ""
     done: bool = False
 
@@ -154,7 +154,7 @@ class Ack(Message, tag=20):  # Broker -> client
 
 
 class GroupAck(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
-    group_id: str
+    group_id: Id
     status: Literal["accepted", "duplicate", "stale", "rejected", "throttled"]  # throttled: not taken, push it later
     reason: str = ""
 
@@ -193,7 +193,7 @@ class Registered(Message, tag=23):  # Broker -> client
 
 class PromptLease(Message, tag=24):  # Broker -> Rollout
     req_id: int
-    lease_id: str
+    lease_id: Id
     prompts: list[Prompt]
     expires_in_s: float
     policy_version: int = 0
@@ -201,7 +201,7 @@ class PromptLease(Message, tag=24):  # Broker -> Rollout
 
 class BatchLease(Message, tag=25):  # Broker -> Learner
     req_id: int
-    lease_id: str
+    lease_id: Id
     groups: list[SampleGroup]
     expires_in_s: float
     dropped_stale: int = 0  # groups dropped as too stale while filling this lease

@@ -26,6 +26,7 @@ class WeightsInfo(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     published_at: float = 0.0  # stamped by the broker when it relays the version: orders versions across resumes and rollbacks
     secret: str = ""  # broadcast: the round's secret (hex); only holders find the round's keys on the TCPStore
     traces: list[dict[str, str]] = []  # W3C contexts of the publish spans in (some of) the trained groups' traces
+    signer: str = ""  # broadcast: the learner's Ed25519 public key (hex); plans and buckets must verify under it
 
 
 class JoinRecord(msgspec.Struct, gc=False):  # Rollout -> Learner (TCPStore)
@@ -46,20 +47,30 @@ class RoundPlan(msgspec.Struct, gc=False):  # Learner -> Rollout (TCPStore)
     ranks: dict[str, int]  # identity -> rank (1..size-1); the learner is rank 0
     reuse: bool = False  # the members already hold `group` from an earlier round
     resume: int = 0  # a re-formed round: buckets from this one on are (re)sent
+    sig: str = ""  # the learner's signature over weightsync.auth.plan_message(round_id, plan)
+
+
+class BucketSeal(msgspec.Struct, gc=False):  # Learner -> Rollout (TCPStore)
+    """The SHA-256 of one bucket's bytes, signed by the learner: a receiver keeps a bucket only if it matches."""
+
+    digest: str
+    sig: str
 
 
 class CatchupOffer(msgspec.Struct, gc=False):  # Learner -> Rollout (TCPStore): a fresh round of the last version
     round_id: int
-    secret: str
+    secret: str  # sealed: weightsync.auth.seal_secret(missed round's secret, ...): never in clear in the store
     version: int
+    sig: str = ""  # the learner's signature over weightsync.auth.offer_message(offer)
 
 
 _join_decoder = msgspec.json.Decoder(JoinRecord)
 _plan_decoder = msgspec.json.Decoder(RoundPlan)
 _offer_decoder = msgspec.json.Decoder(CatchupOffer)
+_seal_decoder = msgspec.json.Decoder(BucketSeal)
 
 
-def encode_record(record: JoinRecord | RoundPlan | CatchupOffer) -> bytes:
+def encode_record(record: JoinRecord | RoundPlan | CatchupOffer | BucketSeal) -> bytes:
     return msgspec.json.encode(record)
 
 
@@ -74,3 +85,7 @@ def decode_plan(buf: bytes) -> RoundPlan:
 
 def decode_offer(buf: bytes) -> CatchupOffer:
     return _offer_decoder.decode(buf)
+
+
+def decode_seal(buf: bytes) -> BucketSeal:
+    return _seal_decoder.decode(buf)

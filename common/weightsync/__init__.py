@@ -14,6 +14,8 @@ from fleetrl.common.weightsync.plan import (  # noqa: F401
     CatchupKeys,
     dtype_bytes,
     dtype_name,
+    MAX_JOINS,
+    MAX_KEY_CHARS,
     MAX_REFORMS,
     make_spec,
     new_secret,
@@ -28,8 +30,10 @@ from fleetrl.common.weightsync.plan import (  # noqa: F401
     version_dir,
     versions_to_prune,
 )
+from fleetrl.common.weightsync.auth import Signer, digest, verify  # noqa: F401
 from fleetrl.common.weightsync.groups import (  # noqa: F401
     BucketFailed,
+    BucketForged,
     broadcast,
     local_address_towards,
     new_group,

@@ -80,6 +80,10 @@ class BucketFailed(RuntimeError):
     """A bucket did not arrive: a peer failed or stalled, it timed out, or the learner aborted the round."""
 
 
+class BucketForged(BucketFailed):
+    """A bucket arrived but its bytes are not the ones the learner signed (weightsync.auth): it is dropped."""
+
+
 def wait_work(work: Any, timeout_s: float, aborted: Callable[[], bool] | None = None, check_s: float = 0.1) -> None:
     """Wait for ``work`` by polling it, so that ``aborted()`` (every ``check_s``) can end the wait early;
     raises BucketFailed on its error, after ``timeout_s``, or when aborted. The work itself is left to

@@ -169,6 +169,8 @@ def check_plan(buckets: Sequence[Sequence[ParamSpec]], expected: Mapping[str, tu
 # ------------------------------------------------------------------------- round protocol
 
 MAX_REFORMS = 2  # re-formed groups per round after a failed bucket; then the round fails
+MAX_JOINS = 4096  # receivers one round takes; a join counter read above it was tampered with
+MAX_KEY_CHARS = 256  # longer store keys are nobody's: the learner's sweep deletes them
 
 
 def tag(secret: str, what: str) -> str:
@@ -212,6 +214,9 @@ class RoundKeys:
 
     def progress(self, bucket: int) -> str:
         return f"{self.root}progress/{bucket}"
+
+    def seal(self, bucket: int) -> str:
+        return f"{self.root}seal/{bucket}"
 
     @property
     def abort(self) -> str:

@@ -145,3 +145,21 @@ def test_log_probs_of_appended_tokens_may_be_zero(state):
     g = m.build_group("ga", prompt, 0, [1, 2], [([5, 6, 7], [-0.5, 0.0, 0.0])], [1.0],
                       loss_masks=[np.array([1, 0, 0])])
     assert push(state, g).count == 1
+
+
+def test_ids_longer_than_the_limit_are_refused_at_decode():
+    """Issue 31: 60 client ids of 16 MiB took the broker to 1 GB RSS, and 50 stale groups with 16 MiB ids
+    left +832 MB in the dedupe window. Ids are at most MAX_ID_CHARS now, checked at decode."""
+    long = "x" * (m.MAX_ID_CHARS + 1)
+    ok = "y" * m.MAX_ID_CHARS
+    frames = {
+        "client_id": lambda i: m.Register(req_id=1, client_id=i, role="rollout"),
+        "group_id": lambda i: m.PushGroup(req_id=1, client_id="r0", group=make_group("0:0", gid=i)),
+        "prompt_id": lambda i: m.PushGroup(req_id=1, client_id="r0", group=make_group(i)),
+        "lease_id": lambda i: m.ReturnPrompts(req_id=1, client_id="r0", lease_id=i),
+        "group_ids": lambda i: m.AckBatch(req_id=1, client_id="l0", lease_id="l", group_ids=["a", i]),
+    }
+    for name, make in frames.items():
+        assert m.decode_request(m.encode(make(ok)))  # at the limit: served
+        with pytest.raises(m.ProtocolError, match=f"at most {m.MAX_ID_CHARS} characters"):
+            m.decode_request(m.encode(make(long)))

@@ -132,6 +132,19 @@ def test_garbage_frames_get_typed_errors_and_broker_keeps_serving(broker):
         c.close()
 
 
+def test_a_long_client_id_is_refused_and_never_registered(broker):
+    """Issue 31: client ids of 16 MiB filled the client table and a GetStatus reply; now refused at decode."""
+    frames = [m.encode(m.Register(req_id=i + 1, client_id=f"{i}-" + "x" * 3000, role="rollout")) for i in range(20)]
+    replies = _raw_roundtrip(broker.address, frames)
+    assert all(isinstance(r, m.Error) and r.code == "bad_frame" and "at most 256 characters" in r.reason for r in replies)
+    c = client(broker.address)
+    try:
+        assert isinstance(c.lease_prompts(1, 0), m.PromptLease)
+        assert all(len(info.client_id) <= m.MAX_ID_CHARS for info in c.status().clients)
+    finally:
+        c.close()
+
+
 def test_learner_long_poll_is_answered_when_groups_arrive(broker):
     rollout, learner = client(broker.address), client(broker.address, "learner-0", "learner")
     try:

@@ -121,3 +121,33 @@ def test_fsync_always_syncs_every_flush(tmp_path, monkeypatch):
     fill(s, 1)
     s.spool.flush()
     assert len(synced) == 2
+
+
+def test_a_directory_or_a_stray_file_under_a_segment_name_is_one_clear_error(tmp_path, arith_data, capsys):
+    """Issue 31: a spool segment that is a directory stopped the broker at start-up with a traceback."""
+    import os
+
+    import pytest
+
+    from fleetrl.common import cli
+    from tests.helpers import write_job
+
+    spool_dir = tmp_path / "spool"
+    s = reopen(spool_dir)
+    publish(s, 1)
+    s.spool.flush()
+    (spool_dir / "segment-00000009.log").mkdir()
+    with pytest.raises(sp.SpoolError, match="is a directory; move it out of broker.spool_dir"):
+        Spool(spool_dir, fsync="never").recover()
+    os.rmdir(spool_dir / "segment-00000009.log")
+    (spool_dir / "segment-x.log").write_bytes(b"")
+    with pytest.raises(sp.SpoolError, match="is not a segment"):
+        Spool(spool_dir, fsync="never").recover()
+    job = write_job(tmp_path, arith_data, broker={"spool_dir": str(spool_dir)})
+    umask = os.umask(0o077)
+    try:
+        assert cli.main(["broker", "--config", str(job), "--run-dir", str(tmp_path / "run")]) == 2
+    finally:
+        os.umask(umask)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is not a segment" in err

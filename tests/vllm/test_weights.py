@@ -16,6 +16,7 @@ from fleetrl.common.messages import WeightsInfo
 from fleetrl.learner.weights import WeightPublisher
 from fleetrl.rollout.engines import Request, SamplingParams, create_engine
 from tests.conftest import free_port
+from tests.rollout.test_weight_store_attacks import forged_rounds_are_refused
 from tests.vllm.conftest import ATOL, DEVICE, hf_model, teacher_forced_logp
 
 PROMPTS = ["12+34=", "7+8=", "hello"]
@@ -65,7 +66,7 @@ def test_gloo_broadcast_lands_in_the_worker_with_no_tensor_through_collective_rp
     try:
         # a round whose learner is gone: the worker skips it, counts it, and goes on generating
         dead = WeightsInfo(transport="gloo", master_addr="127.0.0.1", master_port=free_port(), round_id=1,
-                           buckets=pub.plan, published_at=time.time())
+                           buckets=pub.plan, published_at=time.time(), signer=pub._sender._signer.public)
         receivers.on_version(1, dead)
         wait_for(lambda: receivers.pending_version(0) is None and receivers.stats().get("weights/rounds_missed", 0) >= 1,
                  what="the failed round to be counted")
@@ -92,6 +93,20 @@ def test_gloo_broadcast_lands_in_the_worker_with_no_tensor_through_collective_rp
     finally:
         receivers.close()
         pub.close()
+
+
+def test_the_worker_takes_only_rounds_the_learner_signed(vllm_engine, small_new_dir):
+    """Issue 31 in the worker: the announcement's signing key reaches the worker through collective_rpc
+    (from the rollout server, which got it from the authenticated broker); an unsigned announcement, and a
+    round plan written by anyone but that key's holder, are refused there, and the weights stay."""
+    cfg = JobConfig(sync=SyncConfig(transport="gloo", timeout_s=5, bucket_mb=1))
+    receivers = vllm_engine.weight_receiver(cfg, DEVICE, "rollout-test")
+    model = AutoModelForCausalLM.from_pretrained(small_new_dir, dtype=torch.float32)
+    plan = ws.plan_buckets([ws.make_spec(n, p.shape, p.dtype) for n, p in model.named_parameters()], ws.MB)
+    try:
+        forged_rounds_are_refused(receivers, plan, lambda: greedy(vllm_engine))
+    finally:
+        receivers.close()
 
 
 def test_a_version_switch_mid_request_is_recorded_per_token(vllm_engine, small_dir, small_new_dir):
