@@ -1,16 +1,15 @@
 """The `hf` engine's sampling arithmetic and decode state: devices and dtypes, top-k / top-p filtering,
-one token per row with its behaviour log-prob (the convention of `base.py`), which requests may share
-a wave, and the records of one wave (`_Job` per request, `_Batch` of live rows, `_Wave`)."""
+one token per row with its behaviour log-prob (the convention of `base.py`), which requests sample
+alike (`wave_key`), and `_Job`, one request inside the engine (its rows: `kv_rows.py`)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
-
 from fleetrl.rollout.engines.base import Generation, Request, SamplingParams
 
 
@@ -76,7 +75,8 @@ def draw(probs_RV: torch.Tensor, generator: torch.Generator, u_R: torch.Tensor |
 
 
 def wave_key(params: SamplingParams) -> SamplingParams:
-    """What requests of one wave must share: everything but the seed and max_new_tokens."""
+    """What rows sampled by one draw must share (and, with waves, the requests of one wave):
+    everything but the seed and max_new_tokens."""
     return dataclasses.replace(params, seed=None, max_new_tokens=1)
 
 
@@ -96,6 +96,10 @@ class _Job:
     def context(self) -> list[int]:
         return list(self.request.prompt_ids) + self.tokens
 
+    @functools.cached_property
+    def key(self) -> SamplingParams:
+        return wave_key(self.request.params)
+
     @property
     def budget(self) -> int:
         return self.request.params.max_new_tokens - len(self.tokens)
@@ -110,33 +114,3 @@ class _Job:
                 self.future.set_result(generation)
 
         self.loop.call_soon_threadsafe(set_result)
-
-
-@dataclass
-class _Batch:
-    """The rows being decoded. ``rows_R`` maps each to its index in the wave's job list."""
-
-    cache: DynamicCache
-    mask_RL: torch.Tensor  # attention mask over the prompt and every step (steps are all 1)
-    pos_R: torch.Tensor  # position of the next token fed
-    limit_R: torch.Tensor  # most tokens the row may sample (its budget or the context length)
-    rows_R: torch.Tensor
-    live_R: torch.Tensor  # False once finished (kept in the batch until compaction)
-    prompt_len: int
-
-    def select(self, keep_R: torch.Tensor) -> None:
-        index = keep_R.nonzero().squeeze(1)
-        self.cache.batch_select_indices(index)
-        for name in ("mask_RL", "pos_R", "limit_R", "rows_R", "live_R"):
-            setattr(self, name, getattr(self, name)[index])
-
-
-@dataclass
-class _Wave:
-    """One wave: its jobs, the tokens / log-probs written at each step, the version of each step."""
-
-    jobs: list[_Job]
-    params: SamplingParams
-    tokens_SM: torch.Tensor
-    logp_SM: torch.Tensor
-    step_versions: list[int] = field(default_factory=list)
