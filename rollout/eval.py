@@ -97,7 +97,7 @@ def evaluate_model(model: Any, tokenizer: Any, rows: Sequence[dict[str, Any]], c
 
     from fleetrl.rollout.engines.hf import HFEngine
 
-    engine = HFEngine.from_model(model, tokenizer, next(model.parameters()).device, seed=seed)
+    engine = HFEngine.from_model(model, tokenizer, next(model.parameters()).device, seed=seed, hf_cfg=cfg.rollout.hf)
     was_training = model.training
     model.eval()
     try:

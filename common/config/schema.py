@@ -147,7 +147,7 @@ class RolloutConfig(Section):
     max_inflight: Annotated[int | None, doc(
         "Most prompts (groups) generating at once on this server; null = the broker's admission window, "
         "learner.groups_per_step x sync.interval x (broker.max_staleness + 1). Lower it to bound memory; "
-        "with `hf` more in flight means wider waves.")] = None
+        "with `hf` more in flight means more rows decoded together (bounded by rollout.hf.max_rows).")] = None
     inflight_update: Annotated[Literal["keep", "recompute", "finish"], doc(
         "What a weight update does to requests in flight: `keep` their KV cache and go on with the new weights "
         "(fastest; the tokens before the update keep their older version), `recompute` their KV cache with the "

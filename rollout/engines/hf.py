@@ -47,7 +47,7 @@ from fleetrl.rollout.engines.sampling import (  # noqa: F401 - draw and filter_t
     filter_top_k_top_p,
     resolve_device,
     resolve_dtype,
-    sample_next,
+    sample_rows,
 )
 from fleetrl.rollout.engines.base import (
     Engine,
@@ -234,7 +234,8 @@ class HFEngine(Engine):
         and return, then one forward over the rest (after any pause). Returns the rows still running."""
         if jobs:
             rows = rows.merge(self._prefill(jobs))
-        token_R, logp_R, done_R = self._sample(rows)
+        assert rows.logits_RV is not None
+        token_R, logp_R, done_R = sample_rows(rows.logits_RV, rows.groups, rows.jobs, self._generator, self._stop_ids_of)
         rows.record(token_R, logp_R, self.version)
         done_R |= rows.steps_R >= rows.limit_R
         by_string_R = self._stop_string_hits(rows)
@@ -254,35 +255,11 @@ class HFEngine(Engine):
             self._step(rows, token_R)
         return rows
 
-    def _sample(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A token per row from its logits, by the sampling settings of its group: (token_R, logp_R,
-        stopped_R), stopped = an eos or stop id of its settings."""
-        assert rows.logits_RV is not None
-        token_R = torch.empty(len(rows), dtype=torch.long, device=self.device)
-        logp_R = torch.empty(len(rows), dtype=torch.float32, device=self.device)
-        stopped_R = torch.empty(len(rows), dtype=torch.bool, device=self.device)
-        for params, index in rows.groups:
-            jobs = rows.jobs[index] if isinstance(index, slice) else [rows.jobs[i] for i in index.tolist()]
-            uniforms = None if params.greedy else self._uniforms(jobs)
-            token_R[index], logp_R[index] = sample_next(rows.logits_RV[index], params, self._generator, uniforms)
-            stopped_R[index] = torch.isin(token_R[index], self._stop_ids_of(params))
-        return token_R, logp_R, stopped_R
-
     def _stop_ids_of(self, params: SamplingParams) -> torch.Tensor:
         if params not in self._stop_ids:
             eos = eos_token_ids(self.tokenizer, self.model.generation_config.eos_token_id, params)
             self._stop_ids[params] = torch.tensor(eos, device=self.device)
         return self._stop_ids[params]
-
-    def _uniforms(self, jobs: list[_Job]) -> torch.Tensor | None:
-        """Per-row uniforms when some rows have their own seed (else None: one draw for all)."""
-        if all(job.generator is None for job in jobs):
-            return None
-        u_R = torch.rand(len(jobs), generator=self._generator, device=self.device)
-        for pos, job in enumerate(jobs):
-            if job.generator is not None:
-                u_R[pos] = torch.rand(1, generator=job.generator, device=self.device)[0]
-        return u_R
 
     def _requeue(self, rows: Rows) -> None:
         """``recompute``: the unfinished rows go back to the queue's front as prompt + tokens so far;
@@ -344,10 +321,7 @@ class HFEngine(Engine):
             if not params.stop:
                 continue
             members = list(range(len(rows)))[index] if isinstance(index, slice) else index.tolist()
-            steps, k = rows.steps_R[index].tolist(), stop_window(params.stop)
-            start = max(0, min(steps) - k)
-            block = rows.tokens_RM[index, start : max(steps)].tolist()
-            windows = [tokens[max(0, n - k) - start : n - start] for tokens, n in zip(block, steps)]
+            windows = rows.last_tokens(index, stop_window(params.stop))
             if self._rust_tokenizer is not None:  # the same text, ~3x faster than batch_decode
                 texts = self._rust_tokenizer.decode_batch(windows, skip_special_tokens=True)
             else:

@@ -117,6 +117,13 @@ class Rows:
         return (self.tokens_RM[row, :steps].tolist(), self.logp_RM[row, :steps].tolist(),
                 self.version_RM[row, :steps].tolist())
 
+    def last_tokens(self, index: torch.Tensor | slice, k: int) -> list[list[int]]:
+        """The last ``k`` (or fewer) tokens each row of ``index`` sampled since it joined."""
+        steps = self.steps_R[index].tolist()
+        start = max(0, min(steps) - k)
+        block = self.tokens_RM[index, start : max(steps)].tolist()
+        return [tokens[max(0, n - k) - start : n - start] for tokens, n in zip(block, steps)]
+
     def merge(self, new: Rows) -> Rows:
         """These rows, then ``new``'s: the shorter cache is left-padded so that both stay right-aligned."""
         if not self.jobs:

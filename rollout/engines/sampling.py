@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from fleetrl.rollout.engines.base import Generation, Request, SamplingParams
@@ -62,6 +63,36 @@ def sample_next(
             probs_RV = logp_RV.exp()
         token_R = draw(probs_RV, generator, u_R)
     return token_R, logp_RV.gather(1, token_R[:, None]).squeeze(1)
+
+
+def sample_rows(
+    logits_RV: torch.Tensor, groups: list, jobs: list[_Job], generator: torch.Generator,
+    stop_ids: Callable[[SamplingParams], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A token per row, each group of rows (sampling settings, rows: a slice or an index tensor, as
+    `kv_rows.groups_of` gives) by its own settings; returns (token_R, logp_R, stopped_R), stopped =
+    the token is an eos or stop id of the row's settings (``stop_ids(settings)``)."""
+    token_R = torch.empty(logits_RV.shape[0], dtype=torch.long, device=logits_RV.device)
+    logp_R = torch.empty(logits_RV.shape[0], dtype=torch.float32, device=logits_RV.device)
+    stopped_R = torch.empty(logits_RV.shape[0], dtype=torch.bool, device=logits_RV.device)
+    for params, index in groups:
+        members = jobs[index] if isinstance(index, slice) else [jobs[i] for i in index.tolist()]
+        u_R = None if params.greedy else row_uniforms(members, generator, logits_RV.device)
+        token_R[index], logp_R[index] = sample_next(logits_RV[index], params, generator, u_R)
+        stopped_R[index] = torch.isin(token_R[index], stop_ids(params))
+    return token_R, logp_R, stopped_R
+
+
+def row_uniforms(jobs: list[_Job], generator: torch.Generator, device: torch.device) -> torch.Tensor | None:
+    """Per-row uniforms when some rows have their own seed (a seeded row draws from its own
+    generator, so its tokens do not depend on its neighbours); else None: one draw for all."""
+    if all(job.generator is None for job in jobs):
+        return None
+    u_R = torch.rand(len(jobs), generator=generator, device=device)
+    for pos, job in enumerate(jobs):
+        if job.generator is not None:
+            u_R[pos] = torch.rand(1, generator=job.generator, device=device)[0]
+    return u_R
 
 
 def draw(probs_RV: torch.Tensor, generator: torch.Generator, u_R: torch.Tensor | None = None) -> torch.Tensor:

@@ -239,3 +239,13 @@ def test_finish_pause_admits_nobody_until_the_rows_end(tiny_model_dir):
         assert late.result(60).versions == [0] * len(late.result().token_ids)
     finally:
         engine.close()
+
+
+def test_hf_settings_from_config():
+    from fleetrl.common.config import load_config
+
+    cfg = load_config(None, ["rollout.hf.continuous=false", "rollout.hf.max_rows=16"])
+    assert cfg.rollout.hf == HfConfig(continuous=False, max_rows=16)
+    assert load_config(None, []).rollout.hf == HfConfig(continuous=True, max_rows=None)
+    with pytest.raises(ValueError, match=r"rollout.hf.max_rows=0 must be >= 1"):
+        load_config(None, ["rollout.hf.max_rows=0"])
