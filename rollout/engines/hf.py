@@ -303,13 +303,8 @@ class HFEngine(Engine):
     def _step(self, rows: Rows, token_R: torch.Tensor) -> None:
         """Feed each row's newest token; sets the next logits, float32 [R, V]."""
         rows.mask_RT = torch.cat([rows.mask_RT, rows.mask_RT.new_ones(len(rows), 1)], dim=1)
-        out = self.model(
-            input_ids=token_R[:, None],
-            attention_mask=rows.mask_RT,
-            position_ids=rows.pos_R[:, None],
-            past_key_values=rows.cache,
-            use_cache=True,
-        )
+        out = self.model(input_ids=token_R[:, None], attention_mask=rows.mask_RT, position_ids=rows.pos_R[:, None],
+                         past_key_values=rows.cache, use_cache=True)
         rows.pos_R = rows.pos_R + 1
         rows.logits_RV = out.logits[:, -1].float()
 
