@@ -97,7 +97,8 @@ def evaluate_model(model: Any, tokenizer: Any, rows: Sequence[dict[str, Any]], c
 
     from fleetrl.rollout.engines.hf import HFEngine
 
-    engine = HFEngine.from_model(model, tokenizer, next(model.parameters()).device, seed=seed)
+    device = next(model.parameters()).device
+    engine = HFEngine.from_model(model, tokenizer, device, seed=seed, hf_cfg=cfg.rollout.hf)
     was_training = model.training
     model.eval()
     try:

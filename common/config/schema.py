@@ -124,6 +124,16 @@ class VllmConfig(Section):
     max_num_seqs: Annotated[int | None, doc("Most requests vLLM decodes in one step (null = vLLM's default).")] = None
 
 
+class HfConfig(Section):
+    continuous: Annotated[bool, doc(
+        "Continuous batching: a new request joins the running decode at the next step (its KV rows merge into "
+        "the cache); false = the older waves, where new requests wait for the running wave to end.")] = True
+    max_rows: Annotated[int | None, doc(
+        "Most rows (requests) decoded at once; requests beyond it wait for a row to finish. "
+        "null = no bound besides rollout.max_inflight x rollout.group_size. Lower it to bound the KV cache's memory.",
+    )] = None
+
+
 class RolloutConfig(Section):
     engine: Annotated[Literal["hf", "vllm"], doc(
         "Generation engine: `hf` (transformers, CPU/GPU) or `vllm` (vLLM's async engine: GPU, or CPU in .venv-vllm).")] = (
@@ -137,7 +147,7 @@ class RolloutConfig(Section):
     max_inflight: Annotated[int | None, doc(
         "Most prompts (groups) generating at once on this server; null = the broker's admission window, "
         "learner.groups_per_step x sync.interval x (broker.max_staleness + 1). Lower it to bound memory; "
-        "with `hf` more in flight means wider waves.")] = None
+        "with `hf` more in flight means more rows decoded together (bounded by rollout.hf.max_rows).")] = None
     inflight_update: Annotated[Literal["keep", "recompute", "finish"], doc(
         "What a weight update does to requests in flight: `keep` their KV cache and go on with the new weights "
         "(fastest; the tokens before the update keep their older version), `recompute` their KV cache with the "
@@ -169,13 +179,15 @@ class RolloutConfig(Section):
         "Keep this server up when the learner finishes or the broker shuts down (it waits for the next learner); "
         "false: it returns its prompts, leaves the fleet and exits 0.")] = False
     vllm: Annotated[VllmConfig, doc("vLLM engine settings (engine: vllm).")] = field(default_factory=VllmConfig)
+    hf: Annotated[HfConfig, doc("`hf` engine settings (engine: hf).")] = field(default_factory=HfConfig)
     env: Annotated[EnvConfig, doc("How a sample is produced: single_turn, tool, user, http or openai "
                                   "(docs/environments.md).")] = field(default_factory=EnvConfig)
     openai: Annotated[OpenAIConfig, doc("The OpenAI-compatible endpoint of each rollout server "
                                         "(docs/environments.md).")] = field(default_factory=OpenAIConfig)
 
     def __post_init__(self) -> None:
-        for key, value in (("rollout.max_inflight", self.max_inflight), ("rollout.vllm.max_num_seqs", self.vllm.max_num_seqs)):
+        for key, value in (("rollout.max_inflight", self.max_inflight), ("rollout.vllm.max_num_seqs", self.vllm.max_num_seqs),
+                           ("rollout.hf.max_rows", self.hf.max_rows)):
             if value is not None and value < 1:
                 raise ValueError(f"{key}={value} must be >= 1 (or null for the default)")
         if self.env.type == "openai" and not self.openai.enabled:

@@ -157,7 +157,7 @@ class Engine(abc.ABC):
     The interface (docs/rollout.md, "Engines"):
 
     - ``await generate(request) -> Generation``: any number of requests may be in flight; the
-      engine batches them as it likes (vLLM: continuous batching; hf: waves of the pending ones)
+      engine batches them as it likes (vLLM's continuous batching; hf: its own, `rollout.hf`)
       and returns each as soon as it is done.
     - ``await swap_weights(load, mode)``: an in-flight weight update. Pauses generation as
       ``mode`` says (`INFLIGHT_MODES`: ``keep`` the in-flight requests and their KV cache,
@@ -205,7 +205,7 @@ class Engine(abc.ABC):
         return version
 
     async def generate_many(self, requests: Sequence[Request]) -> list[Generation]:
-        """Every request of ``requests``, admitted together (one wave on hf: reproducible with the engine seed)."""
+        """Every request of ``requests``, admitted together (one prefill on hf: reproducible with the engine seed)."""
         return list(await asyncio.gather(*(self.generate(r) for r in requests)))
 
     def submit(self, request: Request) -> concurrent.futures.Future[Generation]:

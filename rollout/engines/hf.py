@@ -1,24 +1,28 @@
 """The `hf` engine: a transformers causal LM and our own sampling loop over its KV cache.
 
-Requests (`Engine.generate`) queue for a decode thread that runs them in *waves*: every pending
-request whose sampling settings match (the seed and max_new_tokens may differ) is decoded together,
-each distinct prompt prefilled once. A request returns the moment its own row finishes, not when
-the wave does; requests that arrive meanwhile wait for the next wave. Weight updates happen only
-between two steps (`pause`): ``keep`` parks the wave and continues it on the same KV cache,
-``recompute`` ends it and queues every unfinished row again as prompt + tokens so far (prefilled
-with the new weights), ``finish`` lets the wave end before parking.
+Requests (`Engine.generate`) queue for a decode thread that runs them with *continuous batching*
+(`rollout.hf.continuous`, the default): at every step, waiting requests join the running rows (up
+to `rollout.hf.max_rows`): each distinct context is prefilled once, left-padded with explicit
+per-row positions, and its KV rows merge into the running cache (`kv_rows.py`); a row that finishes
+leaves the cache at once and its request returns. Rows of different sampling settings share the
+forward and are drawn per settings group. With ``continuous: false`` the thread runs the older
+*waves*: the pending requests of the oldest one's sampling settings decode together and requests
+that arrive meanwhile wait for the wave to end. Weight updates happen only between two steps
+(`pause`): ``keep`` parks the rows and continues them on the same KV cache, ``recompute`` queues
+every unfinished row again as prompt + tokens so far (prefilled with the new weights),
+``finish`` admits nobody and parks once the running rows are done.
 
 Why not ``model.generate``: this loop is faster on the CPU presets (benchmarks/engine_throughput.py,
 2 cores: ~25k vs ~18k tokens/s on tiny, ~7k vs ~5.5k on small), and ``generate`` returns the raw
 logits of all steps at the end (``output_logits``: steps x rows x vocabulary floats, 77 GB for
 1,000 tokens x 128 rows x 150k vocabulary), samples n copies of each prompt through n prefills, and
 keeps finished rows in the batch. This loop computes each token's log-prob as it samples, prefills
-each prompt once, drops finished rows, draws one random number per row, and decides each row's stop
-(eos / stop id / stop string) itself.
+each prompt once, drops finished rows, draws one random number per row (a seeded request from its
+own generator, so its tokens do not depend on its neighbours), and decides each row's stop (eos /
+stop id / stop string) itself.
 
-Shape legend: B prompts, R rows decoded together (B * n, fewer once finished rows are dropped),
-P padded prompt length, L = P + max_new_tokens, V vocabulary, K tokens of the stop-string window,
-S samples (B * n), M max_new_tokens.
+Shape legend: B distinct contexts of a prefill, R rows decoded together, P padded prompt length,
+T cache columns, V vocabulary, K tokens of the stop-string window.
 Left padding: prompt tokens get positions 0..len-1 whatever their padding, as in the learner's
 unpadded forward.
 """
@@ -35,17 +39,15 @@ from typing import Iterable, Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from fleetrl.common.config.schema import ModelConfig, RolloutConfig
+from fleetrl.common.config.schema import HfConfig, ModelConfig, RolloutConfig
+from fleetrl.rollout.engines.kv_rows import Rows
 from fleetrl.rollout.engines.sampling import (  # noqa: F401 - draw and filter_top_k_top_p are tested from here
-    _Batch,
     _Job,
-    _Wave,
     draw,
     filter_top_k_top_p,
     resolve_device,
     resolve_dtype,
-    sample_next,
-    wave_key,
+    sample_rows,
 )
 from fleetrl.rollout.engines.base import (
     Engine,
@@ -53,6 +55,7 @@ from fleetrl.rollout.engines.base import (
     Generation,
     ParamSpec,
     Request,
+    SamplingParams,
     check_named_shapes,
     check_named_tensors,
     eos_token_ids,
@@ -66,8 +69,6 @@ from fleetrl.rollout.engines.base import (
 
 log = logging.getLogger(__name__)
 
-# Drop finished rows from the batch once this fraction of it is finished.
-COMPACT_FRACTION = 0.25
 IDLE_S = 2.0  # a decode thread without work for this long ends (engines over a learner's model are never closed)
 
 _LOOP: EngineLoop | None = None
@@ -99,20 +100,21 @@ class HFEngine(Engine):
             trust_remote_code=model_cfg.trust_remote_code,
         ).to(device_)
         model.eval().requires_grad_(False)
-        self._attach(model, tokenizer, device_, seed)
+        self._attach(model, tokenizer, device_, seed, rollout_cfg.hf)
         log.info("hf engine: %s on %s (%s)", model_cfg.path, self.device, self.model.dtype)
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, tokenizer, device: torch.device, seed: int = 0) -> "HFEngine":
+    def from_model(cls, model: torch.nn.Module, tokenizer, device: torch.device, seed: int = 0,
+                   hf_cfg: HfConfig | None = None) -> "HFEngine":
         """An engine over a model already in memory (the learner's evaluation: its weights, not a copy).
 
         The caller owns the model's train/eval mode; the engine never changes the weights.
         """
         engine = cls.__new__(cls)
-        engine._attach(model, tokenizer, device, seed)
+        engine._attach(model, tokenizer, device, seed, hf_cfg or HfConfig())
         return engine
 
-    def _attach(self, model: torch.nn.Module, tokenizer, device: torch.device, seed: int) -> None:
+    def _attach(self, model: torch.nn.Module, tokenizer, device: torch.device, seed: int, hf_cfg: HfConfig) -> None:
         self.device, self.tokenizer, self.model = device, tokenizer, model
         self._rust_tokenizer = getattr(self.tokenizer, "backend_tokenizer", None)  # None for Python tokenizers
         self.max_positions = self.model.config.max_position_embeddings
@@ -123,6 +125,8 @@ class HFEngine(Engine):
         self._specs, self._aliases = state_specs(self._targets)
         self._cv = threading.Condition()
         self._pending: deque[_Job] = deque()
+        self._continuous, self._max_rows = hf_cfg.continuous, hf_cfg.max_rows
+        self._stop_ids: dict[SamplingParams, torch.Tensor] = {}  # per sampling settings (`_Job.key`)
         self._pause_mode: str | None = None  # set by pause(): the decode thread parks at the next point
         self._parked = threading.Event()
         self._closed = False
@@ -170,12 +174,13 @@ class HFEngine(Engine):
     # ------------------------------------------------------------------------- decode thread
 
     def _serve(self) -> None:
+        rows = Rows.empty(self.device)
         while True:
             with self._cv:
                 idle_since = time.monotonic()
-                while not self._closed and (self._pause_mode is not None or not self._pending):
+                while not self._closed and not rows and (self._pause_mode is not None or not self._pending):
                     if self._pause_mode is not None:
-                        self._parked.set()  # idle or between waves: nothing runs
+                        self._parked.set()  # no rows: nothing runs
                         idle_since = time.monotonic()
                     elif time.monotonic() - idle_since > IDLE_S:
                         self._thread = None  # the next request starts a new one
@@ -183,110 +188,96 @@ class HFEngine(Engine):
                     self._cv.wait(IDLE_S)
                 if self._closed:
                     break
-                jobs = self._take_wave()
+                jobs = self._take(len(rows))
             try:
                 with torch.inference_mode():
-                    self._decode(jobs)
+                    rows = self._iterate(rows, jobs)
             except BaseException as e:  # noqa: BLE001 - reported to each request, the thread goes on
-                log.exception("hf engine: a wave of %d requests failed", len(jobs))
-                for job in jobs:
-                    job.resolve(e)
-        for job in self._pending:
+                log.exception("hf engine: a decode step of %d rows failed", len(rows) + len(jobs))
+                for job in rows.jobs + jobs:
+                    job.resolve(e)  # a request already resolved keeps its result
+                rows = Rows.empty(self.device)
+        for job in rows.jobs + list(self._pending):
             job.resolve(RuntimeError("the hf engine was closed"))
 
-    def _take_wave(self) -> list[_Job]:
-        """Every pending job whose sampling settings match the oldest one's (called under the lock)."""
-        key = wave_key(self._pending[0].request.params)
-        jobs = [job for job in self._pending if wave_key(job.request.params) == key]
-        self._pending = deque(job for job in self._pending if wave_key(job.request.params) != key)
-        return jobs
+    def _take(self, running: int) -> list[_Job]:
+        """The pending jobs that join now (called under the lock): none while paused; continuous: the
+        oldest ones up to `rollout.hf.max_rows` rows; waves: with no rows running, every pending job
+        whose sampling settings match the oldest one's."""
+        if self._pause_mode is not None or (running and not self._continuous):
+            return []
+        room = self._max_rows - running if self._max_rows else len(self._pending)
+        key = None if self._continuous or not self._pending else self._pending[0].key
+        taken: list[_Job] = []
+        waiting: deque[_Job] = deque()
+        for job in self._pending:
+            (taken if len(taken) < room and key in (None, job.key) else waiting).append(job)
+        self._pending = waiting
+        return taken
 
-    def _park(self, mode_in_wave: bool) -> str | None:
-        """At a step boundary: park while paused when the pause mode acts inside a wave; returns the
-        mode it parked for (None: not paused, or ``finish``, which waits for the wave's end)."""
+    def _park(self) -> str | None:
+        """At a step boundary: park while paused in a mode that acts on running rows; returns the mode
+        it parked for (None: not paused, or ``finish``, which lets the rows end first)."""
         with self._cv:
             if self._closed:
                 return "closed"
             mode = self._pause_mode
-            if mode is None or (mode == "finish" and mode_in_wave):
+            if mode is None or mode == "finish":
                 return None
             self._parked.set()
             while self._pause_mode is not None and not self._closed:
                 self._cv.wait()
         return mode
 
-    def _decode(self, jobs: list[_Job]) -> None:
-        """The sampling loop of one wave: one forward per step over the live rows."""
-        params = jobs[0].request.params
-        width = max(job.budget for job in jobs)
-        batch, logits_RV = self._prefill(jobs, width)
-        wave = _Wave(jobs, params, torch.zeros(len(jobs), width, dtype=torch.long, device=self.device),
-                     torch.zeros(len(jobs), width, dtype=torch.float32, device=self.device))
-        stop_ids = torch.tensor(
-            eos_token_ids(self.tokenizer, self.model.generation_config.eos_token_id, params), device=self.device
-        )
-        seeded = [i for i, job in enumerate(jobs) if job.generator is not None]
-        for step in range(width):
-            wave.step_versions.append(self.version)
-            token_R, logp_R = sample_next(logits_RV, params, self._generator, self._uniforms(batch, jobs, seeded))
-            wave.tokens_SM[batch.rows_R, step] = token_R
-            wave.logp_SM[batch.rows_R, step] = logp_R
-            done_R = torch.isin(token_R, stop_ids) | (batch.limit_R <= step + 1)
-            by_string_R = self._stop_string_hits(wave.tokens_SM, batch, step, params.stop) if params.stop else None
-            if by_string_R is not None:
-                done_R |= by_string_R
-            newly_R = done_R & batch.live_R
-            if newly_R.any():
-                strings = set(batch.rows_R[newly_R & by_string_R].tolist()) if by_string_R is not None else set()
-                for row in batch.rows_R[newly_R].tolist():
-                    jobs[row].resolve(self._assemble(wave, row, step + 1, row in strings))
-                batch.live_R &= ~newly_R
-                live = int(batch.live_R.sum())
-                if live == 0:
-                    return
-                if live <= (1 - COMPACT_FRACTION) * batch.live_R.numel():
-                    token_R = token_R[batch.live_R]
-                    batch.select(batch.live_R)
-            parked = self._park(mode_in_wave=True)
-            if parked == "recompute":
-                self._requeue(wave, batch, step + 1)
-                return
-            if parked == "closed":
-                for row in batch.rows_R[batch.live_R].tolist():
-                    jobs[row].resolve(RuntimeError("the hf engine was closed"))
-                return
-            logits_RV = self._step(batch, token_R, step)
+    def _iterate(self, rows: Rows, jobs: list[_Job]) -> Rows:
+        """One decode step: ``jobs`` join (prefilled), every row samples a token, finished rows leave
+        and return, then one forward over the rest (after any pause). Returns the rows still running."""
+        if jobs:
+            rows = rows.merge(self._prefill(jobs))
+        assert rows.logits_RV is not None
+        token_R, logp_R, done_R = sample_rows(rows.logits_RV, rows.groups, rows.jobs, self._generator, self._stop_ids_of)
+        rows.record(token_R, logp_R, self.version)
+        done_R |= rows.steps_R >= rows.limit_R
+        by_string_R = self._stop_string_hits(rows)
+        if by_string_R is not None:
+            done_R |= by_string_R
+        if bool(done_R.any()):
+            for row in done_R.nonzero().squeeze(1).tolist():
+                by_string = by_string_R is not None and bool(by_string_R[row])
+                rows.jobs[row].resolve(self._assemble(rows, row, by_string))
+            token_R = token_R[~done_R]
+            rows = rows.keep(~done_R)
+        parked = self._park()
+        if parked == "recompute":
+            self._requeue(rows)
+            return Rows.empty(self.device)
+        if rows and parked != "closed":  # closed: `_serve` fails the rows left
+            self._step(rows, token_R)
+        return rows
 
-    def _uniforms(self, batch: _Batch, jobs: list[_Job], seeded: list[int]) -> torch.Tensor | None:
-        """Per-row uniforms when some rows have their own seed (else None: one draw for all)."""
-        if not seeded:
-            return None
-        u_R = torch.rand(batch.rows_R.numel(), generator=self._generator, device=self.device)
-        for pos, row in enumerate(batch.rows_R.tolist()):
-            gen = jobs[row].generator
-            if gen is not None:
-                u_R[pos] = torch.rand(1, generator=gen, device=self.device)[0]
-        return u_R
+    def _stop_ids_of(self, params: SamplingParams) -> torch.Tensor:
+        if params not in self._stop_ids:
+            eos = eos_token_ids(self.tokenizer, self.model.generation_config.eos_token_id, params)
+            self._stop_ids[params] = torch.tensor(eos, device=self.device)
+        return self._stop_ids[params]
 
-    def _requeue(self, wave: _Wave, batch: _Batch, steps: int) -> None:
-        """``recompute``: the wave's unfinished rows go back to the queue's front as prompt + tokens
-        so far; the next wave prefills them with the new weights."""
-        rows = batch.rows_R[batch.live_R].tolist()
-        tokens, logps = wave.tokens_SM[rows, :steps].tolist(), wave.logp_SM[rows, :steps].tolist()
+    def _requeue(self, rows: Rows) -> None:
+        """``recompute``: the unfinished rows go back to the queue's front as prompt + tokens so far;
+        the next step prefills them with the new weights."""
         with self._cv:
-            for row, toks, lps in reversed(list(zip(rows, tokens, logps))):
-                job = wave.jobs[row]
-                job.tokens, job.logprobs = job.tokens + toks, job.logprobs + lps
-                job.versions = job.versions + wave.step_versions[:steps]
+            for row in reversed(range(len(rows))):
+                job = rows.jobs[row]
+                tokens, logps, versions = rows.sampled(row)
+                job.tokens, job.logprobs, job.versions = job.tokens + tokens, job.logprobs + logps, job.versions + versions
                 self._pending.appendleft(job)
             self._cv.notify_all()
 
-    def _prefill(self, jobs: list[_Job], width: int) -> tuple[_Batch, torch.Tensor]:
+    def _prefill(self, jobs: list[_Job]) -> Rows:
         """Run each distinct context once, then repeat its cache for each job that shares it."""
         contexts = [tuple(job.context) for job in jobs]
         distinct = list(dict.fromkeys(contexts))
         order = sorted(range(len(jobs)), key=lambda i: distinct.index(contexts[i]))  # sharers side by side
-        jobs[:] = [jobs[i] for i in order]
+        jobs = [jobs[i] for i in order]
         contexts = [contexts[i] for i in order]
         counts = torch.tensor([contexts.count(c) for c in distinct], device=self.device)
         lengths = [len(c) for c in distinct]
@@ -303,52 +294,45 @@ class HFEngine(Engine):
         )
         if bool((counts > 1).any()):
             cache.batch_select_indices(torch.arange(len(distinct), device=self.device).repeat_interleave(counts))
-        mask_RL = torch.cat([mask_BP, mask_BP.new_ones(len(distinct), width)], dim=1).repeat_interleave(counts, dim=0)
         length_R = length_B.repeat_interleave(counts)
         budget_R = torch.tensor([job.budget for job in jobs], device=self.device)
-        batch = _Batch(
-            cache=cache,
-            mask_RL=mask_RL,
-            pos_R=length_R,
-            limit_R=torch.minimum(self.max_positions - length_R, budget_R),
-            rows_R=torch.arange(len(jobs), device=self.device),
-            live_R=torch.ones(len(jobs), dtype=torch.bool, device=self.device),
-            prompt_len=longest,
-        )
-        return batch, out.logits[:, -1].float().repeat_interleave(counts, dim=0)
+        limit_R = torch.minimum(self.max_positions - length_R, budget_R)
+        logits_RV = out.logits[:, -1].float().repeat_interleave(counts, dim=0)
+        return Rows.start(jobs, cache, mask_BP.repeat_interleave(counts, dim=0), length_R, limit_R, logits_RV)
 
-    def _step(self, batch: _Batch, token_R: torch.Tensor, step: int) -> torch.Tensor:
-        """Feed the tokens sampled at ``step``; returns the next logits, float32 [R, V]."""
-        out = self.model(
-            input_ids=token_R[:, None],
-            attention_mask=batch.mask_RL[:, : batch.prompt_len + step + 1],
-            position_ids=batch.pos_R[:, None],
-            past_key_values=batch.cache,
-            use_cache=True,
-        )
-        batch.pos_R = batch.pos_R + 1
-        return out.logits[:, -1].float()
+    def _step(self, rows: Rows, token_R: torch.Tensor) -> None:
+        """Feed each row's newest token; sets the next logits, float32 [R, V]."""
+        rows.mask_RT = torch.cat([rows.mask_RT, rows.mask_RT.new_ones(len(rows), 1)], dim=1)
+        out = self.model(input_ids=token_R[:, None], attention_mask=rows.mask_RT, position_ids=rows.pos_R[:, None],
+                         past_key_values=rows.cache, use_cache=True)
+        rows.pos_R = rows.pos_R + 1
+        rows.logits_RV = out.logits[:, -1].float()
 
-    def _stop_string_hits(
-        self, tokens_SM: torch.Tensor, batch: _Batch, step: int, stops: Sequence[str]
-    ) -> torch.Tensor:
-        """Rows whose text gained a stop string with the token of ``step`` (window of the last K tokens)."""
-        start = max(0, step + 1 - stop_window(stops))
-        windows_RK = tokens_SM[batch.rows_R, start : step + 1].tolist()
-        if self._rust_tokenizer is not None:  # the same text, ~3x faster than batch_decode
-            texts = self._rust_tokenizer.decode_batch(windows_RK, skip_special_tokens=True)
-        else:
-            texts = self.tokenizer.batch_decode(windows_RK, skip_special_tokens=True)
-        return torch.tensor([any(stop in text for stop in stops) for text in texts], device=self.device)
+    def _stop_string_hits(self, rows: Rows) -> torch.Tensor | None:
+        """Rows whose text gained a stop string with their newest token (window of their last K
+        tokens); None when no row has stop strings."""
+        hits_R = None
+        for params, index in rows.groups:
+            if not params.stop:
+                continue
+            members = list(range(len(rows)))[index] if isinstance(index, slice) else index.tolist()
+            windows = rows.last_tokens(index, stop_window(params.stop))
+            if self._rust_tokenizer is not None:  # the same text, ~3x faster than batch_decode
+                texts = self._rust_tokenizer.decode_batch(windows, skip_special_tokens=True)
+            else:
+                texts = self.tokenizer.batch_decode(windows, skip_special_tokens=True)
+            if hits_R is None:
+                hits_R = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
+            hits_R[members] = torch.tensor([any(stop in text for stop in params.stop) for text in texts],
+                                           dtype=torch.bool, device=self.device)
+        return hits_R
 
-    def _assemble(self, wave: _Wave, row: int, length: int, by_string: bool) -> Generation:
+    def _assemble(self, rows: Rows, row: int, by_string: bool) -> Generation:
         """One finished row as a Generation: its tokens (after any earlier ``recompute`` part), reward text."""
-        job, params = wave.jobs[row], wave.params
-        stop_ids = set(eos_token_ids(self.tokenizer, self.model.generation_config.eos_token_id, params))
-        ids = job.tokens + wave.tokens_SM[row, :length].tolist()
-        lps = job.logprobs + wave.logp_SM[row, :length].tolist()
-        versions = job.versions + wave.step_versions[:length]
-        by_id = ids[-1] in stop_ids
+        job, params = rows.jobs[row], rows.jobs[row].request.params
+        tokens, logps, versions_ = rows.sampled(row)
+        ids, lps, versions = job.tokens + tokens, job.logprobs + logps, job.versions + versions_
+        by_id = ids[-1] in set(self._stop_ids_of(job.key).tolist())
         text = self.tokenizer.decode(ids[:-1] if by_id else ids, skip_special_tokens=True)
         cut = find_stop(text, params.stop) if params.stop else -1
         if cut >= 0 and not by_string:

@@ -1,16 +1,16 @@
 """The `hf` engine's sampling arithmetic and decode state: devices and dtypes, top-k / top-p filtering,
-one token per row with its behaviour log-prob (the convention of `base.py`), which requests may share
-a wave, and the records of one wave (`_Job` per request, `_Batch` of live rows, `_Wave`)."""
+one token per row with its behaviour log-prob (the convention of `base.py`), which requests sample
+alike (`wave_key`), and `_Job`, one request inside the engine (its rows: `kv_rows.py`)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
-from transformers import DynamicCache
-
 from fleetrl.rollout.engines.base import Generation, Request, SamplingParams
 
 
@@ -65,6 +65,36 @@ def sample_next(
     return token_R, logp_RV.gather(1, token_R[:, None]).squeeze(1)
 
 
+def sample_rows(
+    logits_RV: torch.Tensor, groups: list, jobs: list[_Job], generator: torch.Generator,
+    stop_ids: Callable[[SamplingParams], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A token per row, each group of rows (sampling settings, rows: a slice or an index tensor, as
+    `kv_rows.groups_of` gives) by its own settings; returns (token_R, logp_R, stopped_R), stopped =
+    the token is an eos or stop id of the row's settings (``stop_ids(settings)``)."""
+    token_R = torch.empty(logits_RV.shape[0], dtype=torch.long, device=logits_RV.device)
+    logp_R = torch.empty(logits_RV.shape[0], dtype=torch.float32, device=logits_RV.device)
+    stopped_R = torch.empty(logits_RV.shape[0], dtype=torch.bool, device=logits_RV.device)
+    for params, index in groups:
+        members = jobs[index] if isinstance(index, slice) else [jobs[i] for i in index.tolist()]
+        u_R = None if params.greedy else row_uniforms(members, generator, logits_RV.device)
+        token_R[index], logp_R[index] = sample_next(logits_RV[index], params, generator, u_R)
+        stopped_R[index] = torch.isin(token_R[index], stop_ids(params))
+    return token_R, logp_R, stopped_R
+
+
+def row_uniforms(jobs: list[_Job], generator: torch.Generator, device: torch.device) -> torch.Tensor | None:
+    """Per-row uniforms when some rows have their own seed (a seeded row draws from its own
+    generator, so its tokens do not depend on its neighbours); else None: one draw for all."""
+    if all(job.generator is None for job in jobs):
+        return None
+    u_R = torch.rand(len(jobs), generator=generator, device=device)
+    for pos, job in enumerate(jobs):
+        if job.generator is not None:
+            u_R[pos] = torch.rand(1, generator=job.generator, device=device)[0]
+    return u_R
+
+
 def draw(probs_RV: torch.Tensor, generator: torch.Generator, u_R: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row by inverse-CDF sampling: the first token whose cumulative mass exceeds
     u * total, u ~ U[0, 1). One random number per row (``torch.multinomial`` draws one per
@@ -76,7 +106,8 @@ def draw(probs_RV: torch.Tensor, generator: torch.Generator, u_R: torch.Tensor |
 
 
 def wave_key(params: SamplingParams) -> SamplingParams:
-    """What requests of one wave must share: everything but the seed and max_new_tokens."""
+    """What rows sampled by one draw must share (and, with waves, the requests of one wave):
+    everything but the seed and max_new_tokens."""
     return dataclasses.replace(params, seed=None, max_new_tokens=1)
 
 
@@ -96,6 +127,10 @@ class _Job:
     def context(self) -> list[int]:
         return list(self.request.prompt_ids) + self.tokens
 
+    @functools.cached_property
+    def key(self) -> SamplingParams:
+        return wave_key(self.request.params)
+
     @property
     def budget(self) -> int:
         return self.request.params.max_new_tokens - len(self.tokens)
@@ -110,33 +145,3 @@ class _Job:
                 self.future.set_result(generation)
 
         self.loop.call_soon_threadsafe(set_result)
-
-
-@dataclass
-class _Batch:
-    """The rows being decoded. ``rows_R`` maps each to its index in the wave's job list."""
-
-    cache: DynamicCache
-    mask_RL: torch.Tensor  # attention mask over the prompt and every step (steps are all 1)
-    pos_R: torch.Tensor  # position of the next token fed
-    limit_R: torch.Tensor  # most tokens the row may sample (its budget or the context length)
-    rows_R: torch.Tensor
-    live_R: torch.Tensor  # False once finished (kept in the batch until compaction)
-    prompt_len: int
-
-    def select(self, keep_R: torch.Tensor) -> None:
-        index = keep_R.nonzero().squeeze(1)
-        self.cache.batch_select_indices(index)
-        for name in ("mask_RL", "pos_R", "limit_R", "rows_R", "live_R"):
-            setattr(self, name, getattr(self, name)[index])
-
-
-@dataclass
-class _Wave:
-    """One wave: its jobs, the tokens / log-probs written at each step, the version of each step."""
-
-    jobs: list[_Job]
-    params: SamplingParams
-    tokens_SM: torch.Tensor
-    logp_SM: torch.Tensor
-    step_versions: list[int] = field(default_factory=list)
