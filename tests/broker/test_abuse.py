@@ -152,7 +152,7 @@ def test_descriptor_exhaustion_does_not_lock_normal_clients_out(tmp_path, arith_
 
 
 def test_a_hundred_thousand_client_ids_and_a_million_group_frame(tmp_path, arith_data):
-    proc = BrokerProcess(abuse_job(tmp_path, arith_data, max_message_bytes=96 * MIB, client_timeout_s=600.0),
+    proc = BrokerProcess(abuse_job(tmp_path, arith_data, max_message_bytes=100 * MIB, client_timeout_s=600.0),
                          tmp_path / "run").start()
     try:
         canary = Canary(proc.address)
@@ -163,6 +163,7 @@ def test_a_hundred_thousand_client_ids_and_a_million_group_frame(tmp_path, arith
         rss_clients = rss_mib(proc)
         one = m.encode(make_group("0:0", n=1, t=1))
         head = msgspec.msgpack.encode([m.PushGroups.__struct_config__.tag, 7, "canary-0"])
+        assert len(one) * 10**6 < 100 * MIB  # the frame fits max_message_bytes: only max_groups_per_push refuses it
         frame = b"\x94" + head[1:] + b"\xdd" + (10**6).to_bytes(4, "big") + one * 10**6
         t0 = time.monotonic()
         sock.send(frame)
