@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cluster.hosts import Hosts, HostsError
 from tests.cluster.localslurm import LocalSlurm, missing_tools
 
 JOB = str(Path(__file__).with_name("job.yaml"))
@@ -54,6 +55,23 @@ def slurm(tmp_path_factory):
     cluster.start()
     yield cluster
     cluster.stop()
+
+
+def make_hosts(n: int) -> Hosts:
+    """N network-namespace hosts, or a failed test saying why (never a skip: the lane must not pass silently)."""
+    try:
+        return Hosts(n).start()
+    except HostsError as e:
+        pytest.fail(f"could not make {n} hosts in network namespaces: {e}")
+
+
+@pytest.fixture
+def hosts3():
+    hosts = make_hosts(3)
+    try:
+        yield hosts
+    finally:
+        hosts.close()
 
 
 def read_jsonl(path: Path) -> list[dict]:
