@@ -39,6 +39,14 @@ def namespaces() -> set[str]:
                                                       text=True).stdout.splitlines() if line.strip()}
 
 
+def running(pid: int) -> bool:
+    """Alive and not a zombie (PID 1 of this container does not reap the orphans it inherits)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 def ask(hosts: Hosts, src: int, dst: str, timeout: float = 3.0) -> subprocess.CompletedProcess:
     return hosts.run(src, [sys.executable, "-c", ASK, dst, str(PORT), str(timeout)], timeout=timeout + 30)
 
@@ -83,12 +91,13 @@ def test_close_removes_namespaces_links_files_and_processes_also_after_a_failure
                                    "signal.SIG_IGN); print('up', flush=True); time.sleep(600)"],
                                stdout=subprocess.PIPE, text=True)
             assert stubborn.stdout.readline().strip() == "up"
-            h.run(0, ["sh", "-c", "setsid sleep 600 >/dev/null 2>&1 < /dev/null &"])
+            orphan = int(h.run(0, ["sh", "-c", "setsid sleep 600 >/dev/null 2>&1 < /dev/null & echo $!"]).stdout)
             assert subprocess.run(["ip", "netns", "pids", h.names[0]], capture_output=True, text=True).stdout.split()
             1 / 0
     assert not made & namespaces()
     assert not any((NETNS_ETC / n).exists() for n in made)
     assert stubborn.poll() is not None
+    assert not running(orphan)
 
 
 def test_a_bad_setup_fails_loudly_and_leaves_nothing(monkeypatch):
