@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
-from fleetrl.broker.client import status_metrics
+from fleetrl.broker.client import expected_receivers, status_metrics
 from fleetrl.common import faults, telemetry
 from fleetrl.common.config import load_config, save_resolved
 from fleetrl.common.config.checks import require_model_dir
@@ -153,7 +153,7 @@ class Learner:
     def broker_metrics(self) -> dict[str, float]:
         """The broker's queue and fleet, once per step (also sizes the next weight broadcast)."""
         status = self.client.status()
-        self.fleet_size = sum(1 for c in status.clients if c.role == "rollout" and c.alive)
+        self.fleet_size = expected_receivers(status)
         return status_metrics(status)
 
     def _mean_over_ranks(self, stats: dict[str, float]) -> dict[str, float]:
