@@ -124,7 +124,8 @@ class Learner:
             self.step += 1
             self.source.ack(leased, self.step)
             self.traces.trained(step_span, leased.groups, self.step, self.version, start_ns)  # learner/tracing.py
-            self.trained_log.write({"step": self.step, "version": self.version, "group_ids": leased.ids})
+            self.trained_log.write({"step": self.step, "version": self.version, "group_ids": leased.ids,
+                                    **({"filtered_ids": leased.filtered_ids} if leased.filtered_ids else {})})
             main_only = self.broker_metrics() if self.dist.is_main and self.fleet else {}  # sizes the broadcast
             if self.dist.is_main:  # per reward function (rank 0's groups: keys may differ between ranks)
                 main_only.update(reward_part_metrics(leased.groups))
