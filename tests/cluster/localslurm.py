@@ -243,7 +243,8 @@ class HostsSlurm(LocalSlurm):
         head = head.replace(f"SlurmctldHost={self.host}", f"SlurmctldHost={self.host}({self.hosts.addrs[0]})")
         nodes = "".join(NODE_LINE.format(node=self.hosts.names[i], addr=self.hosts.addrs[i], cpus=self.cpus, mem=mem)
                         for i in self.compute)
-        part = f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4\n"
+        part = (f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP "
+                "OverSubscribe=FORCE:4\n")
         self.conf.write_text(head + "SlurmdTimeout=300\n" + nodes + part)
 
     def start(self) -> "HostsSlurm":

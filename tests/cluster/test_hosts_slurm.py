@@ -23,8 +23,8 @@ from tests.cluster.localslurm import HostsSlurm, missing_tools
 pytestmark = pytest.mark.cluster
 CUT_S = 20.0
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "hosts_slurm.json"
-LAYOUT = ["cluster.share_nodes=false", "cluster.slurm.broker_own_node=true", "cluster.learner.nodes=2", "learner.num_ranks=2",
-          "cluster.rollout.nodes=2", "cluster.rollout.servers_per_node=1", "cluster.interface=eth0"]
+LAYOUT = ["cluster.share_nodes=false", "cluster.slurm.broker_own_node=true", "cluster.learner.nodes=2",
+          "learner.num_ranks=2", "cluster.rollout.nodes=2", "cluster.rollout.servers_per_node=1", "cluster.interface=eth0"]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def logged_ids(run: Path, key: str) -> list[str]:
 
 
 @pytest.mark.timeout(900)
-def test_four_roles_on_five_nodes_learn_and_survive_a_rollout_host_cut(cluster, assets, tmp_path):
+def test_four_roles_on_five_nodes_learn_and_survive_a_rollout_host_cut_and_a_broker_host_cut(cluster, assets, tmp_path):
     hosts, slurm = cluster
     run, spool = tmp_path / "run", tmp_path / "spool"
     submit = hosts.run(0, [sys.executable, "-m", "fleetrl.common.cli", "launch", "slurm", "--config", JOB, "--run-dir",
@@ -92,6 +92,20 @@ def test_four_roles_on_five_nodes_learn_and_survive_a_rollout_host_cut(cluster, 
     print(f"hosts: cut {names[5]} (rollout-{cut_index}) {CUT_S:.0f} s; {steps_during} learner steps during the cut; "
           f"its groups accepted again {back_s:.1f} s after the link returned")
 
+    # Cut the broker's host for CUT_S: every client's requests stall; a request is tried three times of
+    # broker.request_timeout_s (10 s in job.yaml), so the clients outlast the cut and resume; nothing
+    # acknowledged is lost. (With a request timeout of 60 s they resumed only ~40 s after the link returned:
+    # the old TCP connection's retransmission backoff, not a fresh connection.)
+    hosts.cut(1)
+    time.sleep(CUT_S)
+    hosts.restore(1)
+    restored = time.time()
+    resumed = wait_for(lambda: [r for r in rows() if r["time"] > restored], 120,
+                       "a learner step after the broker's link returned", run)
+    broker_back_s = resumed[0]["time"] - restored
+    print(f"hosts: cut the broker's host {names[1]} {CUT_S:.0f} s; next learner step {broker_back_s:.1f} s after "
+          "the link returned")
+
     assert slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 420) == "COMPLETED", \
         (run / "launch" / f"slurm-{job}.out").read_text()[-3000:]
     # Accuracy up. The learner's held-out eval runs only with one rank (learner/evaluate.py), so this is the
@@ -111,15 +125,19 @@ def test_four_roles_on_five_nodes_learn_and_survive_a_rollout_host_cut(cluster, 
     versions = [r["policy/version"] for r in rows() if "policy/version" in r]
     report = {"hosts": len(names), "all_registered_s": ready[0].get("since_alloc_s"), "cut_s": CUT_S,
               "learner_steps_during_cut": steps_during, "rollout_back_after_link_s": round(back_s, 2),
+              "training_after_broker_link_s": round(broker_back_s, 2),
               "acknowledged": len(acked_ids), "trained": len(set(trained)), "still_queued": len(queued),
-              "filtered": len(filtered), "dropped_stale": stale, "lost": len(lost) - stale, "trained_twice": len(twice),
+              "filtered": len(filtered), "dropped_stale": stale,
+              "acked_not_trained_filtered_or_queued": len(lost), "lost": max(0, len(lost) - stale), "trained_twice": len(twice),
               "versions_monotonic": all(a <= b for a, b in zip(versions, versions[1:])),
               "accuracy_first_last_20_steps": [round(first, 3), round(last, 3)],
               "note": "shared 2-core box, other sessions busy: not a quiet-box figure"}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2))
     print("hosts:", json.dumps(report))
-    assert len(lost) == stale, f"{len(lost)} acknowledged groups neither trained, filtered nor queued; {stale} dropped stale"
+    # Stale drops are counted, not named; some of them were never acknowledged to their server (the ack lost
+    # in a cut, the re-push answered `duplicate`), so the unaccounted groups are at most that count.
+    assert len(lost) <= stale, f"{len(lost)} acknowledged groups neither trained, filtered nor queued; {stale} dropped stale"
     assert not twice, f"groups trained twice: {twice[:5]}"
     assert report["versions_monotonic"]
     assert steps_during > 0, "the learner stopped while one rollout host was cut off"
