@@ -24,13 +24,13 @@ import zmq
 
 from fleetrl.broker.aclient import AsyncBrokerClient, AsyncSubscription, BrokerError, BrokerUnauthorized, BrokerUnavailable
 from fleetrl.broker.address import client_identity, default_client_id, resolve_address
-from fleetrl.broker.metrics import fleet_metrics, status_metrics
+from fleetrl.broker.metrics import expected_receivers, fleet_metrics, status_metrics
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import CurveConfig
 
 __all__ = ["AsyncBrokerClient", "BrokerClient", "BrokerError", "BrokerUnauthorized", "BrokerUnavailable",
            "Subscription", "SubscriptionLike", "ZmqBrokerClient", "client_identity", "default_client_id",
-           "fleet_metrics", "resolve_address", "status_metrics"]
+           "expected_receivers", "fleet_metrics", "resolve_address", "status_metrics"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -37,6 +37,18 @@ def info_size(values: Mapping[str, object]) -> int:
     return sum(len(k) + (len(v) if isinstance(v, str) else 8) for k, v in values.items())
 
 
+MAX_RECEIVERS = 4096
+
+
+def receivers_error(info: Mapping[str, str]) -> str:
+    """Why a Register's ``info["receivers"]`` (weight receivers behind the client) is unusable, or ''."""
+    value = info.get("receivers", "1")
+    if not value.isdigit() or not 1 <= int(value) <= MAX_RECEIVERS:
+        return (f"Register.info['receivers'] must be a whole number of weight receivers, 1..{MAX_RECEIVERS} "
+                f"(one per tensor-parallel worker), got {value!r}")
+    return ""
+
+
 class ClientTable:
     def __init__(self, bcfg: BrokerConfig):
         self.bcfg = bcfg

@@ -38,6 +38,12 @@ def status_metrics(status: m.Status) -> dict[str, float]:
     }
 
 
+def expected_receivers(status: m.Status) -> int:
+    """How many weight receivers the next broadcast round should wait for: every live rollout server's
+    registered count (a tensor-parallel vLLM server has one per worker), not the number of servers."""
+    return sum(c.receivers for c in status.clients if c.role == "rollout" and c.alive)
+
+
 def fleet_metrics(status: m.Status) -> dict[str, float]:
     """Aggregates of the rollout servers' heartbeat stats (``fleet/...``); per-server series are in
     each server's ``rollout-<i>.metrics.jsonl``."""
@@ -45,6 +51,7 @@ def fleet_metrics(status: m.Status) -> dict[str, float]:
     total = lambda key: float(sum(s.get(key, 0.0) for s in stats))  # noqa: E731
     return {
         "fleet/servers": float(len(stats)),
+        "fleet/receivers": float(expected_receivers(status)),
         "fleet/tokens_per_s": total("rollout/tokens_per_s"),
         "fleet/reward_mean": total("reward/mean") / len(stats) if stats else 0.0,
         "fleet/groups_pushed": total("rollout/groups_pushed"),

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from fleetrl.broker import spool as sp
 from fleetrl.broker.auth import Principal
-from fleetrl.broker.clients import ClientState, ClientTable
+from fleetrl.broker.clients import ClientState, ClientTable, receivers_error
 from fleetrl.broker.control import Controls
 from fleetrl.broker.ingest import Ingest, Rate
 from fleetrl.broker.leases import BatchLeases, Unauthorized
@@ -229,6 +229,10 @@ class BrokerState:
         if too_large:
             self.rejected["too_large"] += 1
             return m.Error(req_id=req.req_id, code="too_large", reason=too_large)
+        bad = receivers_error(req.info)
+        if bad:
+            self.rejected["bad_request"] += 1
+            return m.Error(req_id=req.req_id, code="bad_request", reason=bad)
         shown = req.role if role is None or req.role == "monitor" else role
         c = ClientState(req.client_id, shown, "", req.rank, info=dict(req.info))
         if shown == "rollout" and self.controls.version_known:
@@ -466,7 +470,8 @@ class BrokerState:
             clients=[
                 m.ClientInfo(client_id=c.client_id, role=c.role, rank=c.rank, policy_version=c.policy_version,
                              last_seen_s=round(now - c.last_seen, 3), alive=cs.alive(c, now),
-                             stats={**c.stats, "groups_pushed": float(c.groups_pushed)} if c.groups_pushed else c.stats)
+                             stats={**c.stats, "groups_pushed": float(c.groups_pushed)} if c.groups_pushed else c.stats,
+                             receivers=int(c.info.get("receivers", 1)))
                 for c in cs.clients.values()
             ],
             paused=self.paused, data_epoch=self.prompts.epoch, data_cursor=self.prompts.pos,

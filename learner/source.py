@@ -39,6 +39,7 @@ class Leased:
     groups: list[m.SampleGroup]  # kept for training
     leases: list[tuple[str, list[str]]] = field(default_factory=list)  # (lease id, group ids to ack after the step)
     filtered: int = 0  # groups dropped by dynamic sampling
+    filtered_ids: list[str] = field(default_factory=list)  # their ids (acked, not trained: trained-<rank>.jsonl)
     dropped_stale: int = 0
     wait_s: float = 0.0
     pairs: list[tuple[list[int], list[int], list[int]]] | None = None  # offline DPO: (prompt, chosen, rejected) ids
@@ -93,6 +94,7 @@ class BrokerBatchSource:
             if kept:
                 out.leases.append((lease.lease_id, [g.group_id for g in kept]))
             out.filtered += len(filtered)
+            out.filtered_ids.extend(filtered)
             out.groups.extend(kept)
             last = lease
             if len(out.groups) >= self.want:

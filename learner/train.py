@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
-from fleetrl.broker.client import status_metrics
+from fleetrl.broker.client import expected_receivers, status_metrics
 from fleetrl.common import faults, telemetry
 from fleetrl.common.config import load_config, save_resolved
 from fleetrl.common.config.checks import require_model_dir
@@ -124,7 +124,8 @@ class Learner:
             self.step += 1
             self.source.ack(leased, self.step)
             self.traces.trained(step_span, leased.groups, self.step, self.version, start_ns)  # learner/tracing.py
-            self.trained_log.write({"step": self.step, "version": self.version, "group_ids": leased.ids})
+            self.trained_log.write({"step": self.step, "version": self.version, "group_ids": leased.ids,
+                                    **({"filtered_ids": leased.filtered_ids} if leased.filtered_ids else {})})
             main_only = self.broker_metrics() if self.dist.is_main and self.fleet else {}  # sizes the broadcast
             if self.dist.is_main:  # per reward function (rank 0's groups: keys may differ between ranks)
                 main_only.update(reward_part_metrics(leased.groups))
@@ -153,7 +154,7 @@ class Learner:
     def broker_metrics(self) -> dict[str, float]:
         """The broker's queue and fleet, once per step (also sizes the next weight broadcast)."""
         status = self.client.status()
-        self.fleet_size = sum(1 for c in status.clients if c.role == "rollout" and c.alive)
+        self.fleet_size = expected_receivers(status)
         return status_metrics(status)
 
     def _mean_over_ranks(self, stats: dict[str, float]) -> dict[str, float]:

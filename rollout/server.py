@@ -481,7 +481,8 @@ def main(args) -> int:
         receiver = engine.weight_receiver(cfg, device, client_id)
         address = broker_address(cfg, args.broker, args.run_dir)
         client = ZmqBrokerClient(address, client_id, "rollout", rank=index, timeout_s=cfg.broker.request_timeout_s,
-                              curve=cfg.broker.curve, info={"engine": cfg.rollout.engine, "device": device})
+                              curve=cfg.broker.curve, info={"engine": cfg.rollout.engine, "device": device,
+                                                            "receivers": str(getattr(receiver, "receivers", 1))})
         endpoint = None
         if cfg.rollout.openai.enabled:
             from fleetrl.rollout.endpoint.server import Endpoint

@@ -62,6 +62,8 @@ class Update:
 
 
 class WeightReceiver:
+    receivers = 1  # weight receivers this handle stands for (the server registers the count with the broker)
+
     def __init__(self, cfg: JobConfig, specs: list[ParamSpec], device: str, client_id: str):
         self.cfg = cfg.sync
         self.identity = f"{client_id}/{uuid.uuid4().hex[:8]}"

@@ -22,6 +22,7 @@ class ClientInfo(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     last_seen_s: float = 0.0  # seconds since the last request
     alive: bool = True
     stats: dict[str, float] = {}
+    receivers: int = 1  # weight receivers behind this client (a tensor-parallel vLLM server: one per worker)
 
 
 # ---------------------------------------------------------------- requests (client -> broker)

@@ -304,7 +304,8 @@ class WorkerReceivers:
 
         self.engine = engine
         specs = [(name, tuple(shape), str(dtype).removeprefix("torch.")) for name, shape, dtype in engine.param_specs()]
-        engine.rpc("fleetrl_init", msgspec.json.encode(cfg), client_id, specs, dict(engine._aliases))
+        # one receiver per worker (tensor parallel): the count the server registers, so the learner waits for all
+        self.receivers = len(engine.rpc("fleetrl_init", msgspec.json.encode(cfg), client_id, specs, dict(engine._aliases)))
         self._stats: dict[str, float] = {}
         self._failed = 0
         self._polled = (0.0, None)  # (monotonic time, pending version) of the last poll

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cluster.hosts import Hosts, HostsError
 from tests.cluster.localslurm import LocalSlurm, missing_tools
 
 JOB = str(Path(__file__).with_name("job.yaml"))
@@ -26,9 +27,13 @@ def fleetrl(*args: str, env: dict | None = None, timeout: float = 600) -> subpro
 
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> dict[str, str]:
-    """The demo's small model warm-started to ~25% held-out accuracy, and the arithmetic data (~1 min)."""
-    root = tmp_path_factory.mktemp("assets")
+    """The demo's small model warm-started to ~25% held-out accuracy, and the arithmetic data (~1 min).
+    FLEETRL_CLUSTER_ASSETS=DIR keeps them in DIR and reuses them there (iterating on one test by hand)."""
+    keep = os.environ.get("FLEETRL_CLUSTER_ASSETS")
+    root = Path(keep) if keep else tmp_path_factory.mktemp("assets")
     model, warm, data = root / "small", root / "warm", root / "arith.jsonl"
+    if keep and (warm / "config.json").exists() and (root / "arith.eval.jsonl").exists():
+        return {"model": str(warm), "train": str(data), "eval": str(root / "arith.eval.jsonl")}
     for args in (["init-model", "--out", str(model), "--preset", "small"],
                  ["init-data", "--task", "arithmetic", "--out", str(data), "--n", "20000", "--eval-n", "500"],
                  ["sft", "--model", str(model), "--data", str(data), "--eval-data", str(root / "arith.eval.jsonl"),
@@ -54,6 +59,23 @@ def slurm(tmp_path_factory):
     cluster.start()
     yield cluster
     cluster.stop()
+
+
+def make_hosts(n: int) -> Hosts:
+    """N network-namespace hosts, or a failed test saying why (never a skip: the lane must not pass silently)."""
+    try:
+        return Hosts(n).start()
+    except HostsError as e:
+        pytest.fail(f"could not make {n} hosts in network namespaces: {e}")
+
+
+@pytest.fixture
+def hosts3():
+    hosts = make_hosts(3)
+    try:
+        yield hosts
+    finally:
+        hosts.close()
 
 
 def read_jsonl(path: Path) -> list[dict]:

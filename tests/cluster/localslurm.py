@@ -25,9 +25,6 @@ import subprocess
 import time
 from pathlib import Path
 
-DAEMONS = ("munged", "slurmctld", "slurmd")
-
-
 def missing_tools() -> list[str]:
     return [t for t in ("sbatch", "srun", "scontrol", "slurmctld", "slurmd", "munged") if shutil.which(t) is None
             and not Path(f"/usr/sbin/{t}").exists()]
@@ -89,6 +86,12 @@ class LocalSlurm:
         self.procs: dict[str, subprocess.Popen] = {}
         self.conf = self.root / "slurm.conf"
 
+    n_nodes = 1
+
+    def slurm_cmd(self, argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
+        """A Slurm client command (sinfo, squeue, scontrol, sbatch, ...) against this cluster."""
+        return subprocess.run(argv, capture_output=True, text=True, env=self.env, timeout=timeout)
+
     @property
     def env(self) -> dict[str, str]:
         return {**os.environ, "SLURM_CONF": str(self.conf)}
@@ -143,18 +146,18 @@ class LocalSlurm:
         deadline = time.monotonic() + timeout
         state = ""
         while time.monotonic() < deadline:
-            for name in ("slurmctld", "slurmd"):
+            for name in [n for n in self.procs if n != "munged"]:
                 if self.procs[name].poll() is not None:
                     raise RuntimeError(f"{name} exited with {self.procs[name].returncode}; see {self.root}/{name}*.log")
-            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, env=self.env)
+            out = self.slurm_cmd(["sinfo", "-h", "-N", "-o", "%T"])
             state = out.stdout.strip()
-            if state.startswith("idle"):
+            if state and all(s.startswith("idle") for s in state.split()) and len(state.split()) == self.n_nodes:
                 return
             time.sleep(0.3)
         raise RuntimeError(f"the slurm node never became idle (state {state!r}); see {self.root}")
 
     def scontrol_job(self, job_id: str) -> dict[str, str]:
-        out = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True, env=self.env)
+        out = self.slurm_cmd(["scontrol", "-o", "show", "job", str(job_id)])
         return dict(re.findall(r"(\w+)=(\S*)", out.stdout)) if out.returncode == 0 else {}
 
     def job_state(self, job_id: str) -> str:
@@ -181,20 +184,19 @@ class LocalSlurm:
         down with it, so stopping the daemons first would orphan them."""
         if self.procs.get("slurmctld") is None or self.procs["slurmctld"].poll() is not None:
             return
-        queue = lambda: subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True,  # noqa: E731
-                                       env=self.env).stdout.split()
+        queue = lambda: self.slurm_cmd(["squeue", "-h", "-o", "%i"]).stdout.split()  # noqa: E731
         jobs = queue()
         if jobs:
-            subprocess.run(["scancel", "--full", *jobs], env=self.env, capture_output=True)
+            self.slurm_cmd(["scancel", "--full", *jobs])
         deadline = time.monotonic() + timeout
         while queue() and time.monotonic() < deadline:
             time.sleep(0.5)
 
     def stop(self) -> None:
         self.cancel_all()
-        for name in reversed(DAEMONS):
-            proc = self.procs.pop(name, None)
-            if proc is None or proc.poll() is not None:
+        for name in reversed(list(self.procs)):  # slurmd(s), slurmctld, munged (when we started it)
+            proc = self.procs.pop(name)
+            if proc.poll() is not None:
                 continue
             proc.terminate()
             try:
@@ -208,6 +210,55 @@ class LocalSlurm:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+NODE_LINE = "NodeName={node} NodeHostname={node} NodeAddr={addr} CPUs={cpus} RealMemory={mem} State=UNKNOWN\n"
+
+
+class HostsSlurm(LocalSlurm):
+    """Slurm across network-namespace hosts (tests/cluster/hosts.py): slurmctld on host 0, one slurmd per
+    compute host under its own NodeName/NodeAddr (``slurmd -N``), client commands run on host 0 (the
+    login node). munged is shared: its socket is a path, reachable from every namespace.
+
+    ``proctrack/linuxproc`` here: with cgroup v1 every slurmd on this kernel would make the same
+    ``slurm/uid_0/job_N/step_M`` directories for a job spanning nodes, so one node's step cleanup would
+    reach another's processes; what linuxproc leaves behind, `Hosts.close()` stops."""
+
+    def __init__(self, root: Path, hosts, compute: list[int], cpus: int | None = None):
+        super().__init__(root, cpus=cpus, proctrack="linuxproc")
+        self.hosts = hosts
+        self.compute = list(compute)
+        self.host = self.node = hosts.names[0]
+        self.nodes = [hosts.names[i] for i in self.compute]
+        self.n_nodes = len(self.nodes)
+
+    def slurm_cmd(self, argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
+        return self.hosts.run(0, argv, timeout=timeout, env=self.env)
+
+    def write_config(self) -> None:
+        super().write_config()
+        text = self.conf.read_text()
+        head = text[:text.index("NodeName=")]
+        mem = re.search(r"RealMemory=(\d+)", text).group(1)
+        head = head.replace(f"SlurmctldHost={self.host}", f"SlurmctldHost={self.host}({self.hosts.addrs[0]})")
+        nodes = "".join(NODE_LINE.format(node=self.hosts.names[i], addr=self.hosts.addrs[i], cpus=self.cpus, mem=mem)
+                        for i in self.compute)
+        part = (f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP "
+                "OverSubscribe=FORCE:4\n")
+        self.conf.write_text(head + "SlurmdTimeout=300\n" + nodes + part)
+
+    def start(self) -> "HostsSlurm":
+        self.write_config()
+        self._start_munge()
+        log = (self.root / "daemons.out").open("ab")
+        self.procs["slurmctld"] = self.hosts.popen(0, ["slurmctld", "-D", "-i", "-f", str(self.conf)], stdout=log,
+                                                   stderr=subprocess.STDOUT, env=self.env)
+        for i in self.compute:
+            name = self.hosts.names[i]
+            self.procs[f"slurmd-{name}"] = self.hosts.popen(i, ["slurmd", "-D", "-N", name, "-f", str(self.conf)],
+                                                            stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        self.wait_idle(90)
+        return self
 
 
 if __name__ == "__main__":  # a cluster to try jobs by hand: python -m tests.cluster.localslurm DIR (Ctrl-C stops it)
