@@ -40,6 +40,7 @@ from fleetrl.common.config.checks import check_job, resume_problem
 from fleetrl.common.config.schema import JobConfig
 
 POLL_S = 0.25
+EXIT_REWARDS_HOPELESS = 4  # a rollout server's exit code when no sample got a usable reward (rollout/server.py)
 DONE_GRACE_S = 5.0  # after the learner finished: how long rollouts get to exit on its `done` before SIGTERM
 LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d \w \S+ \S+: (.*)$")  # common/log.py's format: time, level, process, logger
 FINAL_WORDS = re.compile(r"\b(stopped|done|left)\b")  # the last line each component logs says what it did
@@ -240,6 +241,9 @@ class Launcher:
             code = child.returncode
             if child.alive or code in (0, None) or (child is learner and code == 0):
                 continue
+            if code == EXIT_REWARDS_HOPELESS:  # the rewards cannot score this data: a restart scores nothing again
+                raise LaunchError(f"{child.name} stopped: no sample got a usable reward; its log ({child.log}) says:\n"
+                                  f"{child.tail(6)}")
             if self.cfg.run.restart_policy == "on-failure" and child.restarts < self.cfg.run.max_restarts:
                 self.restart(child, code)
             else:
