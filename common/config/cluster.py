@@ -32,7 +32,7 @@ class LearnerNodes(Section):
         int, doc("Learner ranks per node when gpus_per_node is 0 (CPU ranks).", ge=1)
     ] = 1
     cpus_per_rank: Annotated[int, doc("CPU cores reserved for each learner rank.", ge=1)] = 1
-    mem_gb_per_rank: Annotated[int, doc("Host memory (GiB) requested for each learner rank (k8s memory request).",
+    mem_gb_per_rank: Annotated[int, doc("Host memory (GiB) requested for each learner rank (k8s memory request; Slurm --mem).",
                                         ge=1)] = 16
 
 
@@ -43,7 +43,7 @@ class RolloutNodes(Section):
         int | None, doc("Rollout servers per node (null = one per GPU or tensor-parallel group; 1 on CPU).")
     ] = None
     cpus_per_server: Annotated[int, doc("CPU cores reserved for each rollout server.", ge=0)] = 1
-    mem_gb_per_server: Annotated[int, doc("Host memory (GiB) requested for each rollout server (k8s memory request).",
+    mem_gb_per_server: Annotated[int, doc("Host memory (GiB) requested for each rollout server (k8s memory request; Slurm --mem).",
                                           ge=1)] = 16
     max_restarts: Annotated[
         int, doc("Restarts of one crashed rollout server by its node's supervisor before it is given up.", ge=0)
