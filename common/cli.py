@@ -109,7 +109,8 @@ def _init_data_args(p: argparse.ArgumentParser) -> None:
 
 
 def _status_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--broker", required=True, metavar="ADDR", help="broker request address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--broker", required=True, metavar="ADDR|RUN_DIR",
+                   help="broker request address, e.g. tcp://127.0.0.1:5555, or a run directory (its broker.json)")
     p.add_argument("--config", "-c", metavar="FILE", help="job YAML, for CURVE client keys (broker.curve)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
     p.add_argument("--json", action="store_true", help="print the status and its metrics as one JSON line")
@@ -128,7 +129,8 @@ def _keys_args(p: argparse.ArgumentParser) -> None:
 def _control_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["pause", "resume", "stop", "discard"],
                    help="pause/resume leasing, stop the fleet (resume undoes it), discard a closed range of versions")
-    p.add_argument("--broker", required=True, metavar="ADDR", help="broker request address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--broker", required=True, metavar="ADDR|RUN_DIR",
+                   help="broker request address, e.g. tcp://127.0.0.1:5555, or a run directory (its broker.json)")
     p.add_argument("--config", "-c", metavar="FILE", help="job YAML, for the operator's CURVE key (broker.curve)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
     p.add_argument("--reason", default="", help="why (goes to the announcement and the broker's audit log)")

@@ -250,6 +250,13 @@ class Launcher:
                 raise LaunchError(f"{child.name} died with exit code {code}; its log ({child.log}) ends with:\n"
                                   f"{child.tail()}")
 
+    def broker_address(self) -> str:
+        """The address the broker bound (its ``broker.json``), or "?" when it wrote none."""
+        try:
+            return json.loads((self.run_dir / "broker.json").read_text())["address"]
+        except (OSError, ValueError, KeyError):
+            return "?"
+
     def restart(self, child: Child, code: int) -> None:
         """Start a dead child again: the broker on its old ports (clients reconnect to them) and from its
         spool, the learner from its newest checkpoint."""
@@ -333,6 +340,9 @@ class Launcher:
             self.start_all()
             print(f"fleetrl run: {len(self.children)} processes ready in {time.monotonic() - self.started:.1f} s; "
                   f"run directory {self.run_dir}", flush=True)
+            if any(c.name == "broker" for c in self.children):
+                print(f"fleetrl run: broker at {self.broker_address()}; watch it with `fleetrl status --broker "
+                      f"{self.run_dir}`", flush=True)
             rl_start = time.monotonic()
             cpu = CpuMeter()
             cpu.begin(self._pids())
