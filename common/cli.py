@@ -90,7 +90,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 def _init_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write the HF model and tokenizer to")
     p.add_argument("--preset", default="tiny", choices=["tiny", "tiny32", "small", "base", "q05b"],
-                   help="tiny: ~0.1M params (tests); small: ~1.4M (demo); base: ~22M (benchmarks)")
+                   help="tiny: ~0.1M params (tests); small: ~1.23M (demo); base: ~22M (benchmarks)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
     p.add_argument("--max-positions", type=int, default=512, help="longest sequence the model supports")
 

@@ -58,10 +58,15 @@ def fmt(value: object, spec: str) -> str:
     return spec.format(x) if x == x and abs(x) != float("inf") else str(x)
 
 
-def describe_event(event: dict) -> str:
-    """One event of events.jsonl, short: a health rule's action, or the launcher restarting a child."""
+def describe_event(event: dict, cause: dict | None = None) -> str:
+    """One event of events.jsonl, short: a health rule's action, a rollback naming the rule that asked for it
+    (``cause``: the rule's own event, just before it), or the launcher restarting a child."""
     if event.get("event") == "restart":
         return f"restarted {event.get('child')} (exit {event.get('exit_code')}, restart {event.get('restart')})"
+    if event.get("rule") == "rollback":
+        why = f" ({cause.get('rule')} on {cause.get('metric')})" if cause and cause.get("rule") != "rollback" else ""
+        return (f"rolled back @ {event.get('step')}{why}, rollback {fmt(event.get('value'), '{:.0f}')}"
+                f"/{fmt(event.get('threshold'), '{:.0f}')}")
     return f"{event.get('rule')} -> {event.get('action')} @ {event.get('step')}"
 
 
@@ -79,6 +84,7 @@ class StatusLine:
         self.started: float | None = None  # time of the first metrics row: learner.max_minutes counts from about then
         self.eval_acc: float | None = None
         self.events: list[str] = []
+        self.cause: dict | None = None  # the last event whose action was a rollback: what a rollback names
         self.tty = enabled and sys.stdout.isatty()
         self.enabled = enabled
         self.live = None
@@ -108,7 +114,8 @@ class StatusLine:
             self.times.append((num(row.get("time"), time.time()), num(row.get("step"), 0.0),
                                num(row.get("batch/samples_total"), 0.0)))
         for event in self.event_tail.poll():
-            self.events.append(describe_event(event))
+            self.events.append(describe_event(event, self.cause))
+            self.cause = event if event.get("action") == "rollback" else self.cause
         self.poll_rollouts()
         text = self.render()
         if self.live is not None:

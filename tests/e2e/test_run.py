@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import psutil
+import pytest
 
 from tests.e2e.conftest import RunProcess, job_args, read_jsonl, wait_for
 
@@ -31,6 +32,7 @@ def test_run_trains_publishes_and_checkpoints(tmp_path, tiny_model_dir, arith_da
     cpu = json.loads((run_dir / "cpu.json").read_text())  # the CPU meter: every child, over the RL phase
     assert {"learner", "broker", "rollout-0"} <= set(cpu["per_child"]) and cpu["cores_busy"] > 0
     assert "CPU during RL" in out
+    assert f"watch it with `fleetrl status --broker {run_dir}`" in out and "broker at tcp://127.0.0.1:" in out
 
 
 def test_sigint_stops_everything_with_a_checkpoint(tmp_path, tiny_model_dir, arith_data, empty_config):
@@ -61,4 +63,23 @@ def test_a_child_failing_at_start_is_named(tmp_path, tiny_model_dir, arith_data,
         run.stop()
     assert code != 0
     assert "rollout-0" in out and ("vllm" in out.lower())
+    assert not run.child_pids()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("function, says", [("boom", "failed on"), ("no_score", "returned None (no score) for all")])
+def test_a_run_whose_reward_never_works_stops_naming_it(tmp_path, tiny_model_dir, arith_data, empty_config,
+                                                        function, says):
+    run_dir = tmp_path / "run"
+    rewards = f"rollout.rewards=[{{name: python, args: {{function: 'tests.rollout.user_rewards:{function}'}}}}]"
+    run = RunProcess(run_dir, empty_config, job_args(tiny_model_dir, arith_data, rewards, "learner.total_steps=50",
+                                                     "run.restart_policy=on-failure"))
+    try:
+        code = run.wait(240)
+        out = run.output()
+    finally:
+        run.stop()
+    assert code == 1, out
+    assert "no sample got a usable reward" in out and f"'{function}' (rollout.rewards[0]) {says}" in out
+    assert "restarting" not in out  # a restart would score nothing again
     assert not run.child_pids()
