@@ -34,6 +34,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "*.bin.index.json")
 NEEDS_ANSWER = ("exact", "math")
 REWARD_CHECKS = "fleetrl.rollout.rewards:check_rewards"  # imported when the checks run
+REWARD_COLUMNS = "fleetrl.rollout.rewards.user:missing_columns"  # likewise
 
 
 def check_job(cfg: JobConfig) -> list[str]:
@@ -197,12 +198,44 @@ def check_rewards(cfg: JobConfig) -> list[str]:
         return []
     module, _, name = REWARD_CHECKS.partition(":")
     problems: list[str] = getattr(importlib.import_module(module), name)(cfg.rollout.rewards)
+    if not problems:
+        problems += reward_column_problems(cfg)
     if cfg.run.eval_interval and cfg.data.eval and cfg.run.eval_success is None:
         if default_success_threshold(cfg.rollout.rewards) is None:
             problems.append("run.eval_success: which reward counts as correct in evaluation is ambiguous for these "
                             "rollout.rewards (only a single exact or math reward means reward >= 1 is right); set "
                             "run.eval_success")
     return problems
+
+
+def reward_column_problems(cfg: JobConfig) -> list[str]:
+    """Each batched python reward against data.train's first row (after data.map): the columns it requires
+    must be there, or every call fails at run time (local files only, as `data_problems`)."""
+    from fleetrl.common.data.tables import DataError, apply_map, first_row
+
+    specs = [(i, s) for i, s in enumerate(cfg.rollout.rewards) if s.name == "python"]
+    p = Path(cfg.data.train).expanduser()
+    if not specs or not p.exists():
+        return []
+    try:
+        row = first_row(p, "data.train")
+        if row and cfg.data.map:
+            row = (apply_map([row], cfg.data.map, "data.train") or [None])[0]
+    except DataError:
+        return []  # check_data reports it
+    if not row:
+        return []
+    module, _, name = REWARD_COLUMNS.partition(":")
+    missing_columns = getattr(importlib.import_module(module), name)
+    columns = [k for k in row if k != cfg.data.prompt_key]
+    out = []
+    for i, spec in specs:
+        missing = missing_columns(spec.args, columns)
+        if missing:
+            out.append(f"rollout.rewards[{i}]: {spec.args.get('function')} needs the data column(s) {missing}, which "
+                       f"data.train's first row does not have (columns: {sorted(columns)}); rename the column (a "
+                       "data.map hook), or give the parameter a default")
+    return out
 
 
 def default_success_threshold(specs) -> float | None:

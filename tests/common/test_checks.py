@@ -115,3 +115,13 @@ def test_run_refuses_a_broken_job_before_making_a_run_directory(job, tmp_path):
     assert not root.exists(), "a job that cannot start made a run directory"
     resume = subprocess.run([*CLI, "run", "--resume", str(tmp_path / "nothing")], capture_output=True, text=True)
     assert resume.returncode == 2 and "no config.yaml there" in resume.stderr
+
+
+def test_a_trl_reward_needing_a_column_the_data_lacks_is_refused(job):
+    trl = "rollout.rewards=[{name: python, args: {function: 'tests.rollout.user_rewards:reward_func'}}]"
+    [problem] = problems(job, trl)
+    assert problem.startswith("rollout.rewards[0]: tests.rollout.user_rewards:reward_func needs the data column(s) "
+                              "['ground_truth']")
+    assert "'answer'" in problem  # the list names the columns the rows do have (it used to show [])
+    per_sample = "rollout.rewards=[{name: python, args: {function: 'tests.rollout.user_rewards:contains_answer'}}]"
+    assert problems(job, per_sample) == []  # a per-sample function takes fields, not columns
