@@ -208,22 +208,40 @@ def check_rewards(cfg: JobConfig) -> list[str]:
     return problems
 
 
-def reward_column_problems(cfg: JobConfig) -> list[str]:
-    """Each batched python reward against data.train's first row (after data.map): the columns it requires
-    must be there, or every call fails at run time (local files only, as `data_problems`)."""
+def first_train_row(cfg: JobConfig) -> dict | None:
+    """data.train's first row after data.map (local files only), or None (no file, unreadable: check_data says)."""
     from fleetrl.common.data.tables import DataError, apply_map, first_row
 
-    specs = [(i, s) for i, s in enumerate(cfg.rollout.rewards) if s.name == "python"]
     p = Path(cfg.data.train).expanduser()
-    if not specs or not p.exists():
-        return []
+    if not p.exists():
+        return None
     try:
         row = first_row(p, "data.train")
         if row and cfg.data.map:
             row = (apply_map([row], cfg.data.map, "data.train") or [None])[0]
     except DataError:
-        return []  # check_data reports it
-    if not row:
+        return None
+    return row or None
+
+
+def chat_prompt_problems(cfg: JobConfig) -> list[str]:
+    """Chat-message prompts (a list of {role, content}) need a tokenizer with a chat template."""
+    row = first_train_row(cfg) if cfg.needs_fleet else None
+    tok_dir = cfg.model.tokenizer or cfg.model.path
+    if row is None or not isinstance(row.get(cfg.data.prompt_key), list) or not Path(tok_dir).expanduser().is_dir():
+        return []
+    if has_chat_template(tok_dir):
+        return []
+    return [f"data.train's prompts ({cfg.data.prompt_key!r}) are chat messages, but the tokenizer in {tok_dir!r} has no "
+            "chat template to render them; set model.tokenizer to a tokenizer with one, or give plain-text prompts"]
+
+
+def reward_column_problems(cfg: JobConfig) -> list[str]:
+    """Each batched python reward against data.train's first row (after data.map): the columns it requires
+    must be there, or every call fails at run time (local files only, as `data_problems`)."""
+    specs = [(i, s) for i, s in enumerate(cfg.rollout.rewards) if s.name == "python"]
+    row = first_train_row(cfg) if specs else None
+    if row is None:
         return []
     module, _, name = REWARD_COLUMNS.partition(":")
     missing_columns = getattr(importlib.import_module(module), name)
@@ -290,5 +308,6 @@ def resume_problem(run_dir: Path, cfg: JobConfig | None) -> str | None:
     return None
 
 
-CHECKS: list[Callable[[JobConfig], list[str]]] = [check_model, check_data, check_rewards, check_telemetry, check_files]
+CHECKS: list[Callable[[JobConfig], list[str]]] = [check_model, check_data, chat_prompt_problems, check_rewards,
+                                                   check_telemetry, check_files]
 

@@ -125,3 +125,24 @@ def test_a_trl_reward_needing_a_column_the_data_lacks_is_refused(job):
     assert "'answer'" in problem  # the list names the columns the rows do have (it used to show [])
     per_sample = "rollout.rewards=[{name: python, args: {function: 'tests.rollout.user_rewards:contains_answer'}}]"
     assert problems(job, per_sample) == []  # a per-sample function takes fields, not columns
+
+
+def test_chat_prompts_need_a_tokenizer_with_a_chat_template(tmp_path, tiny_model_dir):
+    import json
+
+    bare = tmp_path / "bare-model"
+    shutil.copytree(tiny_model_dir, bare)
+    for f in bare.glob("chat_template*"):
+        f.unlink()
+    conf = bare / "tokenizer_config.json"
+    conf.write_text(json.dumps({k: v for k, v in json.loads(conf.read_text()).items() if k != "chat_template"}))
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1?"}], "answer": "2"}) + "\n")
+    job = tmp_path / "chat.yaml"
+    job.write_text(f"model: {{path: {bare}}}\ndata: {{train: {data}, apply_chat_template: false}}\n"
+                   "rollout: {rewards: [{name: exact}]}\n")
+    found = [p for p in problems(job) if "chat messages" in p]
+    assert len(found) == 1 and "has no chat template" in found[0] and str(bare) in found[0]
+    with_template = tmp_path / "chat2.yaml"  # fleetrl init-model's tokenizers carry a chat template
+    with_template.write_text(job.read_text().replace(str(bare), str(tiny_model_dir)))
+    assert not [p for p in problems(with_template) if "chat messages" in p]
