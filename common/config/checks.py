@@ -53,8 +53,10 @@ def model_dir_problem(path: str, key: str) -> str | None:
     p = Path(path).expanduser()
     if not p.exists():
         local = f"models/{path.rstrip('/').split('/')[-1].lower()}"
-        hub = (f"; if it is a hub id, download it first (`huggingface-cli download {path} --local-dir {local}`) and set "
-               f"{key}={local}" if path.count("/") == 1 and not path.startswith((".", "/", "~")) else "")
+        # a hub id looks like org/name, and its "org" is no folder here (`models/nope` is a typo, not a hub id)
+        hub_like = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not Path(path.split("/")[0]).is_dir()
+        hub = (f"; if it is a hub id, download it first (`hf download {path} --local-dir {local}`, with huggingface_hub "
+               f"installed) and set {key}={local}" if hub_like else "")
         return (f"{key}={path!r} does not exist; fleetrl loads models from local directories only (jobs run offline, "
                 f"HF_HUB_OFFLINE=1): fix the path or create a model there (`fleetrl init-model --out {path}`){hub}")
     if not (p / "config.json").is_file():
@@ -161,7 +163,9 @@ def dataset_name_problems(source: str, key: str, cfg: JobConfig) -> list[str]:
     except Exception as e:  # noqa: BLE001 - datasets raises many kinds; each means "not available here"
         return [f"{key}={source!r} is neither a local file or directory nor a dataset in the local HF cache "
                 f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); jobs run offline: save it first "
-                f"(`datasets.load_dataset({source!r}).save_to_disk('data/x')`) and set {key}=data/x"]
+                f"(`datasets.load_dataset({source!r}, {cfg.data.subset or 'CONFIG'!r}).save_to_disk('data/x')`, "
+                "CONFIG being its configuration, e.g. 'main' for openai/gsm8k) and set "
+                f"{key}=data/x"]
     return []
 
 

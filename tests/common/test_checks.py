@@ -34,8 +34,9 @@ def test_a_good_job_has_no_problems(job):
 
 def test_model_directory_mistakes_name_the_key_and_the_fix(job, tmp_path, tiny_model_dir):
     [hub] = problems(job, "model.path=Qwen/Qwen2.5-0.5B")
-    assert hub.startswith("model.path='Qwen/Qwen2.5-0.5B' does not exist") and "huggingface-cli download" in hub
+    assert hub.startswith("model.path='Qwen/Qwen2.5-0.5B' does not exist") and "`hf download Qwen/Qwen2.5-0.5B" in hub
     assert "offline" in hub and "set model.path=models/qwen2.5-0.5b" in hub
+    assert "huggingface-cli" not in hub  # huggingface_hub ships only `hf` now
     empty = tmp_path / "not-a-model"
     empty.mkdir()
     [no_config] = problems(job, f"model.path={empty}")
@@ -146,3 +147,10 @@ def test_chat_prompts_need_a_tokenizer_with_a_chat_template(tmp_path, tiny_model
     with_template = tmp_path / "chat2.yaml"  # fleetrl init-model's tokenizers carry a chat template
     with_template.write_text(job.read_text().replace(str(bare), str(tiny_model_dir)))
     assert not [p for p in problems(with_template) if "chat messages" in p]
+
+
+def test_a_typo_in_a_local_path_is_not_offered_a_hub_download(job, tmp_path, monkeypatch):
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    [typo] = problems(job, "model.path=models/nope")
+    assert "does not exist" in typo and "hub id" not in typo and "hf download" not in typo
