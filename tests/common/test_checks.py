@@ -154,3 +154,11 @@ def test_a_typo_in_a_local_path_is_not_offered_a_hub_download(job, tmp_path, mon
     monkeypatch.chdir(tmp_path)
     [typo] = problems(job, "model.path=models/nope")
     assert "does not exist" in typo and "hub id" not in typo and "hf download" not in typo
+
+
+def test_the_dataset_hint_names_the_configuration(job):
+    found = [p for p in problems(job, "data.train=openai/gsm8k-not-cached") if p.startswith("data.train=")]
+    assert found and "load_dataset('openai/gsm8k-not-cached', 'CONFIG')" in found[0] and "'main'" in found[0]
+    with_subset = [p for p in problems(job, "data.train=openai/gsm8k-not-cached", "data.subset=main")
+                   if p.startswith("data.train=")]
+    assert "load_dataset('openai/gsm8k-not-cached', 'main')" in with_subset[0]
