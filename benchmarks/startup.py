@@ -51,7 +51,8 @@ def run_ready_s(model: str, data: str) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--model", default="models/demo-warm", help="a local model (demo.yaml's; or fleetrl init-model --preset tiny --out DIR)")
+    ap.add_argument("--model", default="models/demo-warm",
+                    help="a local model (demo.yaml's; or fleetrl init-model --preset tiny --out DIR)")
     ap.add_argument("--data", default="data/arith.jsonl", help="prompts (demo.yaml's; fleetrl init-data)")
     args = ap.parse_args()
     imports = {mod: statistics.median(import_s(mod) for _ in range(args.repeats)) for mod in IMPORTS}
