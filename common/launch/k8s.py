@@ -37,6 +37,11 @@ KEYS_DIR = "/fleetrl-keys"
 
 
 BROKER_MEM_GB = 2  # the broker's memory request: its queue and spool index
+ROLE_MEM_GB = 16  # a learner rank's / rollout server's memory request when cluster.*.mem_gb_per_* is null
+
+
+def _mem_gb(per_process: int | None, processes: int) -> int:
+    return (ROLE_MEM_GB if per_process is None else per_process) * max(1, processes)
 
 
 def volume_paths(run_dir: str | None, mount_path: str, name: str) -> tuple[str, str]:
@@ -138,7 +143,7 @@ class Renderer:
         r = self.cfg.cluster.rollout
         cpus = max(1, r.cpus_per_server * self.layout.servers_per_node)
         spec = self.pod_spec("rollout", r.gpus_per_node, cpus, {}, "Always",
-                             r.mem_gb_per_server * self.layout.servers_per_node)
+                             _mem_gb(r.mem_gb_per_server, self.layout.servers_per_node))
         return [{"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(f"{self.name}-rollout", self.ns, "rollout", self.name),
                  "spec": {"replicas": r.nodes, "selector": {"matchLabels": _selector(self.name, "rollout")},
                           "template": self.template("rollout", spec)}}]
@@ -151,7 +156,7 @@ class Renderer:
                     "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": _selector(self.name, "learner"),
                              "ports": [{"name": n, "port": v, "targetPort": v} for n, v in ports.items()]}}
         spec = self.pod_spec("learner", c.gpus_per_node, c.cpus_per_rank * self.layout.ranks_per_node, ports, "Never",
-                             c.mem_gb_per_rank * self.layout.ranks_per_node)
+                             _mem_gb(c.mem_gb_per_rank, self.layout.ranks_per_node))
         spec["subdomain"] = name
         job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(name, self.ns, "learner", self.name),
                "spec": {"completionMode": "Indexed", "completions": c.nodes, "parallelism": c.nodes, "backoffLimit": 0,

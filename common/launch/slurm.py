@@ -41,26 +41,29 @@ def resolve_run_dir(cfg: JobConfig, override: str | None = None) -> Path:
     return Path(path).resolve()
 
 
-BROKER_MEM_GB = 2  # the broker's memory (its queue and spool index); it needs no GPU
+def _times(gb: int | None, n: int) -> int | None:
+    return None if gb is None else gb * n
 
 
-def role_request(cfg: JobConfig, layout: Layout, role: str) -> dict[str, int]:
-    """What one node of ``role`` needs: GPUs, CPU cores (its one supervisor task's) and memory in GiB."""
+def role_request(cfg: JobConfig, layout: Layout, role: str) -> dict[str, int | None]:
+    """What one node of ``role`` needs: GPUs, CPU cores (its one supervisor task's) and memory in GiB (None = not
+    set: no ``--mem``, so Slurm gives the partition's default; the broker never sets one)."""
     c = cfg.cluster
     if role == "learner":
         return {"gpus": c.learner.gpus_per_node, "cpus": c.learner.cpus_per_rank * layout.ranks_per_node,
-                "mem_gb": c.learner.mem_gb_per_rank * layout.ranks_per_node}
+                "mem_gb": _times(c.learner.mem_gb_per_rank, layout.ranks_per_node)}
     if role == "rollout":
         servers = max(1, layout.servers_per_node)
         return {"gpus": c.rollout.gpus_per_node, "cpus": max(1, c.rollout.cpus_per_server * servers),
-                "mem_gb": c.rollout.mem_gb_per_server * servers}
-    return {"gpus": 0, "cpus": 1, "mem_gb": BROKER_MEM_GB}
+                "mem_gb": _times(c.rollout.mem_gb_per_server, servers)}
+    return {"gpus": 0, "cpus": 1, "mem_gb": None}
 
 
-def step_options(request: dict[str, int]) -> list[str]:
-    """The srun options of one role's step: its own GPUs (none for the broker), cores and memory."""
+def step_options(request: dict[str, int | None]) -> list[str]:
+    """The srun options of one role's step: its own GPUs (none for the broker), cores and memory (when set)."""
     opts = [f"--gpus-per-node={request['gpus']}"] if request["gpus"] else []
-    return [*opts, f"--cpus-per-task={request['cpus']}", f"--mem={request['mem_gb']}G"]
+    opts += [f"--cpus-per-task={request['cpus']}"]
+    return [*opts, f"--mem={request['mem_gb']}G"] if request["mem_gb"] else opts
 
 
 def role_steps(cfg: JobConfig, layout: Layout) -> list[dict]:
@@ -85,7 +88,9 @@ def sbatch_options(cfg: JobConfig, layout: Layout, run_dir: Path, nodes: int, na
     opts += [f"--partition={c.partition}"] if c.partition else []
     opts += [f"--account={c.account}"] if c.account else []
     opts += [f"--gpus-per-node={gpus}"] if gpus else []
-    opts += [f"--cpus-per-task={max(n['cpus'] for n in needs)}", f"--mem={max(n['mem_gb'] for n in needs)}G"]
+    opts += [f"--cpus-per-task={max(n['cpus'] for n in needs)}"]
+    mem = max((n["mem_gb"] for n in needs if n["mem_gb"]), default=None)
+    opts += [f"--mem={mem}G"] if mem else []
     opts += ["--exclusive"] if c.slurm.exclusive else []
     if requeue:
         opts += [f"--signal=B:USR1@{c.slurm.signal_s}", "--requeue" if c.slurm.requeue else "--no-requeue"]

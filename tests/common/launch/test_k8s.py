@@ -149,3 +149,5 @@ def test_pods_get_a_memory_backed_shm_and_memory_requests():
         requests[c["name"]] = c["resources"]["requests"]["memory"]
     # 2 learner ranks per node x 24 GiB; 4 rollout servers per node (one per GPU) x 8 GiB; the broker's 2 GiB
     assert requests == {"learner": "48Gi", "rollout": "32Gi", "broker": "2Gi"}
+    unset = {c["name"]: c["resources"]["requests"]["memory"] for spec in pods(objects()) for c in spec["containers"]}
+    assert unset == {"learner": "32Gi", "rollout": "64Gi", "broker": "2Gi"}  # null: 16 GiB per rank / server
