@@ -41,7 +41,8 @@ def _rollout_args(p: argparse.ArgumentParser) -> None:
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="DIR", help="HF model directory to evaluate (default: model.path of --config)")
-    p.add_argument("--data", metavar="FILE", help="prompts with answers, .jsonl/.json/.parquet (default: data.eval)")
+    p.add_argument("--data", metavar="FILE", help="prompts with answers: .jsonl/.json/.parquet/.csv, a save_to_disk "
+                   "directory or a cached datasets name (default: data.eval)")
     p.add_argument("--n", type=int, metavar="N", help="evaluate the first N rows (default: all)")
     p.add_argument("--k", type=int, default=1, metavar="K", help="sampled pass@K besides greedy accuracy (0 = greedy only)")
     p.add_argument("--samples", type=int, metavar="S", help="samples per prompt for pass@K (default: K; more = less variance)")
