@@ -74,6 +74,17 @@ def test_bad_config_errors_name_key_value_and_fix(overrides, fragments):
         assert fragment in str(e.value), (fragment, str(e.value))
 
 
+def test_every_unknown_key_is_reported_and_a_key_of_another_section_is_named():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["lr=1e-4", "learner.lrr=1", "learner.temperature=2", "rollout.rewards=[{name: exact, wieght: 2}]"])
+    lines = str(e.value).splitlines()
+    assert lines[0] == "4 unknown keys:" and len(lines) == 5, lines
+    assert lines[1].startswith("  lr: unknown key; did you mean `learner.lr`")  # the schema's key of that name
+    assert "learner.lrr: unknown key; did you mean `learner.lr`?" in lines[2]
+    assert "learner.temperature: unknown key; did you mean `rollout.temperature`?" in lines[3]
+    assert "rollout.rewards.0.wieght: unknown key; did you mean `rollout.rewards.0.weight`?" in lines[4]
+
+
 def test_synchronous_job_without_correction_is_allowed():
     cfg = load_config(None, ["algorithm.off_policy.mode=none", "broker.max_staleness=0"])
     assert cfg.broker.max_staleness == 0
