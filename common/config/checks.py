@@ -11,6 +11,8 @@ did-you-mean). It returns one line per problem, each naming the key and the fix:
 - ``data.train`` / ``data.eval`` / ``data.preference*``: they exist (or, as a `datasets` name, are in
   the local cache), their first row has the prompt column (and the answer column when a reward
   needs one), and ``data.map`` imports;
+- ``rollout.env``: tool functions import and have a schema, a user environment class imports, has
+  reset/step and takes its args;
 - ``rollout.rewards``: each reward's arguments, a ``python`` function importable with a signature
   that fits, a reward model directory that exists (through ``fleetrl.rollout.rewards``, imported
   only when the checks run — ``common`` names components, it does not import them at import time);
@@ -35,6 +37,7 @@ WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json
 NEEDS_ANSWER = ("exact", "math")
 REWARD_CHECKS = "fleetrl.rollout.rewards:check_rewards"  # imported when the checks run
 REWARD_COLUMNS = "fleetrl.rollout.rewards.user:missing_columns"  # likewise
+ENV_CHECKS = ("fleetrl.rollout.envs.tool:tool_problems", "fleetrl.rollout.envs.user:user_env_problems")  # likewise
 
 
 def check_job(cfg: JobConfig) -> list[str]:
@@ -212,6 +215,18 @@ def check_rewards(cfg: JobConfig) -> list[str]:
     return problems
 
 
+def check_env(cfg: JobConfig) -> list[str]:
+    """rollout.env's user code: every tool function (`type: tool`) imports and has a schema; the environment
+    class (`type: user`) imports, has reset/step and takes rollout.env.user.args."""
+    if not cfg.needs_fleet:
+        return []
+    problems: list[str] = []
+    for ref in ENV_CHECKS:
+        module, _, name = ref.partition(":")
+        problems += getattr(importlib.import_module(module), name)(cfg)
+    return problems
+
+
 def first_train_row(cfg: JobConfig) -> dict | None:
     """data.train's first row after data.map (local files only), or None (no file, unreadable: check_data says)."""
     from fleetrl.common.data.tables import DataError, apply_map, first_row
@@ -313,5 +328,5 @@ def resume_problem(run_dir: Path, cfg: JobConfig | None) -> str | None:
 
 
 CHECKS: list[Callable[[JobConfig], list[str]]] = [check_model, check_data, chat_prompt_problems, check_rewards,
-                                                   check_telemetry, check_files]
+                                                   check_env, check_telemetry, check_files]
 

@@ -162,3 +162,18 @@ def test_the_dataset_hint_names_the_configuration(job):
     with_subset = [p for p in problems(job, "data.train=openai/gsm8k-not-cached", "data.subset=main")
                    if p.startswith("data.train=")]
     assert "load_dataset('openai/gsm8k-not-cached', 'main')" in with_subset[0]
+
+
+def test_tool_functions_and_environment_classes_are_checked_up_front(job):
+    tool = "rollout.env.type=tool"
+    found = problems(job, tool, "rollout.env.tool.tools=[fleetrl.rollout.envs.tools:calc, nowhere.mod:fn, "
+                     "fleetrl.rollout.envs.tools:calc, tests.rollout.envs.envs_for_tests:NoClass]")
+    assert [p.split(":")[0] for p in found] == ["rollout.env.tool.tools[1]", "rollout.env.tool.tools[2]"], found
+    assert "nowhere.mod" in found[0] and "same name as another tool ('calc')" in found[1]
+    assert problems(job, tool, "rollout.env.tool.tools=[fleetrl.rollout.envs.tools:calc]") == []
+    user = ["rollout.env.type=user", "rollout.env.user.cls=tests.rollout.envs.envs_for_tests:Chatter"]
+    assert problems(job, *user) == []
+    [bad_args] = problems(job, *user, "rollout.env.user.args={nope: 1}")
+    assert bad_args.startswith("rollout.env.user.args:") and "nope" in bad_args
+    [not_a_class] = problems(job, "rollout.env.type=user", "rollout.env.user.cls=tests.rollout.envs.envs_for_tests:NoClass")
+    assert not_a_class.startswith("rollout.env.user.cls:") and "reset(row) and step(message)" in not_a_class
