@@ -272,11 +272,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def first_line(error: BaseException) -> str:
-    """``config error: ...`` for config problems; the message of others, on one line."""
+    """``config error: ...`` for config problems (one line per problem where it lists several: every unknown
+    key, every placement error); the message of others, on one line."""
     from fleetrl.common.config import ConfigError
 
-    text = " ".join(str(error).split())
-    return f"config error: {text}" if isinstance(error, ConfigError) else text
+    if isinstance(error, ConfigError):
+        lines = [" ".join(line.split()) for line in str(error).splitlines() if line.strip()]
+        return "config error: " + "\n  ".join(lines)
+    return " ".join(str(error).split())
 
 
 if __name__ == "__main__":

@@ -85,6 +85,15 @@ def test_every_unknown_key_is_reported_and_a_key_of_another_section_is_named():
     assert "rollout.rewards.0.wieght: unknown key; did you mean `rollout.rewards.0.weight`?" in lines[4]
 
 
+def test_the_cli_prints_one_line_per_unknown_key():
+    out = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "config", "validate", "lr=1e-4", "learner.lrr=1"],
+                         capture_output=True, text=True)
+    lines = out.stderr.splitlines()
+    assert out.returncode == 2 and len(lines) == 3, out.stderr
+    assert lines[0] == "fleetrl config: config error: 2 unknown keys:"
+    assert lines[1].startswith("  lr: unknown key; did you mean `learner.lr`") and lines[2].startswith("  learner.lrr:")
+
+
 def test_synchronous_job_without_correction_is_allowed():
     cfg = load_config(None, ["algorithm.off_policy.mode=none", "broker.max_staleness=0"])
     assert cfg.broker.max_staleness == 0
