@@ -334,11 +334,45 @@ def dump_yaml(cfg: JobConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None, width=100)
 
 
+PATH_KEYS = ("model.path", "model.tokenizer", "data.train", "data.eval", "data.preference", "data.preference_eval",
+             "algorithm.critic.path")  # local paths or `datasets` / hub names
+FUNCTION_KEYS = ("data.map",)  # `path/file.py:function` or `pkg.module:function`
+
+
+def _absolute(value: Any, function: bool = False) -> Any:
+    """A relative path that exists from here, made absolute; anything else (a dataset name, a module) as it is."""
+    if not isinstance(value, str) or not value:
+        return value
+    path, sep, name = value.rpartition(":") if function else (value, "", "")
+    if not path or Path(path).is_absolute() or not Path(path).exists() or (function and not path.endswith(".py")):
+        return value
+    return str(Path(path).resolve()) + sep + name
+
+
+def with_absolute_paths(cfg: JobConfig) -> JobConfig:
+    """``cfg`` with every relative local path that exists from the working directory made absolute (model and
+    data paths, ``data.map`` and python reward files), so a saved config means the same from any directory
+    (``fleetrl run --resume RUN_DIR`` from elsewhere)."""
+    raw = msgspec.to_builtins(cfg)
+    for key in (*PATH_KEYS, *FUNCTION_KEYS):
+        *parents, leaf = key.split(".")
+        node = raw
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            node[leaf] = _absolute(node[leaf], function=key in FUNCTION_KEYS)
+    for reward in raw.get("rollout", {}).get("rewards", []):
+        args = reward.get("args") if isinstance(reward, dict) else None
+        if isinstance(args, dict) and "function" in args:
+            args["function"] = _absolute(args["function"], function=True)
+    return msgspec.convert(raw, JobConfig)
+
+
 def save_resolved(cfg: JobConfig, run_dir: str | Path) -> Path:
-    """Write the resolved config as ``config.yaml`` into the run directory."""
+    """Write the resolved config as ``config.yaml`` into the run directory, local paths made absolute."""
     out = Path(run_dir) / "config.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(dump_yaml(cfg))
+    out.write_text(dump_yaml(with_absolute_paths(cfg)))
     return out
 
 

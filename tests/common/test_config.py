@@ -13,11 +13,30 @@ from fleetrl.common.config import ConfigError, JobConfig, config_docs, dump_yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_defaults_are_valid_and_round_trip(tmp_path):
+def test_defaults_are_valid_and_round_trip(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no local path of the defaults exists here, so none is made absolute
     cfg = load_config()
     path = save_resolved(cfg, tmp_path)
     assert path == tmp_path / "config.yaml"
     assert load_config(path) == cfg
+
+
+def test_a_saved_config_keeps_its_local_paths_from_any_directory(tmp_path, monkeypatch):
+    """`fleetrl run --resume RUN_DIR` from another directory: the saved paths must not be relative to the first."""
+    project = tmp_path / "project"
+    (project / "models" / "m").mkdir(parents=True)
+    (project / "data").mkdir()
+    (project / "data" / "t.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (project / "rw.py").write_text("def r(completion, **kw):\n    return 1.0\n")
+    monkeypatch.chdir(project)
+    cfg = load_config(None, ["model.path=models/m", "data.train=data/t.jsonl", "data.eval=openai/gsm8k",
+                             "rollout.rewards=[{name: python, args: {function: 'rw.py:r'}}, {name: exact}]"])
+    saved = save_resolved(cfg, tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    again = load_config(saved)
+    assert again.model.path == str(project / "models" / "m") and again.data.train == str(project / "data" / "t.jsonl")
+    assert again.rollout.rewards[0].args["function"] == f"{project / 'rw.py'}:r"
+    assert again.data.eval == "openai/gsm8k"  # a dataset name, not a local path: kept as written
 
 
 def test_yaml_then_overrides_round_trip(tmp_path):
