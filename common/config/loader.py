@@ -11,6 +11,7 @@ Every error names the key, the bad value and what to do, e.g.::
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 import types
 import typing
@@ -22,6 +23,8 @@ import yaml
 
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.common.config.base import Section
+
+log = logging.getLogger("fleetrl.config")
 
 __all__ = [
     "ConfigError",
@@ -305,9 +308,59 @@ def _rephrase(err: msgspec.ValidationError, raw: dict[str, Any]) -> ConfigError:
     return ConfigError(message)
 
 
+ALIASES = {  # a top-level key as TRL / verl users write it -> fleetrl's key
+    "num_generations": "rollout.group_size",
+    "max_completion_length": "rollout.max_new_tokens",
+    "max_prompt_length": "data.max_prompt_tokens",
+    "learning_rate": "learner.lr",
+    "beta": "algorithm.kl.coef",  # algorithm.beta for type: dpo
+}
+
+
+def _get(raw: dict[str, Any], dotted: str) -> Any:
+    node: Any = raw
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = raw
+    for part in parents:
+        if node.get(part) is None:
+            node[part] = {}
+        if not isinstance(node[part], dict):
+            raise ConfigError(f"{dotted}: {part} is a section; give it keys, not a value")
+        node = node[part]
+    node[leaf] = value
+
+
+def _apply_aliases(raw: dict[str, Any]) -> None:
+    """TRL's / verl's names at the top level are accepted with a one-line note naming fleetrl's key. TRL's
+    ``beta`` > 0 turns on a KL loss term (its GRPO adds beta x KL to the loss) unless algorithm.kl.placement is set."""
+    for alias, target in ALIASES.items():
+        if alias not in raw:
+            continue
+        value = raw.pop(alias)
+        if alias == "beta" and isinstance(raw.get("algorithm"), dict) and raw["algorithm"].get("type") == "dpo":
+            target = "algorithm.beta"
+        if _get(raw, target) is not None:
+            raise ConfigError(f"{alias} (the TRL/verl name of {target}) and {target} are both set; keep one")
+        _set(raw, target, value)
+        note = ""
+        if target == "algorithm.kl.coef" and isinstance(value, (int, float)) and value > 0 \
+                and _get(raw, "algorithm.kl.placement") is None:
+            _set(raw, "algorithm.kl.placement", "loss")
+            note = " and algorithm.kl.placement=loss (a KL loss term, as TRL's GRPO)"
+        log.warning("config: %s=%s is read as %s=%s%s; write fleetrl's key to drop this note", alias, value, target,
+                    value, note)
+
+
 def validate(raw: dict[str, Any]) -> JobConfig:
     """Decode a nested dict into a JobConfig, raising ConfigError that names the key at fault."""
     _legacy_hints(raw)
+    _apply_aliases(raw)
     _fill_tags(raw)
     _check_keys(raw, JobConfig, "")
     try:

@@ -113,6 +113,20 @@ def test_the_cli_prints_one_line_per_unknown_key():
     assert lines[1].startswith("  lr: unknown key; did you mean `learner.lr`") and lines[2].startswith("  learner.lrr:")
 
 
+def test_trl_and_verl_names_are_read_with_a_note(caplog):
+    cfg = load_config(None, ["num_generations=4", "max_completion_length=16", "learning_rate=1e-5", "beta=0.04",
+                             "max_prompt_length=64"])
+    assert (cfg.rollout.group_size, cfg.rollout.max_new_tokens, cfg.learner.lr, cfg.data.max_prompt_tokens) == \
+        (4, 16, 1e-5, 64)
+    assert cfg.algorithm.kl.coef == 0.04 and cfg.algorithm.kl.placement == "loss"  # TRL's beta is a KL loss term
+    notes = [r.getMessage() for r in caplog.records if r.name == "fleetrl.config"]
+    assert len(notes) == 5 and "num_generations=4 is read as rollout.group_size=4" in notes[0]
+    assert load_config(None, ["beta=0.2", "algorithm.type=dpo"]).algorithm.beta == 0.2
+    assert load_config(None, ["beta=0"]).algorithm.kl.placement == "none"  # TRL's default: no KL
+    with pytest.raises(ConfigError, match="num_generations .* and rollout.group_size are both set; keep one"):
+        load_config(None, ["num_generations=4", "rollout.group_size=8"])
+
+
 def test_synchronous_job_without_correction_is_allowed():
     cfg = load_config(None, ["algorithm.off_policy.mode=none", "broker.max_staleness=0"])
     assert cfg.broker.max_staleness == 0
