@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import psutil
 import pytest
@@ -25,6 +26,12 @@ def test_run_trains_publishes_and_checkpoints(tmp_path, tiny_model_dir, arith_da
     rollout = read_jsonl(run_dir / "rollout-0.metrics.jsonl")
     assert max(r["rollout/policy_version"] for r in rollout) >= 1, "the rollout server never loaded new weights"
     assert (run_dir / "config.yaml").exists() and (run_dir / "logs" / "learner.log").exists()
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert "Setting accelerator to CPU" not in learner_log and "reward_mean=" in learner_log  # quiet, and labelled
+    weight_lines = [ln for ln in (run_dir / "logs" / "rollout-0.log").read_text().splitlines() if " I " in ln
+                    and "weight" in ln]  # INFO lines about weights: one per version the server took in
+    taken = [re.search(r"policy version \d+ -> (\d+):", ln) for ln in weight_lines]
+    assert weight_lines and all(taken) and len({m.group(1) for m in taken}) == len(weight_lines), weight_lines
     checkpoints = sorted((run_dir / "checkpoints").glob("step-*/meta.json"))
     assert [p.parent.name for p in checkpoints] == ["step-00000002", "step-00000003"]
     assert (checkpoints[-1].parent / "hf" / "model.safetensors").exists()
