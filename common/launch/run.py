@@ -162,6 +162,7 @@ def child_env(threads: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(FLEETRL_CHILD="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
+               HF_DATASETS_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1",  # children write log files: no bars
                PYTHONUNBUFFERED="1")
     return env
 
