@@ -336,7 +336,7 @@ def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-def _apply_aliases(raw: dict[str, Any]) -> None:
+def _apply_aliases(raw: dict[str, Any], note: bool = True) -> None:
     """TRL's / verl's names at the top level are accepted with a one-line note naming fleetrl's key. TRL's
     ``beta`` > 0 turns on a KL loss term (its GRPO adds beta x KL to the loss) unless algorithm.kl.placement is set."""
     for alias, target in ALIASES.items():
@@ -348,13 +348,14 @@ def _apply_aliases(raw: dict[str, Any]) -> None:
         if _get(raw, target) is not None:
             raise ConfigError(f"{alias} (the TRL/verl name of {target}) and {target} are both set; keep one")
         _set(raw, target, value)
-        note = ""
+        extra = ""
         if target == "algorithm.kl.coef" and isinstance(value, (int, float)) and value > 0 \
                 and _get(raw, "algorithm.kl.placement") is None:
             _set(raw, "algorithm.kl.placement", "loss")
-            note = " and algorithm.kl.placement=loss (a KL loss term, as TRL's GRPO)"
-        log.warning("config: %s=%s is read as %s=%s%s; write fleetrl's key to drop this note", alias, value, target,
-                    value, note)
+            extra = " and algorithm.kl.placement=loss (a KL loss term, as TRL's GRPO)"
+        if note:
+            log.warning("config: %s=%s is read as %s=%s%s; write fleetrl's key to drop this note", alias, value,
+                        target, value, extra)
 
 
 def validate(raw: dict[str, Any]) -> JobConfig:
@@ -374,6 +375,25 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     raw = _read_yaml(path) if path is not None else {}
     apply_overrides(raw, list(overrides or []))
     return validate(raw)
+
+
+NAMED_DEFAULTS = ("model.path", "rollout.rewards")  # a job should not train some model on some reward silently
+
+
+def defaults_used(cfg: JobConfig, path: str | Path | None, overrides: list[str] | None = None) -> list[str]:
+    """One note per key of NAMED_DEFAULTS that neither the file nor an override sets, naming the default the
+    job then uses (``rollout.rewards`` only for jobs with rollout servers)."""
+    raw = _read_yaml(path) if path is not None else {}
+    apply_overrides(raw, list(overrides or []))
+    _apply_aliases(raw, note=False)
+    notes = []
+    for key in NAMED_DEFAULTS:
+        if key == "rollout.rewards" and not cfg.needs_fleet:
+            continue
+        if _get(raw, key) is None:
+            value = [r.name for r in cfg.rollout.rewards] if key == "rollout.rewards" else _get(to_dict(cfg), key)
+            notes.append(f"{key} is not set, so the default {value} is used; set it in the job file to drop this note")
+    return notes
 
 
 # ---------------------------------------------------------------------------------- output

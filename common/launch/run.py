@@ -37,6 +37,7 @@ from pathlib import Path
 
 from fleetrl.common.config import ConfigError, dump_yaml, load_config
 from fleetrl.common.config.checks import check_job, resume_problem
+from fleetrl.common.config.loader import defaults_used
 from fleetrl.common.config.schema import JobConfig
 
 POLL_S = 0.25
@@ -412,6 +413,8 @@ def main(args) -> int:
         for problem in problems:
             print(f"fleetrl run: {problem}", file=sys.stderr)
         return 2
+    for note in [] if resumed else defaults_used(cfg, args.config, args.overrides):
+        print(f"fleetrl run: note: {note}", file=sys.stderr)
     run_dir = run_dir or make_run_dir(cfg, args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"fleetrl run: {cfg.run.name} -> {run_dir}{' (resuming from its newest checkpoint)' if resumed else ''}",

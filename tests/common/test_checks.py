@@ -177,3 +177,13 @@ def test_tool_functions_and_environment_classes_are_checked_up_front(job):
     assert bad_args.startswith("rollout.env.user.args:") and "nope" in bad_args
     [not_a_class] = problems(job, "rollout.env.type=user", "rollout.env.user.cls=tests.rollout.envs.envs_for_tests:NoClass")
     assert not_a_class.startswith("rollout.env.user.cls:") and "reset(row) and step(message)" in not_a_class
+
+
+def test_validate_names_the_defaults_a_job_relies_on(tmp_path, tiny_model_dir, arith_data):
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(f"data: {{train: {arith_data}}}\n")
+    out = subprocess.run([*CLI, "config", "validate", "-c", str(bare), f"model.path={tiny_model_dir}"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"{bare}: OK", out.stderr
+    assert out.stderr.splitlines() == ["fleetrl config: note: rollout.rewards is not set, so the default ['math'] is "
+                                       "used; set it in the job file to drop this note"]
