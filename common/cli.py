@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = getattr(args, "debug", False) or os.environ.get("FLEETRL_DEBUG", "") not in ("", "0")
     if debug:
         os.environ["FLEETRL_DEBUG"] = "1"  # children of `fleetrl run` show tracebacks too
-    os.umask(0o077)  # every file a fleetrl process creates (weights, checkpoints, spool, keys, logs) is owner-only
+    os.umask(job_umask(args))  # 077 unless run.file_access says otherwise (keys, spool, weights: owner-only anyway)
     target = getattr(args, "target", None) or COMMANDS[args.command][0]  # `launch ENGINE` sets its own
     module_name, func_name = target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
@@ -269,6 +269,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+UMASKS = {"owner": 0o077, "group": 0o027, "all": 0o022}  # run.file_access
+
+
+def job_umask(args: argparse.Namespace) -> int:
+    """The umask of the job this command runs, from its run.file_access (file and overrides, or a resumed run's
+    config.yaml); owner-only when it names none or cannot be read here (the command reports config errors)."""
+    config = getattr(args, "config", None)
+    resume = getattr(args, "resume", None)
+    if not config and resume and os.path.isfile(os.path.join(str(resume), "config.yaml")):
+        config = os.path.join(str(resume), "config.yaml")
+    access = None
+    if config or getattr(args, "overrides", None):
+        from fleetrl.common.config.loader import job_setting
+
+        access = job_setting(config, list(getattr(args, "overrides", None) or []), "run.file_access")
+    return UMASKS.get(access, UMASKS["owner"]) if isinstance(access, str) else UMASKS["owner"]
 
 
 def first_line(error: BaseException) -> str:

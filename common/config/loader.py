@@ -377,6 +377,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return validate(raw)
 
 
+def job_setting(path: str | Path | None, overrides: list[str], key: str) -> Any:
+    """One dotted key as the job file and overrides set it (None when unset or unreadable), without validating
+    the whole job: what a process needs before anything else (``run.file_access``)."""
+    try:
+        raw = _read_yaml(path) if path is not None else {}
+        apply_overrides(raw, overrides)
+    except (ConfigError, OSError):
+        return None
+    return _get(raw, key)
+
+
 NAMED_DEFAULTS = ("model.path", "rollout.rewards")  # a job should not train some model on some reward silently
 
 
