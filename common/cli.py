@@ -151,7 +151,8 @@ def _sft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, default=20000, help="hard step limit")
     p.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
     p.add_argument("--eval-n", type=int, default=200, help="held-out rows per evaluation")
-    p.add_argument("--max-minutes", type=float, default=10.0, help="stop after this long even below the target")
+    p.add_argument("--max-minutes", type=float, default=10.0,
+                   help="stop after this long (loading and evaluations included) even below the target")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--seed", type=int, default=0, help="seed of init order and batches")
     p.add_argument("--config", "-c", metavar="FILE", help="job YAML: with a multi-turn rollout.env, the early stop "
