@@ -284,7 +284,7 @@ def job_umask(args: argparse.Namespace) -> int:
         config = os.path.join(str(resume), "config.yaml")
     access = None
     if config or getattr(args, "overrides", None):
-        from fleetrl.common.config.loader import job_setting
+        from fleetrl.common.config.names import job_setting
 
         access = job_setting(config, list(getattr(args, "overrides", None) or []), "run.file_access")
     return UMASKS.get(access, UMASKS["owner"]) if isinstance(access, str) else UMASKS["owner"]

@@ -11,7 +11,7 @@ import sys
 
 from fleetrl.common.config import config_docs, dump_yaml, load_config
 from fleetrl.common.config.checks import check_job
-from fleetrl.common.config.loader import defaults_used
+from fleetrl.common.config.names import defaults_used
 
 
 def main(args) -> int:

@@ -10,7 +10,8 @@ import msgspec
 import yaml
 
 from fleetrl.common.config.base import Section
-from fleetrl.common.config.loader import ALIASES, field_types, strip_annotated, struct_of, tag_field_of, variants_of
+from fleetrl.common.config.loader import field_types, strip_annotated, struct_of, tag_field_of, variants_of
+from fleetrl.common.config.names import ALIASES
 from fleetrl.common.config.schema import JobConfig
 
 

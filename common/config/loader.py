@@ -11,7 +11,6 @@ Every error names the key, the bad value and what to do, e.g.::
 from __future__ import annotations
 
 import difflib
-import logging
 import re
 import types
 import typing
@@ -23,8 +22,7 @@ import yaml
 
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.common.config.base import Section
-
-log = logging.getLogger("fleetrl.config")
+from fleetrl.common.config.names import apply_aliases, with_absolute_paths
 
 __all__ = [
     "ConfigError",
@@ -308,60 +306,10 @@ def _rephrase(err: msgspec.ValidationError, raw: dict[str, Any]) -> ConfigError:
     return ConfigError(message)
 
 
-ALIASES = {  # a top-level key as TRL / verl users write it -> fleetrl's key
-    "num_generations": "rollout.group_size",
-    "max_completion_length": "rollout.max_new_tokens",
-    "max_prompt_length": "data.max_prompt_tokens",
-    "learning_rate": "learner.lr",
-    "beta": "algorithm.kl.coef",  # algorithm.beta for type: dpo
-}
-
-
-def _get(raw: dict[str, Any], dotted: str) -> Any:
-    node: Any = raw
-    for part in dotted.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
-
-
-def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    node = raw
-    for part in parents:
-        if node.get(part) is None:
-            node[part] = {}
-        if not isinstance(node[part], dict):
-            raise ConfigError(f"{dotted}: {part} is a section; give it keys, not a value")
-        node = node[part]
-    node[leaf] = value
-
-
-def _apply_aliases(raw: dict[str, Any], note: bool = True) -> None:
-    """TRL's / verl's names at the top level are accepted with a one-line note naming fleetrl's key. TRL's
-    ``beta`` > 0 turns on a KL loss term (its GRPO adds beta x KL to the loss) unless algorithm.kl.placement is set."""
-    for alias, target in ALIASES.items():
-        if alias not in raw:
-            continue
-        value = raw.pop(alias)
-        if alias == "beta" and isinstance(raw.get("algorithm"), dict) and raw["algorithm"].get("type") == "dpo":
-            target = "algorithm.beta"
-        if _get(raw, target) is not None:
-            raise ConfigError(f"{alias} (the TRL/verl name of {target}) and {target} are both set; keep one")
-        _set(raw, target, value)
-        extra = ""
-        if target == "algorithm.kl.coef" and isinstance(value, (int, float)) and value > 0 \
-                and _get(raw, "algorithm.kl.placement") is None:
-            _set(raw, "algorithm.kl.placement", "loss")
-            extra = " and algorithm.kl.placement=loss (a KL loss term, as TRL's GRPO)"
-        if note:
-            log.warning("config: %s=%s is read as %s=%s%s; write fleetrl's key to drop this note", alias, value,
-                        target, value, extra)
-
-
 def validate(raw: dict[str, Any]) -> JobConfig:
     """Decode a nested dict into a JobConfig, raising ConfigError that names the key at fault."""
     _legacy_hints(raw)
-    _apply_aliases(raw)
+    apply_aliases(raw)
     _fill_tags(raw)
     _check_keys(raw, JobConfig, "")
     try:
@@ -377,36 +325,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return validate(raw)
 
 
-def job_setting(path: str | Path | None, overrides: list[str], key: str) -> Any:
-    """One dotted key as the job file and overrides set it (None when unset or unreadable), without validating
-    the whole job: what a process needs before anything else (``run.file_access``)."""
-    try:
-        raw = _read_yaml(path) if path is not None else {}
-        apply_overrides(raw, overrides)
-    except (ConfigError, OSError):
-        return None
-    return _get(raw, key)
-
-
-NAMED_DEFAULTS = ("model.path", "rollout.rewards")  # a job should not train some model on some reward silently
-
-
-def defaults_used(cfg: JobConfig, path: str | Path | None, overrides: list[str] | None = None) -> list[str]:
-    """One note per key of NAMED_DEFAULTS that neither the file nor an override sets, naming the default the
-    job then uses (``rollout.rewards`` only for jobs with rollout servers)."""
-    raw = _read_yaml(path) if path is not None else {}
-    apply_overrides(raw, list(overrides or []))
-    _apply_aliases(raw, note=False)
-    notes = []
-    for key in NAMED_DEFAULTS:
-        if key == "rollout.rewards" and not cfg.needs_fleet:
-            continue
-        if _get(raw, key) is None:
-            value = [r.name for r in cfg.rollout.rewards] if key == "rollout.rewards" else _get(to_dict(cfg), key)
-            notes.append(f"{key} is not set, so the default {value} is used; set it in the job file to drop this note")
-    return notes
-
-
 # ---------------------------------------------------------------------------------- output
 
 
@@ -416,40 +334,6 @@ def to_dict(cfg: JobConfig) -> dict[str, Any]:
 
 def dump_yaml(cfg: JobConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None, width=100)
-
-
-PATH_KEYS = ("model.path", "model.tokenizer", "data.train", "data.eval", "data.preference", "data.preference_eval",
-             "algorithm.critic.path")  # local paths or `datasets` / hub names
-FUNCTION_KEYS = ("data.map",)  # `path/file.py:function` or `pkg.module:function`
-
-
-def _absolute(value: Any, function: bool = False) -> Any:
-    """A relative path that exists from here, made absolute; anything else (a dataset name, a module) as it is."""
-    if not isinstance(value, str) or not value:
-        return value
-    path, sep, name = value.rpartition(":") if function else (value, "", "")
-    if not path or Path(path).is_absolute() or not Path(path).exists() or (function and not path.endswith(".py")):
-        return value
-    return str(Path(path).resolve()) + sep + name
-
-
-def with_absolute_paths(cfg: JobConfig) -> JobConfig:
-    """``cfg`` with every relative local path that exists from the working directory made absolute (model and
-    data paths, ``data.map`` and python reward files), so a saved config means the same from any directory
-    (``fleetrl run --resume RUN_DIR`` from elsewhere)."""
-    raw = msgspec.to_builtins(cfg)
-    for key in (*PATH_KEYS, *FUNCTION_KEYS):
-        *parents, leaf = key.split(".")
-        node = raw
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and leaf in node:
-            node[leaf] = _absolute(node[leaf], function=key in FUNCTION_KEYS)
-    for reward in raw.get("rollout", {}).get("rewards", []):
-        args = reward.get("args") if isinstance(reward, dict) else None
-        if isinstance(args, dict) and "function" in args:
-            args["function"] = _absolute(args["function"], function=True)
-    return msgspec.convert(raw, JobConfig)
 
 
 def save_resolved(cfg: JobConfig, run_dir: str | Path) -> Path:

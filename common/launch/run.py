@@ -37,7 +37,7 @@ from pathlib import Path
 
 from fleetrl.common.config import ConfigError, dump_yaml, load_config
 from fleetrl.common.config.checks import check_job, resume_problem
-from fleetrl.common.config.loader import defaults_used
+from fleetrl.common.config.names import defaults_used
 from fleetrl.common.config.schema import JobConfig
 
 POLL_S = 0.25
