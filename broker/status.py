@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
+from pathlib import Path
+
+import zmq
 
 from rich.console import Console
 from rich.table import Table
@@ -38,17 +42,32 @@ def render(status: m.Status) -> Table:
     return table
 
 
+def broker_target(target: str) -> str:
+    """``--broker``: a ZeroMQ address as given, or a run directory, whose ``broker.json`` (the broker writes it
+    with the port it bound) holds the address. Anything else raises ValueError saying what to pass."""
+    if "://" in target:
+        return target
+    endpoint = Path(target) / "broker.json"
+    if Path(target).is_dir():
+        if not endpoint.exists():
+            raise ValueError(f"{target} is a directory but holds no broker.json: pass the run directory of a running "
+                             "job (`fleetrl run` prints it) or the broker's address, e.g. tcp://127.0.0.1:5555")
+        return json.loads(endpoint.read_text())["address"]
+    raise ValueError(f"--broker {target!r} is neither an address (tcp://HOST:PORT) nor a run directory")
+
+
 def main(args) -> int:
     cfg = load_config(args.config, args.overrides) if args.config else None
     curve = cfg.broker.curve if cfg else None
     console = Console()
     try:
+        address = broker_target(args.broker)
         identity = client_identity(curve, "status")
-        client = ZmqBrokerClient(args.broker, default_client_id("status", 0, identity), "monitor", timeout_s=args.timeout,
+        client = ZmqBrokerClient(address, default_client_id("status", 0, identity), "monitor", timeout_s=args.timeout,
                                  curve=curve)
         client.connect()
-    except BrokerUnavailable as e:
-        console.print(f"[red]fleetrl status: {e}[/red]")
+    except (BrokerUnavailable, ValueError, zmq.ZMQError) as e:
+        print(f"fleetrl status: {e}", file=sys.stderr)
         return 1
     try:
         while True:

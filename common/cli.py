@@ -41,7 +41,8 @@ def _rollout_args(p: argparse.ArgumentParser) -> None:
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="DIR", help="HF model directory to evaluate (default: model.path of --config)")
-    p.add_argument("--data", metavar="FILE", help="prompts with answers, .jsonl/.json/.parquet (default: data.eval)")
+    p.add_argument("--data", metavar="FILE", help="prompts with answers: .jsonl/.json/.parquet/.csv, a save_to_disk "
+                   "directory or a cached datasets name (default: data.eval)")
     p.add_argument("--n", type=int, metavar="N", help="evaluate the first N rows (default: all)")
     p.add_argument("--k", type=int, default=1, metavar="K", help="sampled pass@K besides greedy accuracy (0 = greedy only)")
     p.add_argument("--samples", type=int, metavar="S", help="samples per prompt for pass@K (default: K; more = less variance)")
@@ -90,7 +91,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 def _init_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write the HF model and tokenizer to")
     p.add_argument("--preset", default="tiny", choices=["tiny", "tiny32", "small", "base", "q05b"],
-                   help="tiny: ~0.1M params (tests); small: ~1.4M (demo); base: ~22M (benchmarks)")
+                   help="tiny: ~0.1M params (tests); small: ~1.23M (demo); base: ~22M (benchmarks)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
     p.add_argument("--max-positions", type=int, default=512, help="longest sequence the model supports")
 
@@ -109,7 +110,8 @@ def _init_data_args(p: argparse.ArgumentParser) -> None:
 
 
 def _status_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--broker", required=True, metavar="ADDR", help="broker request address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--broker", required=True, metavar="ADDR|RUN_DIR",
+                   help="broker request address, e.g. tcp://127.0.0.1:5555, or a run directory (its broker.json)")
     p.add_argument("--config", "-c", metavar="FILE", help="job YAML, for CURVE client keys (broker.curve)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
     p.add_argument("--json", action="store_true", help="print the status and its metrics as one JSON line")
@@ -128,7 +130,8 @@ def _keys_args(p: argparse.ArgumentParser) -> None:
 def _control_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["pause", "resume", "stop", "discard"],
                    help="pause/resume leasing, stop the fleet (resume undoes it), discard a closed range of versions")
-    p.add_argument("--broker", required=True, metavar="ADDR", help="broker request address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--broker", required=True, metavar="ADDR|RUN_DIR",
+                   help="broker request address, e.g. tcp://127.0.0.1:5555, or a run directory (its broker.json)")
     p.add_argument("--config", "-c", metavar="FILE", help="job YAML, for the operator's CURVE key (broker.curve)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
     p.add_argument("--reason", default="", help="why (goes to the announcement and the broker's audit log)")
@@ -148,7 +151,8 @@ def _sft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, default=20000, help="hard step limit")
     p.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
     p.add_argument("--eval-n", type=int, default=200, help="held-out rows per evaluation")
-    p.add_argument("--max-minutes", type=float, default=10.0, help="stop after this long even below the target")
+    p.add_argument("--max-minutes", type=float, default=10.0,
+                   help="stop after this long (loading and evaluations included) even below the target")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--seed", type=int, default=0, help="seed of init order and batches")
     p.add_argument("--config", "-c", metavar="FILE", help="job YAML: with a multi-turn rollout.env, the early stop "
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = getattr(args, "debug", False) or os.environ.get("FLEETRL_DEBUG", "") not in ("", "0")
     if debug:
         os.environ["FLEETRL_DEBUG"] = "1"  # children of `fleetrl run` show tracebacks too
-    os.umask(0o077)  # every file a fleetrl process creates (weights, checkpoints, spool, keys, logs) is owner-only
+    os.umask(job_umask(args))  # 077 unless run.file_access says otherwise (keys, spool, weights: owner-only anyway)
     target = getattr(args, "target", None) or COMMANDS[args.command][0]  # `launch ENGINE` sets its own
     module_name, func_name = target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
@@ -268,12 +272,33 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+UMASKS = {"owner": 0o077, "group": 0o027, "all": 0o022}  # run.file_access
+
+
+def job_umask(args: argparse.Namespace) -> int:
+    """The umask of the job this command runs, from its run.file_access (file and overrides, or a resumed run's
+    config.yaml); owner-only when it names none or cannot be read here (the command reports config errors)."""
+    config = getattr(args, "config", None)
+    resume = getattr(args, "resume", None)
+    if not config and resume and os.path.isfile(os.path.join(str(resume), "config.yaml")):
+        config = os.path.join(str(resume), "config.yaml")
+    access = None
+    if config or getattr(args, "overrides", None):
+        from fleetrl.common.config.names import job_setting
+
+        access = job_setting(config, list(getattr(args, "overrides", None) or []), "run.file_access")
+    return UMASKS.get(access, UMASKS["owner"]) if isinstance(access, str) else UMASKS["owner"]
+
+
 def first_line(error: BaseException) -> str:
-    """``config error: ...`` for config problems; the message of others, on one line."""
+    """``config error: ...`` for config problems (one line per problem where it lists several: every unknown
+    key, every placement error); the message of others, on one line."""
     from fleetrl.common.config import ConfigError
 
-    text = " ".join(str(error).split())
-    return f"config error: {text}" if isinstance(error, ConfigError) else text
+    if isinstance(error, ConfigError):
+        lines = [" ".join(line.split()) for line in str(error).splitlines() if line.strip()]
+        return "config error: " + "\n  ".join(lines)
+    return " ".join(str(error).split())
 
 
 if __name__ == "__main__":

@@ -19,13 +19,24 @@ class FunctionRefError(ValueError):
     """A ``module:function`` reference that cannot be resolved; the message says why and what to change."""
 
 
+def on_path(folder: str | Path) -> None:
+    """Put ``folder`` at the end of ``sys.path`` unless it is there: user code imports what lies beside it."""
+    folder = str(Path(folder).resolve())
+    if folder not in (str(Path(p or ".").resolve()) for p in sys.path):
+        sys.path.append(folder)
+
+
 def import_module(name: str) -> Any:
-    """Import ``pkg.module``, or load ``path/to/file.py`` as a module (once per path)."""
+    """Import ``pkg.module`` (also from the working directory, as ``python -m`` would), or load
+    ``path/to/file.py`` as a module (once per path) with its folder on ``sys.path``, so that it imports its
+    sibling modules (``from helper import norm``), as TRL users expect."""
     if not name.endswith(".py"):
+        on_path(Path.cwd())
         return importlib.import_module(name)
     path = Path(name).expanduser().resolve()
     if not path.is_file():
         raise ImportError(f"no file {str(path)!r}")
+    on_path(path.parent)
     module_name = f"fleetrl_user_{path.stem}_{abs(hash(str(path))) % 10**8}"
     if module_name in sys.modules:
         return sys.modules[module_name]

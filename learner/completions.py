@@ -2,7 +2,9 @@
 
 - :func:`reward_part_metrics`: ``reward/<label>/mean`` of each reward function over the step's samples
   (the groups carry every sample's unweighted parts, named after the function: ``reward/accuracy_reward/mean``)
-  and ``reward/<label>/scored_frac`` when some samples had no score from it. They go to every sink
+  and ``reward/<label>/scored_frac`` when some samples had no score from it (a failed part is no score: its
+  0.0 is left out of the mean and counted in ``reward/<label>/failed_frac``); ``reward/failed_frac`` is the
+  share of the step's samples with any failed part. They go to every sink
   through the monitor, like every other metric.
 - :class:`CompletionLog`: every ``telemetry.log_completions_every`` steps, the first
   ``telemetry.log_completions_prompts`` groups of the step, one row per response: the prompt as the
@@ -26,21 +28,31 @@ COLUMNS = ("step", "policy_version", "group", "prompt", "response", "reward", "a
 
 
 def reward_part_metrics(groups: list[m.SampleGroup]) -> dict[str, float]:
-    """Mean of each reward function's unweighted score over the samples it scored (see the module docstring)."""
+    """Mean of each reward function's unweighted score over the samples it scored and did not fail on, and
+    the share of samples with a failed part (see the module docstring)."""
     sums: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
-    samples = 0
+    fails: dict[str, int] = defaultdict(int)
+    samples = failed = 0
     for g in groups:
-        for parts in g.reward_parts:
+        failed_parts = g.failed_parts or [[] for _ in g.reward_parts]
+        for j, parts in enumerate(g.reward_parts):
             samples += 1
+            failed += bool(g.failed[j]) if g.failed else 0
             for name, value in parts.items():
+                if name in failed_parts[j]:  # its 0.0 is a failure, not a score
+                    fails[name] += 1
+                    continue
                 sums[name] += value
                 counts[name] += 1
-    out = {}
-    for name in sorted(sums):
-        out[f"reward/{name}/mean"] = sums[name] / counts[name]
+    out = {"reward/failed_frac": failed / samples} if samples else {}
+    for name in sorted(set(sums) | set(fails)):
+        if counts[name]:
+            out[f"reward/{name}/mean"] = sums[name] / counts[name]
         if counts[name] < samples:
             out[f"reward/{name}/scored_frac"] = counts[name] / samples
+        if fails[name]:
+            out[f"reward/{name}/failed_frac"] = fails[name] / samples
     return out
 
 

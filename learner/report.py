@@ -34,6 +34,7 @@ PANELS = [
      "seconds per step"),
     ("length", ["response/length_mean"], "response length (tokens)"),
     ("truncated", ["response/truncated_frac"], "share of responses truncated at max_new_tokens"),
+    ("reward_failed", ["reward/failed_frac"], "share of trained samples with a failed reward (see rollout-*.log)"),
 ]
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
 STYLES = ["-", "--", "-.", ":", "-", "--"]  # a second series that overlaps the first still shows
@@ -207,10 +208,26 @@ STYLE = """body{font-family:system-ui,sans-serif;margin:1.5em 2em;color:#222}h1{
 border-radius:6px;padding:.3em;background:#fff}img{width:480px;display:block}figcaption{font-size:12px;color:#555;
 text-align:center}table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:3px 6px;
 vertical-align:top;text-align:left}table.c pre{white-space:pre-wrap;max-width:520px;margin:0;font-size:11px}
-.kpi{display:inline-block;margin-right:1.6em}.kpi b{font-size:20px;display:block}.note{color:#777;font-size:12px}"""
+.warn{color:#a00}.kpi{display:inline-block;margin-right:1.6em}.kpi b{font-size:20px;display:block}.note{color:#777;font-size:12px}"""
 
 HEADLINE = [("reward/mean", "reward"), ("eval/accuracy", "eval accuracy"), ("actor/kl", "KL"),
-            ("off_policy/staleness_mean", "policy lag"), ("throughput/samples_per_s", "samples/s")]
+            ("off_policy/staleness_mean", "policy lag"), ("throughput/samples_per_s", "samples/s"),
+            ("reward/failed_frac", "reward failed (share)")]
+
+
+def rollout_reward_note(run_dir: Path) -> str:
+    """A warning paragraph when the rollout servers' rewards failed or left samples unscored (those samples
+    never reach the learner's metrics), from each ``rollout-*.metrics.jsonl``'s last counters; else ""."""
+    total = {"samples": 0.0, "failed": 0.0, "unscored": 0.0}
+    for path in sorted(run_dir.glob("rollout-*.metrics.jsonl")):
+        last = next((r for r in reversed(read_jsonl(path)) if "reward/samples_total" in r), None)
+        for k in total:
+            total[k] += float(last.get(f"reward/{k}_total", 0.0)) if last else 0.0
+    if not (total["failed"] or total["unscored"]):
+        return ""
+    return (f"<p class=warn><b>Rewards:</b> {total['failed']:.0f} of {total['samples']:.0f} scored samples had a "
+            f"failed reward, {total['unscored']:.0f} got no score (None) and were not trained on; "
+            "see rollout-*.log for the first errors.</p>")
 
 
 def build_report(run_dir: Path) -> Path:
@@ -236,7 +253,7 @@ def build_report(run_dir: Path) -> Path:
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>fleetrl report: {html.escape(run_dir.name)}</title>
 <style>{STYLE}</style></head><body>
 <h1>{html.escape(run_dir.name)}</h1><p class=sub>{len(rows)} steps, last step {last['step']}, {minutes:.1f} min of training
-(faint: raw per-step values; solid: smoothed)</p><p>{kpis}</p>
+(faint: raw per-step values; solid: smoothed)</p><p>{kpis}</p>{rollout_reward_note(run_dir)}
 <div class=grid>{figures}</div>
 <h2>Health events</h2>{events_html(events, marks)}
 <h2>Sample completions</h2>{completions_html(read_jsonl(run_dir / "completions.jsonl"))}

@@ -49,11 +49,13 @@ def init_distributed(cfg: JobConfig) -> Dist:
     """Initialise torch.distributed (gloo on CPU, nccl on GPU) via DeepSpeed; works without a launcher."""
     if "RANK" not in os.environ:  # a plain `fleetrl learner`: one process, no launcher
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    use_cuda = cfg.learner.device == "cuda" or (cfg.learner.device == "auto" and torch.cuda.is_available())
+    if not use_cuda:  # say so, rather than have DeepSpeed warn that it could not detect an accelerator
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     import deepspeed.comm.torch  # noqa: F401 - the module object whose attribute we replace below
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    use_cuda = cfg.learner.device == "cuda" or (cfg.learner.device == "auto" and torch.cuda.is_available())
     if cfg.learner.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("learner.device=cuda but no CUDA device is visible; set learner.device=cpu or auto")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

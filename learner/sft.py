@@ -81,6 +81,8 @@ def sft(model_dir: str, data: str, eval_data: str, out: str, target_acc: float, 
     """``cfg``: a job whose ``rollout.env`` is multi-turn makes the early stop measure whole episodes."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    t0 = time.monotonic()  # the budget counts loading and evaluation too: `--max-minutes 4` means 4 minutes
+    deadline = t0 + max_minutes * 60
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -88,9 +90,12 @@ def sft(model_dir: str, data: str, eval_data: str, out: str, target_acc: float, 
     pairs = encode_pairs(tokenizer, read_rows(data))
     held_out = read_rows(eval_data)[:eval_n]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    t0, acc, step, history = time.monotonic(), 0.0, 0, []
+    acc, step, history = 0.0, 0, []
     model.train()
     while step < max_steps:
+        if time.monotonic() > deadline:
+            log.info("sft: --max-minutes %g reached at step %d; saving the model as it is", max_minutes, step)
+            break
         ids, attn, labels = collate(rng.sample(pairs, batch_size), tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad()
@@ -104,7 +109,7 @@ def sft(model_dir: str, data: str, eval_data: str, out: str, target_acc: float, 
             acc = held_out_accuracy(cfg, model, tokenizer, held_out, model_dir)
             history.append({"step": step, "loss": loss.item(), "accuracy": acc, "time_s": time.monotonic() - t0})
             log.info("sft step %d  loss %.3f  held-out greedy accuracy %.1f%%", step, loss.item(), 100 * acc)
-            if acc >= target_acc or (time.monotonic() - t0) / 60 > max_minutes:
+            if acc >= target_acc:
                 break
     Path(out).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

@@ -82,12 +82,14 @@ class ConsoleSink:
     KEYS = ("reward/mean", "actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm", "off_policy/staleness_mean",
             "throughput/samples_per_s", "resource/learner/cpu_percent", "resource/learner/rss_mb")
 
+    LABELS = {"reward/mean": "reward_mean"}  # a bare `mean=` does not say of what
+
     def __init__(self, every: int = 1):
         self.every = every
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if step % self.every == 0:
-            shown = "  ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in self.KEYS if k in metrics)
+            shown = "  ".join(f"{self.LABELS.get(k, k.split('/')[-1])}={metrics[k]:.4g}" for k in self.KEYS if k in metrics)
             log.info("step %d  %s", step, shown)
 
     def write_completions(self, step: int, rows: list[dict[str, Any]]) -> None:

@@ -30,6 +30,7 @@ from fleetrl.common.config import ConfigError
 from fleetrl.rollout.engines.base import Generation
 from fleetrl.rollout.envs.base import Episode
 from fleetrl.rollout.rewards import RewardInput, RewardResult
+from fleetrl.rollout.rewards.scorer import RewardsHopeless
 from fleetrl.rollout.tracing import LeaseTrace
 
 log = logging.getLogger("fleetrl.rollout")
@@ -132,6 +133,7 @@ def build_groups(batch: Batch, results: Sequence[RewardResult], server_id: str,
             [(s.token_ids, s.logprobs) for s in samples], [r.reward for r in res],
             [s.finish_reason for s in samples], token_versions=versions, loss_masks=loss_masks(samples),
             reward_parts=[dict(r.parts) for r in res], failed=[r.failed for r in res],
+            failed_parts=[list(r.failed_parts) for r in res] if any(r.failed_parts for r in res) else [],
             lease_id=batch.lease.lease_id, server_id=server_id, trace=trace_context(batch, prompt, gid),
             created_at=time.time(), baseline_reward=baseline_rewards[b] if baseline_rewards else None,
             metadata={"server": server_id, "gen_s": round(batch.gen_s, 4),
@@ -358,6 +360,8 @@ class Finisher:
             self.on_done(batch)
         self.stats.add(batches=len(batches), tokens=sum(b.num_tokens for b in batches), **counts)
         self.metrics.write(self.record(batches, [r for _, results, _ in built for r in results], push_s))
+        if (why := self.scorer.hopeless()) is not None:  # every sample failed or unscored: stop, naming the rewards
+            raise RewardsHopeless(why)
 
     def push(self, groups: list[m.SampleGroup], refused: list[str]) -> dict[str, int]:
         """Push in one frame (retried until acked); counts by outcome. Refused groups are logged and their

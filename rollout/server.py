@@ -49,7 +49,7 @@ from fleetrl.rollout.loop import Batch, Finisher, MetricsFile, OpenLeases, Stats
 from fleetrl.rollout.apply import WeightApplier
 from fleetrl.rollout.assembly import GroupAssembly
 from fleetrl.rollout.inflight import InFlight, InflightBudget, trace_carrier
-from fleetrl.rollout.rewards import RewardScorer
+from fleetrl.rollout.rewards.scorer import RewardScorer, RewardsHopeless
 from fleetrl.rollout.tracing import LeaseTrace
 
 if TYPE_CHECKING:
@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("fleetrl.rollout")
 
 EXIT_BROKER_UNAVAILABLE = 3
+EXIT_REWARDS_HOPELESS = 4  # no sample got a usable reward: restarting cannot help (`fleetrl run` does not)
 CATCHUP_S = 5.0  # seconds between GetVersion polls (catch-up for dropped announcements and pause state)
 WAIT_SLICE_S = 0.25  # longest sleep without looking at announcements and the stop flag
 POLL_SLICE_S = 0.05  # while samples are generating: how often announcements are looked at
@@ -496,6 +497,9 @@ def main(args) -> int:
             f" (check broker.address / --broker, or raise broker.request_timeout_s={cfg.broker.request_timeout_s:g})")
         log.error("giving up, the broker is unreachable: %s%s", e, hint)
         return EXIT_BROKER_UNAVAILABLE
+    except RewardsHopeless as e:
+        log.error("stopping: %s", e)
+        return EXIT_REWARDS_HOPELESS
     except Abort:
         return 0
     finally:

@@ -136,7 +136,7 @@ class WeightReceiver:
                 self._loading = (0.0, 0)
         if not loaded:
             return None
-        log.info("loaded weight version %d in %.2fs", update.version, time.perf_counter() - t0)
+        log.debug("loaded weight version %d in %.2fs", update.version, time.perf_counter() - t0)  # the server says it
         return update.version
 
     def _load(self, engine: Engine, update: Update) -> bool:

@@ -4,8 +4,9 @@ validation with messages that name the key, and the generated reference (docs/co
 - ``base.py``: ``Section`` (the Struct base) and ``doc`` (field metadata);
 - ``schema.py``: ``JobConfig`` and the model, data, rollout, broker, sync, checkpoint, telemetry and
   run sections; ``learner.py``: the learner, algorithm and health sections;
-- ``loader.py``: reading, overriding, validating and printing configs; ``docs.py``: the generated
-  reference; ``cli.py``: `fleetrl config`.
+- ``loader.py``: reading, overriding, validating and printing configs; ``names.py``: TRL's / verl's names
+  (read with a note), the defaults a job names, local paths made absolute in a saved config; ``docs.py``:
+  the generated reference; ``cli.py``: `fleetrl config`.
 
 Nothing here imports torch: the broker, the CLI and tests load configs without it.
 """

@@ -11,6 +11,8 @@ did-you-mean). It returns one line per problem, each naming the key and the fix:
 - ``data.train`` / ``data.eval`` / ``data.preference*``: they exist (or, as a `datasets` name, are in
   the local cache), their first row has the prompt column (and the answer column when a reward
   needs one), and ``data.map`` imports;
+- ``rollout.env``: tool functions import and have a schema, a user environment class imports, has
+  reset/step and takes its args;
 - ``rollout.rewards``: each reward's arguments, a ``python`` function importable with a signature
   that fits, a reward model directory that exists (through ``fleetrl.rollout.rewards``, imported
   only when the checks run — ``common`` names components, it does not import them at import time);
@@ -34,6 +36,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "*.bin.index.json")
 NEEDS_ANSWER = ("exact", "math")
 REWARD_CHECKS = "fleetrl.rollout.rewards:check_rewards"  # imported when the checks run
+REWARD_COLUMNS = "fleetrl.rollout.rewards.user:missing_columns"  # likewise
+ENV_CHECKS = ("fleetrl.rollout.envs.tool:tool_problems", "fleetrl.rollout.envs.user:user_env_problems")  # likewise
 
 
 def check_job(cfg: JobConfig) -> list[str]:
@@ -52,8 +56,10 @@ def model_dir_problem(path: str, key: str) -> str | None:
     p = Path(path).expanduser()
     if not p.exists():
         local = f"models/{path.rstrip('/').split('/')[-1].lower()}"
-        hub = (f"; if it is a hub id, download it first (`huggingface-cli download {path} --local-dir {local}`) and set "
-               f"{key}={local}" if path.count("/") == 1 and not path.startswith((".", "/", "~")) else "")
+        # a hub id looks like org/name, and its "org" is no folder here (`models/nope` is a typo, not a hub id)
+        hub_like = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not Path(path.split("/")[0]).is_dir()
+        hub = (f"; if it is a hub id, download it first (`hf download {path} --local-dir {local}`, with huggingface_hub "
+               f"installed) and set {key}={local}" if hub_like else "")
         return (f"{key}={path!r} does not exist; fleetrl loads models from local directories only (jobs run offline, "
                 f"HF_HUB_OFFLINE=1): fix the path or create a model there (`fleetrl init-model --out {path}`){hub}")
     if not (p / "config.json").is_file():
@@ -160,7 +166,9 @@ def dataset_name_problems(source: str, key: str, cfg: JobConfig) -> list[str]:
     except Exception as e:  # noqa: BLE001 - datasets raises many kinds; each means "not available here"
         return [f"{key}={source!r} is neither a local file or directory nor a dataset in the local HF cache "
                 f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); jobs run offline: save it first "
-                f"(`datasets.load_dataset({source!r}).save_to_disk('data/x')`) and set {key}=data/x"]
+                f"(`datasets.load_dataset({source!r}, {cfg.data.subset or 'CONFIG'!r}).save_to_disk('data/x')`, "
+                "CONFIG being its configuration, e.g. 'main' for openai/gsm8k) and set "
+                f"{key}=data/x"]
     return []
 
 
@@ -197,12 +205,74 @@ def check_rewards(cfg: JobConfig) -> list[str]:
         return []
     module, _, name = REWARD_CHECKS.partition(":")
     problems: list[str] = getattr(importlib.import_module(module), name)(cfg.rollout.rewards)
+    if not problems:
+        problems += reward_column_problems(cfg)
     if cfg.run.eval_interval and cfg.data.eval and cfg.run.eval_success is None:
         if default_success_threshold(cfg.rollout.rewards) is None:
             problems.append("run.eval_success: which reward counts as correct in evaluation is ambiguous for these "
                             "rollout.rewards (only a single exact or math reward means reward >= 1 is right); set "
                             "run.eval_success")
     return problems
+
+
+def check_env(cfg: JobConfig) -> list[str]:
+    """rollout.env's user code: every tool function (`type: tool`) imports and has a schema; the environment
+    class (`type: user`) imports, has reset/step and takes rollout.env.user.args."""
+    if not cfg.needs_fleet:
+        return []
+    problems: list[str] = []
+    for ref in ENV_CHECKS:
+        module, _, name = ref.partition(":")
+        problems += getattr(importlib.import_module(module), name)(cfg)
+    return problems
+
+
+def first_train_row(cfg: JobConfig) -> dict | None:
+    """data.train's first row after data.map (local files only), or None (no file, unreadable: check_data says)."""
+    from fleetrl.common.data.tables import DataError, apply_map, first_row
+
+    p = Path(cfg.data.train).expanduser()
+    if not p.exists():
+        return None
+    try:
+        row = first_row(p, "data.train")
+        if row and cfg.data.map:
+            row = (apply_map([row], cfg.data.map, "data.train") or [None])[0]
+    except DataError:
+        return None
+    return row or None
+
+
+def chat_prompt_problems(cfg: JobConfig) -> list[str]:
+    """Chat-message prompts (a list of {role, content}) need a tokenizer with a chat template."""
+    row = first_train_row(cfg) if cfg.needs_fleet else None
+    tok_dir = cfg.model.tokenizer or cfg.model.path
+    if row is None or not isinstance(row.get(cfg.data.prompt_key), list) or not Path(tok_dir).expanduser().is_dir():
+        return []
+    if has_chat_template(tok_dir):
+        return []
+    return [f"data.train's prompts ({cfg.data.prompt_key!r}) are chat messages, but the tokenizer in {tok_dir!r} has no "
+            "chat template to render them; set model.tokenizer to a tokenizer with one, or give plain-text prompts"]
+
+
+def reward_column_problems(cfg: JobConfig) -> list[str]:
+    """Each batched python reward against data.train's first row (after data.map): the columns it requires
+    must be there, or every call fails at run time (local files only, as `data_problems`)."""
+    specs = [(i, s) for i, s in enumerate(cfg.rollout.rewards) if s.name == "python"]
+    row = first_train_row(cfg) if specs else None
+    if row is None:
+        return []
+    module, _, name = REWARD_COLUMNS.partition(":")
+    missing_columns = getattr(importlib.import_module(module), name)
+    columns = [k for k in row if k != cfg.data.prompt_key]
+    out = []
+    for i, spec in specs:
+        missing = missing_columns(spec.args, columns)
+        if missing:
+            out.append(f"rollout.rewards[{i}]: {spec.args.get('function')} needs the data column(s) {missing}, which "
+                       f"data.train's first row does not have (columns: {sorted(columns)}); rename the column (a "
+                       "data.map hook), or give the parameter a default")
+    return out
 
 
 def default_success_threshold(specs) -> float | None:
@@ -257,5 +327,6 @@ def resume_problem(run_dir: Path, cfg: JobConfig | None) -> str | None:
     return None
 
 
-CHECKS: list[Callable[[JobConfig], list[str]]] = [check_model, check_data, check_rewards, check_telemetry, check_files]
+CHECKS: list[Callable[[JobConfig], list[str]]] = [check_model, check_data, chat_prompt_problems, check_rewards,
+                                                   check_env, check_telemetry, check_files]
 

@@ -11,6 +11,7 @@ import sys
 
 from fleetrl.common.config import config_docs, dump_yaml, load_config
 from fleetrl.common.config.checks import check_job
+from fleetrl.common.config.names import defaults_used
 
 
 def main(args) -> int:
@@ -26,5 +27,7 @@ def main(args) -> int:
         print(f"fleetrl config: {problem}", file=sys.stderr)
     if problems:
         return 2
+    for note in defaults_used(cfg, args.config, args.overrides):
+        print(f"fleetrl config: note: {note}", file=sys.stderr)
     print(f"{args.config or 'defaults'}: OK")
     return 0

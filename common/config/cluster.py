@@ -23,6 +23,7 @@ from fleetrl.common.config.base import Section, doc
 
 PORTS_USED = 4  # base_port .. base_port + 3
 EPHEMERAL_DEFAULT = (32768, 60999)  # Linux's default ip_local_port_range
+GiB = Annotated[int, doc("GiB", ge=1)]
 
 
 class LearnerNodes(Section):
@@ -32,6 +33,10 @@ class LearnerNodes(Section):
         int, doc("Learner ranks per node when gpus_per_node is 0 (CPU ranks).", ge=1)
     ] = 1
     cpus_per_rank: Annotated[int, doc("CPU cores reserved for each learner rank.", ge=1)] = 1
+    mem_gb_per_rank: Annotated[
+        GiB | None, doc("Host memory (GiB) for each learner rank: Slurm --mem and the k8s memory request (null = no "
+                        "--mem, the partition's default; k8s requests 16).")
+    ] = None
 
 
 class RolloutNodes(Section):
@@ -41,6 +46,10 @@ class RolloutNodes(Section):
         int | None, doc("Rollout servers per node (null = one per GPU or tensor-parallel group; 1 on CPU).")
     ] = None
     cpus_per_server: Annotated[int, doc("CPU cores reserved for each rollout server.", ge=0)] = 1
+    mem_gb_per_server: Annotated[
+        GiB | None, doc("Host memory (GiB) for each rollout server: Slurm --mem and the k8s memory request (null = "
+                        "no --mem, the partition's default; k8s requests 16).")
+    ] = None
     max_restarts: Annotated[
         int, doc("Restarts of one crashed rollout server by its node's supervisor before it is given up.", ge=0)
     ] = 3

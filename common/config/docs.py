@@ -11,6 +11,7 @@ import yaml
 
 from fleetrl.common.config.base import Section
 from fleetrl.common.config.loader import field_types, strip_annotated, struct_of, tag_field_of, variants_of
+from fleetrl.common.config.names import ALIASES
 from fleetrl.common.config.schema import JobConfig
 
 
@@ -59,6 +60,10 @@ def config_docs() -> str:
         "",
         "Generated from `common/config/schema.py` by `fleetrl config docs` — do not edit by hand.",
         "Every key can be set in the YAML file or overridden as `section.key=value` on the command line.",
+        "",
+        "TRL's / verl's names are read at the top level with a one-line note naming fleetrl's key: "
+        + ", ".join(f"`{a}` = `{t}`" for a, t in ALIASES.items())
+        + " (`algorithm.beta` for `type: dpo`; a `beta` > 0 also sets `algorithm.kl.placement: loss` when unset).",
         "",
     ]
 

@@ -22,6 +22,7 @@ import yaml
 
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.common.config.base import Section
+from fleetrl.common.config.names import apply_aliases, with_absolute_paths
 
 __all__ = [
     "ConfigError",
@@ -190,7 +191,16 @@ def _legacy_hints(raw: dict[str, Any]) -> None:
 
 
 def _check_keys(raw: Any, struct: type[Section], prefix: str) -> None:
-    """Reject unknown keys with a did-you-mean, recursing into sections and lists of sections."""
+    """Reject unknown keys with a did-you-mean, every one of them at once (one line each)."""
+    problems: list[str] = []
+    _unknown_keys(raw, struct, prefix, problems)
+    if problems:
+        head = f"{len(problems)} unknown keys:\n  " if len(problems) > 1 else ""
+        raise ConfigError(head + "\n  ".join(problems))
+
+
+def _unknown_keys(raw: Any, struct: type[Section], prefix: str, problems: list[str]) -> None:
+    """Append a message per unknown key, recursing into sections and lists of sections."""
     if not isinstance(raw, dict):
         return  # wrong type: msgspec reports it with the path
     hints = field_types(struct)
@@ -200,15 +210,27 @@ def _check_keys(raw: Any, struct: type[Section], prefix: str) -> None:
         if key == tag_field:
             continue  # checked by decoding against the union's tags
         if key not in hints:
-            raise ConfigError(_unknown_key_message(path, str(key), list(hints), prefix, struct))
+            problems.append(_unknown_key_message(path, str(key), list(hints), prefix, struct))
+            continue
         sub = _section_for(hints[key], value)
         if sub is None:
             continue
         if isinstance(value, list):
             for i, item in enumerate(value):
-                _check_keys(item, sub, f"{path}.{i}.")
+                _unknown_keys(item, sub, f"{path}.{i}.", problems)
         else:
-            _check_keys(value, sub, f"{path}.")
+            _unknown_keys(value, sub, f"{path}.", problems)
+
+
+def _all_keys(struct: type[Section], prefix: str = "") -> list[str]:
+    """Every dotted key of ``struct``'s schema (sections of every variant of a tagged union included)."""
+    keys = []
+    for name, tp in field_types(struct).items():
+        keys.append(f"{prefix}{name}")
+        variants = variants_of(tp)
+        for sub in (variants or {}).values() if variants else [s for s in [struct_of(tp)] if s is not None]:
+            keys += [k for k in _all_keys(sub, f"{prefix}{name}.") if k not in keys]
+    return keys
 
 
 def _unknown_key_message(path: str, key: str, valid: list[str], prefix: str, struct: type[Section]) -> str:
@@ -216,8 +238,10 @@ def _unknown_key_message(path: str, key: str, valid: list[str], prefix: str, str
     tag = struct.__struct_config__.tag
     if tag is not None:
         section += f" with {struct.__struct_config__.tag_field}: {tag}"
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    hint = f"did you mean `{prefix}{close[0]}`? " if close else ""
+    # a key of another section first (`lr` for `learner.lr`: the schema's keys of that very name), else a typo
+    close = [k for k in _all_keys(JobConfig) if k.rsplit(".", 1)[-1] == key][:3]
+    close = close or [f"{prefix}{c}" for c in difflib.get_close_matches(key, valid, n=1, cutoff=0.5)]
+    hint = f"did you mean {' or '.join(f'`{c}`' for c in close)}? " if close else ""
     return f"{path}: unknown key; {hint}(valid keys of {section}: {', '.join(valid)})"
 
 
@@ -285,6 +309,7 @@ def _rephrase(err: msgspec.ValidationError, raw: dict[str, Any]) -> ConfigError:
 def validate(raw: dict[str, Any]) -> JobConfig:
     """Decode a nested dict into a JobConfig, raising ConfigError that names the key at fault."""
     _legacy_hints(raw)
+    apply_aliases(raw)
     _fill_tags(raw)
     _check_keys(raw, JobConfig, "")
     try:
@@ -312,10 +337,10 @@ def dump_yaml(cfg: JobConfig) -> str:
 
 
 def save_resolved(cfg: JobConfig, run_dir: str | Path) -> Path:
-    """Write the resolved config as ``config.yaml`` into the run directory."""
+    """Write the resolved config as ``config.yaml`` into the run directory, local paths made absolute."""
     out = Path(run_dir) / "config.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(dump_yaml(cfg))
+    out.write_text(dump_yaml(with_absolute_paths(cfg)))
     return out
 
 

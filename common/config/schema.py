@@ -410,6 +410,10 @@ class RunConfig(Section):
     stop_timeout_s: Annotated[float, doc(
         "Longest `fleetrl run` takes to stop after Ctrl-C or the end of training: the learner checkpoints first, "
         "then the rollouts and the broker exit; whatever is left after this is killed.", gt=0)] = 180.0
+    file_access: Annotated[Literal["owner", "group", "all"], doc(
+        "Who may read what the job's processes write (umask 077 / 027 / 022): `owner` only, the `group` too (share "
+        "checkpoints, logs, metrics and TensorBoard files on a cluster), or `all`. Keys, the broker spool and weight "
+        "versions stay owner-only (0600 / 0700) whatever this says.")] = "owner"
 
 
 class JobConfig(Section):

@@ -22,7 +22,7 @@ Every pod runs the same supervisor as on Slurm; the world map reads ``FLEETRL_K8
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
@@ -34,6 +34,29 @@ from fleetrl.common.launch.world import Layout
 
 CONFIG_DIR = "/etc/fleetrl"
 KEYS_DIR = "/fleetrl-keys"
+
+
+BROKER_MEM_GB = 2  # the broker's memory request: its queue and spool index
+ROLE_MEM_GB = 16  # a learner rank's / rollout server's memory request when cluster.*.mem_gb_per_* is null
+
+
+def _mem_gb(per_process: int | None, processes: int) -> int:
+    return (ROLE_MEM_GB if per_process is None else per_process) * max(1, processes)
+
+
+def volume_paths(run_dir: str | None, mount_path: str, name: str) -> tuple[str, str]:
+    """(the run directory every pod is given, where the run volume is mounted) so that the run directory is
+    on the shared volume: a relative one goes under ``mount_path``; an absolute one outside it (docs/deploy.md's
+    ``cluster.run_dir: /shared/runs/grpo``) gets the volume mounted at that very path; none = mount_path/name."""
+    mount = mount_path.rstrip("/") or "/"
+    if not run_dir:
+        return f"{mount}/{name}", mount
+    path = PurePosixPath(run_dir)
+    if not path.is_absolute():
+        return str(PurePosixPath(mount) / path), mount
+    if path == PurePosixPath(mount) or PurePosixPath(mount) in path.parents:
+        return str(path), mount
+    return str(path), str(path)
 
 
 def _meta(name: str, ns: str, role: str, app: str) -> dict[str, Any]:
@@ -50,12 +73,12 @@ class Renderer:
         self.cfg, c = cfg, cfg.cluster
         self.layout = Layout.from_config(cfg, run_dir or "")
         self.name, self.ns = self.layout.name, c.k8s.namespace
-        self.run_dir = run_dir or c.run_dir or f"{c.k8s.mount_path}/{self.name}"
+        self.run_dir, self.run_mount = volume_paths(run_dir or c.run_dir, c.k8s.mount_path, self.name)
         if not c.image:
             raise ConfigError("fleetrl launch k8s needs cluster.image: an image with fleetrl installed (and the model "
                               "and data, or put them on the run-directory volume)")
 
-    def container(self, role: str, gpus: int, cpus: int, ports: dict[str, int]) -> dict[str, Any]:
+    def container(self, role: str, gpus: int, cpus: int, ports: dict[str, int], mem_gb: int) -> dict[str, Any]:
         c = self.cfg.cluster
         env = [{"name": "FLEETRL_K8S_NAME", "value": self.name},
                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -63,11 +86,11 @@ class Renderer:
                {"name": "HF_HUB_OFFLINE", "value": "1"}]
         if c.interface:
             env += [{"name": "NCCL_SOCKET_IFNAME", "value": c.interface}, {"name": "GLOO_SOCKET_IFNAME", "value": c.interface}]
-        resources: dict[str, Any] = {"requests": {"cpu": str(max(1, cpus))}}
+        resources: dict[str, Any] = {"requests": {"cpu": str(max(1, cpus)), "memory": f"{mem_gb}Gi"}}
         if gpus:
             resources["limits"] = {"nvidia.com/gpu": gpus}
         mounts = [{"name": "job", "mountPath": CONFIG_DIR, "readOnly": True},
-                  {"name": "run", "mountPath": c.k8s.mount_path}]
+                  {"name": "run", "mountPath": self.run_mount}, {"name": "shm", "mountPath": "/dev/shm"}]
         if c.k8s.curve_secret:
             mounts.append({"name": "keys", "mountPath": KEYS_DIR, "readOnly": True})
         return {"name": role, "image": c.image, "imagePullPolicy": c.k8s.image_pull_policy,
@@ -76,13 +99,15 @@ class Renderer:
                 "env": env, "resources": resources, "volumeMounts": mounts,
                 "ports": [{"name": n, "containerPort": p} for n, p in ports.items()]}
 
-    def pod_spec(self, role: str, gpus: int, cpus: int, ports: dict[str, int], restart: str) -> dict[str, Any]:
+    def pod_spec(self, role: str, gpus: int, cpus: int, ports: dict[str, int], restart: str,
+                 mem_gb: int = BROKER_MEM_GB) -> dict[str, Any]:
         c = self.cfg.cluster.k8s
         volumes = [{"name": "job", "configMap": {"name": f"{self.name}-job"}},
-                   {"name": "run", "persistentVolumeClaim": {"claimName": c.pvc or f"{self.name}-run"}}]
+                   {"name": "run", "persistentVolumeClaim": {"claimName": c.pvc or f"{self.name}-run"}},
+                   {"name": "shm", "emptyDir": {"medium": "Memory"}}]  # NCCL and vLLM need more than the 64 MiB default
         if c.curve_secret:
             volumes.append({"name": "keys", "secret": {"secretName": c.curve_secret}})
-        return {"restartPolicy": restart, "containers": [self.container(role, gpus, cpus, ports)], "volumes": volumes}
+        return {"restartPolicy": restart, "containers": [self.container(role, gpus, cpus, ports, mem_gb)], "volumes": volumes}
 
     def template(self, role: str, spec: dict[str, Any]) -> dict[str, Any]:
         return {"metadata": {"labels": {"app.kubernetes.io/name": "fleetrl", **_selector(self.name, role)}}, "spec": spec}
@@ -117,7 +142,8 @@ class Renderer:
     def rollout(self) -> list[dict[str, Any]]:
         r = self.cfg.cluster.rollout
         cpus = max(1, r.cpus_per_server * self.layout.servers_per_node)
-        spec = self.pod_spec("rollout", r.gpus_per_node, cpus, {}, "Always")
+        spec = self.pod_spec("rollout", r.gpus_per_node, cpus, {}, "Always",
+                             _mem_gb(r.mem_gb_per_server, self.layout.servers_per_node))
         return [{"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(f"{self.name}-rollout", self.ns, "rollout", self.name),
                  "spec": {"replicas": r.nodes, "selector": {"matchLabels": _selector(self.name, "rollout")},
                           "template": self.template("rollout", spec)}}]
@@ -129,7 +155,8 @@ class Renderer:
         headless = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, self.ns, "learner", self.name),
                     "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": _selector(self.name, "learner"),
                              "ports": [{"name": n, "port": v, "targetPort": v} for n, v in ports.items()]}}
-        spec = self.pod_spec("learner", c.gpus_per_node, c.cpus_per_rank * self.layout.ranks_per_node, ports, "Never")
+        spec = self.pod_spec("learner", c.gpus_per_node, c.cpus_per_rank * self.layout.ranks_per_node, ports, "Never",
+                             _mem_gb(c.mem_gb_per_rank, self.layout.ranks_per_node))
         spec["subdomain"] = name
         job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(name, self.ns, "learner", self.name),
                "spec": {"completionMode": "Indexed", "completions": c.nodes, "parallelism": c.nodes, "backoffLimit": 0,

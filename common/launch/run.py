@@ -37,9 +37,11 @@ from pathlib import Path
 
 from fleetrl.common.config import ConfigError, dump_yaml, load_config
 from fleetrl.common.config.checks import check_job, resume_problem
+from fleetrl.common.config.names import defaults_used
 from fleetrl.common.config.schema import JobConfig
 
 POLL_S = 0.25
+EXIT_REWARDS_HOPELESS = 4  # a rollout server's exit code when no sample got a usable reward (rollout/server.py)
 DONE_GRACE_S = 5.0  # after the learner finished: how long rollouts get to exit on its `done` before SIGTERM
 LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d \w \S+ \S+: (.*)$")  # common/log.py's format: time, level, process, logger
 FINAL_WORDS = re.compile(r"\b(stopped|done|left)\b")  # the last line each component logs says what it did
@@ -161,6 +163,7 @@ def child_env(threads: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(FLEETRL_CHILD="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
+               HF_DATASETS_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1",  # children write log files: no bars
                PYTHONUNBUFFERED="1")
     return env
 
@@ -240,11 +243,21 @@ class Launcher:
             code = child.returncode
             if child.alive or code in (0, None) or (child is learner and code == 0):
                 continue
+            if code == EXIT_REWARDS_HOPELESS:  # the rewards cannot score this data: a restart scores nothing again
+                raise LaunchError(f"{child.name} stopped: no sample got a usable reward; its log ({child.log}) says:\n"
+                                  f"{child.tail(6)}")
             if self.cfg.run.restart_policy == "on-failure" and child.restarts < self.cfg.run.max_restarts:
                 self.restart(child, code)
             else:
                 raise LaunchError(f"{child.name} died with exit code {code}; its log ({child.log}) ends with:\n"
                                   f"{child.tail()}")
+
+    def broker_address(self) -> str:
+        """The address the broker bound (its ``broker.json``), or "?" when it wrote none."""
+        try:
+            return json.loads((self.run_dir / "broker.json").read_text())["address"]
+        except (OSError, ValueError, KeyError):
+            return "?"
 
     def restart(self, child: Child, code: int) -> None:
         """Start a dead child again: the broker on its old ports (clients reconnect to them) and from its
@@ -329,6 +342,9 @@ class Launcher:
             self.start_all()
             print(f"fleetrl run: {len(self.children)} processes ready in {time.monotonic() - self.started:.1f} s; "
                   f"run directory {self.run_dir}", flush=True)
+            if any(c.name == "broker" for c in self.children):
+                print(f"fleetrl run: broker at {self.broker_address()}; watch it with `fleetrl status --broker "
+                      f"{self.run_dir}`", flush=True)
             rl_start = time.monotonic()
             cpu = CpuMeter()
             cpu.begin(self._pids())
@@ -397,6 +413,8 @@ def main(args) -> int:
         for problem in problems:
             print(f"fleetrl run: {problem}", file=sys.stderr)
         return 2
+    for note in [] if resumed else defaults_used(cfg, args.config, args.overrides):
+        print(f"fleetrl run: note: {note}", file=sys.stderr)
     run_dir = run_dir or make_run_dir(cfg, args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"fleetrl run: {cfg.run.name} -> {run_dir}{' (resuming from its newest checkpoint)' if resumed else ''}",

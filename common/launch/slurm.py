@@ -41,22 +41,56 @@ def resolve_run_dir(cfg: JobConfig, override: str | None = None) -> Path:
     return Path(path).resolve()
 
 
+def _times(gb: int | None, n: int) -> int | None:
+    return None if gb is None else gb * n
+
+
+def role_request(cfg: JobConfig, layout: Layout, role: str) -> dict[str, int | None]:
+    """What one node of ``role`` needs: GPUs, CPU cores (its one supervisor task's) and memory in GiB (None = not
+    set: no ``--mem``, so Slurm gives the partition's default; the broker never sets one)."""
+    c = cfg.cluster
+    if role == "learner":
+        return {"gpus": c.learner.gpus_per_node, "cpus": c.learner.cpus_per_rank * layout.ranks_per_node,
+                "mem_gb": _times(c.learner.mem_gb_per_rank, layout.ranks_per_node)}
+    if role == "rollout":
+        servers = max(1, layout.servers_per_node)
+        return {"gpus": c.rollout.gpus_per_node, "cpus": max(1, c.rollout.cpus_per_server * servers),
+                "mem_gb": _times(c.rollout.mem_gb_per_server, servers)}
+    return {"gpus": 0, "cpus": 1, "mem_gb": None}
+
+
+def step_options(request: dict[str, int | None]) -> list[str]:
+    """The srun options of one role's step: its own GPUs (none for the broker), cores and memory (when set)."""
+    opts = [f"--gpus-per-node={request['gpus']}"] if request["gpus"] else []
+    opts += [f"--cpus-per-task={request['cpus']}"]
+    return [*opts, f"--mem={request['mem_gb']}G"] if request["mem_gb"] else opts
+
+
 def role_steps(cfg: JobConfig, layout: Layout) -> list[dict]:
-    """The job's srun steps in start order: the broker, the learner nodes, the rollout nodes."""
+    """The job's srun steps in start order: the broker, the learner nodes, the rollout nodes, each with the
+    srun options of what its role needs (``options``)."""
     steps = [{"role": "learner", "nodes": layout.learner_nodes}]
     if cfg.needs_fleet:
         steps = [{"role": "broker", "nodes": 1}, *steps, {"role": "rollout", "nodes": layout.rollout_nodes}]
-    return [s for s in steps if s["nodes"] > 0]
+    return [{**s, "options": step_options(role_request(cfg, layout, s["role"]))} for s in steps if s["nodes"] > 0]
 
 
-def sbatch_options(cfg: JobConfig, layout: Layout, run_dir: Path, nodes: int, name: str, requeue: bool) -> list[str]:
+def sbatch_options(cfg: JobConfig, layout: Layout, run_dir: Path, nodes: int, name: str, requeue: bool,
+                   steps: list[dict] | None = None) -> list[str]:
+    """The allocation: one task per node with the most any role on a node needs; roles without GPUs (the
+    broker) do not raise the GPU count. Each srun step then asks for its own role's share (`step_options`)."""
     c = cfg.cluster
-    gpus = max(c.learner.gpus_per_node, c.rollout.gpus_per_node)
+    steps = role_steps(cfg, layout) if steps is None else steps
+    needs = [role_request(cfg, layout, s["role"]) for s in steps]
+    gpus = max((n["gpus"] for n in needs), default=0)
     opts = [f"--job-name={name}", f"--nodes={nodes}", "--ntasks-per-node=1", f"--time={c.time_limit}",
             f"--output={run_dir}/launch/slurm-%j.out", "--open-mode=append"]
     opts += [f"--partition={c.partition}"] if c.partition else []
     opts += [f"--account={c.account}"] if c.account else []
     opts += [f"--gpus-per-node={gpus}"] if gpus else []
+    opts += [f"--cpus-per-task={max(n['cpus'] for n in needs)}"]
+    mem = max((n["mem_gb"] for n in needs if n["mem_gb"]), default=None)
+    opts += [f"--mem={mem}G"] if mem else []
     opts += ["--exclusive"] if c.slurm.exclusive else []
     if requeue:
         opts += [f"--signal=B:USR1@{c.slurm.signal_s}", "--requeue" if c.slurm.requeue else "--no-requeue"]
@@ -87,7 +121,7 @@ def render_script(options: list[str], plan: dict, plan_path: Path) -> str:
     sup = [plan["python"], "-m", "fleetrl.common.launch.supervisor", "--config", plan["config"], "--run-dir",
            plan["run_dir"]]
     for step in plan["steps"]:
-        argv = [*plan["srun"], f"--nodes={step['nodes']}", f"--ntasks={step['nodes']}",
+        argv = [*plan["srun"], *step.get("options", []), f"--nodes={step['nodes']}", f"--ntasks={step['nodes']}",
                 f"--nodelist=<{step['role']} nodes>", f"--job-name=fleetrl-{step['role']}", *sup, "--role", step["role"]]
         lines.append(f"#   {shlex.join(argv)}")
     lines += ["# It ends the job when the learner finishes, fails it naming the cause when the broker or a learner",
@@ -150,8 +184,10 @@ def render_add_rollout(run_dir: Path, count: int, overrides: list[str]) -> tuple
     env = {"FLEETRL_BROKER_ADDRESS": world["broker_address"], "FLEETRL_SYNC_ADDR": world["sync_address"],
            "FLEETRL_ROLLOUT_OFFSET": str(first), "FLEETRL_ROLLOUT_SERVERS": str(count)}
     python = cfg.cluster.python or sys.executable
-    plan = build_plan(cfg, run_dir, config_path, python, [{"role": "rollout", "nodes": nodes}], env, "add-rollout")
-    opts = sbatch_options(cfg, layout, run_dir, nodes, f"fleetrl-{cfg.run.name}-rollout+{count}", requeue=False)
+    steps = [{"role": "rollout", "nodes": nodes, "options": step_options(role_request(cfg, layout, "rollout"))}]
+    plan = build_plan(cfg, run_dir, config_path, python, steps, env, "add-rollout")
+    opts = sbatch_options(cfg, layout, run_dir, nodes, f"fleetrl-{cfg.run.name}-rollout+{count}", requeue=False,
+                          steps=steps)
     return _write(run_dir, f"add-rollout-{first}", plan, opts)
 
 

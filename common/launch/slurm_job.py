@@ -70,7 +70,7 @@ class Driver:
 
     def srun_argv(self, step: dict) -> list[str]:
         nodes = self.role_nodes()[step["role"]][: step["nodes"]]
-        return [*self.plan["srun"], f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", f"--nodelist={','.join(nodes)}",
+        return [*self.plan["srun"], *step.get("options", []), f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", f"--nodelist={','.join(nodes)}",
                 f"--job-name=fleetrl-{step['role']}", self.plan["python"], "-m", "fleetrl.common.launch.supervisor",
                 "--role", step["role"], "--config", self.plan["config"], "--run-dir", str(self.run_dir)]
 

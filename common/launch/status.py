@@ -1,4 +1,5 @@
-"""The live status line of `fleetrl run`, read from the learner's ``metrics.jsonl``."""
+"""The live status line of `fleetrl run`, read from the learner's ``metrics.jsonl`` and, for reward failures
+and unscored samples (which never reach the learner), the rollout servers' ``rollout-*.metrics.jsonl``."""
 
 from __future__ import annotations
 
@@ -57,17 +58,25 @@ def fmt(value: object, spec: str) -> str:
     return spec.format(x) if x == x and abs(x) != float("inf") else str(x)
 
 
-def describe_event(event: dict) -> str:
-    """One event of events.jsonl, short: a health rule's action, or the launcher restarting a child."""
+def describe_event(event: dict, cause: dict | None = None) -> str:
+    """One event of events.jsonl, short: a health rule's action, a rollback naming the rule that asked for it
+    (``cause``: the rule's own event, just before it), or the launcher restarting a child."""
     if event.get("event") == "restart":
         return f"restarted {event.get('child')} (exit {event.get('exit_code')}, restart {event.get('restart')})"
+    if event.get("rule") == "rollback":
+        why = f" ({cause.get('rule')} on {cause.get('metric')})" if cause and cause.get("rule") != "rollback" else ""
+        return (f"rolled back @ {event.get('step')}{why}, rollback {fmt(event.get('value'), '{:.0f}')}"
+                f"/{fmt(event.get('threshold'), '{:.0f}')}")
     return f"{event.get('rule')} -> {event.get('action')} @ {event.get('step')}"
 
 
 class StatusLine:
     def __init__(self, cfg: JobConfig, run_dir: Path, enabled: bool = True):
         self.cfg, self.total = cfg, cfg.learner.total_steps
-        self.tail = MetricsTail(Path(run_dir) / "metrics.jsonl")
+        self.run_dir = Path(run_dir)
+        self.tail = MetricsTail(self.run_dir / "metrics.jsonl")
+        self.rollout_tails: dict[str, MetricsTail] = {}
+        self.reward_totals: dict[str, dict[str, float]] = {}  # per rollout file: its latest reward/*_total
         self.event_tail = MetricsTail(Path(run_dir) / "events.jsonl")
         self.rewards: deque[float] = deque(maxlen=20)
         self.times: deque[tuple[float, int, float]] = deque(maxlen=20)  # (time, step, samples_total)
@@ -75,6 +84,7 @@ class StatusLine:
         self.started: float | None = None  # time of the first metrics row: learner.max_minutes counts from about then
         self.eval_acc: float | None = None
         self.events: list[str] = []
+        self.cause: dict | None = None  # the last event whose action was a rollback: what a rollback names
         self.tty = enabled and sys.stdout.isatty()
         self.enabled = enabled
         self.live = None
@@ -104,13 +114,34 @@ class StatusLine:
             self.times.append((num(row.get("time"), time.time()), num(row.get("step"), 0.0),
                                num(row.get("batch/samples_total"), 0.0)))
         for event in self.event_tail.poll():
-            self.events.append(describe_event(event))
+            self.events.append(describe_event(event, self.cause))
+            self.cause = event if event.get("action") == "rollback" else self.cause
+        self.poll_rollouts()
         text = self.render()
         if self.live is not None:
             self.live.update(text)
         elif self.enabled and time.monotonic() - self.last_print > 10 and self.last:
             print(text, flush=True)
             self.last_print = time.monotonic()
+
+    def poll_rollouts(self) -> None:
+        """The latest reward counters of each rollout server (they count since its start)."""
+        for path in sorted(self.run_dir.glob("rollout-*.metrics.jsonl")):
+            tail = self.rollout_tails.setdefault(path.name, MetricsTail(path))
+            for row in tail.poll():
+                if "reward/samples_total" in row:
+                    self.reward_totals[path.name] = {k: num(row.get(f"reward/{k}_total"), 0.0)
+                                                     for k in ("samples", "failed", "unscored")}
+
+    def reward_trouble(self) -> str:
+        """``reward failed on 12/40 samples, unscored 3/40`` over all rollout servers, or "" when none."""
+        total = {k: sum(t[k] for t in self.reward_totals.values()) for k in ("samples", "failed", "unscored")}
+        n, said = total["samples"], []
+        if total["failed"]:
+            said.append(f"reward failed on {total['failed']:.0f}/{n:.0f} samples")
+        if total["unscored"]:
+            said.append(f"unscored {total['unscored']:.0f}/{n:.0f}")
+        return ", ".join(said) + (" (see rollout-*.log)" if said else "")
 
     def rate(self) -> tuple[float, float]:
         """(steps/s, samples/s) over the recent window."""
@@ -121,8 +152,9 @@ class StatusLine:
         return (s1 - s0) / dt, (n1 - n0) / dt
 
     def render(self) -> str:
+        trouble = self.reward_trouble()
         if not self.last:
-            return "waiting for the first step..."
+            return "waiting for the first step..." + (f" | ! {trouble}" if trouble else "")
         r = self.last
         steps_s, samples_s = self.rate()
         step = num(r.get("step"), 0.0)
@@ -140,6 +172,8 @@ class StatusLine:
                 parts.append(f"{label} {fmt(r[key], spec)}")
         parts.append(f"{fmt(samples_s, '{:.1f}')} samples/s")
         parts.append(f"ETA {eta:.0f} s" if eta == eta and abs(eta) != float("inf") else "ETA -")
+        if trouble:
+            parts.append(f"! {trouble}")
         if self.events:
             parts.append(f"! {self.events[-1]}")
         return " | ".join(parts)

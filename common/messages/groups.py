@@ -61,6 +61,7 @@ class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     loss_mask: memoryview = b""  # uint8 [sum(lengths)] or empty (= all 1): 0 marks appended, untrained tokens
     token_versions: memoryview = b""  # int32 LE [sum(lengths)] or empty (= all policy_version)
     baseline_reward: float | None = None  # ReMax: the reward of the prompt's greedy response (None = not sampled)
+    failed_parts: list[list[str]] = []  # [G] the reward labels that failed on each sample; empty = none failed
 
     def __post_init__(self) -> None:
         gid, n = self.group_id, len(self.lengths)
@@ -70,7 +71,7 @@ class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
             raise ValueError(f"group {gid} has no responses; push groups of at least one response")
         if len(self.rewards) != n:
             raise ValueError(f"group {gid} has {n} responses but {len(self.rewards)} rewards; send one reward per response")
-        for name in ("finish_reasons", "reward_parts", "failed"):
+        for name in ("finish_reasons", "reward_parts", "failed", "failed_parts"):
             if getattr(self, name) and len(getattr(self, name)) != n:
                 raise ValueError(f"group {gid} has {n} responses but {len(getattr(self, name))} {name}")
         if min(self.lengths) < 0:

@@ -50,16 +50,46 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
         "parameters": {"type": "object", "properties": props, "required": required}}}
 
 
+def load_tools(refs: list[str]) -> tuple[dict[str, Callable[..., Any]], list[str]]:
+    """(name -> function, one problem per entry that does not import, is not a function, has no JSON schema
+    or repeats a name), as `fleetrl config validate` and the environment's start both check them."""
+    tools: dict[str, Callable[..., Any]] = {}
+    problems = []
+    for i, ref in enumerate(refs):
+        key = f"rollout.env.tool.tools[{i}]"
+        try:
+            fn = load_function(ref)
+        except ValueError as e:
+            problems.append(f"{key}: {e}")
+            continue
+        if not callable(fn):
+            problems.append(f"{key}: {ref!r} is a {type(fn).__name__}, not a function; name a function (module:function)")
+            continue
+        try:
+            tool_schema(fn)
+        except Exception as e:  # an annotation that does not resolve, a signature inspect cannot read
+            problems.append(f"{key}: {ref!r} has no tool schema ({type(e).__name__}: {e}); fix its signature or "
+                            "annotations")
+            continue
+        if fn.__name__ in tools:
+            problems.append(f"{key}: {ref!r} has the same name as another tool ({fn.__name__!r}); the model calls "
+                            "tools by name, so give each a name of its own")
+            continue
+        tools[fn.__name__] = fn
+    return tools, problems
+
+
+def tool_problems(cfg: Any) -> list[str]:
+    """`config validate`'s check of rollout.env.tool.tools (nothing for other environment types)."""
+    return load_tools(cfg.rollout.env.tool.tools)[1] if cfg.rollout.env.type == "tool" else []
+
+
 class ToolEnv(MultiTurnEnvironment):
     def __init__(self, cfg: Any, tokenizer: Any):
         opts = cfg.rollout.env.tool
-        self.tools: dict[str, Callable[..., Any]] = {}
-        for i, ref in enumerate(opts.tools):
-            try:
-                fn = load_function(ref)
-            except ValueError as e:
-                raise ConfigError(f"rollout.env.tool.tools[{i}]: {e}") from None
-            self.tools[fn.__name__] = fn
+        self.tools, problems = load_tools(opts.tools)
+        if problems:
+            raise ConfigError(problems[0])
         self.params = {name: list(inspect.signature(fn).parameters) for name, fn in self.tools.items()}
         self.parser = TOOL_PARSERS[opts.parser]
         self.opts = opts

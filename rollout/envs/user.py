@@ -33,21 +33,39 @@ from fleetrl.rollout.envs.multi import MultiTurnEnvironment, call_with_timeout
 from fleetrl.rollout.rewards.user import load_function
 
 
+def load_env_class(opts: Any) -> type:
+    """rollout.env.user.cls imported and checked (a class with reset and step, constructible with
+    rollout.env.user.args), as `fleetrl config validate` and the environment's start both check it."""
+    try:
+        cls = load_function(opts.cls)
+    except ValueError as e:
+        raise ConfigError(f"rollout.env.user.cls: {e}") from None
+    missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
+    if not inspect.isclass(cls) or missing:
+        raise ConfigError(f"rollout.env.user.cls: {opts.cls!r} must be a class with reset(row) and step(message) "
+                          f"(missing: {', '.join(missing) or 'it is not a class'}); see docs/environments.md")
+    try:
+        inspect.signature(cls).bind(**opts.args)
+    except TypeError as e:
+        raise ConfigError(f"rollout.env.user.args: {e}; {opts.cls} takes {inspect.signature(cls)}") from None
+    return cls
+
+
+def user_env_problems(cfg: Any) -> list[str]:
+    """`config validate`'s check of rollout.env.user (nothing for other environment types)."""
+    if cfg.rollout.env.type != "user":
+        return []
+    try:
+        load_env_class(cfg.rollout.env.user)
+    except ConfigError as e:
+        return [str(e)]
+    return []
+
+
 class UserEnv(MultiTurnEnvironment):
     def __init__(self, cfg: Any, tokenizer: Any):
         opts = cfg.rollout.env.user
-        try:
-            self.cls = load_function(opts.cls)
-        except ValueError as e:
-            raise ConfigError(f"rollout.env.user.cls: {e}") from None
-        missing = [name for name in ("reset", "step") if not callable(getattr(self.cls, name, None))]
-        if not inspect.isclass(self.cls) or missing:
-            raise ConfigError(f"rollout.env.user.cls: {opts.cls!r} must be a class with reset(row) and step(message) "
-                              f"(missing: {', '.join(missing) or 'it is not a class'}); see docs/environments.md")
-        try:
-            inspect.signature(self.cls).bind(**opts.args)
-        except TypeError as e:
-            raise ConfigError(f"rollout.env.user.args: {e}; {opts.cls} takes {inspect.signature(self.cls)}") from None
+        self.cls = load_env_class(opts)
         self.args, self.timeout_s = dict(opts.args), cfg.rollout.env.step_timeout_s
         super().__init__(cfg, tokenizer)
 

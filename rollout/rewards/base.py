@@ -62,6 +62,7 @@ class RewardResult:
     failed: bool  # any part failed (raised / timed out / returned a non-finite or non-number)
     error: str = ""  # short reason of the first failure
     scored: bool = True  # False: no part scored it (all returned None); the sample is not trained on
+    failed_parts: tuple[str, ...] = ()  # the labels of the parts that failed (their 0.0 in parts is no score)
 
 
 class RewardArgsError(ConfigError):

@@ -48,6 +48,11 @@ class Part:
 
 
 UNSCORED = None  # what a part returns for a sample it cannot score
+HOPELESS_SAMPLES = 32  # this many samples with no usable reward (every one failed or unscored) stop the server
+
+
+class RewardsHopeless(RuntimeError):
+    """No sample so far got a usable reward: every one failed or was unscored (the message names the rewards)."""
 
 
 @dataclass(frozen=True)
@@ -185,6 +190,7 @@ class RewardScorer:
         self._lock = threading.Lock()
         self._totals: Counter[str] = Counter()
         self._window: Counter[str] = Counter()
+        self._first_error: dict[str, str] = {}  # per part label: the reason of its first failure
 
     @classmethod
     def from_config(cls, cfg: RolloutConfig) -> RewardScorer:
@@ -249,20 +255,22 @@ class RewardScorer:
 
     def _combine(self, scores: list[list[float | Failure | None]], j: int) -> RewardResult:
         parts: dict[str, float] = {}
-        total, error = 0.0, ""
+        total, error, failed = 0.0, "", []
         for part, row in zip(self.parts, scores):
             s = row[j]
             if s is UNSCORED:
                 continue
             if isinstance(s, Failure):
                 parts[part.name] = 0.0
+                failed.append(part.name)
                 error = error or f"{part.name}: {s.reason}"
             else:
                 parts[part.name] = s
                 total += part.weight * s
         if not error and not math.isfinite(total):
             total, error = 0.0, f"weighted sum is not finite ({parts})"
-        return RewardResult(reward=total, parts=parts, failed=bool(error), error=error, scored=bool(parts))
+        return RewardResult(reward=total, parts=parts, failed=bool(error), error=error, scored=bool(parts),
+                            failed_parts=tuple(failed))
 
     # ------------------------------------------------------------------------------------ stats
 
@@ -276,6 +284,7 @@ class RewardScorer:
             for j, r in enumerate(results):
                 t["failed"] += r.failed
                 t["unscored"] += not r.scored
+                t["usable"] += r.scored and not r.failed
                 w["n"] += r.scored
                 w["reward"] += r.reward if r.scored else 0.0
                 for part, row in zip(self.parts, job.scores):
@@ -285,6 +294,7 @@ class RewardScorer:
                     elif isinstance(s, Failure):
                         t[f"kind/{s.kind}"] += 1
                         t[f"{part.name}/failed"] += 1
+                        self._first_error.setdefault(part.name, s.reason)
                         failures.append((part, s, t[f"{part.name}/failed"]))
                     else:
                         w[f"{part.name}/n"] += 1
@@ -296,6 +306,26 @@ class RewardScorer:
                     "fix the function or %s", part.name, part.key, f.reason, count,
                     ", and its group is dropped" if self.on_failure == "drop_group" else "", part.key,
                 )
+
+    def hopeless(self, min_samples: int = HOPELESS_SAMPLES) -> str | None:
+        """Why training cannot work, once ``min_samples`` samples were scored and none got a usable reward
+        (every sample had a failed part or no score at all); None while some sample was usable or too few
+        were seen. The message names each reward, what it did, and the config entry to fix."""
+        with self._lock:
+            t = dict(self._totals)
+        n = t.get("samples", 0)
+        if not min_samples or n < min_samples or t.get("usable", 0):
+            return None
+        said = []
+        for part in self.parts:
+            failed, unscored = t.get(f"{part.name}/failed", 0), t.get(f"{part.name}/unscored", 0)
+            if failed:
+                said.append(f"reward {part.name!r} ({part.key}) failed on {failed} of {n} samples "
+                            f"(first: {self._first_error.get(part.name, '?')})")
+            elif unscored == n:
+                said.append(f"reward {part.name!r} ({part.key}) returned None (no score) for all {n} samples")
+        return (f"no sample got a usable reward in the first {n}: {'; '.join(said)}. Nothing can be trained on; "
+                "fix the function(s) or rollout.rewards (test one with `fleetrl config validate`)")
 
     def stats(self) -> dict[str, float]:
         """Counters since start (``*_total``) and means since the previous ``stats()`` call."""

@@ -152,8 +152,9 @@ class PythonReward(SampleReward):
         cols = batch_columns(batch)
         missing = [c for c in self.required_columns if c not in cols]
         if missing:
+            data = sorted(dict.fromkeys(k for x in batch for k in x.metadata))  # the rows' own columns, answer too
             raise ValueError(f"{self.args.function} needs the data column(s) {missing}, which the rows do not have "
-                             f"(columns: {sorted(set(cols) - set(BATCH_FIELDS))}); add them, or give defaults")
+                             f"(columns: {data}); add them, or give defaults")
         if not self.takes_all:
             cols = {k: v for k, v in cols.items() if k in self.params}
         return {**cols, **self.args.kwargs}
@@ -165,3 +166,12 @@ class PythonReward(SampleReward):
 
     async def acall(self, batch: list[RewardInput]) -> list[Any]:
         return list(await self.fn(**self._batch_kwargs(batch)))
+
+
+def missing_columns(args: dict[str, Any], columns: list[str]) -> list[str]:
+    """`fleetrl config validate`: the data columns a batched function requires that ``columns`` (the first
+    row's, besides the prompt) lack; [] for a per-sample function (it takes fields, not columns)."""
+    reward = PythonReward(**args)
+    if reward.per_sample:
+        return []
+    return [c for c in reward.required_columns if c not in columns]

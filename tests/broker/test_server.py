@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
@@ -262,3 +263,17 @@ def test_curve_known_key_served_unknown_refused(tmp_path, arith_data):
             plain.connect()
     finally:
         assert proc.stop() == 0
+
+
+def test_status_cli_takes_a_run_directory_and_says_what_is_wrong(tmp_path, broker):
+    run_dir = tmp_path / "status-run"
+    run_dir.mkdir()
+    (run_dir / "broker.json").write_text(json.dumps({"address": broker.address}))
+    out = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "status", "--broker", str(run_dir), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert '"queue_depth": 0' in out.stdout
+    for target, says in ((tmp_path / "status-run" / "..", "holds no broker.json"), (tmp_path / "nope", "neither an address")):
+        bad = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "status", "--broker", str(target)],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1 and says in bad.stderr and "Traceback" not in bad.stdout + bad.stderr

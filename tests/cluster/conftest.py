@@ -18,6 +18,16 @@ from tests.cluster.hosts import Hosts, HostsError
 from tests.cluster.localslurm import LocalSlurm, missing_tools
 
 JOB = str(Path(__file__).with_name("job.yaml"))
+TEST_TIMEOUT_S = 900  # pytest-timeout counts session-fixture setup (the warm-started model: 1-5 min by load) too
+
+
+def pytest_collection_modifyitems(items):
+    """The lane's tests wait up to several minutes each by design; the suite's 300 s default would also have to
+    cover the `assets` and cluster fixtures the first test sets up, which a loaded 2-core box does not."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.path)).parents and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
 
 
 def fleetrl(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -13,11 +13,30 @@ from fleetrl.common.config import ConfigError, JobConfig, config_docs, dump_yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_defaults_are_valid_and_round_trip(tmp_path):
+def test_defaults_are_valid_and_round_trip(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no local path of the defaults exists here, so none is made absolute
     cfg = load_config()
     path = save_resolved(cfg, tmp_path)
     assert path == tmp_path / "config.yaml"
     assert load_config(path) == cfg
+
+
+def test_a_saved_config_keeps_its_local_paths_from_any_directory(tmp_path, monkeypatch):
+    """`fleetrl run --resume RUN_DIR` from another directory: the saved paths must not be relative to the first."""
+    project = tmp_path / "project"
+    (project / "models" / "m").mkdir(parents=True)
+    (project / "data").mkdir()
+    (project / "data" / "t.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (project / "rw.py").write_text("def r(completion, **kw):\n    return 1.0\n")
+    monkeypatch.chdir(project)
+    cfg = load_config(None, ["model.path=models/m", "data.train=data/t.jsonl", "data.eval=openai/gsm8k",
+                             "rollout.rewards=[{name: python, args: {function: 'rw.py:r'}}, {name: exact}]"])
+    saved = save_resolved(cfg, tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    again = load_config(saved)
+    assert again.model.path == str(project / "models" / "m") and again.data.train == str(project / "data" / "t.jsonl")
+    assert again.rollout.rewards[0].args["function"] == f"{project / 'rw.py'}:r"
+    assert again.data.eval == "openai/gsm8k"  # a dataset name, not a local path: kept as written
 
 
 def test_yaml_then_overrides_round_trip(tmp_path):
@@ -72,6 +91,40 @@ def test_bad_config_errors_name_key_value_and_fix(overrides, fragments):
         load_config(None, overrides)
     for fragment in fragments:
         assert fragment in str(e.value), (fragment, str(e.value))
+
+
+def test_every_unknown_key_is_reported_and_a_key_of_another_section_is_named():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["lr=1e-4", "learner.lrr=1", "learner.temperature=2", "rollout.rewards=[{name: exact, wieght: 2}]"])
+    lines = str(e.value).splitlines()
+    assert lines[0] == "4 unknown keys:" and len(lines) == 5, lines
+    assert lines[1].startswith("  lr: unknown key; did you mean `learner.lr`")  # the schema's key of that name
+    assert "learner.lrr: unknown key; did you mean `learner.lr`?" in lines[2]
+    assert "learner.temperature: unknown key; did you mean `rollout.temperature`?" in lines[3]
+    assert "rollout.rewards.0.wieght: unknown key; did you mean `rollout.rewards.0.weight`?" in lines[4]
+
+
+def test_the_cli_prints_one_line_per_unknown_key():
+    out = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "config", "validate", "lr=1e-4", "learner.lrr=1"],
+                         capture_output=True, text=True)
+    lines = out.stderr.splitlines()
+    assert out.returncode == 2 and len(lines) == 3, out.stderr
+    assert lines[0] == "fleetrl config: config error: 2 unknown keys:"
+    assert lines[1].startswith("  lr: unknown key; did you mean `learner.lr`") and lines[2].startswith("  learner.lrr:")
+
+
+def test_trl_and_verl_names_are_read_with_a_note(caplog):
+    cfg = load_config(None, ["num_generations=4", "max_completion_length=16", "learning_rate=1e-5", "beta=0.04",
+                             "max_prompt_length=64"])
+    assert (cfg.rollout.group_size, cfg.rollout.max_new_tokens, cfg.learner.lr, cfg.data.max_prompt_tokens) == \
+        (4, 16, 1e-5, 64)
+    assert cfg.algorithm.kl.coef == 0.04 and cfg.algorithm.kl.placement == "loss"  # TRL's beta is a KL loss term
+    notes = [r.getMessage() for r in caplog.records if r.name == "fleetrl.config"]
+    assert len(notes) == 5 and "num_generations=4 is read as rollout.group_size=4" in notes[0]
+    assert load_config(None, ["beta=0.2", "algorithm.type=dpo"]).algorithm.beta == 0.2
+    assert load_config(None, ["beta=0"]).algorithm.kl.placement == "none"  # TRL's default: no KL
+    with pytest.raises(ConfigError, match="num_generations .* and rollout.group_size are both set; keep one"):
+        load_config(None, ["num_generations=4", "rollout.group_size=8"])
 
 
 def test_synchronous_job_without_correction_is_allowed():

@@ -31,6 +31,13 @@ def test_default_sinks_are_jsonl_and_console_on_rank_zero_only(tmp_path):
     assert row["step"] == 1 and row["reward/mean"] == 0.5 and row["actor/loss"] == "nan"
 
 
+def test_the_console_line_says_what_each_figure_is(caplog):
+    caplog.set_level("INFO", logger="fleetrl.learner")
+    ConsoleSink().write(3, {"reward/mean": 0.25, "actor/loss": -0.5, "reward/exact/mean": 1.0})
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line == "step 3  reward_mean=0.25  loss=-0.5"
+
+
 def test_a_sink_without_its_library_fails_at_start_with_the_install_hint(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     cfg = load_config(None, ["telemetry.wandb_project=fleetrl-test"])

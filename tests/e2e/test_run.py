@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 
 import psutil
+import pytest
 
 from tests.e2e.conftest import RunProcess, job_args, read_jsonl, wait_for
 
@@ -24,6 +26,12 @@ def test_run_trains_publishes_and_checkpoints(tmp_path, tiny_model_dir, arith_da
     rollout = read_jsonl(run_dir / "rollout-0.metrics.jsonl")
     assert max(r["rollout/policy_version"] for r in rollout) >= 1, "the rollout server never loaded new weights"
     assert (run_dir / "config.yaml").exists() and (run_dir / "logs" / "learner.log").exists()
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert "Setting accelerator to CPU" not in learner_log and "reward_mean=" in learner_log  # quiet, and labelled
+    weight_lines = [ln for ln in (run_dir / "logs" / "rollout-0.log").read_text().splitlines() if " I " in ln
+                    and "weight" in ln]  # INFO lines about weights: one per version the server took in
+    taken = [re.search(r"policy version \d+ -> (\d+):", ln) for ln in weight_lines]
+    assert weight_lines and all(taken) and len({m.group(1) for m in taken}) == len(weight_lines), weight_lines
     checkpoints = sorted((run_dir / "checkpoints").glob("step-*/meta.json"))
     assert [p.parent.name for p in checkpoints] == ["step-00000002", "step-00000003"]
     assert (checkpoints[-1].parent / "hf" / "model.safetensors").exists()
@@ -31,6 +39,7 @@ def test_run_trains_publishes_and_checkpoints(tmp_path, tiny_model_dir, arith_da
     cpu = json.loads((run_dir / "cpu.json").read_text())  # the CPU meter: every child, over the RL phase
     assert {"learner", "broker", "rollout-0"} <= set(cpu["per_child"]) and cpu["cores_busy"] > 0
     assert "CPU during RL" in out
+    assert f"watch it with `fleetrl status --broker {run_dir}`" in out and "broker at tcp://127.0.0.1:" in out
 
 
 def test_sigint_stops_everything_with_a_checkpoint(tmp_path, tiny_model_dir, arith_data, empty_config):
@@ -61,4 +70,23 @@ def test_a_child_failing_at_start_is_named(tmp_path, tiny_model_dir, arith_data,
         run.stop()
     assert code != 0
     assert "rollout-0" in out and ("vllm" in out.lower())
+    assert not run.child_pids()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("function, says", [("boom", "failed on"), ("no_score", "returned None (no score) for all")])
+def test_a_run_whose_reward_never_works_stops_naming_it(tmp_path, tiny_model_dir, arith_data, empty_config,
+                                                        function, says):
+    run_dir = tmp_path / "run"
+    rewards = f"rollout.rewards=[{{name: python, args: {{function: 'tests.rollout.user_rewards:{function}'}}}}]"
+    run = RunProcess(run_dir, empty_config, job_args(tiny_model_dir, arith_data, rewards, "learner.total_steps=50",
+                                                     "run.restart_policy=on-failure"))
+    try:
+        code = run.wait(240)
+        out = run.output()
+    finally:
+        run.stop()
+    assert code == 1, out
+    assert "no sample got a usable reward" in out and f"'{function}' (rollout.rewards[0]) {says}" in out
+    assert "restarting" not in out  # a restart would score nothing again
     assert not run.child_pids()

@@ -401,3 +401,11 @@ def test_a_batched_function_missing_its_column_fails_naming_it(scorer_of):
     scorer = scorer_of(spec("python", function=f"{USER}:reward_func"))
     [r] = scorer.score([sample(r"\boxed{1}", metadata={"answer_text": "1"})])
     assert r.failed and "needs the data column(s) ['ground_truth']" in r.error
+
+
+def test_a_batched_call_missing_a_column_lists_the_columns_the_rows_have():
+    from fleetrl.rollout.rewards.user import PythonReward
+
+    reward = PythonReward(function=f"{USER}:reward_func")
+    with pytest.raises(ValueError, match=r"\['ground_truth'\].*\(columns: \['answer', 'level'\]\)"):
+        reward([RewardInput(prompt="p", response="r", answer="1", metadata={"answer": "1", "level": 2})])

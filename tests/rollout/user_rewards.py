@@ -100,3 +100,7 @@ def none_per_sample(response: str):
 def odd_rows_unscorable(prompt: str, response: str):
     """None (no score) for every response to a prompt whose first operand is odd: such groups cannot be scored."""
     return None if int(prompt[:2]) % 2 else 1.0
+
+
+def no_score(response: str):
+    return None  # never scores: a run on it has nothing to train on

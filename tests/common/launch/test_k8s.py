@@ -100,3 +100,54 @@ def test_refusals():
         render(load_config(None, []))
     with pytest.raises(ConfigError, match="learner.num_ranks=4"):
         render(load_config(None, ["cluster.image=x", "learner.num_ranks=4"]))
+
+
+def pods(objs: dict) -> list[dict]:
+    return [o["spec"]["template"]["spec"] for o in objs.values() if o["kind"] in ("Deployment", "Job")]
+
+
+def path_args(container: dict) -> list[str]:
+    """Every path the launcher passes a container: the values of its --config and --run-dir arguments."""
+    cmd = container["command"]
+    return [cmd[i + 1] for i, a in enumerate(cmd) if a in ("--config", "--run-dir")]
+
+
+def on_a_mount(path: str, container: dict) -> str | None:
+    """The mount the path lies on (the longest mountPath that holds it), or None: the container's own disk."""
+    hits = [mt["mountPath"] for mt in container["volumeMounts"]
+            if path == mt["mountPath"] or path.startswith(mt["mountPath"].rstrip("/") + "/")]
+    return max(hits, key=len, default=None)
+
+
+@pytest.mark.parametrize("run_dir, expect", [
+    (None, "/fleetrl/grpo-run"),
+    ("cluster.run_dir=/shared/runs/grpo", "/shared/runs/grpo"),  # docs/deploy.md's own example
+    ("cluster.run_dir=runs/grpo", "/fleetrl/runs/grpo"),
+    ("cluster.run_dir=/fleetrl/exp/1", "/fleetrl/exp/1"),
+])
+def test_every_run_path_is_on_the_shared_volume(run_dir, expect):
+    objs = objects(*([run_dir] if run_dir else []))
+    for spec in pods(objs):
+        [c] = spec["containers"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {mt["mountPath"]: mt["name"] for mt in c["volumeMounts"]}
+        config, run = path_args(c)
+        assert run == expect
+        assert mounts[on_a_mount(run, c)] == "run" and "persistentVolumeClaim" in volumes["run"]
+        assert mounts[on_a_mount(config, c)] == "job"
+    for obj in objs.values():
+        kubernetes_validate.validate(obj, "1.37", strict=True)
+
+
+def test_pods_get_a_memory_backed_shm_and_memory_requests():
+    objs = objects("cluster.learner.mem_gb_per_rank=24", "cluster.rollout.mem_gb_per_server=8")
+    requests = {}
+    for spec in pods(objs):
+        [c] = spec["containers"]
+        assert {"name": "shm", "emptyDir": {"medium": "Memory"}} in spec["volumes"]
+        assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+        requests[c["name"]] = c["resources"]["requests"]["memory"]
+    # 2 learner ranks per node x 24 GiB; 4 rollout servers per node (one per GPU) x 8 GiB; the broker's 2 GiB
+    assert requests == {"learner": "48Gi", "rollout": "32Gi", "broker": "2Gi"}
+    unset = {c["name"]: c["resources"]["requests"]["memory"] for spec in pods(objects()) for c in spec["containers"]}
+    assert unset == {"learner": "32Gi", "rollout": "64Gi", "broker": "2Gi"}  # null: 16 GiB per rank / server

@@ -125,3 +125,45 @@ def test_add_rollout_takes_the_next_indices_and_the_running_broker(tmp_path):
 def test_add_rollout_needs_a_run_dir():
     out = cli("launch", "slurm", "--add-rollout", "2")
     assert out.returncode == 2 and "--add-rollout N needs --run RUN_DIR" in out.stderr
+
+
+def test_each_role_asks_for_what_it_needs(tmp_path):
+    cfg = load_config(None, [*GPU_JOB, "cluster.rollout.gpus_per_node=4", "cluster.learner.cpus_per_rank=6",
+                             "cluster.learner.mem_gb_per_rank=40", "cluster.rollout.cpus_per_server=3",
+                             "cluster.rollout.mem_gb_per_server=20", "cluster.slurm.broker_own_node=true"])
+    _, script = render_job(cfg, tmp_path)
+    # the allocation: the most one node needs: 8 learner ranks x 6 cores / x 40 GiB; the broker adds no GPUs
+    for option in ("--gpus-per-node=8", "--cpus-per-task=48", "--mem=320G"):
+        assert f"#SBATCH {option}\n" in script
+    plan = json.loads((tmp_path / "launch" / "job.plan.json").read_text())
+    argv = {s.role: s.argv for s in Driver(plan, {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "g[1-6]"}).steps}
+    assert not any(a.startswith("--gpus") for a in argv["broker"])  # the CPU-only broker books no GPU
+    assert "--cpus-per-task=1" in argv["broker"] and not any(a.startswith("--mem") for a in argv["broker"])
+    assert {"--gpus-per-node=8", "--cpus-per-task=48", "--mem=320G"} <= set(argv["learner"])
+    # 4 GPUs per rollout node, tensor-parallel 2: 2 servers x 3 cores / x 20 GiB
+    assert {"--gpus-per-node=4", "--cpus-per-task=6", "--mem=40G"} <= set(argv["rollout"])
+    for role in argv:  # the script's srun lines say the same as the driver's
+        line = next(ln for ln in script.splitlines() if ln.startswith("#   srun") and f"--role {role}" in ln)
+        assert all(o in line.split() for o in argv[role] if o.startswith(("--gpus", "--cpus", "--mem")))
+
+
+def test_memory_is_asked_for_only_when_set(tmp_path):
+    """By default no --mem anywhere (a fixed figure would leave the job pending on smaller nodes); one role's
+    setting sizes the allocation and that role's step only."""
+    _, script = render_job(load_config(None, GPU_JOB), tmp_path / "a")
+    plan = json.loads((tmp_path / "a" / "launch" / "job.plan.json").read_text())
+    assert "--mem" not in script and not any(o.startswith("--mem") for s in plan["steps"] for o in s["options"])
+    _, script = render_job(load_config(None, [*GPU_JOB, "cluster.rollout.mem_gb_per_server=10"]), tmp_path / "b")
+    plan = json.loads((tmp_path / "b" / "launch" / "job.plan.json").read_text())
+    assert "#SBATCH --mem=40G\n" in script  # 4 servers per node (tensor-parallel 2 on 8 GPUs) x 10 GiB
+    mem = {s["role"]: [o for o in s["options"] if o.startswith("--mem")] for s in plan["steps"]}
+    assert mem == {"broker": [], "learner": [], "rollout": ["--mem=40G"]}
+
+
+def test_the_cluster_lane_job_fits_its_one_two_core_node(tmp_path):
+    """tests/cluster/job.yaml as `make test-cluster` submits it: all roles share one 2-core node, so the
+    allocation asks for at most 2 cores and no memory figure."""
+    cfg = load_config(ROOT / "tests" / "cluster" / "job.yaml")
+    _, script = render_job(cfg, tmp_path)
+    assert "#SBATCH --nodes=1\n" in script and "#SBATCH --cpus-per-task=2\n" in script
+    assert "--mem" not in script and "--gpus" not in script
