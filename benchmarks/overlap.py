@@ -8,7 +8,8 @@ and samples the CPU time of the job's whole process tree once a second. Reports,
 - per process: learner, rollout servers, broker (CPU seconds / wall seconds each);
 - ``wait_frac``: the learner's ``timing/wait_batch_s`` / ``timing/step_total_s``, summed over steps;
 - trained samples/s, the rollout's throttled seconds, the held-out accuracy curve (start, best, end);
-- others' CPU share: the machine's busy CPU not spent by the job (a figure above 10% is flagged).
+- others' CPU share: the machine's busy CPU spent neither by the job nor by this driver (a figure above
+  10% is flagged).
 
     python benchmarks/overlap.py [--minutes 3] [--label after] [--set KEY=VALUE ...]
     python benchmarks/overlap.py --pythonpath DIR --label before    # another tree's code (see docs/benchmarks.md)
@@ -46,6 +47,8 @@ def role_of(proc: psutil.Process) -> str:
         return "broker"
     if "learner" in argv or "fleetrl.learner" in argv:
         return "learner"
+    if "run" in argv:
+        return "launcher"
     return "other"
 
 
@@ -53,7 +56,7 @@ def tree_cpu(root: psutil.Process, seen: dict[int, tuple[str, float]]) -> dict[s
     """CPU seconds per role of ``root``'s live descendants; ``seen`` keeps each process's last reading, so one
     that exits between samples keeps its last value (the RL phase ends before any exits)."""
     try:
-        procs = root.children(recursive=True)
+        procs = [root, *root.children(recursive=True)]  # the launcher too: it is part of the job
     except psutil.Error:
         procs = []
     for p in procs:
@@ -80,6 +83,26 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
+class StepCounter:
+    """Learner steps in metrics.jsonl, read incrementally (the driver must not cost the job CPU)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.steps, self.partial = path, 0, 0, b""
+
+    def poll(self) -> int:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return self.steps
+        self.offset += len(chunk)
+        lines = (self.partial + chunk).split(b"\n")
+        self.partial = lines.pop()
+        self.steps += sum(1 for line in lines if b'"timing/step_total_s"' in line)
+        return self.steps
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=3.0)
@@ -102,16 +125,18 @@ def main() -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir.with_suffix(".log")
     seen: dict[int, tuple[str, float]] = {}
-    samples: list[tuple[float, int, dict[str, float], float]] = []  # (time, learner steps, cpu per role, machine busy)
+    samples: list[tuple] = []  # (time, learner steps, cpu per role, machine busy less this driver, steal)
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=ROOT)
         root = psutil.Process(proc.pid)
         watch = CpuWatch()
         deadline = time.monotonic() + 60 * args.minutes + 600
+        counter = StepCounter(run_dir / "metrics.jsonl")
         try:
             while proc.poll() is None and time.monotonic() < deadline:
-                steps = sum(1 for r in read_rows(run_dir / "metrics.jsonl") if r.get("step", 0) > 0 and "timing/step_total_s" in r)
-                samples.append((time.monotonic(), steps, tree_cpu(root, seen), CpuWatch._busy()))
+                steps = counter.poll()
+                samples.append((time.monotonic(), steps, tree_cpu(root, seen), CpuWatch._busy() - time.process_time(),
+                                psutil.cpu_times().steal))
                 time.sleep(1.0)
         finally:
             code = proc.wait(timeout=5) if proc.poll() is not None else stop(proc)
@@ -126,6 +151,7 @@ def main() -> int:
     wall = end[0] - first[0]
     per_role = {k: (end[2].get(k, 0.0) - first[2].get(k, 0.0)) / wall for k in end[2]}
     busy = (end[3] - first[3]) / wall
+    steal = (end[4] - first[4]) / wall  # CPU the hypervisor gave other guests: inside `busy`, not the job's
     cores = os.cpu_count() or 1
     evals = [(r["step"], r["eval/accuracy"]) for r in read_rows(run_dir / "metrics.jsonl") if "eval/accuracy" in r]
     rollout_rows = read_rows(run_dir / "rollout-0.metrics.jsonl")
@@ -144,6 +170,7 @@ def main() -> int:
         "eval": {"start": evals[0][1] if evals else None, "best": max((a for _, a in evals), default=None),
                  "end": evals[-1][1] if evals else None, "curve": evals},
         "others_cpu_share": max(0.0, busy - sum(per_role.values())) / cores,
+        "steal_share": steal / cores,
         "others_cpu_share_whole_run": whole["others_cpu_share"],
     }
     result["comparable"] = result["others_cpu_share"] <= BUSY_SHARE
@@ -154,7 +181,8 @@ def main() -> int:
           f"{100 * (result['wait_frac'] or 0):.0f}% of each step; {result['trained_samples_per_s']:.0f} trained samples/s; "
           f"{result['steps']} steps; rollout throttled {result['rollout_throttled_s']:.0f} s; held-out "
           f"{100 * (result['eval']['start'] or 0):.1f}% -> {100 * (result['eval']['end'] or 0):.1f}%; others' CPU share "
-          f"{100 * result['others_cpu_share']:.1f}%{'' if result['comparable'] else ' (BUSY: not comparable)'}")
+          f"{100 * result['others_cpu_share']:.1f}% (hypervisor steal {100 * result['steal_share']:.1f}% of it)"
+          f"{'' if result['comparable'] else ' (BUSY: not comparable)'}")
     print(f"wrote {path}")
     return 0
 
