@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as tdist
 from torch import Tensor
 
 from fleetrl.common.registry import Registry
@@ -106,16 +107,13 @@ def counts(mask_BT: Tensor) -> Tensor:
 
 def per_token(mode: str) -> bool:
     """True when ``mode`` divides by tokens (``token-mean``), False when by sequences (``seq-mean-*``)."""
-    AGGREGATIONS[mode]  # an unknown mode raises, naming the valid ones
-    return mode == "token-mean"
+    return AGGREGATIONS[mode] is token_mean  # an unknown mode raises, naming the valid ones
 
 
 def global_counts(masks: list[Tensor], device: torch.device) -> tuple[list[Tensor], Tensor]:
     """Each mask's (tokens, sequences) counts and their sum over ``masks`` and over every rank: one
     all-reduce (when torch.distributed runs with more than one rank), so call it on every rank, with
     this rank's micro-batches of one optimizer step. Returns ``(per mask [2] tensors, global [2])``."""
-    import torch.distributed as tdist
-
     local = [counts(m) for m in masks]
     total = torch.stack(local).sum(0) if local else torch.zeros(2, dtype=torch.float64)
     total = total.to(device)

@@ -6,7 +6,8 @@
 Each rank takes its own groups (rank 0 three groups, rank 1 one: unequal token and sequence counts),
 packs them into several micro-batches and runs ``PolicyActor._update``, the learner's real update: the
 DeepSpeed engine, its gradient averaging over ranks, the actor's micro-batch loop. The full gradient
-is read just before the optimizer step (``deepspeed.utils.safe_get_full_grad``, every ZeRO stage).
+is read inside ``engine.step()``, after DeepSpeed has reduced it over the ranks and before the optimizer
+update (``deepspeed.utils.safe_get_full_grad``, every ZeRO stage).
 Rank 0 then builds the same model without DeepSpeed, takes the policy loss of the concatenated batch
 in one call (no global denominator: the call's own count) and its gradient, and writes, per
 ``loss_agg`` mode, the largest difference of the two gradients, and that of the old convention (the
@@ -91,16 +92,16 @@ def main() -> int:
         assert len(batch.micro) > 1, "each rank should take several micro-batches"
         batch.scatter("adv", advantages(batch))
         captured: dict[str, torch.Tensor] = {}
-        real_step = engine.step
+        real_model_step = engine._take_model_step
 
-        def step(*a, **kw):
+        def model_step(*a, **kw):  # inside engine.step(): after the ranks' gradients are reduced, before the update
             for name, p in engine.module.named_parameters():  # every rank: ZeRO-3 gathers collectively
                 g = safe_get_full_grad(p)
                 if g is not None:
                     captured[name] = g.detach().float().clone()
-            return real_step(*a, **kw)
+            return real_model_step(*a, **kw)
 
-        engine.step = step
+        engine._take_model_step = model_step
         actor._update(batch.micro)
         if dist.rank == 0:  # one process, no DeepSpeed: the concatenated batch, and each rank's alone
             ref_model = load_causal_lm(args.model, cfg, torch.float32)

@@ -120,7 +120,7 @@ def _gspo(gspo_level: str) -> torch.Tensor:
                      adv=torch.ones(1, 2, dtype=torch.float64), mask=torch.ones(1, 2))
     cfg = RlAlgorithm(policy_loss="gspo", loss_agg="token-mean",
                       off_policy=OffPolicyConfig(mode="tis", cap=2.0, gspo_level=gspo_level))
-    return POLICY_LOSSES["gspo"](inp, cfg).loss
+    return POLICY_LOSSES["gspo"](inp, cfg).loss.detach()
 
 
 def test_gspo_token_level_tis_weights_each_token():
