@@ -43,7 +43,8 @@ class OffPolicyConfig(Section):
         doc("Off-policy correction: none, truncated IS (min(pi_old/mu, C)), or AReaL's decoupled PPO."),
     ] = "tis"
     level: Annotated[
-        Literal["token", "sequence"], doc("Importance weights per token or per sequence (gspo ignores it: see gspo_level).")
+        Literal["token", "sequence"],
+        doc("Importance weights per token or per sequence (gspo ignores it: see gspo_level)."),
     ] = "token"
     gspo_level: Annotated[
         Literal["sequence", "token"],

@@ -73,11 +73,12 @@ def _outputs(
     token_loss, is_clipped, is_dual, ratio = clipped_objective(log_ratio, adv, *clip, cfg.dual_clip)
     weighted = token_loss * bw.weight
     loss = aggregate(weighted, inp.mask, cfg.loss_agg, cfg.loss_agg_norm_len, inp.agg_denom)
-    shown = loss if inp.agg_denom is None else aggregate(weighted.detach(), inp.mask, cfg.loss_agg, cfg.loss_agg_norm_len)
+    own = loss if inp.agg_denom is None else aggregate(weighted.detach(), inp.mask, cfg.loss_agg,
+                                                          cfg.loss_agg_norm_len)
     ratio_min, ratio_mean, ratio_max = masked_min_mean_max(ratio.detach(), inp.mask)
     dtype = ratio.dtype
     metrics = {
-        "actor/pg_loss": shown,  # this micro-batch's own aggregate, whatever the denominator
+        "actor/pg_loss": own,  # this micro-batch's own aggregate, whatever the denominator
         "actor/clipfrac": masked_mean(is_clipped.to(dtype), inp.mask),
         "actor/dual_clipfrac": masked_mean(is_dual.to(dtype), inp.mask),
         "actor/approx_kl": masked_mean(k3(inp.old_logp.detach(), inp.logp.detach()), inp.mask),

@@ -91,7 +91,7 @@ def _two_ranks(tmp_path: Path, model_dir: str, zero_stage: int) -> dict:
 def _check(result: dict) -> None:
     assert set(result) == set(MODES)
     for mode, r in result.items():
-        assert r["max_abs_grad"] > 1e-3, (mode, r)  # a real gradient, not zeros
+        assert r["max_abs_grad"] > 1e-4, (mode, r)  # a real gradient, not zeros
         assert r["max_abs_diff"] <= 1e-6, (mode, r)  # 2 ranks, several micro-batches each == one concatenated batch
         assert r["old_convention_diff"] > 1e-4, (mode, r)  # the per-rank mean of means is measurably different
 
