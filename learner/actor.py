@@ -31,9 +31,11 @@ from fleetrl.learner.algorithms import (
     LossInputs,
     aggregate,
     apply_kl_penalty,
+    global_counts,
     kl_controller_from_config,
     masked_mean,
     overlong_penalty,
+    per_token,
 )
 from fleetrl.learner.algorithms.kl import KL_ESTIMATORS, kl_loss
 from fleetrl.learner.algorithms.off_policy import mismatch_sums
@@ -137,11 +139,18 @@ class PolicyActor:
         return out
 
     def _update(self, items: list[MicroBatch], mismatch: "MismatchMeter | None" = None) -> dict[str, float]:
-        """One optimizer update on ``items``: micro-batches weighted to the mini-batch's aggregate; the first
-        epoch's log-probs before any update also feed the engine-mismatch meter."""
+        """One optimizer update on ``items``: every loss term divides by the step's global count (tokens for
+        ``token-mean``, non-empty sequences for the ``seq-mean-*`` modes) over these micro-batches and every
+        rank's, summed by one all-reduce before the backward passes; the backward multiplies by the world
+        size, which undoes DeepSpeed's average over ranks, so the step's gradient is that of the whole
+        batch's aggregate. The first epoch's log-probs before any update also feed the engine-mismatch meter."""
         alg = self.alg
-        per_token = alg.loss_agg == "token-mean"
-        denom = sum(mb.num_tokens for mb in items) if per_token else float(sum(mb.size for mb in items))
+        col = 0 if per_token(alg.loss_agg) else 1  # which count the aggregation divides by
+        local, total = global_counts([mb.mask for mb in items], self.device)  # one all-reduce, before any backward
+        rows = torch.stack([*(c.to(total.device) for c in local), total]).tolist()  # one device sync
+        own = {id(mb): row[col] for mb, row in zip(items, rows)}
+        denom = max(rows[-1][col], 1.0)  # tokens or sequences of the whole step: every micro-batch, every rank
+        world = float(tdist.get_world_size()) if tdist.is_initialized() else 1.0  # DeepSpeed averages over ranks
 
         def loss_fn(mb: MicroBatch) -> Piece:
             logp, entropy = response_logprobs(self.engine, mb, self.temperature,
@@ -149,20 +158,22 @@ class PolicyActor:
             old = mb.old_logp if mb.old_logp is not None else logp.detach()
             if mismatch is not None:  # old: the weights as published (recomputed before the step, or no update yet)
                 mismatch.add(old, mb)
-            out = self.loss_fn(LossInputs(logp=logp, old_logp=old, behav_logp=mb.behav_logp, adv=mb.adv, mask=mb.mask),
-                               alg)
+            out = self.loss_fn(LossInputs(logp=logp, old_logp=old, behav_logp=mb.behav_logp, adv=mb.adv, mask=mb.mask,
+                                          agg_denom=denom), alg)
             loss, extra = out.loss, {}
             if self.kl_on:
-                kl_term, kl = kl_loss(logp, mb.ref_logp, mb.mask, alg.kl.estimator, alg.loss_agg, alg.loss_agg_norm_len)
+                kl_term, kl = kl_loss(logp, mb.ref_logp, mb.mask, alg.kl.estimator, alg.loss_agg, alg.loss_agg_norm_len,
+                                      denom)
                 extra["actor/kl"] = float(masked_mean(kl.detach(), mb.mask))
                 if alg.kl.placement == "loss":
                     loss = loss + self.kl_ctl.value * kl_term
             if alg.entropy_coef > 0:
-                loss = loss - alg.entropy_coef * aggregate(entropy, mb.mask, alg.loss_agg, alg.loss_agg_norm_len)
-            share = (mb.num_tokens if per_token else float(mb.size)) / max(denom, 1.0)
-            extra["actor/loss"] = float(loss.detach())
+                loss = loss - alg.entropy_coef * aggregate(entropy, mb.mask, alg.loss_agg, alg.loss_agg_norm_len, denom)
+            n = own[id(mb)]
+            # the loss is this micro-batch's part of the step's aggregate; its metric is its own aggregate
+            extra["actor/loss"] = float(loss.detach()) * denom / max(n, 1.0)
             extra["actor/entropy"] = float(masked_mean(entropy.detach(), mb.mask))
-            return Piece(loss, share, {**out.metrics, **extra})
+            return Piece(loss, n / denom, {**out.metrics, **extra}, grad_scale=world)
 
         return accumulate_and_step(self.engine, items, loss_fn, self.device, self.zero_stage)
 

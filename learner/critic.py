@@ -35,9 +35,10 @@ from typing import Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as tdist
 
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.learner.algorithms import masked_mean, value_loss
+from fleetrl.learner.algorithms import global_counts, masked_mean, value_loss
 from fleetrl.learner.algorithms.common import masked_var
 from fleetrl.learner.batch import MicroBatch, RolloutBatch
 from fleetrl.learner.runtime import build_engine
@@ -128,13 +129,16 @@ class Critic:
 
     def update(self, items: Sequence[MicroBatch]) -> dict[str, float]:
         """One critic optimizer step on ``items``: vf_coef x the clipped value loss (token-mean) against
-        each micro-batch's ``values`` (the old predictions) and ``returns``."""
+        each micro-batch's ``values`` (the old predictions) and ``returns``, over the step's global token
+        count (every micro-batch and rank, one all-reduce; the backward undoes DeepSpeed's rank average)."""
         t0 = time.perf_counter()
-        denom = max(sum(mb.num_tokens for mb in items), 1.0)
+        _, total = global_counts([mb.mask for mb in items], self.device)
+        denom = max(float(total[0]), 1.0)
+        world = float(tdist.get_world_size()) if tdist.is_initialized() else 1.0
 
         def loss_fn(mb: MicroBatch) -> Piece:
-            out = value_loss(self._forward(mb), mb.values, mb.returns, mb.mask, self.cc.cliprange_value)
-            return Piece(self.cc.vf_coef * out.loss, mb.num_tokens / denom, out.metrics)
+            out = value_loss(self._forward(mb), mb.values, mb.returns, mb.mask, self.cc.cliprange_value, denom=denom)
+            return Piece(self.cc.vf_coef * out.loss, mb.num_tokens / denom, out.metrics, grad_scale=world)
 
         result = accumulate_and_step(self.engine, items, loss_fn, self.device, self.cfg.learner.zero_stage,
                                      norm_key="critic/grad_norm", timing="timing/critic_")

@@ -13,7 +13,9 @@ each of them:
   real item whose loss is multiplied by 0.
 - **share weighting.** ``loss * share`` is backpropagated, where ``share`` is the item's weight in
   the aggregate (its tokens or samples over the mini-batch's), so the gradient of the accumulated
-  micro-batches equals the gradient of the whole mini-batch's aggregated loss.
+  micro-batches equals the gradient of the whole mini-batch's aggregated loss. A loss that already
+  divides by a global count (the policy's, over every micro-batch and rank: aggregation.py) sets
+  ``grad_scale`` instead: the world size, which undoes DeepSpeed's average of the ranks' gradients.
 - **the step and its grad norm.** One ``engine.step()`` (DeepSpeed clips there); the global grad norm
   from DeepSpeed, or this rank's accumulated gradient norm under ZeRO-0, which keeps none.
 - **metric reduction.** Share-weighted means over items; ``*_min`` / ``*_max`` keep extremes.
@@ -40,11 +42,15 @@ T = TypeVar("T")
 
 @dataclass
 class Piece:
-    """What a loss function returns for one item: the loss, its share of the aggregate, metrics."""
+    """What a loss function returns for one item: the loss, its share of the aggregate, metrics.
+
+    ``share`` weighs the item's metrics; the backward pass takes ``loss * share``, or ``loss * grad_scale``
+    when that is set (a loss over a global denominator, which already carries its share)."""
 
     loss: torch.Tensor
     share: float
     metrics: dict[str, float]
+    grad_scale: float | None = None
 
 
 def sync_max(n: int, device: torch.device) -> int:
@@ -113,7 +119,7 @@ def local_grad_norm(module: torch.nn.Module) -> float:
 
 def accumulate_and_step(engine, items: Sequence[T], loss_fn: Callable[[T], Piece], device: torch.device,
                         zero_stage: int, norm_key: str = "actor/grad_norm", timing: str = "timing/") -> dict[str, float]:
-    """Backward of ``loss * share`` for every item (dummy passes to match ranks), then one optimizer step.
+    """Backward of ``loss * share`` (or ``* grad_scale``) for every item (dummy passes to match ranks), then one optimizer step.
 
     Returns the share-weighted metrics, ``norm_key`` (the grad norm), ``<timing>backward_s`` and
     ``<timing>step_s``. An empty ``items`` on every rank takes no step and returns no metrics.
@@ -127,7 +133,8 @@ def accumulate_and_step(engine, items: Sequence[T], loss_fn: Callable[[T], Piece
         dummy = k >= len(items)
         piece = loss_fn(items[0] if dummy else items[k])
         t = time.perf_counter()
-        engine.backward(piece.loss * (0.0 if dummy else piece.share), scale_wrt_gas=False)
+        scale = piece.share if piece.grad_scale is None else piece.grad_scale
+        engine.backward(piece.loss * (0.0 if dummy else scale), scale_wrt_gas=False)
         t_bwd += time.perf_counter() - t
         if not dummy:
             for name, value in piece.metrics.items():

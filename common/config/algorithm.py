@@ -43,8 +43,14 @@ class OffPolicyConfig(Section):
         doc("Off-policy correction: none, truncated IS (min(pi_old/mu, C)), or AReaL's decoupled PPO."),
     ] = "tis"
     level: Annotated[
-        Literal["token", "sequence"], doc("Importance weights per token or per sequence (gspo always uses sequence).")
+        Literal["token", "sequence"],
+        doc("Importance weights per token or per sequence (gspo ignores it: see gspo_level)."),
     ] = "token"
+    gspo_level: Annotated[
+        Literal["sequence", "token"],
+        doc("policy_loss gspo only: its importance weights per sequence (GSPO's length-normalised rho_i) or per "
+            "token (token-level TIS / decoupled weights, min(pi_old/mu, C) per token)."),
+    ] = "sequence"
     cap: Annotated[
         float, doc("Cap C of the importance weights: tis truncates them at C, decoupled drops tokens above C.", gt=0)
     ] = 2.0

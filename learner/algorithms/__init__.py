@@ -9,7 +9,7 @@ One registry per plug-in kind, keyed by the names in the config::
 """
 
 from fleetrl.learner.algorithms.advantages import ADV_ESTIMATORS, discounted_returns
-from fleetrl.learner.algorithms.aggregation import AGGREGATIONS, aggregate
+from fleetrl.learner.algorithms.aggregation import AGGREGATIONS, aggregate, global_counts, per_token
 from fleetrl.learner.algorithms.common import (
     entropy_from_logits,
     group_stats,
@@ -49,10 +49,12 @@ __all__ = [
     "discounted_returns",
     "dynamic_sampling_filter",
     "entropy_from_logits",
+    "global_counts",
     "group_stats",
     "kl_controller_from_config",
     "masked_mean",
     "masked_whiten",
     "overlong_penalty",
+    "per_token",
     "value_loss",
 ]

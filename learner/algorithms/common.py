@@ -121,6 +121,7 @@ def value_loss(
     clip_range: float,
     loss_agg: str = "token-mean",
     norm_len: int | None = None,
+    denom: float | None = None,
 ) -> LossOutputs:
     """Clipped value loss of PPO's critic (Schulman et al. 2017, arXiv 1707.06347, Eq. 9 and the
     value clipping of the OpenAI baselines implementation), for ``adv_estimator: gae``.
@@ -134,7 +135,8 @@ def value_loss(
         returns: ``[B, T]`` targets R (GAE returns).
         mask: ``[B, T]`` valid response tokens.
         clip_range: eps_v (``algorithm.critic.cliprange_value``).
-        loss_agg, norm_len: see ``aggregate``.
+        loss_agg, norm_len, denom: see ``aggregate`` (``denom``: the global count; ``critic/value_loss``
+            stays this call's own aggregate).
 
     Returns:
         ``LossOutputs`` with ``critic/value_loss``, ``critic/clipfrac`` (share of tokens where the clipped
@@ -146,9 +148,11 @@ def value_loss(
     clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
     loss_unclipped = (values - returns).square()
     loss_clipped = (clipped - returns).square()
-    loss = aggregate(0.5 * torch.maximum(loss_unclipped, loss_clipped), mask, loss_agg, norm_len)
+    per_token_loss = 0.5 * torch.maximum(loss_unclipped, loss_clipped)
+    loss = aggregate(per_token_loss, mask, loss_agg, norm_len, denom)
+    shown = loss if denom is None else aggregate(per_token_loss.detach(), mask, loss_agg, norm_len)
     metrics = {
-        "critic/value_loss": loss,
+        "critic/value_loss": shown,
         "critic/clipfrac": masked_mean((loss_clipped > loss_unclipped).to(values.dtype), mask),
         "critic/vpred_mean": masked_mean(values, mask),
     }

@@ -96,15 +96,16 @@ for _names, _fn in ((("k1+", "kl+"), k1), (("k2+", "mse+"), k2), (("k3+", "low_v
 
 
 def kl_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: str, loss_agg: str,
-            norm_len: int | None = None) -> tuple[Tensor, Tensor]:
-    """(aggregated KL loss, per-token KL ``[B, T]``) of ``estimator`` over valid tokens (``kl.placement: loss``).
+            norm_len: int | None = None, denom: float | None = None) -> tuple[Tensor, Tensor]:
+    """(aggregated KL loss, per-token KL ``[B, T]``) of ``estimator`` over valid tokens (``kl.placement: loss``);
+    ``denom``: the global count to aggregate over (see ``aggregate``).
 
     Padding is replaced by 0 before the estimator, so a NaN or -inf log-prob there reaches neither
     the value nor the gradient (``where`` after a nonlinearity would still pass 0 * NaN back).
     """
     valid = mask.to(torch.bool)
     kl = KL_ESTIMATORS[estimator](torch.where(valid, logp, 0.0), torch.where(valid, ref_logp, 0.0))
-    return aggregate(kl, mask, loss_agg, norm_len), kl
+    return aggregate(kl, mask, loss_agg, norm_len, denom), kl
 
 
 def apply_kl_penalty(token_rewards: Tensor, kl: Tensor, mask: Tensor, coef: float) -> Tensor:

@@ -4,9 +4,10 @@ Shape legend: B sequences, T padded response positions.
 
 Every loss has one signature::
 
-    out = POLICY_LOSSES[name](LossInputs(logp, old_logp, behav_logp, adv, mask), cfg)  # cfg: RlAlgorithm
+    out = POLICY_LOSSES[name](LossInputs(logp, old_logp, behav_logp, adv, mask, agg_denom), cfg)  # cfg: RlAlgorithm
 
-and returns the aggregated scalar (``cfg.loss_agg``, ``cfg.loss_agg_norm_len``) and metrics, always
+and returns the aggregated scalar (``cfg.loss_agg``, ``cfg.loss_agg_norm_len``; divided by the global
+count ``agg_denom`` when the caller gives one, see aggregation.py) and metrics, always
 with the same keys: ``actor/pg_loss``, ``actor/clipfrac``, ``actor/dual_clipfrac``, ``actor/approx_kl``,
 ``actor/ratio_min|mean|max`` and the ``off_policy/*`` keys of ``off_policy_metrics``. The KL-to-reference
 term and the entropy bonus are added by the caller, not here.
@@ -70,11 +71,14 @@ def _outputs(
     """Clip, weight, aggregate and measure: the part every clipped loss shares."""
     adv = inp.adv.detach()
     token_loss, is_clipped, is_dual, ratio = clipped_objective(log_ratio, adv, *clip, cfg.dual_clip)
-    loss = aggregate(token_loss * bw.weight, inp.mask, cfg.loss_agg, cfg.loss_agg_norm_len)
+    weighted = token_loss * bw.weight
+    loss = aggregate(weighted, inp.mask, cfg.loss_agg, cfg.loss_agg_norm_len, inp.agg_denom)
+    own = loss if inp.agg_denom is None else aggregate(weighted.detach(), inp.mask, cfg.loss_agg,
+                                                          cfg.loss_agg_norm_len)
     ratio_min, ratio_mean, ratio_max = masked_min_mean_max(ratio.detach(), inp.mask)
     dtype = ratio.dtype
     metrics = {
-        "actor/pg_loss": loss,
+        "actor/pg_loss": own,  # this micro-batch's own aggregate, whatever the denominator
         "actor/clipfrac": masked_mean(is_clipped.to(dtype), inp.mask),
         "actor/dual_clipfrac": masked_mean(is_dual.to(dtype), inp.mask),
         "actor/approx_kl": masked_mean(k3(inp.old_logp.detach(), inp.logp.detach()), inp.mask),
@@ -124,7 +128,9 @@ def gspo(inp: LossInputs, cfg: RlAlgorithm) -> LossOutputs:
     s_it has the value of s_i (so clipping acts per sequence) and the gradient s_i * grad log pi(y_it),
     which equals the sequence form's gradient when A is constant over the sequence. Default clip
     3e-4 / 4e-4; the paper aggregates with ``loss_agg: seq-mean-token-mean``. The off-policy weight is
-    per sequence, in the same length-normalised form: log rho_i = mean_t (old_it - mu_it).
+    per sequence, in the same length-normalised form: log rho_i = mean_t (old_it - mu_it); with
+    ``off_policy.gspo_level: token`` it is per token instead (token-level TIS: log rho_it = old_it - mu_it),
+    while the clipped ratio stays per sequence.
     """
     m = inp.mask.to(inp.logp.dtype)
     token_log_ratio = torch.where(m > 0, inp.logp.detach() - inp.old_logp.detach(), 0.0)
@@ -132,6 +138,6 @@ def gspo(inp: LossInputs, cfg: RlAlgorithm) -> LossOutputs:
     seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     log_ratio = torch.where(m > 0, seq_log_ratio + inp.logp - inp.logp.detach(), 0.0)
     bw = behaviour_weights(
-        inp.old_logp, inp.behav_logp, inp.mask, cfg.off_policy, level="sequence", seq_reduce="mean"
+        inp.old_logp, inp.behav_logp, inp.mask, cfg.off_policy, level=cfg.off_policy.gspo_level, seq_reduce="mean"
     )
     return _outputs(inp, cfg, log_ratio, cfg.clip_bounds("gspo"), bw)

@@ -24,6 +24,9 @@ class LossInputs:
             Treated as a constant.
         adv: ``[B, T]`` advantages (zero where masked). Treated as a constant.
         mask: ``[B, T]`` bool or 0/1: response tokens that count in the loss.
+        agg_denom: the global token or sequence count of the optimizer step (``aggregate``'s ``denom``):
+            the loss is then this micro-batch's share of the whole step's aggregate, and
+            ``actor/pg_loss`` stays this micro-batch's own aggregate. None: the micro-batch's own count.
     """
 
     logp: Tensor
@@ -31,6 +34,7 @@ class LossInputs:
     behav_logp: Tensor
     adv: Tensor
     mask: Tensor
+    agg_denom: float | None = None
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,8 @@ class LossOutputs:
     """A loss and what to log about it.
 
     Attributes:
-        loss: scalar tensor, already aggregated (``algorithm.loss_agg``); call ``backward`` on it.
+        loss: scalar tensor, already aggregated (``algorithm.loss_agg``, over ``agg_denom`` when given);
+            call ``backward`` on it.
         metrics: namespaced floats, e.g. ``actor/clipfrac``, ``off_policy/is_ess``.
     """
 
