@@ -42,7 +42,8 @@ from fleetrl.common.config.schema import JobConfig
 
 POLL_S = 0.25
 EXIT_REWARDS_HOPELESS = 4  # a rollout server's exit code when no sample got a usable reward (rollout/server.py)
-DONE_GRACE_S = 5.0  # after the learner finished: how long rollouts get to exit on its `done` before SIGTERM
+DONE_GRACE_S = 20.0  # after the learner finished: how long rollouts get to exit on its `done` before SIGTERM
+# (a vLLM rollout finishes its groups, then shuts its engine core down: ~6 s on a loaded 2-core box)
 LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d \w \S+ \S+: (.*)$")  # common/log.py's format: time, level, process, logger
 FINAL_WORDS = re.compile(r"\b(stopped|done|left)\b")  # the last line each component logs says what it did
 
