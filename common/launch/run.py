@@ -160,9 +160,13 @@ def thread_plan(cfg: JobConfig) -> tuple[int, int]:
     rollout server gets every core and each learner rank its share of them (several ranks on one host
     split the cores among themselves). Measured on the demo, 2 cores (docs/benchmarks.md, "Overlap"):
     1 + 1 threads kept 1.08 cores busy at 168 trained samples/s; 2 + 2 kept 1.63 busy at 191, and the
-    learner's wait fell from 12% to 8% of a step.
+    learner's wait fell from 12% to 8% of a step. That was the `hf` engine; other engines (vLLM binds its
+    CPU threads to cores) keep the even split, unmeasured either way.
     """
     cores = os.cpu_count() or 1
+    if cfg.rollout.engine != "hf":  # vLLM's CPU backend binds its threads to cores: split them, as before
+        per = max(1, cores // max(1, cfg.learner.num_ranks + cfg.rollout.num_servers))
+        return cfg.run.learner_threads or per, cfg.run.rollout_threads or per
     learner = max(1, cores // max(1, cfg.learner.num_ranks))
     rollout = max(1, cores // max(1, cfg.rollout.num_servers))
     return cfg.run.learner_threads or learner, cfg.run.rollout_threads or rollout

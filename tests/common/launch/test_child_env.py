@@ -31,3 +31,4 @@ def test_each_side_may_use_every_core_by_default_and_the_settings_win(monkeypatc
     assert thread_plan(load_config(None, ["run.learner_threads=3", "run.rollout_threads=1"])) == (3, 1)
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert thread_plan(load_config(None, ["rollout.num_servers=4"])) == (2, 1)  # never below one thread
+    assert thread_plan(load_config(None, ["rollout.engine=vllm"])) == (1, 1)  # vLLM binds its threads: an even split
