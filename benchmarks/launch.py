@@ -1,7 +1,9 @@
 """Cluster launch times: allocation start -> every process registered, and a killed rollout server back
-in the fleet, on a real one-host Slurm and a real local Ray cluster.
+in the fleet, on a real one-host Slurm and a real local Ray cluster; with ``--hosts``, the same and the
+partitions across hosts in network namespaces (root).
 
     python benchmarks/launch.py [--engines slurm,ray] [--trials 3] [--workdir DIR]
+    python benchmarks/launch.py --hosts [--workdir DIR]
 
 Each trial launches the demo job (broker, 2 rollout servers, 1 learner; the small model, CPU) with
 `fleetrl launch slurm` (submitted to a local slurmctld + slurmd started here, as in `make test-cluster`)
@@ -19,6 +21,14 @@ or `fleetrl launch ray --address` (a `ray start --head` cluster started here), a
 Targets (issue 19): registered <= 30 s on Slurm, <= 20 s on Ray; back in the fleet <= 15 s. Printed and
 saved to benchmarks/results/launch.json with ``others_cpu_share``: the share of the machine's CPU that
 processes outside the job took during the trial (this box is shared; > 0.1 means the figure is disturbed).
+
+``--hosts`` runs the cluster lane's multi-host tests (tests/cluster/test_hosts_*.py: Slurm on a login and six
+compute hosts, Ray on three; each writes its figures) and gathers them into benchmarks/results/launch_hosts.json,
+each with the others' CPU share during that test: registered after allocation (Slurm, Ray; targets 30 s and
+20 s), a rollout host's and the broker host's link cut 20 s (back in training after the link returned;
+target 15 s), a learner rank's host cut 20 s (cause reported, with rank and host, after the cut: target
+sync.timeout_s + 10 s; training again after requeue from the checkpoint), and samples/s with the broker's
+links at 0 and 50 ms each way (a heterogeneous job, ABAB on one run).
 """
 
 from __future__ import annotations
@@ -97,6 +107,51 @@ class Load:
         busy = self._busy() - self.busy0
         ours = sum(t - self.base.get(pid, 0.0) for pid, t in self.ours.items())
         return round(max(0.0, busy - ours) / max(1e-9, wall * (os.cpu_count() or 1)), 3)
+
+
+HOST_TESTS = ["test_hosts_slurm.py", "test_hosts_learner_cut.py", "test_hosts_het_latency.py", "test_hosts_ray.py"]
+
+
+def hosts_run(work: Path, out: Path) -> None:
+    """The lane's multi-host tests, with each one's figures and the others' CPU share while it ran."""
+    results = work / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "FLEETRL_HOSTS_RESULTS": str(results), "FLEETRL_CLUSTER_ASSETS": str(work / "assets")}
+    argv = [sys.executable, "-m", "pytest", "-q", "-s", "-m", "cluster", "-p", "no:cacheprovider", "--basetemp",
+            str(work / "pt"), *(str(ROOT / "tests" / "cluster" / t) for t in HOST_TESTS)]
+    log = (work / "pytest.out").open("w")
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    load, seen, figures = Load(work), set(), {}
+    while proc.poll() is None or len(seen) < len(list(results.glob("*.json"))):
+        load.sample()
+        for path in sorted(results.glob("*.json")):
+            if path.name not in seen:  # a test just finished: its figures, and the others' share since the last one
+                seen.add(path.name)
+                figures[path.stem] = {**json.loads(path.read_text()), "others_cpu_share": load.others_share()}
+                load = Load(work)
+        time.sleep(1.0)
+    log.close()
+    print((work / "pytest.out").read_text()[-1500:])
+    rows = [("Slurm, 6 hosts: registered after allocation (s)", "hosts_slurm", "all_registered_s", 30),
+            ("  rollout host cut 20 s: its groups back after the link (s)", "hosts_slurm", "rollout_back_after_link_s", 15),
+            ("  broker host cut 20 s: training after the link (s)", "hosts_slurm", "training_after_broker_link_s", 15),
+            ("  --add-rollout on a 6th node: groups accepted after sbatch (s)", "hosts_slurm",
+             "add_rollout_groups_accepted_after_sbatch_s", None),
+            ("learner rank host cut 20 s: cause reported after the cut (s)", "hosts_learner_cut",
+             "failure_reported_after_cut_s", 30),
+            ("  training again after the link returned (s)", "hosts_learner_cut", "training_again_after_link_s", None),
+            ("het job: samples/s, broker links +0 ms", "hosts_latency", "samples_per_s_0ms", None),
+            ("  samples/s, broker links +50 ms each way", "hosts_latency", "samples_per_s_50ms", None),
+            ("Ray, 3 hosts: registered after the launcher started (s)", "hosts_ray", "all_registered_s", 20)]
+    print(f"\n{'figure':<66} {'value':>8} {'target':>7} {'others':>7}")
+    for label, test, key, target in rows:
+        f = figures.get(test, {})
+        value = f.get(key)
+        print(f"{label:<66} {value if value is not None else '-':>8} {target if target else '':>7} "
+              f"{f.get('others_cpu_share', float('nan')):>7.0%}")
+    out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg()}, "pytest_exit": proc.returncode,
+                               "figures": figures, "time": time.time()}, indent=1))
+    print(f"saved {out} (pytest exit code {proc.returncode})")
 
 
 def measure(run: Path, kill_rollout, load: Load) -> dict:
@@ -184,10 +239,14 @@ def main() -> None:
     p.add_argument("--engines", default="slurm,ray")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--workdir", default=None)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "launch.json"))
+    p.add_argument("--out", default=None, help="default: benchmarks/results/launch.json (launch_hosts.json with --hosts)")
+    p.add_argument("--hosts", action="store_true", help="the multi-host figures (root: network namespaces)")
     args = p.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fleetrl-launch-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.hosts:
+        return hosts_run(work, Path(args.out or ROOT / "benchmarks" / "results" / "launch_hosts.json"))
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / "launch.json")
     overrides = assets(work)
     results: dict[str, list[dict]] = {}
     for engine in args.engines.split(","):

@@ -181,6 +181,8 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
     slurm.add_argument("--run", metavar="RUN_DIR", help="with --add-rollout: the run directory of the running job")
     ray = sub.add_parser("ray", help="run the job as Ray actors: broker, rollout servers (restarted), learner ranks (PACK)")
     ray.add_argument("--address", metavar="ADDR", help="Ray cluster to join, e.g. auto or ray://head:10001 (cluster.ray.address)")
+    ray.add_argument("--add-rollout", type=int, metavar="N", help="start N more rollout actors that join the job in --run")
+    ray.add_argument("--run", metavar="RUN_DIR", help="with --add-rollout: the run directory of the running job")
     k8s = sub.add_parser("k8s", help="render Kubernetes manifests: broker, rollout Deployment, learner indexed Job")
     k8s.add_argument("--out", metavar="FILE.yaml", help="write the manifests here (default: RUN/launch/k8s.yaml)")
     for name, parser in (("slurm", slurm), ("ray", ray), ("k8s", k8s)):

@@ -40,6 +40,7 @@ from fleetrl.learner.lifecycle import GracefulStop, connect_broker, leave_broker
 from fleetrl.learner.lora import AdapterFreeReference, apply_lora, export_merged, lora_param_specs, merged_params
 from fleetrl.learner.monitor import Monitor
 from fleetrl.learner.objectives import OBJECTIVES, Setup
+from fleetrl.learner.peers import watch_peers
 from fleetrl.learner.runtime import (
     Dist,
     build_engine,
@@ -316,6 +317,7 @@ class JsonlLog:
 def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None) -> int:
     """Run one learner rank until learner.total_steps (or a stop signal). Returns the exit code."""
     dist = init_distributed(cfg)
+    peers = watch_peers(cfg.learner.peer_timeout_s, dist.rank, dist.world)  # a rank cut off fails fast, named
     telemetry.setup_tracing("learner", cfg.telemetry, run_dir, {"service.instance.id": f"learner-{dist.rank}",
                                                                 "fleetrl.rank": dist.rank})
     own_client = client is None and cfg.needs_fleet  # offline DPO runs without a broker
@@ -364,6 +366,8 @@ def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None)
                      learner.version, final.name)
         return 0
     finally:
+        if peers is not None:
+            peers.stop()
         learner.close()
         if learner.fleet and client is not None:
             leave_broker(client, *ending, is_main=dist.is_main)

@@ -62,6 +62,14 @@ class SlurmConfig(Section):
     requeue: Annotated[bool, doc("After the walltime checkpoint, requeue the job; it resumes from the checkpoint.")] = (
         True
     )
+    requeue_on_failure: Annotated[int, doc(
+        "When the broker or a learner rank fails (a node lost or cut off), requeue the job instead of failing it, at "
+        "most this many times in all; it resumes from the last checkpoint (needs checkpoint.interval; with "
+        "broker.spool_dir and broker.commit_on_checkpoint nothing acknowledged is lost). 0 = the job fails.", ge=0)] = 0
+    heterogeneous: Annotated[bool, doc(
+        "Submit one het-job component per role (`#SBATCH hetjob`), each asking only for what its role needs (the "
+        "broker no GPUs), instead of one allocation whose every node gets the most any role needs. Needs "
+        "cluster.share_nodes: false.")] = False
     exclusive: Annotated[bool, doc("Ask for whole nodes (`--exclusive`).")] = True
     broker_own_node: Annotated[
         bool, doc("Give the broker a node of its own (first in the allocation) instead of a task on learner node 0.")
@@ -194,6 +202,12 @@ def placement_errors(cfg, ephemeral: tuple[int, int] | None = None) -> list[str]
     if cfg.learner.device == "cuda" and not c.learner.gpus_per_node:
         errors.append("learner.device=cuda but cluster.learner.gpus_per_node=0; give the learner nodes GPUs")
     errors += _rollout_errors(cfg)
+    if c.slurm.heterogeneous and c.share_nodes:
+        errors.append("cluster.slurm.heterogeneous=true needs cluster.share_nodes=false: a het-job component is a set "
+                      "of nodes of one role")
+    if c.slurm.requeue_on_failure and not cfg.checkpoint.interval:
+        errors.append(f"cluster.slurm.requeue_on_failure={c.slurm.requeue_on_failure} but checkpoint.interval=0: a "
+                      "requeued job would start again from step 0; set checkpoint.interval (e.g. 100)")
     try:
         limit = time_limit_s(c.time_limit)
         if c.slurm.signal_s >= limit:

@@ -51,6 +51,10 @@ class LearnerConfig(Section):
     batch_wait_s: Annotated[float, doc("Longest wait for a batch before the learner reports the fleet idle.", gt=0)] = (
         600.0
     )
+    peer_timeout_s: Annotated[float, doc(
+        "With several ranks: a rank not heard from this long (its node cut off, its process frozen or killed) ends the "
+        "others at once, naming it and its host, instead of a collective waiting out the process group's 30-minute "
+        "timeout (learner/peers.py); 0 = off.", ge=0)] = 60.0
     max_lease_rounds: Annotated[
         int, doc("Leases per step when dynamic sampling filters groups out (bounds the wait).", ge=1)
     ] = 8

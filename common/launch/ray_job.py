@@ -1,6 +1,7 @@
 """`fleetrl launch ray`: one job as Ray actors, on an existing cluster or a fresh local one.
 
     fleetrl launch ray --config job.yaml [--address auto|HOST:6379|ray://HOST:10001]
+    fleetrl launch ray --add-rollout N --run RUN_DIR --address HOST:6379
     ray job submit --address http://HEAD:8265 --working-dir . -- fleetrl launch ray --config job.yaml --address auto
 
 Each actor owns one fleetrl process (a child with PR_SET_PDEATHSIG, so it dies with its actor):
@@ -13,7 +14,12 @@ Each actor owns one fleetrl process (a child with PR_SET_PDEATHSIG, so it dies w
   node, then every rank starts with ``RANK``/``WORLD_SIZE`` from the world map.
 
 The launcher waits on every actor, names a death by role (a dead broker or learner rank fails the job),
-and stops everything when the learner finishes. Ray is an optional extra (``pip install 'fleetrl[ray]'``),
+and stops everything when the learner finishes.
+
+``--add-rollout N`` joins a running job from another driver: N more rollout actors (restarted like the
+others) with server indices after those in use (reserved in ``RUN/launch/rollout-index.json``, as Slurm's
+``--add-rollout`` does), pointed at the broker recorded in ``RUN/launch/world.json``. That driver stays
+while its servers run: they exit 0 when the job's learner finishes, and Ctrl-C takes them out of the fleet. Ray is an optional extra (``pip install 'fleetrl[ray]'``),
 imported only here, only when the command runs.
 """
 
@@ -31,7 +37,7 @@ from pathlib import Path
 
 from fleetrl.common.config import ConfigError, load_config
 from fleetrl.common.launch.run import Child, child_env
-from fleetrl.common.launch.slurm import prepare, resolve_run_dir
+from fleetrl.common.launch.slurm import next_rollout_indices, prepare, resolve_run_dir
 from fleetrl.common.launch.supervisor import log_event
 from fleetrl.common.launch.world import Layout, world_map
 
@@ -171,6 +177,9 @@ class RayJob:
         os.environ["FLEETRL_ALLOC_START"] = str(self.alloc_start)
         self.stop_requested = False
         self.pg = None
+        self.ready = [run_dir / "learner.ready", run_dir / "broker.json",
+                      *(run_dir / f"rollout-{i}.ready" for i in range(self.layout.num_servers))]
+        self.adding = False  # --add-rollout: only rollout actors, joining a job another driver runs
 
     def opts(self, name: str, **kw) -> dict:
         return {"name": f"{self.layout.name}-{name}", "namespace": self.cfg.cluster.ray.namespace,
@@ -186,12 +195,7 @@ class RayJob:
         if self.cfg.needs_fleet:
             self.actors["broker"] = self.remote.options(**self.opts("broker", num_cpus=1, max_restarts=0)).remote(
                 "broker", "broker", self.plan, run, True)
-        r = self.cfg.cluster.rollout
-        for i in range(self.layout.num_servers if self.cfg.needs_fleet else 0):
-            name = f"rollout-{i}"
-            self.actors[name] = self.remote.options(**self.opts(
-                name, num_cpus=r.cpus_per_server, num_gpus=self.gpus_per_server, max_restarts=r.max_restarts)).remote(
-                "rollout", name, self.plan, {**run, "server_index": i, "rank": i}, False)
+        self.create_rollouts(range(self.layout.num_servers if self.cfg.needs_fleet else 0))
         c, world = self.cfg.cluster.learner, self.layout.world_size
         bundle = {"CPU": c.cpus_per_rank, **({"GPU": 1} if c.gpus_per_node else {})}
         self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK", name=f"{self.layout.name}-learner")
@@ -201,6 +205,31 @@ class RayJob:
             self.actors[name] = self.remote.options(**self.opts(
                 f"learner-{rank}", num_cpus=c.cpus_per_rank, num_gpus=1 if c.gpus_per_node else 0, max_restarts=0,
                 scheduling_strategy=strategy)).remote("learner", name, self.plan, {**run, "rank": rank}, False)
+
+    def create_rollouts(self, indices) -> None:
+        r, run = self.cfg.cluster.rollout, {"run_dir": str(self.run_dir)}
+        for i in indices:
+            name = f"rollout-{i}"
+            self.actors[name] = self.remote.options(**self.opts(
+                name, num_cpus=r.cpus_per_server, num_gpus=self.gpus_per_server, max_restarts=r.max_restarts)).remote(
+                "rollout", name, self.plan, {**run, "server_index": i, "rank": i}, False)
+
+    def add_rollouts(self, count: int) -> int:
+        """``--add-rollout``: ``count`` more servers for the job in ``run_dir``; runs until they have all ended."""
+        world = json.loads((self.run_dir / "launch" / "world.json").read_text())
+        first = next_rollout_indices(self.run_dir, count, self.layout.num_servers)
+        self.adding, self.ready = True, [self.run_dir / f"rollout-{i}.ready" for i in range(first, first + count)]
+        old = {s: signal.signal(s, lambda *a: setattr(self, "stop_requested", True)) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.create_rollouts(range(first, first + count))
+            print(f"fleetrl launch ray: adding rollout-{first}..rollout-{first + count - 1} to the fleet of "
+                  f"{world['broker_address']}", flush=True)
+            self.ray.get([a.start.remote({"broker_address": world["broker_address"]}) for a in self.actors.values()])
+            return self.watch()
+        finally:
+            self.shutdown()
+            for s, h in old.items():
+                signal.signal(s, h)
 
     def broker_address(self) -> str:
         """Wait for the broker actor's process; record its address for restarted rollout actors."""
@@ -246,7 +275,8 @@ class RayJob:
         while not self.stop_requested:
             if not ready_logged and self.all_ready():
                 ready_logged = True
-                log_event(self.run_dir, event="all_ready", kind="ray", processes=len(self.actors))
+                log_event(self.run_dir, event="all_ready", kind="ray-add-rollout" if self.adding else "ray",
+                          processes=len(self.actors))
                 print(f"fleetrl launch ray: all {len(self.actors)} processes registered "
                       f"{time.time() - self.alloc_start:.1f} s after the launcher started", flush=True)
             done, _ = self.ray.wait(list(waits), timeout=0.5)
@@ -267,7 +297,7 @@ class RayJob:
                         print(f"fleetrl launch ray: {name} died and is out of restarts; the fleet goes on", flush=True)
                     continue
                 if name.startswith("rollout"):
-                    continue  # finished (the broker said the data is exhausted)
+                    continue  # finished (the job is done, or the broker said the data is exhausted)
                 if name == "learner" and code == 0:
                     print("fleetrl launch ray: the learner finished", flush=True)
                     return 0
@@ -278,16 +308,18 @@ class RayJob:
                 (self.run_dir / "launch" / "result.json").write_text(json.dumps(
                     {"state": "failed", "cause": f"{name} {cause}", "role": name.split("-")[0]}))
                 return 1
+            if self.adding and not waits:  # --add-rollout: every added server ended (or gave up)
+                print("fleetrl launch ray: the added rollout servers have all ended", flush=True)
+                return 0
         print("fleetrl launch ray: stopping (the learner checkpoints)", flush=True)
         return 130
 
     def all_ready(self) -> bool:
-        files = [self.run_dir / "learner.ready", self.run_dir / "broker.json",
-                 *(self.run_dir / f"rollout-{i}.ready" for i in range(self.layout.num_servers))]
-        return all(f.exists() for f in files)
+        return all(f.exists() for f in self.ready)
 
     def shutdown(self) -> None:
-        (self.run_dir / "launch" / "done").touch()
+        if not self.adding:  # the job's own end, not that of a few added servers
+            (self.run_dir / "launch" / "done").touch()
         order = sorted(self.actors.items(), key=lambda kv: 0 if kv[0].startswith("learner") else 2 if kv[0] == "broker" else 1)
         for name, actor in order:
             try:
@@ -302,8 +334,10 @@ class RayJob:
 
 
 def main(args) -> int:
+    if getattr(args, "add_rollout", None) is not None:
+        return add_rollout_main(args)
     if not args.config:
-        raise ConfigError("fleetrl launch ray needs --config JOB.yaml")
+        raise ConfigError("fleetrl launch ray needs --config JOB.yaml (or --add-rollout N --run RUN_DIR)")
     cfg = load_config(args.config, list(args.overrides))
     run_dir = resolve_run_dir(cfg, args.run_dir)
     config_path, _ = prepare(cfg, run_dir)
@@ -316,12 +350,34 @@ def main(args) -> int:
     address = args.address or cfg.cluster.ray.address
     init = {"address": address} if address else {"address": "local", "num_cpus": cfg.cluster.ray.num_cpus,
                                                  "include_dashboard": False}  # "local": a new cluster, always
-    for stale in [run_dir / "learner.ready", run_dir / "broker.json", *run_dir.glob("rollout-*.ready")]:
+    for stale in [run_dir / "learner.ready", run_dir / "broker.json", *run_dir.glob("rollout-*.ready"),
+                  run_dir / "launch" / "rollout-index.json"]:
         stale.unlink(missing_ok=True)  # a previous run's signals must not count
     ray.init(namespace=cfg.cluster.ray.namespace, log_to_driver=False, **init)
     print(f"fleetrl launch ray: {cfg.run.name} -> {run_dir} on {'Ray at ' + address if address else 'a local Ray'}",
           flush=True)
     try:
         return RayJob(ray, cfg, run_dir, config_path).run()
+    finally:
+        ray.shutdown()
+
+
+def add_rollout_main(args) -> int:
+    """``--add-rollout N --run RUN_DIR``: more rollout actors for a job running on a Ray cluster."""
+    if not args.run or args.add_rollout < 1:
+        raise ConfigError("--add-rollout N needs N >= 1 and --run RUN_DIR (the run directory of the running job)")
+    run_dir = Path(args.run).resolve()
+    if not (run_dir / "launch" / "world.json").exists():
+        raise ConfigError(f"{run_dir} has no running job (no launch/world.json yet): start it with `fleetrl launch "
+                          "ray --config JOB`, and add rollouts once its broker is up")
+    cfg = load_config(run_dir / "config.yaml", list(args.overrides))
+    address = args.address or cfg.cluster.ray.address
+    if not address:
+        raise ConfigError("--add-rollout joins the Ray cluster the job runs on: give --address HOST:6379 (or "
+                          "cluster.ray.address)")
+    ray = import_ray()
+    ray.init(address=address, namespace=cfg.cluster.ray.namespace, log_to_driver=False)
+    try:
+        return RayJob(ray, cfg, run_dir, run_dir / "config.yaml").add_rollouts(args.add_rollout)
     finally:
         ray.shutdown()

@@ -6,7 +6,9 @@
 Into ``RUN/launch/`` it writes ``job.sbatch`` (the script), ``plan.json`` (the steps the job driver starts)
 and the resolved ``RUN/config.yaml``; ``--dry-run`` stops there and prints the script. The job asks for
 the nodes the ``cluster:`` section names, in a fixed order (broker node, learner nodes, rollout nodes),
-with ``--signal=B:USR1@<cluster.slurm.signal_s>`` and ``--requeue``. Inside the allocation the job driver
+with ``--signal=B:USR1@<cluster.slurm.signal_s>`` and ``--requeue``: one homogeneous allocation sized for the
+largest role, or with ``cluster.slurm.heterogeneous`` one het-job component per role (``#SBATCH hetjob``),
+each step then started with ``srun --het-group=<i>``. Inside the allocation the job driver
 (``slurm_job.py``) starts one ``srun`` step per role — the per-node supervisor on each of the role's nodes —
 and watches them.
 
@@ -97,6 +99,34 @@ def sbatch_options(cfg: JobConfig, layout: Layout, run_dir: Path, nodes: int, na
     return opts + list(c.slurm.extra_args)
 
 
+def het_steps(steps: list[dict], broker_own_node: bool) -> list[dict]:
+    """The steps with the het-job component each runs in: one component per role that has nodes of its own, in
+    the allocation's order; a broker without a node of its own runs in the learner's component."""
+    groups = [s["role"] for s in steps if s["role"] != "broker" or broker_own_node]
+    return [{**s, "het_group": groups.index(s["role"]) if s["role"] in groups else groups.index("learner")}
+            for s in steps]
+
+
+JOB_WIDE = ("--job-name", "--output", "--open-mode", "--signal", "--requeue", "--no-requeue")
+
+
+def het_options(cfg: JobConfig, layout: Layout, run_dir: Path, steps: list[dict], name: str) -> list[str]:
+    """A heterogeneous allocation (``cluster.slurm.heterogeneous``): one component per role, separated by
+    ``#SBATCH hetjob``, each sized by its own role only (the broker's books no GPU and one core). Job-wide
+    options (name, output, walltime signal, requeue, ``extra_args``) go in the first component, where the batch
+    script runs; Slurm propagates what it propagates from there."""
+    opts: list[str] = []
+    for group in sorted({s["het_group"] for s in steps}):
+        members = [s for s in steps if s["het_group"] == group]
+        nodes = max(s["nodes"] for s in members)
+        part = sbatch_options(cfg, layout, run_dir, nodes, name, requeue=group == 0, steps=members)
+        if group:
+            extra = set(cfg.cluster.slurm.extra_args)
+            part = ["hetjob", *(o for o in part if not o.startswith(JOB_WIDE) and o not in extra)]
+        opts += part
+    return opts
+
+
 def srun_prefix(cfg: JobConfig, run_dir: Path) -> list[str]:
     """What every step's srun gets besides its node list: overlapping steps, a container when one is set."""
     prefix = ["srun", "--overlap", "--kill-on-bad-exit=0", "--ntasks-per-node=1"]
@@ -110,7 +140,8 @@ def build_plan(cfg: JobConfig, run_dir: Path, config_path: Path, python: str, st
     layout = Layout.from_config(cfg, str(run_dir))
     return {"kind": kind, "run_dir": str(run_dir), "config": str(config_path), "python": python,
             "layout": asdict(layout), "steps": steps, "srun": srun_prefix(cfg, run_dir), "env": env or {},
-            "requeue": kind == "job" and cfg.cluster.slurm.requeue}
+            "requeue": kind == "job" and cfg.cluster.slurm.requeue,
+            "requeue_on_failure": cfg.cluster.slurm.requeue_on_failure if kind == "job" else 0}
 
 
 def render_script(options: list[str], plan: dict, plan_path: Path) -> str:
@@ -121,7 +152,8 @@ def render_script(options: list[str], plan: dict, plan_path: Path) -> str:
     sup = [plan["python"], "-m", "fleetrl.common.launch.supervisor", "--config", plan["config"], "--run-dir",
            plan["run_dir"]]
     for step in plan["steps"]:
-        argv = [*plan["srun"], *step.get("options", []), f"--nodes={step['nodes']}", f"--ntasks={step['nodes']}",
+        het = [f"--het-group={step['het_group']}"] if "het_group" in step else []
+        argv = [*plan["srun"], *het, *step.get("options", []), f"--nodes={step['nodes']}", f"--ntasks={step['nodes']}",
                 f"--nodelist=<{step['role']} nodes>", f"--job-name=fleetrl-{step['role']}", *sup, "--role", step["role"]]
         lines.append(f"#   {shlex.join(argv)}")
     lines += ["# It ends the job when the learner finishes, fails it naming the cause when the broker or a learner",
@@ -145,9 +177,13 @@ def render_job(cfg: JobConfig, run_dir: Path) -> tuple[Path, str]:
     """Render the main job into RUN/launch/; returns (script path, script text)."""
     config_path, python = prepare(cfg, run_dir)
     layout = Layout.from_config(cfg, str(run_dir))
-    plan = build_plan(cfg, run_dir, config_path, python, role_steps(cfg, layout))
-    opts = sbatch_options(cfg, layout, run_dir, layout.nodes_needed(), f"fleetrl-{cfg.run.name}", requeue=True)
-    return _write(run_dir, "job", plan, opts)
+    steps, name = role_steps(cfg, layout), f"fleetrl-{cfg.run.name}"
+    if cfg.cluster.slurm.heterogeneous:
+        steps = het_steps(steps, layout.broker_own_node)
+        opts = het_options(cfg, layout, run_dir, steps, name)
+    else:
+        opts = sbatch_options(cfg, layout, run_dir, layout.nodes_needed(), name, requeue=True)
+    return _write(run_dir, "job", build_plan(cfg, run_dir, config_path, python, steps), opts)
 
 
 def _write(run_dir: Path, stem: str, plan: dict, opts: list[str]) -> tuple[Path, str]:

@@ -8,9 +8,12 @@ the per-node supervisor on each of the role's nodes — and then watches them:
 
 - the learner step exits 0: the job is done; the driver marks ``RUN/launch/done``, stops the other steps
   and exits 0;
-- the broker or learner step fails: the driver names the cause (from the supervisor's
-  ``failed-*.json``: which process, on which node, its exit code and the end of its log) in the job's
-  output and ``RUN/launch/result.json``, stops the rest and exits 1, so Slurm records FAILED;
+- the broker or learner step fails, or its supervisor reports a failure (``failed-<role>-<host>.json``,
+  read as soon as it appears: a step with a task on a node that is cut off does not end until the node is
+  back): the driver names the cause (which process, on which node, its exit code and its last log line —
+  a learner rank that lost a peer names that rank and host there) in the job's output and
+  ``RUN/launch/result.json``, stops the rest and exits 1, so Slurm records FAILED — or, with
+  ``cluster.slurm.requeue_on_failure`` left, requeues the job, which resumes from the last checkpoint;
 - a rollout step ends: the fleet goes on (its supervisors already restarted what they could);
 - SIGUSR1 (``--signal=B:USR1@N``, the walltime warning): every step is asked to stop — the learner
   checkpoints and exits 0 — then the job requeues itself (``cluster.slurm.requeue``); the requeued run
@@ -32,10 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleetrl.common.launch.supervisor import log_event
-from fleetrl.common.launch.world import Layout, expand_hostlist
+from fleetrl.common.launch.world import Layout, slurm_nodes
 
 POLL_S = 0.25
 STOP_WAIT_S = 240.0
+REQUEUE_WAIT_S = 30.0  # after `scontrol requeue`, Slurm ends this batch step itself
 
 
 @dataclass
@@ -59,7 +63,9 @@ class Driver:
         self.alloc_start = float(self.env["FLEETRL_ALLOC_START"])
         os.environ["FLEETRL_ALLOC_START"] = self.env["FLEETRL_ALLOC_START"]  # this process's own events too
         self.job_id = env.get("SLURM_JOB_ID", "")
-        self.nodes = expand_hostlist(env.get("SLURM_JOB_NODELIST", ""))
+        self.nodes = slurm_nodes(env)  # a het job's components joined in order
+        self.restart_count = int(env.get("SLURM_RESTART_COUNT", 0) or 0)
+        self.failed_role = self.failure = ""
         self.walltime = self.cancel = False
         self.steps = [Step(s["role"], self.srun_argv(s)) for s in plan["steps"]]
 
@@ -70,7 +76,9 @@ class Driver:
 
     def srun_argv(self, step: dict) -> list[str]:
         nodes = self.role_nodes()[step["role"]][: step["nodes"]]
-        return [*self.plan["srun"], *step.get("options", []), f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", f"--nodelist={','.join(nodes)}",
+        het = [f"--het-group={step['het_group']}"] if "het_group" in step else []
+        return [*self.plan["srun"], *het, *step.get("options", []), f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
+                f"--nodelist={','.join(nodes)}",
                 f"--job-name=fleetrl-{step['role']}", self.plan["python"], "-m", "fleetrl.common.launch.supervisor",
                 "--role", step["role"], "--config", self.plan["config"], "--run-dir", str(self.run_dir)]
 
@@ -79,7 +87,7 @@ class Driver:
         p = self.layout.base_port
         world = {"job_id": self.job_id, "nodes": roles, "broker_address": f"tcp://{roles['broker'][0]}:{p}",
                  "sync_address": f"{roles['learner'][0]}:{p + 3}", "alloc_start": self.alloc_start,
-                 "restart_count": int(self.env.get("SLURM_RESTART_COUNT", 0) or 0)}
+                 "restart_count": self.restart_count}
         path = self.run_dir / "launch" / "world.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "launch" / "done").unlink(missing_ok=True)
@@ -131,6 +139,9 @@ class Driver:
                 print(f"fleetrl job: all {len(self.ready_files())} processes registered "
                       f"{time.time() - self.alloc_start:.1f} s after the allocation started", flush=True)
                 pending = None
+            reported = self.reported_failure()
+            if reported is not None:  # a supervisor named a dead broker / learner rank; its srun step may hang on
+                return self.fail(reported, None)  # a node that is cut off, so do not wait for the step to end
             for step in list(self.steps):
                 code = step.poll()
                 if code is None:
@@ -150,16 +161,37 @@ class Driver:
               "stopping the learner (it checkpoints), then the rest", flush=True)
         return 0
 
-    def fail(self, step: Step, code: int) -> int:
-        time.sleep(1.0)  # the supervisor writes its failed-*.json before its step ends; let it land
-        causes = [json.loads(p.read_text()) for p in sorted((self.run_dir / "launch").glob(f"failed-{step.role}-*.json"))]
+    def reported_failure(self) -> Step | None:
+        """The broker or learner step whose supervisor reported a failure (``failed-<role>-<host>.json``)."""
+        if self.plan["kind"] != "job":
+            return None
+        for step in self.steps:
+            if step.role != "rollout" and any((self.run_dir / "launch").glob(f"failed-{step.role}-*.json")):
+                return step
+        return None
+
+    def causes(self, role: str) -> list[dict]:
+        """The supervisors' failure reports of ``role``, oldest first."""
+        rows = []
+        for path in (self.run_dir / "launch").glob(f"failed-{role}-*.json"):
+            try:
+                rows.append(json.loads(path.read_text()))
+            except (OSError, json.JSONDecodeError):
+                pass  # being written: the next look reads it
+        return sorted(rows, key=lambda c: c.get("time", 0.0))
+
+    def fail(self, step: Step, code: int | None) -> int:
+        time.sleep(1.0)  # the supervisor writes its failed-*.json before its step ends; let it land (and others)
+        causes = self.causes(step.role)
         if causes:
-            c = causes[0]
-            cause = f"{c['child']} on {c['host']} exited with code {c['code']}"
-            detail = f"; its log {c['log']} ends with:\n{c['tail']}" if c.get("log") else f": {c['message']}"
+            cause = "; ".join(f"{c['child']} on {c['host']} exited with code {c['code']}" +
+                              (f": {last_line(c['tail'])}" if last_line(c.get("tail", "")) else "") for c in causes)
+            detail = "".join(f"\n{c['child']}'s log {c['log']} ends with:\n{c['tail']}" if c.get("log") else
+                             f"\n{c['child']}: {c['message']}" for c in causes)
         else:
             cause, detail = f"the {step.role} step exited with code {code}", " (no supervisor report; see the step output above)"
         print(f"fleetrl job: FAILED: {cause}{detail}", file=sys.stderr, flush=True)
+        self.failed_role, self.failure = step.role, cause
         self.write_result("failed", cause, step.role)
         return 1
 
@@ -189,17 +221,30 @@ class Driver:
     def finish(self, code: int) -> int:
         if self.walltime and code == 0 and self.plan.get("requeue") and self.job_id:
             self.write_result("requeued", "walltime warning: checkpointed and requeued")
-            log_event(self.run_dir, event="requeue", job_id=self.job_id)
-            print(f"fleetrl job: checkpoint written; requeueing job {self.job_id}", flush=True)
-            out = subprocess.run(["scontrol", "requeue", self.job_id], capture_output=True, text=True)
-            if out.returncode != 0:
-                print(f"fleetrl job: scontrol requeue failed: {out.stderr.strip()}", file=sys.stderr, flush=True)
-                return 1
-            time.sleep(30)  # Slurm ends this batch step as part of the requeue
-            return 0
+            return self.requeue("checkpoint written")
+        limit = int(self.plan.get("requeue_on_failure", 0))
+        if code != 0 and self.failed_role and self.job_id and self.restart_count < limit and not self.cancel:
+            self.write_result("requeued", self.failure, self.failed_role)
+            return self.requeue(f"the {self.failed_role} failed; requeue {self.restart_count + 1} of {limit} "
+                                "(cluster.slurm.requeue_on_failure), resuming from the last checkpoint")
         if code == 0 and self.plan["kind"] == "job":
             self.write_result("completed" if not (self.walltime or self.cancel) else "stopped")
         return code
+
+    def requeue(self, why: str) -> int:
+        log_event(self.run_dir, event="requeue", job_id=self.job_id, why=why)
+        print(f"fleetrl job: {why}; requeueing job {self.job_id}", flush=True)
+        out = subprocess.run(["scontrol", "requeue", self.job_id], capture_output=True, text=True)
+        if out.returncode != 0:
+            print(f"fleetrl job: scontrol requeue failed: {out.stderr.strip()}", file=sys.stderr, flush=True)
+            return 1
+        time.sleep(REQUEUE_WAIT_S)  # Slurm ends this batch step as part of the requeue
+        return 0
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line of a log tail (a failing process's own last word, e.g. its exception)."""
+    return next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -239,7 +239,8 @@ class Supervisor:
         return (self.run_dir / "launch" / "done").exists()
 
     def fail(self, who: str, code: int, message: str, child: Child | None) -> None:
-        record = {"role": self.world.role, "child": who, "host": self.world.host, "code": code, "message": message,
+        record = {"time": time.time(), "role": self.world.role, "child": who, "host": self.world.host, "code": code,
+                  "message": message,
                   "log": str(child.log) if child else None, "tail": child.tail() if child else ""}
         path = self.run_dir / "launch" / f"failed-{self.world.role}-{self.world.host}.json"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -224,10 +224,17 @@ def _common(env: Mapping[str, str], layout: Layout, broker_host: str, learner0: 
                 sync_port=int(sync_port), interface=layout.interface, run_dir=env.get("FLEETRL_RUN_DIR", layout.run_dir))
 
 
-def _from_slurm(env: Mapping[str, str], role: str, layout: Layout) -> World:
+def slurm_nodes(env: Mapping[str, str]) -> list[str]:
+    """The allocation's nodes: a het job's component lists (``SLURM_JOB_NODELIST_HET_GROUP_<i>``) joined in
+    component order — the order `fleetrl launch slurm` gives its components, so `Layout.split` reads both alike —
+    else ``SLURM_JOB_NODELIST``."""
     het = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in env.items() if re.fullmatch(r"SLURM_JOB_NODELIST_HET_GROUP_\d+", k))
     lists = [v for _, v in het] or [env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""]
-    nodes = [n for text in lists for n in expand_hostlist(text)]
+    return [n for text in lists for n in expand_hostlist(text)]
+
+
+def _from_slurm(env: Mapping[str, str], role: str, layout: Layout) -> World:
+    nodes = slurm_nodes(env)
     if not nodes:
         raise WorldError("SLURM_JOB_ID is set but SLURM_JOB_NODELIST is empty; run inside an allocation (srun/sbatch)")
     if "SLURM_PROCID" not in env:

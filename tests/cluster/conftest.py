@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.hosts import Hosts, HostsError
-from tests.cluster.localslurm import LocalSlurm, missing_tools
+from tests.cluster.localslurm import HostsSlurm, LocalSlurm, missing_tools
 
 JOB = str(Path(__file__).with_name("job.yaml"))
 TEST_TIMEOUT_S = 900  # pytest-timeout counts session-fixture setup (the warm-started model: 1-5 min by load) too
@@ -79,6 +79,34 @@ def make_hosts(n: int) -> Hosts:
         pytest.fail(f"could not make {n} hosts in network namespaces: {e}")
 
 
+LANE_HOSTS = 7  # a login host and six compute hosts, shared by the lane's multi-host tests (Slurm and Ray)
+
+
+@pytest.fixture(scope="session")
+def lane_hosts():
+    """The lane's one set of hosts: host 0 is the login host (slurmctld, Ray drivers, the latency proxy),
+    hosts 1-6 compute hosts (one slurmd each; Ray's head and workers on 1-3)."""
+    hosts = make_hosts(LANE_HOSTS)
+    try:
+        yield hosts
+    finally:
+        hosts.close()
+
+
+@pytest.fixture(scope="session")
+def hosts_slurm(lane_hosts, tmp_path_factory):
+    """Slurm across the lane's hosts: slurmctld on host 0, a slurmd on each of hosts 1-6."""
+    missing = missing_tools()
+    if missing:
+        pytest.fail(f"Slurm tools missing: {', '.join(missing)}; run `bash scripts/cluster_deps.sh`")
+    slurm = HostsSlurm(tmp_path_factory.mktemp("hslurm"), lane_hosts, compute=list(range(1, LANE_HOSTS)))
+    try:
+        slurm.start()
+        yield lane_hosts, slurm
+    finally:
+        slurm.stop()
+
+
 @pytest.fixture
 def hosts3():
     hosts = make_hosts(3)
@@ -129,6 +157,22 @@ def learned(run_dir: Path, gain: float = 0.05) -> bool:
 def trained_ids(run_dir: Path) -> list[str]:
     return [g for path in sorted(run_dir.glob("trained-*.jsonl")) for row in read_jsonl(path)
             for g in row.get("group_ids", [])]
+
+
+def lineage(run_dir: Path, key: str = "group_ids") -> list[str]:
+    """Group ids (``group_ids`` trained, ``filtered_ids`` acknowledged untrained) of the steps that made the final
+    model: a learner that resumed from a checkpoint (a ``resume`` row) replays the steps after it, so the rows of
+    those steps from before the resume are dropped, per rank."""
+    ids = []
+    for path in sorted(run_dir.glob("trained-*.jsonl")):
+        kept: list[dict] = []
+        for row in read_jsonl(path):
+            if "resume" in row:
+                kept = [r for r in kept if r["step"] <= row["resume"]]
+            elif "step" in row:
+                kept.append(row)
+        ids += [g for r in kept for g in r.get(key, [])]
+    return ids
 
 
 def ready_pid(path: Path) -> int:

@@ -5,6 +5,7 @@ on a private bridge, its own hostname (UTS namespace) and an /etc/hosts that nam
         hosts.run(0, ["hostname"])                # CompletedProcess; argv runs "on" host 0
         proc = hosts.popen(1, ["python", "-m", "http.server"])
         hosts.cut(1); ...; hosts.restore(1)       # host 1's cable pulled, then plugged back
+        hosts.point(1, hosts.addrs[0], on=[2])    # on host 2, host 1's name now leads to host 0 (a proxy there)
     # everything it made is gone: processes it started, namespaces, links, /etc/netns/<name>
 
 The layout (nothing is added to the machine's own namespace, no existing interface is touched):
@@ -86,11 +87,10 @@ class Hosts:
             self._netns_add(self.switch)
             _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
             _ip("-n", self.switch, "link", "set", "br0", "up")
-            hosts_file = "127.0.0.1\tlocalhost\n" + "".join(f"{a}\t{h}\n" for a, h in zip(self.addrs, self.names))
             for i, (ns, addr) in enumerate(zip(self.names, self.addrs)):
                 self._netns_add(ns)
                 (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
-                (NETNS_ETC / ns / "hosts").write_text(hosts_file)
+                (NETNS_ETC / ns / "hosts").write_text(self.hosts_file())
                 (NETNS_ETC / ns / "hostname").write_text(ns + "\n")
                 _ip("-n", self.switch, "link", "add", f"s{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
                 _ip("-n", self.switch, "link", "set", f"s{i}", "master", "br0")
@@ -165,6 +165,22 @@ class Hosts:
         proc = subprocess.Popen(self.argv(host, argv), **kw)
         self.procs.append(proc)
         return proc
+
+    # ------------------------------------------------------------------ names
+    def hosts_file(self, moved: dict[int, str] | None = None) -> str:
+        """/etc/hosts of a host: every host's name at its address, or at ``moved[i]`` for host i."""
+        moved = moved or {}
+        return "127.0.0.1\tlocalhost\n" + "".join(f"{moved.get(i, a)}\t{h}\n" for i, (a, h) in enumerate(zip(self.addrs, self.names)))
+
+    def point(self, host: int, addr: str | None, on: list[int]) -> None:
+        """On the hosts ``on``, make host ``host``'s name resolve to ``addr`` (None: its own address again) —
+        e.g. to a proxy in front of it. The files are rewritten in place, so processes already running there
+        see it at their next lookup too."""
+        for i in on:
+            moved = {} if addr is None else {host: addr}
+            with open(NETNS_ETC / self.names[i] / "hosts", "r+") as f:  # same inode: the bind mounts follow
+                f.truncate(0)
+                f.write(self.hosts_file(moved))
 
     # ------------------------------------------------------------------ partitions
     def cut(self, host: int) -> None:

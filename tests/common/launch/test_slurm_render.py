@@ -167,3 +167,49 @@ def test_the_cluster_lane_job_fits_its_one_two_core_node(tmp_path):
     _, script = render_job(cfg, tmp_path)
     assert "#SBATCH --nodes=1\n" in script and "#SBATCH --cpus-per-task=2\n" in script
     assert "--mem" not in script and "--gpus" not in script
+
+
+def test_a_heterogeneous_job_asks_each_role_for_its_own_share(tmp_path):
+    """cluster.slurm.heterogeneous: one component per role (broker, learner, rollout), each sized for its role only;
+    job-wide options in the first; the driver starts each step in its component, on that component's nodes."""
+    cfg = load_config(None, [*GPU_JOB, "cluster.slurm.heterogeneous=true", "cluster.slurm.broker_own_node=true",
+                             "cluster.slurm.extra_args=[--qos=high]"])
+    _, script = render_job(cfg, tmp_path)
+    parts = [[ln[len("#SBATCH "):] for ln in part.splitlines() if ln.startswith("#SBATCH ")]
+             for part in script.split("#SBATCH hetjob\n")]
+    assert len(parts) == 3, script
+    broker, learner, rollout = parts
+    assert any(o.startswith("--job-name=") for o in broker) and "--signal=B:USR1@600" in broker and "--requeue" in broker
+    assert {"--nodes=1", "--cpus-per-task=1"} <= set(broker) and not any(o.startswith("--gpus") for o in broker)
+    assert "--qos=high" in broker and "--qos=high" not in learner + rollout  # Slurm propagates it
+    assert {"--nodes=2", "--gpus-per-node=8", "--time=1-00:00:00"} <= set(learner)
+    assert {"--nodes=3", "--gpus-per-node=8"} <= set(rollout)
+    assert not any(o.startswith(("--job-name", "--output", "--signal", "--requeue")) for o in learner + rollout)
+    plan = json.loads((tmp_path / "launch" / "job.plan.json").read_text())
+    assert [(s["role"], s["het_group"]) for s in plan["steps"]] == [("broker", 0), ("learner", 1), ("rollout", 2)]
+    env = {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST_HET_GROUP_0": "b1", "SLURM_JOB_NODELIST_HET_GROUP_1": "l[1-2]",
+           "SLURM_JOB_NODELIST_HET_GROUP_2": "r[1-3]", "SLURM_JOB_NODELIST": "b1,l[1-2],r[1-3]"}
+    argv = {s.role: s.argv for s in Driver(plan, env).steps}
+    assert {"--het-group=0", "--nodelist=b1"} <= set(argv["broker"])
+    assert {"--het-group=1", "--nodelist=l1,l2"} <= set(argv["learner"])
+    assert {"--het-group=2", "--nodelist=r1,r2,r3"} <= set(argv["rollout"])
+    assert not any(a.startswith("--gpus") for a in argv["broker"])
+
+
+def test_a_heterogeneous_job_without_a_broker_node_runs_the_broker_in_the_learner_component(tmp_path):
+    _, script = render_job(load_config(None, [*GPU_JOB, "cluster.slurm.heterogeneous=true"]), tmp_path)
+    assert script.count("#SBATCH hetjob\n") == 1
+    plan = json.loads((tmp_path / "launch" / "job.plan.json").read_text())
+    assert [(s["role"], s["het_group"]) for s in plan["steps"]] == [("broker", 0), ("learner", 0), ("rollout", 1)]
+    env = {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST_HET_GROUP_0": "l[1-2]", "SLURM_JOB_NODELIST_HET_GROUP_1": "r[1-3]"}
+    argv = {s.role: s.argv for s in Driver(plan, env).steps}
+    assert {"--het-group=0", "--nodelist=l1"} <= set(argv["broker"]) and "--nodelist=r1,r2,r3" in argv["rollout"]
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["cluster.slurm.heterogeneous=true", "cluster.share_nodes=true"], "cluster.slurm.heterogeneous=true"),
+    (["cluster.slurm.requeue_on_failure=2", "checkpoint.interval=0"], "cluster.slurm.requeue_on_failure=2"),
+])
+def test_het_and_requeue_settings_that_cannot_work_are_refused(overrides, key):
+    errors = placement_errors(load_config(None, overrides), ephemeral=(32768, 60999))
+    assert any(key in e for e in errors), errors
