@@ -445,8 +445,8 @@ async def run_broker(cfg: JobConfig, run_dir: str | None) -> int:
         server.ctx.term()
         if audit is not None:
             audit.close()
-        log.info("broker stopped: %d groups in, %d out, %d still queued", state.counters["groups_in"],
-                 state.counters["groups_out"], len(state.queued))
+        log.info("broker stopped: %d groups in, %d out, %d still queued, %d dropped stale", state.counters["groups_in"],
+                 state.counters["groups_out"], len(state.queued), state.counters["dropped_stale"])
     return 0
 
 

@@ -66,6 +66,7 @@ class PeerWatch:
         self.hosts: dict[int, str] = {}
         self.left: set[int] = set()
         self.error = ""
+        self.beating = threading.Event()  # set once a first round with the store completed
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._store = None
@@ -118,6 +119,7 @@ class PeerWatch:
                 if count != self.seen[r][0]:
                     self.seen[r] = (count, now)
             self.left, self.last_ok, self.error = left, now, ""
+        self.beating.set()
 
     def _judge(self) -> None:
         while not self._stop.wait(min(0.5, self.heartbeat_s)):

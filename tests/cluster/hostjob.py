@@ -46,6 +46,13 @@ def acked(run: Path, index: int) -> list[dict]:
     return read_jsonl(run / f"rollout-{index}.acked.jsonl")
 
 
+def dropped_stale(run: Path) -> list[int]:
+    """Each broker process's final count of groups dropped stale (its `broker stopped` line; one per attempt of
+    the job): the learner's metric rows miss what a broker dropped after the last step it reported."""
+    return [int(n) for path in sorted(run.glob("logs/broker/attempt-*/output.log"))
+            for n in re.findall(r"broker stopped: .*, (\d+) dropped stale", path.read_text(errors="replace"))]
+
+
 def account(run: Path, spool: Path, stale: int) -> dict:
     """Every group the broker acknowledged to a rollout server: trained (in the final model's lineage),
     acknowledged untrained by dynamic sampling, still in the spool, or — at most ``stale`` of them — dropped

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from tests.cluster.conftest import events, read_jsonl, wait_for
-from tests.cluster.hostjob import account, acked, placed, save, steps, submit, submit_job
+from tests.cluster.conftest import events, wait_for
+from tests.cluster.hostjob import account, acked, dropped_stale, placed, save, steps, submit, submit_job
 
 pytestmark = pytest.mark.cluster
 CUT_S = 20.0
@@ -93,7 +93,7 @@ def test_four_roles_on_five_nodes_learn_survive_a_rollout_host_cut_and_a_broker_
     first, last = sum(reward[:20]) / 20, sum(reward[-20:]) / 20
     assert len(reward) >= 60 and last >= first + 0.05, f"training accuracy {first:.3f} -> {last:.3f} over {len(reward)} steps"
 
-    stale = int(rows()[-1]["broker/dropped_stale"])  # by design (broker.max_staleness); counted, not named
+    (stale,) = dropped_stale(run)  # by design (broker.max_staleness); counted by the broker, not named
     books = account(run, spool, stale)
     save("hosts_slurm", {"hosts": len(names), "all_registered_s": ready[0].get("since_alloc_s"), "cut_s": CUT_S,
                          "learner_steps_during_cut": steps_during, "rollout_back_after_link_s": round(back_s, 2),

@@ -4,25 +4,16 @@ actors, 1 learner). A cluster joined by address — head and workers on three ho
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import JOB, events, evals, job_overrides, learned, read_jsonl, trained_ids, wait_for
+from tests.cluster.conftest import JOB, events, job_overrides, read_jsonl
 
 pytestmark = pytest.mark.cluster
-RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Launch:
