@@ -53,6 +53,9 @@ class LaunchError(RuntimeError):
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
+    # SIGUSR1 is Slurm's walltime warning for the launcher; srun delivers a forwarded signal to every process of
+    # the step (proctrack), so a child ignores it (inherited across exec) and waits for its supervisor's SIGTERM
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:

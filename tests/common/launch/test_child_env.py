@@ -32,3 +32,28 @@ def test_each_side_may_use_every_core_by_default_and_the_settings_win(monkeypatc
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert thread_plan(load_config(None, ["rollout.num_servers=4"])) == (2, 1)  # never below one thread
     assert thread_plan(load_config(None, ["rollout.engine=vllm"])) == (1, 1)  # vLLM binds its threads: an even split
+
+
+def test_a_child_outlives_the_walltime_signal_and_stops_on_sigterm(tmp_path):
+    """srun forwards the driver's SIGUSR1 to every process of a step, not only to the supervisor (seen on Slurm
+    22.05, proctrack/linuxproc: the broker died of it, without its clean shutdown); children ignore it and stop
+    when their supervisor sends SIGTERM."""
+    import signal
+    import time
+
+    from fleetrl.common.launch.run import Child
+
+    script = ("import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: (print('clean stop', flush=True), "
+              "sys.exit(0)))\nprint('up', flush=True)\ntime.sleep(60)\n")
+    child = Child("c", [sys.executable, "-c", script], tmp_path / "c.log", child_env(1))
+    child.start()
+    try:
+        deadline = time.monotonic() + 60
+        while "up" not in child.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child.signal(signal.SIGUSR1)
+        time.sleep(0.5)
+        assert child.alive, f"SIGUSR1 ended the child (code {child.returncode})"
+    finally:
+        assert child.stop(timeout=30) == 0
+    assert "clean stop" in child.log.read_text()
