@@ -99,6 +99,7 @@ class Supervisor:
         self.attempts = {c.name: 0 for c in self.children}
         self.died_at: dict[str, float] = {}
         self.given_up: set[str] = set()
+        self.crashed: set[str] = set()  # rollout servers given up after their restarts (not those that finished)
         self.stop_signal: int | None = None
 
     # ---------------------------------------------------------------------------- planning
@@ -189,7 +190,9 @@ class Supervisor:
                 if self.on_rollout_exit(child, code):
                     waiting.add(child.name)
             if self.world.role == "rollout" and all(c.name in self.given_up for c in self.children):
-                return 0 if self.job_done() else 1
+                # every server finished (exit 0: the broker said `done`, maybe before the job driver marked it) or
+                # the job is over: a clean end; servers that crashed out of their restarts: a failed step
+                return 1 if self.crashed and not self.job_done() else 0
             time.sleep(POLL_S)
         log_event(self.run_dir, host=self.world.host, role=self.world.role, event="stopping",
                   signal=signal.Signals(self.stop_signal).name)
@@ -223,6 +226,7 @@ class Supervisor:
             why = "finished" if code == 0 or self.job_done() else f"gave up after {limit} restart(s)"
             log_event(self.run_dir, host=self.world.host, role="rollout", child=child.name, event="gave_up", why=why)
             if why != "finished":
+                self.crashed.add(child.name)
                 print(f"fleetrl supervisor: {child.name} died with exit code {code}; {why}; its log {child.log} ends "
                       f"with:\n{child.tail()}", file=sys.stderr, flush=True)
             return False

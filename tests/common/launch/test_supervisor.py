@@ -56,6 +56,16 @@ def test_a_crashing_rollout_is_restarted_a_bounded_number_of_times(tmp_path, bro
     assert kinds.count("started") == 3 and kinds.count("died") == 3 and kinds[-1] == "gave_up"
 
 
+def test_servers_that_finish_before_the_job_is_marked_done_end_the_step_cleanly(tmp_path, broker_port):
+    """The broker's `done` reaches the servers (they exit 0) before the job driver writes RUN/launch/done: the step
+    is a clean end, not a failure (an `--add-rollout` job is then COMPLETED, not FAILED)."""
+    sup = supervisor(tmp_path, "rollout", broker_port, "cluster.rollout.max_restarts=2")
+    sup.children[0].argv = script("print('stopped (done: training finished at step 9)')")
+    assert sup.run() == 0
+    assert not (tmp_path / "launch" / "done").exists()
+    assert [e["why"] for e in events(tmp_path) if e["event"] == "gave_up"] == ["finished"]
+
+
 def test_a_restarted_rollout_rejoins_and_the_time_is_measured(tmp_path, broker_port):
     sup = supervisor(tmp_path, "rollout", broker_port)
     ready, marker = tmp_path / "rollout-0.ready", tmp_path / "crashed-once"
