@@ -267,10 +267,9 @@ class RayJob:
                 signal.signal(s, h)
 
     def watch(self) -> int:
-        from ray.exceptions import RayActorError
-
         waits = {a.wait.remote(): name for name, a in self.actors.items()}
-        restarts = {name: 0 for name in self.actors}
+        self.restarts = {name: 0 for name in self.actors}
+        self.reviving: set[str] = set()  # rollout actors Ray is restarting
         ready_logged = False
         while not self.stop_requested:
             if not ready_logged and self.all_ready():
@@ -279,40 +278,62 @@ class RayJob:
                           processes=len(self.actors))
                 print(f"fleetrl launch ray: all {len(self.actors)} processes registered "
                       f"{time.time() - self.alloc_start:.1f} s after the launcher started", flush=True)
+            self.revive(waits)
             done, _ = self.ray.wait(list(waits), timeout=0.5)
             for ref in done:
-                name = waits.pop(ref)
-                try:
-                    code, why = self.ray.get(ref), None
-                except RayActorError as e:
-                    code, why = None, str(e).splitlines()[0]
-                if name.startswith("rollout") and code is None:
-                    restarts[name] += 1
-                    log_event(self.run_dir, role="rollout", child=name, event="died", why=why, restart=restarts[name])
-                    if restarts[name] <= self.cfg.cluster.rollout.max_restarts:
-                        print(f"fleetrl launch ray: {name} died ({why}); Ray restarts it "
-                              f"({restarts[name]}/{self.cfg.cluster.rollout.max_restarts})", flush=True)
-                        waits[self.actors[name].wait.remote()] = name
-                    else:
-                        print(f"fleetrl launch ray: {name} died and is out of restarts; the fleet goes on", flush=True)
-                    continue
-                if name.startswith("rollout"):
-                    continue  # finished (the job is done, or the broker said the data is exhausted)
-                if name == "learner" and code == 0:
-                    print("fleetrl launch ray: the learner finished", flush=True)
-                    return 0
-                cause = f"exited with code {code}" if code is not None else f"died ({why})"
-                role = "learner rank" if name.startswith("learner") else name
-                print(f"fleetrl launch ray: FAILED: {role} {name} {cause}; see {self.run_dir}/logs/{name}/",
-                      file=sys.stderr, flush=True)
-                (self.run_dir / "launch" / "result.json").write_text(json.dumps(
-                    {"state": "failed", "cause": f"{name} {cause}", "role": name.split("-")[0]}))
-                return 1
-            if self.adding and not waits:  # --add-rollout: every added server ended (or gave up)
+                code = self.ended(waits.pop(ref), ref)
+                if code is not None:
+                    return code
+            if self.adding and not waits and not self.reviving:  # --add-rollout: every added server ended (or gave up)
                 print("fleetrl launch ray: the added rollout servers have all ended", flush=True)
                 return 0
         print("fleetrl launch ray: stopping (the learner checkpoints)", flush=True)
         return 130
+
+    def ended(self, name: str, ref) -> int | None:
+        """An actor's `wait` returned or failed: the job's exit code, or None when the job goes on."""
+        from ray.exceptions import RayActorError
+
+        try:
+            code, why = self.ray.get(ref), None
+        except RayActorError as e:
+            code, why = None, str(e).splitlines()[0]
+        if name.startswith("rollout"):
+            if code is None:  # its process died: Ray restarts the actor (max_restarts), `revive` watches for it
+                self.restarts[name] += 1
+                log_event(self.run_dir, role="rollout", child=name, event="died", why=why, restart=self.restarts[name])
+                print(f"fleetrl launch ray: {name} died ({why}); Ray restarts it ({self.restarts[name]}/"
+                      f"{self.cfg.cluster.rollout.max_restarts})", flush=True)
+                self.reviving.add(name)
+            return None  # else finished (the job is done, or the broker said the data is exhausted)
+        if name == "learner" and code == 0:
+            print("fleetrl launch ray: the learner finished", flush=True)
+            return 0
+        cause = f"exited with code {code}" if code is not None else f"died ({why})"
+        role = "learner rank" if name.startswith("learner") else name
+        print(f"fleetrl launch ray: FAILED: {role} {name} {cause}; see {self.run_dir}/logs/{name}/", file=sys.stderr,
+              flush=True)
+        (self.run_dir / "launch" / "result.json").write_text(json.dumps(
+            {"state": "failed", "cause": f"{name} {cause}", "role": name.split("-")[0]}))
+        return 1
+
+    def revive(self, waits: dict) -> None:
+        """Rollout actors that Ray is restarting: wait on the new incarnation once it answers; one Ray reports dead
+        for good (out of restarts) leaves the fleet. (A call made while the actor restarts fails with "The actor is
+        restarting": it is no second death.)"""
+        from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+
+        for name in list(self.reviving):
+            try:
+                self.ray.get(self.actors[name].info.remote(), timeout=1.0)
+            except ActorDiedError:
+                self.reviving.discard(name)
+                print(f"fleetrl launch ray: {name} is out of restarts; the fleet goes on", flush=True)
+                continue
+            except (RayActorError, GetTimeoutError):
+                continue  # still restarting: unavailable, or its constructor (which starts the server) still runs
+            self.reviving.discard(name)
+            waits[self.actors[name].wait.remote()] = name
 
     def all_ready(self) -> bool:
         return all(f.exists() for f in self.ready)
