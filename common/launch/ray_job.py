@@ -14,13 +14,11 @@ Each actor owns one fleetrl process (a child with PR_SET_PDEATHSIG, so it dies w
   node, then every rank starts with ``RANK``/``WORLD_SIZE`` from the world map.
 
 The launcher waits on every actor, names a death by role (a dead broker or learner rank fails the job),
-and stops everything when the learner finishes.
-
-``--add-rollout N`` joins a running job from another driver: N more rollout actors (restarted like the
-others) with server indices after those in use (reserved in ``RUN/launch/rollout-index.json``, as Slurm's
-``--add-rollout`` does), pointed at the broker recorded in ``RUN/launch/world.json``. That driver stays
-while its servers run: they exit 0 when the job's learner finishes, and Ctrl-C takes them out of the fleet. Ray is an optional extra (``pip install 'fleetrl[ray]'``),
-imported only here, only when the command runs.
+and stops everything when the learner finishes. ``--add-rollout N`` joins a running job from another
+driver: N more rollout actors (restarted like the others), server indices after those in use (reserved in
+``RUN/launch/rollout-index.json``, as Slurm's ``--add-rollout`` does), the broker of ``RUN/launch/world.json``;
+that driver stays while they run (they exit 0 when the job's learner finishes; Ctrl-C takes them out).
+Ray is an optional extra (``pip install 'fleetrl[ray]'``), imported only here, only when the command runs.
 """
 
 from __future__ import annotations
