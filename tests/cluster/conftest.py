@@ -108,6 +108,14 @@ def hosts_slurm(lane_hosts, tmp_path_factory):
 
 
 @pytest.fixture
+def lane_slurm(hosts_slurm):
+    """The lane's Slurm hosts for one test; whatever job it leaves behind (it failed midway) is cancelled, so the
+    next test does not share the nodes with it."""
+    yield hosts_slurm
+    hosts_slurm[1].cancel_all()
+
+
+@pytest.fixture
 def hosts3():
     hosts = make_hosts(3)
     try:

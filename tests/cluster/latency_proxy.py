@@ -96,13 +96,17 @@ async def main_async(args) -> None:
     follow = asyncio.ensure_future(delay.follow())
     servers = [await serve(*parse_route(r), delay) for r in args.route]
     if args.ready:
-        Path(args.ready).write_text(json.dumps({"pid": os.getpid(), "ports": [s.sockets[0].getsockname()[1] for s in servers]}))
+        tmp = Path(args.ready).with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "ports": [s.sockets[0].getsockname()[1] for s in servers]}))
+        tmp.replace(args.ready)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     while not stop.is_set():
-        if args.stats:
-            Path(args.stats).write_text(json.dumps(STATS))
+        if args.stats:  # whole or not at all: a reader never sees a half-written file
+            tmp = Path(args.stats).with_suffix(".tmp")
+            tmp.write_text(json.dumps(STATS))
+            tmp.replace(args.stats)
         try:
             await asyncio.wait_for(stop.wait(), 1.0)
         except asyncio.TimeoutError:

@@ -36,8 +36,8 @@ def window(rows: list[dict], t0: float, t1: float) -> dict:
 
 
 @pytest.mark.timeout(900)
-def test_a_heterogeneous_job_keeps_training_through_a_50_ms_link_to_the_broker(hosts_slurm, assets, tmp_path):
-    hosts, slurm = hosts_slurm
+def test_a_heterogeneous_job_keeps_training_through_a_50_ms_link_to_the_broker(lane_slurm, assets, tmp_path):
+    hosts, slurm = lane_slurm
     names, run = hosts.names, tmp_path / "run"
     delay, ready, stats = tmp_path / "delay_ms", tmp_path / "proxy.ready", tmp_path / "proxy.stats"
     delay.write_text("0")

@@ -32,8 +32,8 @@ def checkpoints(run) -> list[int]:
 
 @pytest.mark.timeout(900)
 def test_a_learner_rank_cut_off_fails_naming_its_rank_and_host_and_the_job_comes_back_from_the_checkpoint(
-        hosts_slurm, assets, tmp_path):
-    hosts, slurm = hosts_slurm
+        lane_slurm, assets, tmp_path):
+    hosts, slurm = lane_slurm
     names, run, spool = hosts.names, tmp_path / "run", tmp_path / "spool"
     job = submit_job(hosts, slurm, run, assets, f"learner.total_steps={TOTAL_STEPS}", "learner.max_minutes=8",
                      f"checkpoint.interval={EVERY}", f"broker.spool_dir={spool}", "broker.commit_on_checkpoint=true",

@@ -24,8 +24,8 @@ CUT_S = 20.0
 
 @pytest.mark.timeout(900)
 def test_four_roles_on_five_nodes_learn_survive_a_rollout_host_cut_and_a_broker_host_cut_and_take_a_sixth_node(
-        hosts_slurm, assets, tmp_path):
-    hosts, slurm = hosts_slurm
+        lane_slurm, assets, tmp_path):
+    hosts, slurm = lane_slurm
     run, spool = tmp_path / "run", tmp_path / "spool"
     job = submit_job(hosts, slurm, run, assets, "learner.max_minutes=3", f"broker.spool_dir={spool}")
 
