@@ -176,7 +176,7 @@ def check_data(cfg: JobConfig) -> list[str]:
     d = cfg.data
     out = []
     if d.map:
-        from fleetrl.common.userfn import FunctionRefError, load_function
+        from fleetrl.common.plugins.userfn import FunctionRefError, load_function
 
         try:
             load_function(d.map)

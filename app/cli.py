@@ -170,8 +170,8 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=int, default=10, metavar="N", help="without --group: list the latest N groups")
 
 
-LAUNCHERS = {"slurm": "fleetrl.common.launch.slurm:main", "ray": "fleetrl.common.launch.ray_job:main",
-             "k8s": "fleetrl.common.launch.k8s:main"}
+LAUNCHERS = {"slurm": "fleetrl.app.launch.slurm:main", "ray": "fleetrl.app.launch.ray_job:main",
+             "k8s": "fleetrl.app.launch.k8s:main"}
 
 
 def _launch_args(p: argparse.ArgumentParser) -> None:
@@ -202,14 +202,14 @@ COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] 
     "keys": ("fleetrl.broker.keys:main", "generate CURVE keypairs for the broker and its clients", _keys_args),
     "control": ("fleetrl.broker.operator:main", "as an operator: pause, resume, stop the fleet or discard versions",
                 _control_args),
-    "learner": ("fleetrl.learner.train:main", "run a learner rank (also under torchrun -m fleetrl.learner)", _learner_args),
+    "learner": ("fleetrl.learner.train:main", "run a learner rank (also under torchrun -m fleetrl.app.learner)", _learner_args),
     "sft": ("fleetrl.learner.sft:main", "supervised warm start, stopped at a target held-out accuracy", _sft_args),
-    "run": ("fleetrl.common.launch.run:main", "start a whole job on this machine: broker, rollouts, learner", _run_args),
+    "run": ("fleetrl.app.launch.run:main", "start a whole job on this machine: broker, rollouts, learner", _run_args),
     "report": ("fleetrl.learner.report:main", "plot a run's metrics into RUN_DIR/report.html", _report_args),
-    "trace": ("fleetrl.common.trace_cli:main", "print the span timeline of one group from a run's jsonl traces",
+    "trace": ("fleetrl.app.trace_cli:main", "print the span timeline of one group from a run's jsonl traces",
               _trace_args),
     "launch": ("", "place a job across machines with Slurm, Ray or Kubernetes (`fleetrl launch ENGINE -h`)", _launch_args),
-    "config": ("fleetrl.common.config.cli:main", "show, validate or document a job config", _config_args),
+    "config": ("fleetrl.app.config_cli:main", "show, validate or document a job config", _config_args),
     "init-model": ("fleetrl.learner.init_model:main", "write a tiny HF model + tokenizer built locally", _init_model_args),
     "init-data": ("fleetrl.common.data.tasks:main", "write a synthetic prompt set with answers (train + held-out)", _init_data_args),
 }
@@ -234,8 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
 def user_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that mean "what you gave is wrong" and carry a message naming the key to change."""
     from fleetrl.common.config import ConfigError
-    from fleetrl.common.registry import RegistryError
-    from fleetrl.common.userfn import FunctionRefError
+    from fleetrl.common.plugins.registry import RegistryError
+    from fleetrl.common.plugins.userfn import FunctionRefError
 
     return ConfigError, RegistryError, FunctionRefError
 

@@ -1,7 +1,7 @@
-"""`python -m fleetrl.learner ...` = `fleetrl learner ...` (for torchrun / the deepspeed launcher)."""
+"""`python -m fleetrl.app.learner ...` = `fleetrl learner ...` (for torchrun / the deepspeed launcher)."""
 
 import sys
 
-from fleetrl.common.cli import main
+from fleetrl.app.cli import main
 
 sys.exit(main(["learner", *sys.argv[1:]]))

@@ -14,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from fleetrl.common.trace_files import TRACES_DIR, read_spans
+from fleetrl.common.telemetry.trace_files import TRACES_DIR, read_spans
 
 GROUP = "fleetrl.group_id"
 PROMPT = "fleetrl.prompt_id"

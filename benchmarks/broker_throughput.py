@@ -215,7 +215,7 @@ def broker_trial(n: int, workdir: Path, window: int, batch: int, per_push: int) 
     job = workdir / "job.yaml"
     job.write_text("{}\n")
     broker = subprocess.Popen(
-        [sys.executable, "-m", "fleetrl.common.cli", "broker", "--run-dir", str(run_dir), "--config", str(job),
+        [sys.executable, "-m", "fleetrl.app.cli", "broker", "--run-dir", str(run_dir), "--config", str(job),
          f"data.train={data}", "broker.port=0", "broker.pub_port=0", f"broker.queue_capacity={n * 2}",
          "broker.max_staleness=1000", "telemetry.log_level=WARNING"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

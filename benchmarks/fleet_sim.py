@@ -237,7 +237,7 @@ def start_broker(workdir: Path, spool: bool) -> tuple[subprocess.Popen, str]:
     if spool:
         overrides += [f"broker.spool_dir={run_dir / 'spool'}", "broker.fsync=interval"]
     log = open(run_dir / "broker.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.common.cli", "broker", "--run-dir", str(run_dir), "--config",
+    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.app.cli", "broker", "--run-dir", str(run_dir), "--config",
                              str(job), *overrides], stdout=log, stderr=subprocess.STDOUT)
     ep = run_dir / "broker.json"
     deadline = time.monotonic() + 60

@@ -69,7 +69,7 @@ def run_one(name: str, work: dict, args, seed: int, fault: str | None) -> dict:
             f"run.eval_interval={args.eval_interval}", f"run.eval_n={args.eval_n}",
             f"checkpoint.interval={args.checkpoint_interval}", "checkpoint.keep_last=3",
             f"learner.seed={seed}", f"rollout.seed={seed}", f"data.seed={seed}"]
-    argv = [sys.executable, "-m", "fleetrl.common.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
+    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
             "--run-dir", str(run_dir), "--no-status", *sets]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if fault:

@@ -117,7 +117,7 @@ def main() -> int:
     overrides = [f"model.path={work['warm']}", f"data.train={work['train']}", f"data.eval={work['eval']}",
                  f"learner.max_minutes={args.minutes}", f"run.eval_interval={args.eval_interval}", "checkpoint.interval=0",
                  *args.set]
-    argv = [sys.executable, "-m", "fleetrl.common.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
+    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
             "--run-dir", str(run_dir), "--no-status", *overrides]
     env = dict(os.environ)
     if args.pythonpath:

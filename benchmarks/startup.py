@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-IMPORTS = ["torch", "transformers", "deepspeed", "fleetrl.common.cli", "fleetrl.broker.server",
+IMPORTS = ["torch", "transformers", "deepspeed", "fleetrl.app.cli", "fleetrl.broker.server",
            "fleetrl.rollout.server", "fleetrl.learner.train"]
 
 
@@ -36,7 +36,7 @@ def import_s(module: str) -> float:
 def run_ready_s(model: str, data: str) -> dict[str, float]:
     """One `fleetrl run` of one step: seconds to "processes ready" (its own figure) and to exit (wall)."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "fleetrl.common.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
+        cmd = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
                "--run-dir", f"{tmp}/run", "--no-status", f"model.path={model}", f"data.train={data}",
                "learner.total_steps=1", "run.eval_interval=0"]
         t0 = time.perf_counter()

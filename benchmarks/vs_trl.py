@@ -76,7 +76,7 @@ BUSY_SHARE = 0.10  # others_cpu_share above which a run's timings are flagged as
 
 def fleetrl_cli(*args: str, log: Path | None = None, timeout: float | None = None) -> None:
     """Run one `fleetrl` sub-command to completion; raise with its output's tail when it fails."""
-    argv = [sys.executable, "-m", "fleetrl.common.cli", *args]
+    argv = [sys.executable, "-m", "fleetrl.app.cli", *args]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     if log is not None:
         log.write_text(proc.stdout + proc.stderr)
@@ -196,7 +196,7 @@ def run_fleetrl(system: str, work: dict, args) -> dict:
         "checkpoint.interval=0",  # TRL saves nothing either; the final checkpoint is written after the clock stops
         f"learner.seed={args.seed}",
     ] + (SYNC_OVERRIDES if system == "fleetrl-sync" else []) + list(args.fleetrl_set)
-    argv = [sys.executable, "-m", "fleetrl.common.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
+    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
             "--run-dir", str(run_dir), "--no-status", *overrides]
     log = run_dir.with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fleetrl.broker.ingest import Rate
 from fleetrl.common import messages as m
-from fleetrl.common.resources import ProcessResources
+from fleetrl.common.telemetry.resources import ProcessResources
 
 
 def status_metrics(status: m.Status) -> dict[str, float]:

@@ -37,11 +37,11 @@ from fleetrl.broker.spool import Spool
 from fleetrl.broker.state import BrokerState
 from fleetrl.broker.zio import LoopSocket
 from fleetrl.common import messages as m
-from fleetrl.common import telemetry
+from fleetrl.common.telemetry import tracing
 from fleetrl.common.config import load_config, save_resolved
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.common.data.tables import load_rows
-from fleetrl.common.log import setup_logging
+from fleetrl.common.telemetry.logs import setup_logging
 
 log = logging.getLogger("fleetrl.broker")
 
@@ -234,7 +234,7 @@ class BrokerServer:
             code = "invalid_group" if header and header[0] in m.PUSH_GROUP_TAGS else "bad_frame"
             self.state.rejected[code] += 1
             return ident, m.Error(req_id=req_id, code=code, reason=e.reason)
-        start_ns = time.time_ns() if telemetry.enabled() else 0
+        start_ns = time.time_ns() if tracing.enabled() else 0
         principal = self._principal(frames[1])
         try:
             reply = self.state.handle(req, now, principal)
@@ -303,7 +303,7 @@ class BrokerServer:
             payload = m.encode(reply)
             self.router.send([ident, payload])
             self.wire.sent(len(payload), now)
-            if isinstance(reply, m.BatchLease) and telemetry.enabled():
+            if isinstance(reply, m.BatchLease) and tracing.enabled():
                 trace_batch_lease(reply)
         for topic, ann in self.state.announcements:
             payload = m.encode(ann)
@@ -391,8 +391,8 @@ def trace_ingest(req: m.PushGroup | m.PushGroups, reply: m.Message, start_ns: in
         statuses = ["rejected"]
     end_ns = time.time_ns()
     for g, status in zip(groups, statuses):
-        if telemetry.sampled(g.trace):
-            telemetry.record_span("broker.ingest", start_ns, end_ns, parent=g.trace, attributes={
+        if tracing.sampled(g.trace):
+            tracing.record_span("broker.ingest", start_ns, end_ns, parent=g.trace, attributes={
                 "fleetrl.group_id": g.group_id, "fleetrl.status": status, "fleetrl.client_id": req.client_id,
                 "fleetrl.policy_version": g.policy_version})
 
@@ -401,8 +401,8 @@ def trace_batch_lease(reply: m.BatchLease) -> None:
     """A ``broker.batch_lease`` span in each sampled group's trace: the moment it left the queue for a learner."""
     now = time.time_ns()
     for g in reply.groups:
-        if telemetry.sampled(g.trace):
-            telemetry.record_span("broker.batch_lease", now, now, parent=g.trace, attributes={
+        if tracing.sampled(g.trace):
+            tracing.record_span("broker.batch_lease", now, now, parent=g.trace, attributes={
                 "fleetrl.group_id": g.group_id, "fleetrl.lease_id": reply.lease_id, "fleetrl.groups": len(reply.groups),
                 "fleetrl.policy_version": g.policy_version})
 
@@ -458,7 +458,7 @@ def main(args) -> int:
         if not (Path(run_dir) / "config.yaml").exists():
             save_resolved(cfg, run_dir)
     setup_logging("broker", cfg.telemetry.log_level)
-    telemetry.setup_tracing("broker", cfg.telemetry, run_dir, {"service.instance.id": "broker"})
+    tracing.setup_tracing("broker", cfg.telemetry, run_dir, {"service.instance.id": "broker"})
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a Linux dependency

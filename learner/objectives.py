@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.common.registry import Registry
+from fleetrl.common.plugins.registry import Registry
 from fleetrl.learner.runtime import Dist
 
 

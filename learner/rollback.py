@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as tdist
 
-from fleetrl.common import telemetry
+from fleetrl.common.telemetry import tracing
 from fleetrl.learner.checkpoint import set_rng_state, tag_of
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ def record_timeline(lr: "Learner", start_ns: int, reason: str, target_step: int,
     it belongs to no group's trace); the events.jsonl line is ``HealthMonitor.record_rollback``'s."""
     lr.trained_log.write({"rollback": lr.step, "to_step": target_step, "restored_version": version,
                           "discarded": [bad_from, bad_to], "published_version": lr.version, "time": time.time()})
-    telemetry.record_span("learner.rollback", start_ns, parent=telemetry.ROOT, attributes={
+    tracing.record_span("learner.rollback", start_ns, parent=tracing.ROOT, attributes={
         "fleetrl.step": lr.step, "fleetrl.rollback.to_step": target_step, "fleetrl.rollback.reason": reason,
         "fleetrl.rollback.restored_version": version, "fleetrl.rollback.discarded_min_version": bad_from,
         "fleetrl.rollback.discarded_max_version": bad_to, "fleetrl.policy_version": lr.version,

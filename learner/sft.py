@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fleetrl.common.log import setup_logging
+from fleetrl.common.telemetry.logs import setup_logging
 
 log = logging.getLogger("fleetrl.sft")
 
@@ -29,14 +29,14 @@ def encode_pairs(tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int]
     """(prompt ids, response ids, loss mask) per row, tokenized exactly as the rollout server does.
 
     A row with ``messages`` (a whole conversation: a multi-turn warm start) is built turn by turn as an
-    episode is (``rollout/envs/codec.py``): assistant turns trained, observations and tool results not.
+    episode is (``common/chat/codec.py``): assistant turns trained, observations and tool results not.
     Other rows: the raw prompt, then the answer and eos, all trained."""
     out = []
     codec = None
     for row in rows:
         if "messages" in row:
             if codec is None:
-                from fleetrl.rollout.envs.codec import ChatCodec
+                from fleetrl.common.chat.codec import ChatCodec
 
                 codec = ChatCodec(tokenizer)
             out.append(codec.encode_conversation(row["messages"]))

@@ -29,10 +29,11 @@ import torch
 import torch.distributed as tdist
 
 from fleetrl.broker.client import expected_receivers, status_metrics
-from fleetrl.common import faults, telemetry
+from fleetrl.common import faults
+from fleetrl.common.telemetry import tracing
 from fleetrl.common.config import load_config, save_resolved
-from fleetrl.common.config.checks import require_model_dir
-from fleetrl.common.log import setup_logging
+from fleetrl.app.checks import require_model_dir
+from fleetrl.common.telemetry.logs import setup_logging
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.learner.checkpoint import Checkpointer, export_hf, rng_state, set_rng_state, tag_of
 from fleetrl.learner.completions import CompletionLog, reward_part_metrics, sample_advantages
@@ -115,8 +116,8 @@ class Learner:
     def train_step(self) -> dict[str, float]:
         t0, start_ns = time.perf_counter(), time.time_ns()
         leased = self.source.next(self.step + 1, self.stop_requested)
-        with telemetry.span("learner.step", telemetry.ROOT, {"fleetrl.step": self.step + 1},
-                            telemetry.group_links(leased.groups), start_ns) as step_span:  # linked to every group
+        with tracing.span("learner.step", tracing.ROOT, {"fleetrl.step": self.step + 1},
+                            tracing.group_links(leased.groups), start_ns) as step_span:  # linked to every group
             batch = self.actor.plan(leased)
             with injected_faults(self, self.step + 1):  # FLEETRL_FAULT (benchmarks/health.py); off by default
                 stats = self.actor.step(batch, self.version, self.pristine)
@@ -316,7 +317,7 @@ class JsonlLog:
 def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None) -> int:
     """Run one learner rank until learner.total_steps (or a stop signal). Returns the exit code."""
     dist = init_distributed(cfg)
-    telemetry.setup_tracing("learner", cfg.telemetry, run_dir, {"service.instance.id": f"learner-{dist.rank}",
+    tracing.setup_tracing("learner", cfg.telemetry, run_dir, {"service.instance.id": f"learner-{dist.rank}",
                                                                 "fleetrl.rank": dist.rank})
     own_client = client is None and cfg.needs_fleet  # offline DPO runs without a broker
     if own_client:

@@ -29,10 +29,11 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from fleetrl.common import messages, telemetry
+from fleetrl.common import messages
+from fleetrl.common.telemetry import tracing
 from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import JobConfig, SyncConfig
-from fleetrl.common.registry import Registry
+from fleetrl.common.plugins.registry import Registry
 from fleetrl.learner.broadcast import Announce, BroadcastSender, Sent, Tensors
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class WeightPublisher:
         t0 = time.perf_counter()
         attributes = {"fleetrl.policy_version": version, "fleetrl.step": step, "fleetrl.transport": self.cfg.transport}
         try:
-            with telemetry.span("learner.publish_weights", attributes=attributes) as span:  # child of learner.step
+            with tracing.span("learner.publish_weights", attributes=attributes) as span:  # child of learner.step
                 sent = self._sender.send(version, step, _checked(it, self.specs), announce, expected_receivers)
                 span.set_attributes({"fleetrl.mb": sent.nbytes / ws.MB, "fleetrl.receivers": sent.receivers,
                                     "fleetrl.failed": sent.failed})

@@ -14,7 +14,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from fleetrl.common import faults, telemetry
+from fleetrl.common import faults
+from fleetrl.common.telemetry import tracing
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.rollout.tracing import trace_load
@@ -37,7 +38,7 @@ class WeightApplier:
 
     def offer(self, version: int, weights: m.WeightsInfo) -> None:
         """An announced (or caught-up) version, for the receiver to fetch."""
-        if weights.traces and telemetry.enabled():  # the group traces this version's load joins (rollout/tracing.py)
+        if weights.traces and tracing.enabled():  # the group traces this version's load joins (rollout/tracing.py)
             self._announced = {v: t for v, t in self._announced.items() if v > version - 8}
             self._announced[version] = weights.traces
         if self.receiver is None:

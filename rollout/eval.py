@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fleetrl.common.config import ConfigError, load_config
-from fleetrl.common.config.checks import default_success_threshold, require_model_dir
-from fleetrl.common.log import setup_logging
+from fleetrl.app.checks import default_success_threshold, require_model_dir
+from fleetrl.common.telemetry.logs import setup_logging
 from fleetrl.common.config.schema import JobConfig, ModelConfig, RewardSpec
 from fleetrl.common.data.tables import DataError, load_rows
 from fleetrl.rollout.engines import SamplingParams, create_engine

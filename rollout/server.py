@@ -35,12 +35,13 @@ from fleetrl.broker.client import (
     BrokerClient, BrokerError, BrokerUnavailable, SubscriptionLike, ZmqBrokerClient, client_identity, default_client_id,
     resolve_address,
 )
-from fleetrl.common import chaos, faults, telemetry
+from fleetrl.common import chaos, faults
+from fleetrl.common.telemetry import tracing
 from fleetrl.common import messages as m
 from fleetrl.common.config import load_config
-from fleetrl.common.config.checks import require_model_dir
-from fleetrl.common.log import setup_logging
-from fleetrl.common.resources import ProcessResources
+from fleetrl.app.checks import require_model_dir
+from fleetrl.common.telemetry.logs import setup_logging
+from fleetrl.common.telemetry.resources import ProcessResources
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.rollout.engines import Generation, SamplingParams, create_engine
 from fleetrl.rollout.envs import Environment, create_env
@@ -470,7 +471,7 @@ def main(args) -> int:
     stop = threading.Event()
     install_signals(stop)
     client_id = default_client_id("rollout", index, client_identity(cfg.broker.curve, "rollout"))
-    telemetry.setup_tracing("rollout", cfg.telemetry, args.run_dir,
+    tracing.setup_tracing("rollout", cfg.telemetry, args.run_dir,
                             {"service.instance.id": f"rollout-{index}", "fleetrl.client_id": client_id,
                              "fleetrl.server_index": index})
     device = resolve_device(cfg.rollout.device)

@@ -37,7 +37,7 @@ from torch.distributed import TCPStore
 from fleetrl.common import messages
 from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import JobConfig, SyncConfig
-from fleetrl.common.registry import Registry
+from fleetrl.common.plugins.registry import Registry
 from fleetrl.rollout.engines.base import Engine, ParamSpec
 from fleetrl.rollout.rounds import Joined, RoundSkipped, receive_round, request_catchup
 

@@ -30,7 +30,7 @@ import yaml
 from fleetrl.common.config import ConfigError, dump_yaml, load_config
 from fleetrl.common.config.cluster import check_placement
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.common.launch.world import Layout
+from fleetrl.app.launch.world import Layout
 
 CONFIG_DIR = "/etc/fleetrl"
 KEYS_DIR = "/fleetrl-keys"
@@ -94,7 +94,7 @@ class Renderer:
         if c.k8s.curve_secret:
             mounts.append({"name": "keys", "mountPath": KEYS_DIR, "readOnly": True})
         return {"name": role, "image": c.image, "imagePullPolicy": c.k8s.image_pull_policy,
-                "command": [c.python or "python", "-m", "fleetrl.common.launch.supervisor", "--role", role,
+                "command": [c.python or "python", "-m", "fleetrl.app.launch.supervisor", "--role", role,
                             "--config", f"{CONFIG_DIR}/job.yaml", "--run-dir", self.run_dir],
                 "env": env, "resources": resources, "volumeMounts": mounts,
                 "ports": [{"name": n, "containerPort": p} for n, p in ports.items()]}

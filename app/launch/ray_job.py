@@ -30,10 +30,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from fleetrl.common.config import ConfigError, load_config
-from fleetrl.common.launch.run import Child, child_env
-from fleetrl.common.launch.slurm import prepare, resolve_run_dir
-from fleetrl.common.launch.supervisor import log_event
-from fleetrl.common.launch.world import Layout, world_map
+from fleetrl.app.launch.run import Child, child_env
+from fleetrl.app.launch.slurm import prepare, resolve_run_dir
+from fleetrl.app.launch.supervisor import log_event
+from fleetrl.app.launch.world import Layout, world_map
 
 READY_TIMEOUT_S = 600.0
 
@@ -82,7 +82,7 @@ class ProcessActor:
         self.ctx.update(ctx)
         layout = Layout(**self.plan["layout"])
         world = world_map(os.environ, self.role, layout, ray=self.ctx)
-        cli = [sys.executable, "-m", "fleetrl.common.cli"]
+        cli = [sys.executable, "-m", "fleetrl.app.cli"]
         job = ["--config", self.plan["config"], "--run-dir", str(self.run_dir)]
         env = {**child_env(int(self.plan["threads"][self.role])), **world.env()}
         if self.role == "broker":

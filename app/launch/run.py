@@ -17,7 +17,7 @@ Every child runs in a process group of its own, so a Ctrl-C in the terminal (a S
 launcher's whole process group) reaches the launcher alone, which then stops the job in that order.
 Children get PR_SET_PDEATHSIG too, so even a killed launcher leaves no orphan behind.
 
-Before anything starts (and before the run directory exists) ``common/config/checks.py`` checks what
+Before anything starts (and before the run directory exists) ``app/checks.py`` checks what
 the config names: a mistake is one line naming the key, exit code 2. ``--resume RUN_DIR`` continues a
 run from its newest checkpoint with the run's own config.yaml.
 """
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetrl.common.config import ConfigError, dump_yaml, load_config
-from fleetrl.common.config.checks import check_job, resume_problem
+from fleetrl.app.checks import check_job, resume_problem
 from fleetrl.common.config.names import defaults_used
 from fleetrl.common.config.schema import JobConfig
 
@@ -44,7 +44,7 @@ POLL_S = 0.25
 EXIT_REWARDS_HOPELESS = 4  # a rollout server's exit code when no sample got a usable reward (rollout/server.py)
 DONE_GRACE_S = 20.0  # after the learner finished: how long rollouts get to exit on its `done` before SIGTERM
 # (a vLLM rollout finishes its groups, then shuts its engine core down: ~6 s on a loaded 2-core box)
-LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d \w \S+ \S+: (.*)$")  # common/log.py's format: time, level, process, logger
+LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d \w \S+ \S+: (.*)$")  # common/telemetry/logs.py's format: time, level, process, logger
 FINAL_WORDS = re.compile(r"\b(stopped|done|left)\b")  # the last line each component logs says what it did
 
 
@@ -183,7 +183,7 @@ def child_env(threads: int) -> dict[str, str]:
 
 def plan_children(cfg: JobConfig, run_dir: Path, config_path: Path) -> list[Child]:
     """The processes of one job, in start order."""
-    py = [sys.executable, "-m", "fleetrl.common.cli"]
+    py = [sys.executable, "-m", "fleetrl.app.cli"]
     job = ["--config", str(config_path), "--run-dir", str(run_dir)]
     logs = run_dir / "logs"
     learner_threads, rollout_threads = thread_plan(cfg)
@@ -195,7 +195,7 @@ def plan_children(cfg: JobConfig, run_dir: Path, config_path: Path) -> list[Chil
                                   logs / f"rollout-{i}.log", child_env(rollout_threads), run_dir / f"rollout-{i}.ready"))
     if cfg.learner.num_ranks > 1:
         learner = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.learner.num_ranks),
-                   "--master-port", str(_free_port()), "-m", "fleetrl.learner", *job]
+                   "--master-port", str(_free_port()), "-m", "fleetrl.app.learner", *job]
     else:
         learner = [*py, "learner", *job]
     children.append(Child("learner", learner, logs / "learner.log", child_env(learner_threads), run_dir / "learner.ready"))
@@ -342,8 +342,8 @@ class Launcher:
         return {c.name: c.proc.pid for c in self.children if c.proc is not None and c.alive}
 
     def run(self) -> int:
-        from fleetrl.common.launch.cpu import CpuMeter
-        from fleetrl.common.launch.status import StatusLine
+        from fleetrl.app.launch.cpu import CpuMeter
+        from fleetrl.app.launch.status import StatusLine
 
         old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         learner = next(c for c in self.children if c.name == "learner")

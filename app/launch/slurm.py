@@ -29,7 +29,7 @@ from pathlib import Path
 from fleetrl.common.config import ConfigError, dump_yaml, load_config
 from fleetrl.common.config.cluster import check_placement
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.common.launch.world import Layout
+from fleetrl.app.launch.world import Layout
 
 INSTALL_HINT = ("install the Slurm client tools on this machine (Debian/Ubuntu: apt-get install slurm-client; "
                 "with the cluster's slurm.conf or SLURM_CONF) or run on a login node")
@@ -118,7 +118,7 @@ def render_script(options: list[str], plan: dict, plan_path: Path) -> str:
     lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in options), "",
              f"# fleetrl {plan['kind']} for {plan['run_dir']}: rendered by `fleetrl launch slurm`; plan in {plan_path}.",
              "# The job driver starts one srun step per role (the per-node supervisor on each of the role's nodes):"]
-    sup = [plan["python"], "-m", "fleetrl.common.launch.supervisor", "--config", plan["config"], "--run-dir",
+    sup = [plan["python"], "-m", "fleetrl.app.launch.supervisor", "--config", plan["config"], "--run-dir",
            plan["run_dir"]]
     for step in plan["steps"]:
         argv = [*plan["srun"], *step.get("options", []), f"--nodes={step['nodes']}", f"--ntasks={step['nodes']}",
@@ -128,7 +128,7 @@ def render_script(options: list[str], plan: dict, plan_path: Path) -> str:
               "# rank dies, and turns the walltime warning (SIGUSR1) into checkpoint -> clean exit -> requeue.",
               "set -euo pipefail", f"mkdir -p {shlex.quote(plan['run_dir'])}/launch",
               *(f"export {k}={shlex.quote(v)}" for k, v in plan["env"].items()),
-              f"exec {shlex.quote(plan['python'])} -m fleetrl.common.launch.slurm_job {shlex.quote(str(plan_path))}", ""]
+              f"exec {shlex.quote(plan['python'])} -m fleetrl.app.launch.slurm_job {shlex.quote(str(plan_path))}", ""]
     return "\n".join(lines)
 
 

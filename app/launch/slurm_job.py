@@ -1,6 +1,6 @@
 """The job driver: what an sbatch script rendered by `fleetrl launch slurm` runs inside its allocation.
 
-    python -m fleetrl.common.launch.slurm_job RUN/launch/job.plan.json
+    python -m fleetrl.app.launch.slurm_job RUN/launch/job.plan.json
 
 It splits the allocation's nodes by role (the world map's layout), writes ``RUN/launch/world.json``
 (the broker and weight-store addresses, for `--add-rollout` jobs), starts one ``srun`` step per role —
@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleetrl.common.launch.supervisor import log_event
-from fleetrl.common.launch.world import Layout, expand_hostlist
+from fleetrl.app.launch.supervisor import log_event
+from fleetrl.app.launch.world import Layout, expand_hostlist
 
 POLL_S = 0.25
 STOP_WAIT_S = 240.0
@@ -71,7 +71,7 @@ class Driver:
     def srun_argv(self, step: dict) -> list[str]:
         nodes = self.role_nodes()[step["role"]][: step["nodes"]]
         return [*self.plan["srun"], *step.get("options", []), f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", f"--nodelist={','.join(nodes)}",
-                f"--job-name=fleetrl-{step['role']}", self.plan["python"], "-m", "fleetrl.common.launch.supervisor",
+                f"--job-name=fleetrl-{step['role']}", self.plan["python"], "-m", "fleetrl.app.launch.supervisor",
                 "--role", step["role"], "--config", self.plan["config"], "--run-dir", str(self.run_dir)]
 
     def write_world(self) -> None:
@@ -205,7 +205,7 @@ class Driver:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m fleetrl.common.launch.slurm_job RUN/launch/job.plan.json", file=sys.stderr)
+        print("usage: python -m fleetrl.app.launch.slurm_job RUN/launch/job.plan.json", file=sys.stderr)
         return 2
     plan = json.loads(Path(argv[0]).read_text())
     return Driver(plan, dict(os.environ)).run()

@@ -1,6 +1,6 @@
 """The per-node supervisor: runs one role's processes on one node of a cluster job.
 
-    python -m fleetrl.common.launch.supervisor --role rollout --config RUN/config.yaml --run-dir RUN
+    python -m fleetrl.app.launch.supervisor --role rollout --config RUN/config.yaml --run-dir RUN
 
 A launcher (an `srun` step, a Kubernetes pod, ...) starts one supervisor per node and role. It asks the
 world map where it is, then
@@ -36,8 +36,8 @@ from urllib.parse import urlparse
 
 from fleetrl.common.config import load_config
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.common.launch.run import Child, child_env
-from fleetrl.common.launch.world import Layout, World, world_map
+from fleetrl.app.launch.run import Child, child_env
+from fleetrl.app.launch.world import Layout, World, world_map
 
 POLL_S = 0.2
 EXIT_BROKER_UNREACHABLE = 4
@@ -107,7 +107,7 @@ class Supervisor:
         return ["--config", str(self.config_path), "--run-dir", str(self.run_dir)]
 
     def plan(self) -> list[Child]:
-        w, cli = self.world, [self.python, "-m", "fleetrl.common.cli"]
+        w, cli = self.world, [self.python, "-m", "fleetrl.app.cli"]
         env = {**child_env(1), **w.env()}
         if w.role == "broker":
             return [Child("broker", [*cli, "broker", *self._job(), *w.overrides()], Path(), env,
@@ -132,13 +132,13 @@ class Supervisor:
         args = [*self._job(), *w.overrides(), "checkpoint.resume=auto"]
         if w.nproc_per_node == 1:  # one rank on this node: it is the process, no launcher needed
             env.update(RANK=str(w.node_rank if w.rank is None else w.rank), LOCAL_RANK="0")
-            argv = [self.python, "-m", "fleetrl.common.cli", "learner", *args]
+            argv = [self.python, "-m", "fleetrl.app.cli", "learner", *args]
         else:
             for key in ("RANK", "LOCAL_RANK"):
                 env.pop(key, None)
             argv = [self.python, "-m", "torch.distributed.run", "--nnodes", str(w.nnodes), "--node-rank",
                     str(w.node_rank), "--nproc-per-node", str(w.nproc_per_node), "--master-addr", w.master_addr,
-                    "--master-port", str(w.master_port), "-m", "fleetrl.learner", *args]
+                    "--master-port", str(w.master_port), "-m", "fleetrl.app.learner", *args]
         name = "learner" if w.node_rank == 0 else f"learner-node{w.node_rank}"
         ready = self.run_dir / "learner.ready" if w.node_rank == 0 else None
         return Child(name, argv, Path(), env, ready)
@@ -256,7 +256,7 @@ class Supervisor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fleetrl.common.launch.supervisor", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fleetrl.app.launch.supervisor", description=__doc__.split("\n")[0])
     p.add_argument("--role", required=True, choices=["broker", "rollout", "learner"])
     p.add_argument("--config", required=True, help="the job's resolved config (RUN/config.yaml)")
     p.add_argument("--run-dir", required=True, help="the run directory on shared storage")

@@ -160,7 +160,7 @@ def apply_map(rows: list[dict[str, Any]], ref: str, key: str) -> list[dict[str, 
 
 
 def load_hook(ref: str) -> Callable[[dict[str, Any]], Any]:
-    from fleetrl.common.userfn import FunctionRefError, load_function
+    from fleetrl.common.plugins.userfn import FunctionRefError, load_function
 
     try:
         return load_function(ref)

@@ -1,5 +1,5 @@
 """Span files: the JSON record of one span, the exporter that appends them to one file per process
-(``telemetry.exporter: jsonl``), and the readers ``fleetrl trace`` uses. Set up by ``common/telemetry.py``."""
+(``telemetry.exporter: jsonl``), and the readers ``fleetrl trace`` uses. Set up by ``common/telemetry/tracing.py``."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ code with one function call. The other exporters:
 
 - ``console``: one JSON line per span on stdout (the process's log under ``fleetrl run``);
 - ``jsonl``: ``<run_dir>/traces/<service>-<pid>.jsonl``, one file per process (several processes
-  share a run directory), one ``span_record`` per line (``common/trace_files.py``); ``fleetrl trace
+  share a run directory), one ``span_record`` per line (``common/telemetry/trace_files.py``); ``fleetrl trace
   RUN_DIR`` reads them all;
 - ``otlp``: OTLP over HTTP to ``telemetry.otlp_endpoint`` (an OpenTelemetry collector, Jaeger,
   Tempo...).
@@ -42,7 +42,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from fleetrl.common.trace_files import (  # noqa: F401 - re-exported: telemetry.read_spans, ...
+from fleetrl.common.telemetry.trace_files import (  # noqa: F401 - re-exported: telemetry.read_spans, ...
     TRACES_DIR, JsonlSpanExporter, read_spans, span_record, trace_files,
 )
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from fleetrl.rollout.engines.base import Generation, SamplingParams
 from fleetrl.rollout.envs.base import EnvFailure, EnvTimeout, Environment, Episode, Message, Task
-from fleetrl.rollout.envs.codec import GENERIC_EXAMPLE, ChatCodec, check_prefix_stable
+from fleetrl.common.chat.codec import GENERIC_EXAMPLE, ChatCodec, check_prefix_stable
 from fleetrl.rollout.envs.episode import Budget, EpisodeBuilder
 
 log = logging.getLogger("fleetrl.rollout.endpoint")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from fleetrl.common.registry import Registry
+from fleetrl.common.plugins.registry import Registry
 from fleetrl.rollout.engines.base import INFLIGHT_MODES, Engine, EngineLoop, Generation, ParamSpec, Request, SamplingParams
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from fleetrl.common.registry import Registry
+from fleetrl.common.plugins.registry import Registry
 from fleetrl.rollout.envs.base import (
     EnvFailure, EnvSession, EnvStats, EnvTimeout, Environment, Episode, StepResult, Task, TemplateMismatch,
 )

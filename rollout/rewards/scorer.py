@@ -27,7 +27,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 from fleetrl.common import faults
-from fleetrl.common.registry import RegistryError
+from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.rollout.rewards.base import REWARDS, Reward, RewardArgsError, RewardInput, RewardResult, SampleReward
 from fleetrl.rollout.rewards.runner import CallRunner, CallTimeout
 

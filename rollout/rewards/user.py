@@ -27,8 +27,8 @@ from typing import Annotated, Any, Callable, ClassVar, Literal, Union
 from msgspec import field
 
 from fleetrl.common.config.base import doc
-from fleetrl.common.userfn import FunctionRefError
-from fleetrl.common.userfn import load_function as _load
+from fleetrl.common.plugins.userfn import FunctionRefError
+from fleetrl.common.plugins.userfn import load_function as _load
 from fleetrl.rollout.rewards.base import RewardArgs, RewardArgsError, RewardInput, SampleReward, register_reward
 
 FIELDS = ("prompt", "response", "answer", "metadata", "finish_reason", "num_tokens")

@@ -1,5 +1,5 @@
 """Mistakes named before anything starts: `fleetrl config validate` and `fleetrl run` check what the config
-names (common/config/checks.py), one line per problem naming the key, no traceback, no run directory."""
+names (app/checks.py), one line per problem naming the key, no traceback, no run directory."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from fleetrl.common.config import load_config
-from fleetrl.common.config.checks import check_job
+from fleetrl.app.checks import check_job
 
-CLI = [sys.executable, "-m", "fleetrl.common.cli"]
+CLI = [sys.executable, "-m", "fleetrl.app.cli"]
 
 
 @pytest.fixture

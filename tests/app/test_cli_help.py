@@ -11,7 +11,7 @@ from fleetrl.common.data.tables import load_rows
 
 
 def _help(*command: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", *command, "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", *command, "--help"], capture_output=True,
                          text=True, check=True)
     return " ".join(out.stdout.split())  # argparse wraps lines
 

@@ -12,7 +12,7 @@ import pytest
 
 from fleetrl.broker import audit as au
 from fleetrl.broker.audit import AuditLog, AuditLogError
-from fleetrl.common import cli
+from fleetrl.app import cli
 from tests.helpers import write_job
 
 

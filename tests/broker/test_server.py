@@ -174,11 +174,11 @@ def test_unreachable_broker_error_names_the_setting():
 
 
 def test_status_cli(broker):
-    out = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "status", "--broker", broker.address, "--json"],
+    out = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "status", "--broker", broker.address, "--json"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert '"queue_depth": 0' in out.stdout and '"broker/queue_depth": 0' in out.stdout
-    table = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "status", "--broker", broker.address],
+    table = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "status", "--broker", broker.address],
                            capture_output=True, text=True, timeout=60).stdout
     assert "queue depth" in table and "policy version 0" in table
 
@@ -269,11 +269,11 @@ def test_status_cli_takes_a_run_directory_and_says_what_is_wrong(tmp_path, broke
     run_dir = tmp_path / "status-run"
     run_dir.mkdir()
     (run_dir / "broker.json").write_text(json.dumps({"address": broker.address}))
-    out = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "status", "--broker", str(run_dir), "--json"],
+    out = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "status", "--broker", str(run_dir), "--json"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert '"queue_depth": 0' in out.stdout
     for target, says in ((tmp_path / "status-run" / "..", "holds no broker.json"), (tmp_path / "nope", "neither an address")):
-        bad = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "status", "--broker", str(target)],
+        bad = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "status", "--broker", str(target)],
                              capture_output=True, text=True, timeout=60)
         assert bad.returncode == 1 and says in bad.stderr and "Traceback" not in bad.stdout + bad.stderr

@@ -129,7 +129,7 @@ def test_a_directory_or_a_stray_file_under_a_segment_name_is_one_clear_error(tmp
 
     import pytest
 
-    from fleetrl.common import cli
+    from fleetrl.app import cli
     from tests.helpers import write_job
 
     spool_dir = tmp_path / "spool"

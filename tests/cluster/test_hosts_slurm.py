@@ -54,7 +54,7 @@ def logged_ids(run: Path, key: str) -> list[str]:
 def test_four_roles_on_five_nodes_learn_and_survive_a_rollout_host_cut_and_a_broker_host_cut(cluster, assets, tmp_path):
     hosts, slurm = cluster
     run, spool = tmp_path / "run", tmp_path / "spool"
-    submit = hosts.run(0, [sys.executable, "-m", "fleetrl.common.cli", "launch", "slurm", "--config", JOB, "--run-dir",
+    submit = hosts.run(0, [sys.executable, "-m", "fleetrl.app.cli", "launch", "slurm", "--config", JOB, "--run-dir",
                            str(run), *job_overrides(assets, *LAYOUT, "learner.max_minutes=3", f"broker.spool_dir={spool}")],
                        env=slurm.env, timeout=120)
     assert submit.returncode == 0, submit.stdout + submit.stderr

@@ -63,7 +63,7 @@ class Launch:
         run.mkdir(parents=True, exist_ok=True)
         self.out_path = run.parent / "launch.out"
         self.out = self.out_path.open("w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "fleetrl.common.cli", "launch", "ray", "--config", JOB,
+        self.proc = subprocess.Popen([sys.executable, "-m", "fleetrl.app.cli", "launch", "ray", "--config", JOB,
                                       "--run-dir", str(run), *args], stdout=self.out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 

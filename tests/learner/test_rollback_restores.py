@@ -14,7 +14,7 @@ import torch
 
 from fleetrl.broker.inproc import InprocBroker
 from fleetrl.common import messages as m
-from fleetrl.common import telemetry
+from fleetrl.common.telemetry import tracing
 from fleetrl.common.config import load_config
 from fleetrl.learner import rollback as rollback_mod
 from fleetrl.learner.runtime import init_distributed
@@ -100,12 +100,12 @@ def test_no_group_of_a_discarded_version_is_trained_after_the_rollback(dist, tin
     fleet.start()
     try:
         assert train(cfg, tmp_path, client=client) == 0
-        assert telemetry.flush_tracing()
-        spans = [s for s in telemetry.read_spans(tmp_path) if s["name"] == "learner.rollback"]
+        assert tracing.flush_tracing()
+        spans = [s for s in tracing.read_spans(tmp_path) if s["name"] == "learner.rollback"]
     finally:
         fleet.halt.set()
         fleet.join(5)
-        telemetry.shutdown_tracing()
+        tracing.shutdown_tracing()
     log = [json.loads(line) for line in (tmp_path / "trained-0.jsonl").read_text().splitlines()]
     rollbacks = [i for i, row in enumerate(log) if "rollback" in row]
     assert rollbacks, "the collapse was not rolled back"

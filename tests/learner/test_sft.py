@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 
 from fleetrl.common.data.tasks import calc_conversation
 from fleetrl.learner.sft import collate, encode_pairs, sft
-from fleetrl.rollout.envs.codec import ChatCodec
+from fleetrl.common.chat.codec import ChatCodec
 
 
 def test_conversation_rows_train_only_the_assistant_turns(tiny_model_dir):

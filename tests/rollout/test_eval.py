@@ -9,7 +9,7 @@ from itertools import combinations
 
 import pytest
 
-from fleetrl.common.cli import main as cli_main
+from fleetrl.app.cli import main as cli_main
 from fleetrl.rollout.engines import SamplingParams
 from fleetrl.rollout.eval import evaluate, evaluate_detailed, pass_at_k
 from fleetrl.rollout.loop import encode_prompt

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fleetrl.common.registry import RegistryError
+from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.common.config.schema import RewardSpec
 from fleetrl.rollout.rewards import REWARDS, RewardArgsError, RewardInput, RewardResult, RewardScorer
 from tests.rollout import user_rewards

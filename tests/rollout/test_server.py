@@ -373,7 +373,7 @@ class RolloutProcess:
         ready = self.run_dir / f"rollout-{self.index}.ready"
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "fleetrl.common.cli", "rollout", "--config", str(self.config), "--run-dir",
+                [sys.executable, "-m", "fleetrl.app.cli", "rollout", "--config", str(self.config), "--run-dir",
                  str(self.run_dir), "--server-index", str(self.index)], stdout=log, stderr=subprocess.STDOUT, env=ENV)
         deadline = time.monotonic() + timeout
         while not ready.exists():

@@ -19,7 +19,7 @@ RL_STEPS = 320  # the demo (docs/benchmarks.md) climbs +16..23 points by here; a
 
 
 def fleetrl(*args: str, timeout: float) -> None:
-    subprocess.run([sys.executable, "-m", "fleetrl.common.cli", *args], check=True, timeout=timeout)
+    subprocess.run([sys.executable, "-m", "fleetrl.app.cli", *args], check=True, timeout=timeout)
 
 
 @pytest.mark.timeout(1800)
@@ -40,7 +40,7 @@ def test_fleetrl_run_with_the_vllm_engine_raises_held_out_accuracy(tmp_path):
         "run.ready_timeout_s=300", "checkpoint.interval=0", "checkpoint.export_hf=false",
     ]
     out = (tmp_path / "run.out").open("w")
-    proc = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "run", "--config", "configs/demo.yaml",
+    proc = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "run", "--config", "configs/demo.yaml",
                            "--run-dir", str(run_dir), "--no-status", *overrides],
                           stdout=out, stderr=subprocess.STDOUT, timeout=60 * 15,
                           cwd=Path(__file__).parents[2])

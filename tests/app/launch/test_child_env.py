@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from fleetrl.common.launch.run import child_env
+from fleetrl.app.launch.run import child_env
 
 BARS = "from tqdm import tqdm\nfor _ in tqdm(range(3), desc='bars'):\n    pass\nprint('ok')\n"
 
@@ -23,7 +23,7 @@ def test_children_write_no_progress_bars_into_their_logs():
 def test_each_side_may_use_every_core_by_default_and_the_settings_win(monkeypatch):
     """Issue 24: the learner and the rollouts overlap on the cores rather than splitting them."""
     from fleetrl.common.config import load_config
-    from fleetrl.common.launch.run import thread_plan
+    from fleetrl.app.launch.run import thread_plan
 
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     assert thread_plan(load_config(None, [])) == (8, 8)  # one rank, one server: all 8 each

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from fleetrl.common.launch.cpu import CpuMeter
+from fleetrl.app.launch.cpu import CpuMeter
 
 SPIN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
 SPIN_IN_CHILD = "import subprocess, sys\nsubprocess.run([sys.executable, '-c', {code!r}])\n"

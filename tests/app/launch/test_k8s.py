@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from fleetrl.common.config import ConfigError, load_config, validate
-from fleetrl.common.launch.k8s import render
-from fleetrl.common.launch.world import Layout, world_map
+from fleetrl.app.launch.k8s import render
+from fleetrl.app.launch.world import Layout, world_map
 
 JOB = ["run.name=Grpo_Run", "cluster.image=registry.example/fleetrl:0.1", "cluster.k8s.namespace=rl",
        "learner.num_ranks=4", "cluster.learner.nodes=2", "cluster.learner.gpus_per_node=2", "learner.device=cuda",

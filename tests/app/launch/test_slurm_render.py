@@ -13,8 +13,8 @@ import pytest
 
 from fleetrl.common.config import ConfigError, load_config
 from fleetrl.common.config.cluster import check_placement, placement_errors, time_limit_s
-from fleetrl.common.launch.slurm import render_add_rollout, render_job, submit
-from fleetrl.common.launch.slurm_job import Driver
+from fleetrl.app.launch.slurm import render_add_rollout, render_job, submit
+from fleetrl.app.launch.slurm_job import Driver
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = str(ROOT / "configs" / "demo.yaml")
@@ -25,7 +25,7 @@ GPU_JOB = ["learner.num_ranks=16", "cluster.learner.nodes=2", "cluster.learner.g
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fleetrl.common.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "fleetrl.app.cli", *args], capture_output=True, text=True,
                           env=env or os.environ)
 
 
@@ -37,7 +37,7 @@ def test_gpu_job_script_and_plan(tmp_path):
                    "--gpus-per-node=8", "--signal=B:USR1@600", "--requeue", "--exclusive",
                    f"--output={tmp_path}/launch/slurm-%j.out"):
         assert f"#SBATCH {option}\n" in script
-    assert f"-m fleetrl.common.launch.slurm_job {tmp_path}/launch/job.plan.json" in script
+    assert f"-m fleetrl.app.launch.slurm_job {tmp_path}/launch/job.plan.json" in script
     plan = json.loads((tmp_path / "launch" / "job.plan.json").read_text())
     assert [(s["role"], s["nodes"]) for s in plan["steps"]] == [("broker", 1), ("learner", 2), ("rollout", 3)]
     assert "--container-image=nvcr.io/x/fleetrl:1" in plan["srun"]

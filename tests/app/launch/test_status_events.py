@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fleetrl.common.launch.status import describe_event
+from fleetrl.app.launch.status import describe_event
 
 
 def test_a_rollback_names_the_rule_that_asked_for_it():

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from fleetrl.common.config import load_config
-from fleetrl.common.launch.supervisor import EXIT_BROKER_UNREACHABLE, Supervisor, wait_for_broker
-from fleetrl.common.launch.world import Layout, world_map
+from fleetrl.app.launch.supervisor import EXIT_BROKER_UNREACHABLE, Supervisor, wait_for_broker
+from fleetrl.app.launch.world import Layout, world_map
 
 
 @pytest.fixture

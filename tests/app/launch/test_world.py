@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleetrl.common.launch.world import Layout, WorldError, expand_hostlist, k8s_name, world_map
+from fleetrl.app.launch.world import Layout, WorldError, expand_hostlist, k8s_name, world_map
 
 GPU = Layout(base_port=29500, learner_nodes=1, ranks_per_node=8, learner_gpus_per_node=8, rollout_nodes=2,
              servers_per_node=4, gpus_per_server=2, run_dir="/shared/run")

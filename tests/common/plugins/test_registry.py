@@ -1,6 +1,6 @@
 import pytest
 
-from fleetrl.common.registry import Registry, RegistryError
+from fleetrl.common.plugins.registry import Registry, RegistryError
 
 
 def test_register_lookup_and_errors():

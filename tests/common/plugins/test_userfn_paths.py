@@ -9,7 +9,7 @@ import textwrap
 
 PROBE = textwrap.dedent("""
     import sys
-    from fleetrl.common.userfn import load_function
+    from fleetrl.common.plugins.userfn import load_function
     print(load_function(sys.argv[1])("abc"))
 """)
 

@@ -1,4 +1,4 @@
-"""Resource metrics (common/resources.py): this process's CPU and RSS, GPU figures through NVML only when
+"""Resource metrics (common/telemetry/resources.py): this process's CPU and RSS, GPU figures through NVML only when
 NVML sees this process on a GPU (omitted otherwise, never zeros), and the aggregates the learner logs
 for the broker and the rollout fleet (broker/metrics.py)."""
 
@@ -11,7 +11,7 @@ import psutil
 
 from fleetrl.broker.metrics import WireStats, fleet_resources, status_metrics
 from fleetrl.common import messages as m
-from fleetrl.common.resources import MB, Nvml, ProcessResources
+from fleetrl.common.telemetry.resources import MB, Nvml, ProcessResources
 
 
 def test_cpu_and_rss_of_this_process():
