@@ -22,12 +22,18 @@ the model is trained on exactly the token layout the rollouts produce).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
-from fleetrl.rollout.engines.base import Generation
-from fleetrl.rollout.envs.base import Message, TemplateMismatch
+from fleetrl.common.chat.errors import Message, TemplateMismatch
 
 DUMMY = "\x00fleetrl-probe\x00"
+
+
+class Sampled(Protocol):
+    """What ``turn_tail`` reads of a generation (``rollout/engines``' ``Generation`` has both)."""
+
+    finish_reason: str
+    token_ids: Sequence[int]
 
 
 def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> int:
@@ -68,7 +74,7 @@ class ChatCodec:
                                    f"prompt (prompt ends {opened[-40:]!r}, the message renders as {closed[-60:]!r})")
         return closed[at + len(DUMMY):]
 
-    def turn_tail(self, gen: Generation) -> list[int]:
+    def turn_tail(self, gen: Sampled) -> list[int]:
         """Tokens closing an assistant turn that the model did not sample (mask 0)."""
         if not self.closer:
             return []
