@@ -32,7 +32,7 @@ from fleetrl.broker.client import expected_receivers, status_metrics
 from fleetrl.common import faults
 from fleetrl.common.telemetry import tracing
 from fleetrl.common.config import load_config, save_resolved
-from fleetrl.app.checks import require_model_dir
+from fleetrl.common.config.preflight import require_model_dir
 from fleetrl.common.telemetry.logs import setup_logging
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.learner.checkpoint import Checkpointer, export_hf, rng_state, set_rng_state, tag_of

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fleetrl.common.config import ConfigError, load_config
-from fleetrl.app.checks import default_success_threshold, require_model_dir
+from fleetrl.common.config.preflight import default_success_threshold, require_model_dir
 from fleetrl.common.telemetry.logs import setup_logging
 from fleetrl.common.config.schema import JobConfig, ModelConfig, RewardSpec
 from fleetrl.common.data.tables import DataError, load_rows

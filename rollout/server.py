@@ -39,7 +39,7 @@ from fleetrl.common import chaos, faults
 from fleetrl.common.telemetry import tracing
 from fleetrl.common import messages as m
 from fleetrl.common.config import load_config
-from fleetrl.app.checks import require_model_dir
+from fleetrl.common.config.preflight import require_model_dir
 from fleetrl.common.telemetry.logs import setup_logging
 from fleetrl.common.telemetry.resources import ProcessResources
 from fleetrl.common.config.schema import JobConfig

@@ -226,6 +226,6 @@ def check_placement(cfg) -> None:
     """Raise ConfigError listing every reason the ``cluster:`` section cannot be placed."""
     errors = placement_errors(cfg)
     if errors:
-        from fleetrl.common.config.loader import ConfigError
+        from fleetrl.common.config.base import ConfigError
 
         raise ConfigError("the cluster: section cannot be placed:\n  - " + "\n  - ".join(errors))

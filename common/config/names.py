@@ -3,7 +3,7 @@ with a note), the defaults a job should not rely on silently, and local paths ma
 config a run saves (so it means the same from any directory).
 
 ``loader.py`` calls :func:`apply_aliases` while validating and :func:`with_absolute_paths` when saving;
-the functions that read a job file import the loader when called (it imports this module).
+the functions that read a job file use ``overrides.py`` (below the loader).
 """
 
 from __future__ import annotations
@@ -14,15 +14,11 @@ from typing import Any
 
 import msgspec
 
+from fleetrl.common.config.base import ConfigError
+from fleetrl.common.config.overrides import apply_overrides, read_yaml
 from fleetrl.common.config.schema import JobConfig
 
 log = logging.getLogger("fleetrl.config")
-
-
-def _config_error(message: str) -> Exception:
-    from fleetrl.common.config.loader import ConfigError
-
-    return ConfigError(message)
 
 
 ALIASES = {  # a top-level key as TRL / verl users write it -> fleetrl's key
@@ -48,7 +44,7 @@ def set_key(raw: dict[str, Any], dotted: str, value: Any) -> None:
         if node.get(part) is None:
             node[part] = {}
         if not isinstance(node[part], dict):
-            raise _config_error(f"{dotted}: {part} is a section; give it keys, not a value")
+            raise ConfigError(f"{dotted}: {part} is a section; give it keys, not a value")
         node = node[part]
     node[leaf] = value
 
@@ -63,7 +59,7 @@ def apply_aliases(raw: dict[str, Any], note: bool = True) -> None:
         if alias == "beta" and isinstance(raw.get("algorithm"), dict) and raw["algorithm"].get("type") == "dpo":
             target = "algorithm.beta"
         if get_key(raw, target) is not None:
-            raise _config_error(f"{alias} (the TRL/verl name of {target}) and {target} are both set; keep one")
+            raise ConfigError(f"{alias} (the TRL/verl name of {target}) and {target} are both set; keep one")
         set_key(raw, target, value)
         extra = ""
         if target == "algorithm.kl.coef" and isinstance(value, (int, float)) and value > 0 \
@@ -78,10 +74,8 @@ def apply_aliases(raw: dict[str, Any], note: bool = True) -> None:
 def job_setting(path: str | Path | None, overrides: list[str], key: str) -> Any:
     """One dotted key as the job file and overrides set it (None when unset or unreadable), without validating
     the whole job: what a process needs before anything else (``run.file_access``)."""
-    from fleetrl.common.config.loader import ConfigError, _read_yaml, apply_overrides
-
     try:
-        raw = _read_yaml(path) if path is not None else {}
+        raw = read_yaml(path) if path is not None else {}
         apply_overrides(raw, overrides)
     except (ConfigError, OSError):
         return None
@@ -94,9 +88,7 @@ NAMED_DEFAULTS = ("model.path", "rollout.rewards")  # a job should not train som
 def defaults_used(cfg: JobConfig, path: str | Path | None, overrides: list[str] | None = None) -> list[str]:
     """One note per key of NAMED_DEFAULTS that neither the file nor an override sets, naming the default the
     job then uses (``rollout.rewards`` only for jobs with rollout servers)."""
-    from fleetrl.common.config.loader import _read_yaml, apply_overrides, to_dict
-
-    raw = _read_yaml(path) if path is not None else {}
+    raw = read_yaml(path) if path is not None else {}
     apply_overrides(raw, list(overrides or []))
     apply_aliases(raw, note=False)
     notes = []
@@ -104,7 +96,7 @@ def defaults_used(cfg: JobConfig, path: str | Path | None, overrides: list[str] 
         if key == "rollout.rewards" and not cfg.needs_fleet:
             continue
         if get_key(raw, key) is None:
-            value = [r.name for r in cfg.rollout.rewards] if key == "rollout.rewards" else get_key(to_dict(cfg), key)
+            value = [r.name for r in cfg.rollout.rewards] if key == "rollout.rewards" else get_key(msgspec.to_builtins(cfg), key)
             notes.append(f"{key} is not set, so the default {value} is used; set it in the job file to drop this note")
     return notes
 

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from fleetrl.common.config.loader import ConfigError
+from fleetrl.common.config.base import ConfigError
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 DISK_MARKERS = ("dataset_dict.json", "state.json")  # what save_to_disk writes
