@@ -4,4 +4,5 @@ import sys
 
 from fleetrl.app.cli import main
 
-sys.exit(main(["learner", *sys.argv[1:]]))
+if __name__ == "__main__":
+    sys.exit(main(["learner", *sys.argv[1:]]))

@@ -59,7 +59,7 @@ log = logging.getLogger("fleetrl.learner")
 
 
 class Learner:
-    def __init__(self, cfg: JobConfig, run_dir: Path, client, dist: Dist):
+    def __init__(self, cfg: JobConfig, run_dir: Path, client, dist: Dist, evaluate_model=None):
         self.cfg, self.run_dir, self.client, self.dist = cfg, Path(run_dir), client, dist
         seed = cfg.learner.seed + dist.rank
         random.seed(seed)
@@ -79,7 +79,7 @@ class Learner:
             return build_frozen(load_causal_lm(cfg.model.path, cfg, dtype), cfg, dtype, dist.device)
 
         objective = OBJECTIVES[cfg.algorithm.type](Setup(cfg, self.run_dir, client, dist, self.engine, dtype,
-                                                         self.generator, load_reference))
+                                                         self.generator, load_reference, evaluate_model))
         self.actor, self.source, self.critic = objective.actor, objective.source, objective.critic
         self.evaluator = objective.evaluator
         self.ckpt = Checkpointer(cfg, run_dir, dist.rank)
@@ -314,15 +314,17 @@ class JsonlLog:
         self.file.close()
 
 
-def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None) -> int:
-    """Run one learner rank until learner.total_steps (or a stop signal). Returns the exit code."""
+def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None, evaluate_model=None) -> int:
+    """Run one learner rank until learner.total_steps (or a stop signal). Returns the exit code.
+
+    ``evaluate_model``: the held-out evaluator (``learner/evaluate.py``), handed in by the application."""
     dist = init_distributed(cfg)
     tracing.setup_tracing("learner", cfg.telemetry, run_dir, {"service.instance.id": f"learner-{dist.rank}",
                                                                 "fleetrl.rank": dist.rank})
     own_client = client is None and cfg.needs_fleet  # offline DPO runs without a broker
     if own_client:
         client = connect_broker(cfg, run_dir, dist.rank)
-    learner = Learner(cfg, run_dir, client, dist)
+    learner = Learner(cfg, run_dir, client, dist, evaluate_model)
     stop = GracefulStop()
     ending = ("error", False)  # (why this rank leaves the broker, whether training is done)
     try:
@@ -372,7 +374,8 @@ def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None)
             client.close()
 
 
-def main(args) -> int:
+def main(args, evaluate_model=None) -> int:
+    """`fleetrl learner` (``app/entries.py`` calls it with rollout's evaluator)."""
     cfg = load_config(args.config, args.overrides)
     require_model_dir(cfg.model.path)
     run_dir = Path(args.run_dir or cfg.run.dir or Path(cfg.run.root) / f"{cfg.run.name}-learner")
@@ -384,4 +387,4 @@ def main(args) -> int:
         [f"checkpoint.resume={args.resume}"] if args.resume else [])
     if extra:
         cfg = load_config(args.config, [*args.overrides, *extra])
-    return train(cfg, run_dir)
+    return train(cfg, run_dir, evaluate_model=evaluate_model)
