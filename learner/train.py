@@ -41,6 +41,7 @@ from fleetrl.learner.lifecycle import GracefulStop, connect_broker, leave_broker
 from fleetrl.learner.lora import AdapterFreeReference, apply_lora, export_merged, lora_param_specs, merged_params
 from fleetrl.learner.monitor import Monitor
 from fleetrl.learner.objectives import OBJECTIVES, Setup
+from fleetrl.learner.rollback import RollbackParts, roll_back
 from fleetrl.learner.runtime import (
     Dist,
     build_engine,
@@ -243,12 +244,19 @@ class Learner:
     def rollback(self, reason: str) -> bool:
         """Restore the newest healthy checkpoint with a lower LR; False if there is none (then alert or stop).
         The steps, in order, are in ``learner/rollback.py``."""
-        from fleetrl.learner.rollback import roll_back
+        parts = RollbackParts(self.cfg, self.ckpt, self.engine, self.actor, self.critic, self.generator, self.source,
+                              self.health, self.client, self.dist, self.trained_log, self.fleet, self.step, self.version,
+                              publish=self.publish_new_version, set_lr_scale=self.set_lr_scale)
+        return roll_back(parts, reason)
 
-        return roll_back(self, reason)
+    def publish_new_version(self) -> int:
+        """``publish``, returning the policy version it published."""
+        self.publish()
+        return self.version
 
-    def _apply_lr_scale(self) -> None:
-        """Scale the schedule's base LR (kept by the scheduler's state) and the current LR."""
+    def set_lr_scale(self, scale: float) -> None:
+        """Scale the schedule's base LR (kept by the scheduler's state) and the current LR by ``scale``."""
+        self.lr_scale = scale
         peak = self.cfg.learner.lr * self.lr_scale
         self.scheduler.base_lrs = [peak for _ in self.scheduler.base_lrs]
         factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch) if hasattr(self.scheduler, "lr_lambdas") else 1.0

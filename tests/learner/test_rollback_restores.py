@@ -18,7 +18,7 @@ from fleetrl.common.telemetry import tracing
 from fleetrl.common.config import load_config
 from fleetrl.learner import rollback as rollback_mod
 from fleetrl.learner.runtime import init_distributed
-from fleetrl.learner.train import train
+from fleetrl.learner.train import Learner, train
 from tests.broker.conftest import make_state
 
 COLLAPSE_FROM = 5  # the "fleet" samples poor rewards from this policy version until the learner rolls back
@@ -91,11 +91,19 @@ def test_no_group_of_a_discarded_version_is_trained_after_the_rollback(dist, tin
     restored = {}
     real_restore = rollback_mod.restore_state
 
-    def spy_restore(lr, st):  # the RNG right after the restore must be the checkpoint's
-        real_restore(lr, st)
-        restored.update(rng=torch.get_rng_state().clone(), saved=st["rng"]["torch"], lr=lr.optimizer.param_groups[0]["lr"])
+    real_scale = Learner.set_lr_scale
+
+    def spy_restore(parts, st):  # the RNG right after the restore must be the checkpoint's
+        scale = real_restore(parts, st)
+        restored.update(rng=torch.get_rng_state().clone(), saved=st["rng"]["torch"])
+        return scale
+
+    def spy_scale(learner, scale):  # the LR the restore leaves
+        real_scale(learner, scale)
+        restored.update(lr=learner.optimizer.param_groups[0]["lr"])
 
     monkeypatch.setattr(rollback_mod, "restore_state", spy_restore)
+    monkeypatch.setattr(Learner, "set_lr_scale", spy_scale)
     fleet = FakeFleet(broker)
     fleet.start()
     try:
