@@ -195,12 +195,12 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
 
 # name -> (implementation "module:function", one-line help, argument builder)
 COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = {
-    "broker": ("fleetrl.broker.server:main", "run the broker (queue, leases, staleness, spool)", _broker_args),
+    "broker": ("fleetrl.broker.server.service:main", "run the broker (queue, leases, staleness, spool)", _broker_args),
     "rollout": ("fleetrl.rollout.server:main", "run one rollout server (generate, score, push groups)", _rollout_args),
     "eval": ("fleetrl.rollout.eval:main", "greedy accuracy and pass@k of a model on a prompt set", _eval_args),
-    "status": ("fleetrl.broker.status:main", "print a broker's queue, leases, rates and clients", _status_args),
-    "keys": ("fleetrl.broker.keys:main", "generate CURVE keypairs for the broker and its clients", _keys_args),
-    "control": ("fleetrl.broker.operator:main", "as an operator: pause, resume, stop the fleet or discard versions",
+    "status": ("fleetrl.broker.client.status:main", "print a broker's queue, leases, rates and clients", _status_args),
+    "keys": ("fleetrl.broker.security.keys:main", "generate CURVE keypairs for the broker and its clients", _keys_args),
+    "control": ("fleetrl.broker.client.operator:main", "as an operator: pause, resume, stop the fleet or discard versions",
                 _control_args),
     "learner": ("fleetrl.app.entries:learner", "run a learner rank (also under torchrun -m fleetrl.app.learner)",
                 _learner_args),

@@ -34,7 +34,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fleetrl.broker.client import ZmqBrokerClient  # noqa: E402
+from fleetrl.broker.client.sync import ZmqBrokerClient  # noqa: E402
 from fleetrl.common import messages as m  # noqa: E402
 from tests.broker import zmtp  # noqa: E402
 from tests.helpers import BrokerProcess, make_group, write_job  # noqa: E402

@@ -121,7 +121,7 @@ def surviving_trained(run_dir: Path) -> list[str]:
 
 
 def check(run_dir: Path, spool_dir: Path, total_steps: int) -> dict:
-    from fleetrl.broker.spool import Spool
+    from fleetrl.broker.server.spool import Spool
 
     acked = {gid for path in run_dir.glob("rollout-*.acked.jsonl") for row in read_jsonl(path) for gid in row["group_ids"]}
     trained = surviving_trained(run_dir)

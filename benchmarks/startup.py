@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-IMPORTS = ["torch", "transformers", "deepspeed", "fleetrl.app.cli", "fleetrl.broker.server",
+IMPORTS = ["torch", "transformers", "deepspeed", "fleetrl.app.cli", "fleetrl.broker.server.service",
            "fleetrl.rollout.server", "fleetrl.learner.train"]
 
 

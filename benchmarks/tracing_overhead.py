@@ -139,7 +139,7 @@ def span_cost(endpoint: str, steps: int = 300) -> float:
 
 
 def build(tmp: Path, preset: str):
-    from fleetrl.broker.inproc import InprocBroker
+    from fleetrl.broker.client.inproc import InprocBroker
     from fleetrl.common.config import load_config
     from fleetrl.learner.init_model import init_model
     from fleetrl.learner.runtime import init_distributed

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from fleetrl.broker.client import BrokerClient, ZmqBrokerClient, client_identity, resolve_address
+from fleetrl.broker.client.sync import BrokerClient, ZmqBrokerClient, client_identity, resolve_address
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.learner.runtime import Dist
 

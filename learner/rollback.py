@@ -5,7 +5,7 @@
     → publish the restored weights as a new version → resume the fleet → the event on the timeline
 
 After it, no group with a token sampled by a rolled-back version reaches the learner: the broker drops
-the queued ones and every late arrival (``broker/control.py``, ``broker/queue.py`` ``touches``), and the
+the queued ones and every late arrival (``broker/server/control.py``, ``broker/server/queue.py`` ``touches``), and the
 rollout servers load the restored weights before they lease again (the publish precedes the resume).
 """
 

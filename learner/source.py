@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from fleetrl.broker.client import BrokerClient
+from fleetrl.broker.client.sync import BrokerClient
 from fleetrl.common import chaos
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import JobConfig

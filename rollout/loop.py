@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from fleetrl.broker.client import BrokerClient, BrokerError, BrokerUnavailable
+from fleetrl.broker.client.sync import BrokerClient, BrokerError, BrokerUnavailable
 from fleetrl.common import messages as m
 from fleetrl.common.config import ConfigError
 from fleetrl.rollout.engines.base import Generation

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fleetrl.broker.client import (
+from fleetrl.broker.client.sync import (
     BrokerClient, BrokerError, BrokerUnavailable, SubscriptionLike, ZmqBrokerClient, client_identity, default_client_id,
     resolve_address,
 )
@@ -416,7 +416,7 @@ class RolloutServer:
 
 
 def broker_address(cfg: JobConfig, cli_address: str | None, run_dir: str | Path | None) -> str:
-    """See :func:`fleetrl.broker.address.resolve_address` (--broker > broker.address > broker.json > host:port)."""
+    """See :func:`fleetrl.broker.client.address.resolve_address` (--broker > broker.address > broker.json > host:port)."""
     return resolve_address(cfg.broker, run_dir, cli_address)
 
 

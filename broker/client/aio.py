@@ -5,7 +5,7 @@ safe to retry: group pushes are de-duplicated by ``group_id``, leases lost with 
 re-issued. The client retries by itself what the broker asks it to: a timeout (with backoff), an
 ``unavailable`` error (a full spool disk: nothing changed, retry later), an ``unregistered`` error
 (the broker restarted or evicted this client: register again, then retry), and pushes that were
-throttled. Other components use it through ``broker/client.py``.
+throttled. Other components use it through ``broker/client/sync.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from fleetrl.broker.zio import LoopSocket
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import CurveConfig
 
-log = logging.getLogger("fleetrl.broker.client")
+log = logging.getLogger("fleetrl.broker.client.sync")
 T = TypeVar("T")
 HEARTBEAT_MS = 5000  # ZMTP heartbeats: a half-open connection to a vanished broker is noticed and redialled
 RETRY_LATER = ("unavailable",)
@@ -68,7 +68,7 @@ class AsyncBrokerClient:
         if not (self.curve.client_secret_key and self.curve.server_public_key):
             raise ValueError("broker.curve is set, so this client needs broker.curve.client_secret_key "
                              "(from `fleetrl keys generate`) and broker.curve.server_public_key")
-        from fleetrl.broker.auth import check_secret_file
+        from fleetrl.broker.security.auth import check_secret_file
 
         check_secret_file(self.curve.client_secret_key, "broker.curve.client_secret_key")
         public, secret = zmq.auth.load_certificate(self.curve.client_secret_key)

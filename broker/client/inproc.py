@@ -1,4 +1,4 @@
-"""In-process twin of the socket client: a :class:`~fleetrl.broker.client.BrokerClient` without sockets.
+"""In-process twin of the socket client: a :class:`~fleetrl.broker.client.sync.BrokerClient` without sockets.
 
 Several twins may share one :class:`InprocBroker` (one per simulated rollout server or learner rank),
 from several threads. Unit tests of the rollout server and the learner run on it. Each twin acts with
@@ -12,9 +12,9 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from fleetrl.broker.auth import Principal
-from fleetrl.broker.client import BrokerError
-from fleetrl.broker.state import BrokerState
+from fleetrl.broker.security.auth import Principal
+from fleetrl.broker.client.sync import BrokerError
+from fleetrl.broker.server.state import BrokerState
 from fleetrl.common import messages as m
 
 

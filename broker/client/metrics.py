@@ -8,7 +8,7 @@ prints them.
 
 from __future__ import annotations
 
-from fleetrl.broker.ingest import Rate
+from fleetrl.broker.server.ingest import Rate
 from fleetrl.common import messages as m
 from fleetrl.common.telemetry.resources import ProcessResources
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import sys
 
-from fleetrl.broker.address import client_identity, default_client_id
-from fleetrl.broker.client import BrokerError, BrokerUnavailable, ZmqBrokerClient
+from fleetrl.broker.client.address import client_identity, default_client_id
+from fleetrl.broker.client.sync import BrokerError, BrokerUnavailable, ZmqBrokerClient
 from fleetrl.common.config import load_config
 
 

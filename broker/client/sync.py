@@ -2,8 +2,8 @@
 
 - :class:`BrokerClient` (a ``typing.Protocol``) is the synchronous interface rollout servers and
   learners are written against; ``ZmqBrokerClient`` here (sockets) and
-  ``fleetrl.broker.inproc.InprocBrokerClient`` (the in-process twin of unit tests) both satisfy it
-  (``tests/broker/test_client_protocol.py`` checks).
+  ``fleetrl.broker.client.inproc.InprocBrokerClient`` (the in-process twin of unit tests) both satisfy it
+  (``tests/broker/client/test_client_protocol.py`` checks).
 - ``ZmqBrokerClient`` wraps ``AsyncBrokerClient`` (``aclient.py``): its event loop runs in a daemon
   thread, which also sends heartbeats while the caller computes. Both raise ``BrokerUnavailable``
   when no reply comes in time — the message names the setting to raise — and ``BrokerError`` for a
@@ -22,9 +22,9 @@ from typing import Any, Awaitable, Callable, Protocol, TypeVar, runtime_checkabl
 
 import zmq
 
-from fleetrl.broker.aclient import AsyncBrokerClient, AsyncSubscription, BrokerError, BrokerUnauthorized, BrokerUnavailable
-from fleetrl.broker.address import client_identity, default_client_id, resolve_address
-from fleetrl.broker.metrics import expected_receivers, fleet_metrics, status_metrics
+from fleetrl.broker.client.aio import AsyncBrokerClient, AsyncSubscription, BrokerError, BrokerUnauthorized, BrokerUnavailable
+from fleetrl.broker.client.address import client_identity, default_client_id, resolve_address
+from fleetrl.broker.client.metrics import expected_receivers, fleet_metrics, status_metrics
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import CurveConfig
 

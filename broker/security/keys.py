@@ -19,7 +19,7 @@ from pathlib import Path
 
 import zmq.auth
 
-from fleetrl.broker.auth import ROLES, load_key_table
+from fleetrl.broker.security.auth import ROLES, load_key_table
 
 DEFAULTS = {"rollout": ["rollout"], "learner": ["learner"], "operator": ["operator"], "monitor": []}
 

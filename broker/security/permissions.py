@@ -16,7 +16,7 @@ key's namespace; without CURVE the role is the one the client registered with.
 
 from __future__ import annotations
 
-from fleetrl.broker.auth import Principal
+from fleetrl.broker.security.auth import Principal
 from fleetrl.common import messages as m
 
 EVERY_ROLE = frozenset({"rollout", "learner", "operator", "monitor"})

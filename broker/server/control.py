@@ -25,14 +25,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from fleetrl.broker import spool as sp
-from fleetrl.broker.queue import VersionRanges
+from fleetrl.broker.server import spool as sp
+from fleetrl.broker.server.queue import VersionRanges
 from fleetrl.common import messages as m
 
 if TYPE_CHECKING:
-    from fleetrl.broker.state import BrokerState
+    from fleetrl.broker.server.state import BrokerState
 
-log = logging.getLogger("fleetrl.broker.state")
+log = logging.getLogger("fleetrl.broker.server.state")
 SECRET_ROLES = (None, "rollout")  # who is given a broadcast round's secret (None: a trusted in-process caller)
 
 

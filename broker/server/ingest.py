@@ -19,13 +19,13 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fleetrl.broker import spool as sp
-from fleetrl.broker.clients import ClientState
-from fleetrl.broker.staleness import min_fresh_version
+from fleetrl.broker.server import spool as sp
+from fleetrl.broker.server.client_table import ClientState
+from fleetrl.broker.server.staleness import min_fresh_version
 from fleetrl.common import messages as m
 
 if TYPE_CHECKING:
-    from fleetrl.broker.state import BrokerState
+    from fleetrl.broker.server.state import BrokerState
 
 
 class Rate:

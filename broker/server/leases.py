@@ -7,8 +7,8 @@ until a ``Commit`` at a checkpoint covers its step, and a ``Rewind`` after a res
 trained past that checkpoint back at the front of the queue, in order. A batch lease that is not
 acknowledged within ``broker.batch_lease_s`` is redelivered the same way.
 
-:class:`BatchLeases` is one object that :class:`~fleetrl.broker.state.BrokerState` holds: it owns the
-leases and the uncommitted acks, works on the shared :class:`~fleetrl.broker.queue.GroupQueue`, and
+:class:`BatchLeases` is one object that :class:`~fleetrl.broker.server.state.BrokerState` holds: it owns the
+leases and the uncommitted acks, works on the shared :class:`~fleetrl.broker.server.queue.GroupQueue`, and
 writes its records through ``journal`` *before* it changes anything (durable before acknowledged).
 """
 
@@ -19,8 +19,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
-from fleetrl.broker import spool as sp
-from fleetrl.broker.queue import GroupQueue
+from fleetrl.broker.server import spool as sp
+from fleetrl.broker.server.queue import GroupQueue
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import BrokerConfig
 

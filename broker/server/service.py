@@ -1,4 +1,4 @@
-"""`fleetrl broker`: the ZeroMQ front of :class:`~fleetrl.broker.state.BrokerState`.
+"""`fleetrl broker`: the ZeroMQ front of :class:`~fleetrl.broker.server.state.BrokerState`.
 
 One ROUTER socket takes requests from every rollout server and learner rank (DEALER sockets); one
 PUB socket announces new policy versions and control actions. The hot path drains every frame that
@@ -28,13 +28,13 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
-from fleetrl.broker import auth
-from fleetrl.broker.audit import AuditLog
-from fleetrl.broker.guard import Guard
-from fleetrl.broker.metrics import WireStats
-from fleetrl.broker.prompts import PromptSource, rows_to_prompts
-from fleetrl.broker.spool import Spool
-from fleetrl.broker.state import BrokerState
+from fleetrl.broker.security import auth
+from fleetrl.broker.security.audit import AuditLog
+from fleetrl.broker.security.guard import Guard
+from fleetrl.broker.client.metrics import WireStats
+from fleetrl.broker.server.prompts import PromptSource, rows_to_prompts
+from fleetrl.broker.server.spool import Spool
+from fleetrl.broker.server.state import BrokerState
 from fleetrl.broker.zio import LoopSocket
 from fleetrl.common import messages as m
 from fleetrl.common.telemetry import tracing

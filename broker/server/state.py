@@ -21,16 +21,16 @@ import uuid
 from collections import Counter
 from typing import Any, Callable
 
-from fleetrl.broker import spool as sp
-from fleetrl.broker.auth import Principal
-from fleetrl.broker.clients import ClientState, ClientTable, receivers_error
-from fleetrl.broker.control import Controls
-from fleetrl.broker.ingest import Ingest, Rate
-from fleetrl.broker.leases import BatchLeases, Unauthorized
-from fleetrl.broker.permissions import REGISTRATION_FREE, authorize
-from fleetrl.broker.prompts import PromptSource
-from fleetrl.broker.queue import GroupQueue
-from fleetrl.broker.staleness import MeasuredCapacity, admission_capacity, min_fresh_version, rollout_is_fresh, staleness
+from fleetrl.broker.server import spool as sp
+from fleetrl.broker.security.auth import Principal
+from fleetrl.broker.server.client_table import ClientState, ClientTable, receivers_error
+from fleetrl.broker.server.control import Controls
+from fleetrl.broker.server.ingest import Ingest, Rate
+from fleetrl.broker.server.leases import BatchLeases, Unauthorized
+from fleetrl.broker.security.permissions import REGISTRATION_FREE, authorize
+from fleetrl.broker.server.prompts import PromptSource
+from fleetrl.broker.server.queue import GroupQueue
+from fleetrl.broker.server.staleness import MeasuredCapacity, admission_capacity, min_fresh_version, rollout_is_fresh, staleness
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import JobConfig
 

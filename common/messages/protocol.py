@@ -239,7 +239,7 @@ class Status(Message, tag=27):  # Broker -> anyone
     throttled: int = 0
     uncommitted: int = 0
     counters: dict[str, int] = {}  # refusals by cap and role, spool and timer errors, evictions, closed connections
-    stats: dict[str, float] = {}  # the broker process's bytes/s in and out and resources (broker/metrics.py)
+    stats: dict[str, float] = {}  # the broker process's bytes/s in and out and resources (broker/client/metrics.py)
 
 
 Reply = Union[Ack, Error, Throttle, Registered, PromptLease, BatchLease, CurrentVersion, Status, GroupAcks]

@@ -17,7 +17,7 @@ import pytest
 
 from fleetrl.common import messages as m
 from tests.broker.conftest import make_state
-from tests.broker.test_state import lease_prompts, publish, push
+from tests.broker.server.test_state import lease_prompts, publish, push
 from tests.helpers import make_group
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from fleetrl.broker.metrics import status_metrics
-from fleetrl.broker.server import trace_batch_lease, trace_ingest
+from fleetrl.broker.client.metrics import status_metrics
+from fleetrl.broker.server.service import trace_batch_lease, trace_ingest
 from fleetrl.common import messages as m
 from fleetrl.common.telemetry import tracing
 from fleetrl.common.config.schema import TelemetryConfig

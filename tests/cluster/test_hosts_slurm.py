@@ -114,7 +114,7 @@ def test_four_roles_on_five_nodes_learn_and_survive_a_rollout_host_cut_and_a_bro
     first, last = sum(reward[:20]) / 20, sum(reward[-20:]) / 20
     assert len(reward) >= 60 and last >= first + 0.05, f"training accuracy {first:.3f} -> {last:.3f} over {len(reward)} steps"
 
-    from fleetrl.broker.spool import Spool
+    from fleetrl.broker.server.spool import Spool
 
     acked_ids = {g for i in (0, 1) for r in acked(i) for g in r["group_ids"]}
     trained, filtered = logged_ids(run, "group_ids"), set(logged_ids(run, "filtered_ids"))

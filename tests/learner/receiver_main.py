@@ -24,7 +24,7 @@ def main() -> int:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from fleetrl.broker.client import ZmqBrokerClient
+    from fleetrl.broker.client.sync import ZmqBrokerClient
     from fleetrl.common.config import load_config
     from fleetrl.rollout.weights import WeightReceiver
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from fleetrl.broker.client import ZmqBrokerClient
+from fleetrl.broker.client.sync import ZmqBrokerClient
 from tests.conftest import free_port
 from tests.helpers import BrokerProcess, write_job
 from tests.learner.conftest import synthetic_groups

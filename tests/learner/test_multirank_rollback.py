@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from fleetrl.broker.client import ZmqBrokerClient
+from fleetrl.broker.client.sync import ZmqBrokerClient
 from tests.conftest import free_port
 from tests.helpers import BrokerProcess, write_job
 from tests.learner.test_rollback import scripted_groups

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from fleetrl.broker.inproc import InprocBroker
+from fleetrl.broker.client.inproc import InprocBroker
 from fleetrl.common import messages as m
 from fleetrl.common.telemetry import tracing
 from fleetrl.common.config import load_config

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fleetrl.broker.metrics import expected_receivers, status_metrics
+from fleetrl.broker.client.metrics import expected_receivers, status_metrics
 from fleetrl.common import messages as m
 from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import JobConfig, SyncConfig

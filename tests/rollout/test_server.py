@@ -22,8 +22,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fleetrl.broker.client import ZmqBrokerClient
-from fleetrl.broker.inproc import InprocBroker
+from fleetrl.broker.client.sync import ZmqBrokerClient
+from fleetrl.broker.client.inproc import InprocBroker
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import ModelConfig, RolloutConfig
 from fleetrl.rollout.engines import SamplingParams, create_engine

@@ -7,8 +7,8 @@ import inspect
 
 import pytest
 
-from fleetrl.broker.client import BrokerClient, SubscriptionLike, Subscription, ZmqBrokerClient
-from fleetrl.broker.inproc import InprocBroker, InprocBrokerClient, InprocSubscription
+from fleetrl.broker.client.sync import BrokerClient, SubscriptionLike, Subscription, ZmqBrokerClient
+from fleetrl.broker.client.inproc import InprocBroker, InprocBrokerClient, InprocSubscription
 from tests.broker.conftest import make_state
 from fleetrl.common import messages as m
 

@@ -21,7 +21,7 @@ import msgspec
 import psutil
 import pytest
 
-from fleetrl.broker.client import ZmqBrokerClient
+from fleetrl.broker.client.sync import ZmqBrokerClient
 from fleetrl.common import messages as m
 from tests.broker import zmtp
 from tests.helpers import BrokerProcess, make_group, write_job
@@ -254,7 +254,7 @@ def test_a_full_spool_disk_is_survived_with_nothing_acknowledged_lost(tmp_path, 
 
 
 def test_the_timer_survives_an_exception_and_long_polls_wait_for_events():
-    from fleetrl.broker.server import BrokerServer
+    from fleetrl.broker.server.service import BrokerServer
     from tests.broker.conftest import make_state
 
     state = make_state()

@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from fleetrl.broker import audit as au
-from fleetrl.broker.audit import AuditLog, AuditLogError
+from fleetrl.broker.security import audit as au
+from fleetrl.broker.security.audit import AuditLog, AuditLogError
 from fleetrl.app import cli
 from tests.helpers import write_job
 

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from fleetrl.broker.auth import Principal
-from fleetrl.broker.permissions import PERMISSIONS
+from fleetrl.broker.security.auth import Principal
+from fleetrl.broker.security.permissions import PERMISSIONS
 from fleetrl.common import messages as m
 from tests.broker.conftest import make_state
 from tests.helpers import make_group
@@ -193,7 +193,7 @@ def test_a_dead_learners_pause_lifts_by_itself(audited):
 
 
 def test_audit_records_controls_publishes_commits_rewinds_and_refusals(tmp_path):
-    from fleetrl.broker.audit import AuditLog
+    from fleetrl.broker.security.audit import AuditLog
 
     log = AuditLog(tmp_path / "audit.jsonl")
     state = make_state(spool=None)

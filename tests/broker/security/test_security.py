@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from fleetrl.broker.client import ZmqBrokerClient
-from fleetrl.broker.keys import generate
-from fleetrl.broker.permissions import PERMISSIONS
+from fleetrl.broker.client.sync import ZmqBrokerClient
+from fleetrl.broker.security.keys import generate
+from fleetrl.broker.security.permissions import PERMISSIONS
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import CurveConfig
-from tests.broker.test_permissions import ROLES, sample
+from tests.broker.security.test_permissions import ROLES, sample
 from tests.helpers import BrokerProcess, write_job
 
 WRONG = [(kind, role) for kind, allowed in PERMISSIONS.items() for role in ROLES if role not in allowed]

@@ -12,11 +12,11 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
-from fleetrl.broker.metrics import status_metrics
-from fleetrl.broker.staleness import MeasuredCapacity, admission_capacity
+from fleetrl.broker.client.metrics import status_metrics
+from fleetrl.broker.server.staleness import MeasuredCapacity, admission_capacity
 from fleetrl.common import messages as m
 from tests.broker.conftest import make_state
-from tests.broker.test_state import lease_batch, lease_prompts, publish
+from tests.broker.server.test_state import lease_batch, lease_prompts, publish
 from tests.helpers import make_group
 
 

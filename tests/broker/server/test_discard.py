@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fleetrl.broker.client import BrokerError
-from fleetrl.broker.inproc import InprocBroker
-from fleetrl.broker.spool import Spool
-from fleetrl.broker.queue import VersionRanges
+from fleetrl.broker.client.sync import BrokerError
+from fleetrl.broker.client.inproc import InprocBroker
+from fleetrl.broker.server.spool import Spool
+from fleetrl.broker.server.queue import VersionRanges
 from fleetrl.common import messages as m
 from tests.broker.conftest import make_state
 from tests.helpers import make_group

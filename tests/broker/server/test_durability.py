@@ -14,11 +14,11 @@ from __future__ import annotations
 import errno
 import os
 
-from fleetrl.broker import spool as sp
-from fleetrl.broker.spool import Spool
+from fleetrl.broker.server import spool as sp
+from fleetrl.broker.server.spool import Spool
 from fleetrl.common import messages as m
 from tests.broker.conftest import make_state
-from tests.broker.test_state import lease_batch, lease_prompts, push
+from tests.broker.server.test_state import lease_batch, lease_prompts, push
 from tests.helpers import make_group
 
 

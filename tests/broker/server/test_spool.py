@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from fleetrl.broker import spool as sp
-from fleetrl.broker.spool import Spool
+from fleetrl.broker.server import spool as sp
+from fleetrl.broker.server.spool import Spool
 from fleetrl.common import messages as m
 from tests.broker.conftest import make_state
-from tests.broker.test_state import ack, fill, lease_batch, lease_prompts, publish
+from tests.broker.server.test_state import ack, fill, lease_batch, lease_prompts, publish
 
 
 def reopen(path, **kw):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleetrl.broker.staleness import admission_capacity, min_fresh_version, rollout_is_fresh, staleness
+from fleetrl.broker.server.staleness import admission_capacity, min_fresh_version, rollout_is_fresh, staleness
 from fleetrl.common import messages as m
 from tests.broker.conftest import make_state
 from tests.helpers import make_group

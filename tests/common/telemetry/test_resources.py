@@ -1,6 +1,6 @@
 """Resource metrics (common/telemetry/resources.py): this process's CPU and RSS, GPU figures through NVML only when
 NVML sees this process on a GPU (omitted otherwise, never zeros), and the aggregates the learner logs
-for the broker and the rollout fleet (broker/metrics.py)."""
+for the broker and the rollout fleet (broker/client/metrics.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import psutil
 
-from fleetrl.broker.metrics import WireStats, fleet_resources, status_metrics
+from fleetrl.broker.client.metrics import WireStats, fleet_resources, status_metrics
 from fleetrl.common import messages as m
 from fleetrl.common.telemetry.resources import MB, Nvml, ProcessResources
 
