@@ -1,16 +1,14 @@
 """The broker's ``Status`` reply as namespaced monitor metrics.
 
 ``broker/...`` are the broker's own queue, rates and staleness (and, from the socket broker's
-`WireStats`, its bytes in and out and its process's ``resource/broker/*``); ``fleet/...`` aggregate the stats the
-rollout servers send with their heartbeats. The learner logs both every step; `fleetrl status --json`
+`WireStats` in ``server/rates.py``, its bytes in and out and its process's ``resource/broker/*``); ``fleet/...``
+aggregate the stats the rollout servers send with their heartbeats. The learner logs both every step; `fleetrl status --json`
 prints them.
 """
 
 from __future__ import annotations
 
-from fleetrl.broker.server.ingest import Rate
 from fleetrl.common import messages as m
-from fleetrl.common.telemetry.resources import ProcessResources
 
 
 def status_metrics(status: m.Status) -> dict[str, float]:
@@ -79,25 +77,3 @@ def fleet_resources(stats: list[dict[str, float]]) -> dict[str, float]:
     if loads:
         out["fleet/weights_load_mb_per_s_min"] = min(loads)
     return out
-
-
-class WireStats:
-    """Bytes the broker received and sent (request payloads; replies and announcements), and its process."""
-
-    def __init__(self) -> None:
-        self.bytes_in = self.bytes_out = 0
-        self.rate_in, self.rate_out = Rate(), Rate()
-        self.resources = ProcessResources("resource/broker")
-
-    def received(self, n: int, now: float) -> None:
-        self.bytes_in += n
-        self.rate_in.add(now, n)
-
-    def sent(self, n: int, now: float) -> None:
-        self.bytes_out += n
-        self.rate_out.add(now, n)
-
-    def stats(self, now: float) -> dict[str, float]:
-        return {"broker/bytes_in": float(self.bytes_in), "broker/bytes_out": float(self.bytes_out),
-                "broker/bytes_in_per_s": self.rate_in.per_s(now), "broker/bytes_out_per_s": self.rate_out.per_s(now),
-                **self.resources.sample()}

@@ -23,22 +23,32 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections import Counter
+from typing import Callable
 
 from fleetrl.broker.server import spool as sp
-from fleetrl.broker.server.queue import VersionRanges
+from fleetrl.broker.server.journal import Journal
+from fleetrl.broker.server.queue import GroupQueue, VersionRanges
+from fleetrl.broker.server.staleness import MeasuredCapacity
 from fleetrl.common import messages as m
+from fleetrl.common.config.schema import JobConfig
 
-if TYPE_CHECKING:
-    from fleetrl.broker.server.state import BrokerState
+# drop(group ids, counter, requeue their prompts, records spooled in the same write): BrokerState.drop
+Drop = Callable[[list[str], str, bool, list[sp.Record]], None]
 
 log = logging.getLogger("fleetrl.broker.server.state")
 SECRET_ROLES = (None, "rollout")  # who is given a broadcast round's secret (None: a trusted in-process caller)
 
 
 class Controls:
-    def __init__(self, state: "BrokerState"):
-        self.s = state
+    """Versions, pauses, stops and discards: the queue (what a discard drops), the journal, the announcements."""
+
+    def __init__(self, cfg: JobConfig, q: GroupQueue, journal: Journal, drop: Drop,
+                 announcements: list[tuple[bytes, m.Message]], measured: MeasuredCapacity | None,
+                 counters: Counter[str], rejected: Counter[str], wall: Callable[[], float]):
+        self.bcfg, self.max_clock_skew_s = cfg.broker, cfg.sync.max_clock_skew_s
+        self.q, self.journal, self.drop, self.announcements = q, journal, drop, announcements
+        self.measured, self.counters, self.rejected, self.wall = measured, counters, rejected, wall
         self.version, self.version_step, self.weights = 0, 0, m.WeightsInfo()
         self.version_known = False
         self.operator_paused = False
@@ -71,33 +81,31 @@ class Controls:
 
     # ----------------------------------------------------------------------------- versions
     def publish(self, req: m.PublishVersion) -> m.Message:
-        s = self.s
         problem = self._check_publish(req)
         if problem:
-            s.rejected["bad_version"] += 1
+            self.rejected["bad_version"] += 1
             return m.Error(req_id=req.req_id, code="bad_request", reason=problem)
-        stamped = max(s.wall(), self.weights.published_at + 1e-6)
+        stamped = max(self.wall(), self.weights.published_at + 1e-6)
         weights = m.WeightsInfo(**{**{f: getattr(req.weights, f) for f in m.WeightsInfo.__struct_fields__},
                                    "published_at": stamped})
-        s._log([sp.VersionSet(req.version, req.step, weights)])
+        self.journal.write([sp.VersionSet(req.version, req.step, weights)])
         if req.version < self.version:
-            s.counters["version_rewinds"] += 1
+            self.counters["version_rewinds"] += 1
             log.warning("policy version goes back from %d to %d (learner resumed or rolled back)", self.version, req.version)
         self.version, self.version_step, self.weights, self.version_known = req.version, req.step, weights, True
-        if s.measured is not None:
-            s.measured.published(req.version)
-        s.announcements.append((m.TOPIC_VERSION, m.VersionAnnouncement(version=req.version, step=req.step, weights=weights)))
+        if self.measured is not None:
+            self.measured.published(req.version)
+        self.announcements.append((m.TOPIC_VERSION, m.VersionAnnouncement(version=req.version, step=req.step, weights=weights)))
         return m.Ack(req_id=req.req_id, ref=str(req.version))
 
     def _check_publish(self, req: m.PublishVersion) -> str | None:
-        s = self.s
         if not 0 <= req.version <= m.MAX_POLICY_VERSION:
             return f"policy version {req.version} is outside [0, {m.MAX_POLICY_VERSION}]"
-        if self.version_known and req.version > self.version + s.bcfg.max_version_jump:
-            return (f"policy version {req.version} jumps more than broker.max_version_jump={s.bcfg.max_version_jump} "
+        if self.version_known and req.version > self.version + self.bcfg.max_version_jump:
+            return (f"policy version {req.version} jumps more than broker.max_version_jump={self.bcfg.max_version_jump} "
                     f"past the current version {self.version}")
-        skew = s.cfg.sync.max_clock_skew_s
-        if req.weights.published_at > s.wall() + skew:
+        skew = self.max_clock_skew_s
+        if req.weights.published_at > self.wall() + skew:
             return (f"published_at {req.weights.published_at:.0f} lies more than sync.max_clock_skew_s={skew:g} s in "
                     "the broker's future; fix the learner machine's clock")
         return None
@@ -105,7 +113,6 @@ class Controls:
     # ----------------------------------------------------------------------------- control
     def control(self, req: m.Control, role: str | None) -> m.Message:
         """Apply one Control (``role`` None: a trusted caller, treated as an operator)."""
-        s = self.s
         count = 0
         if req.action == "discard":
             if req.min_version < 0 or req.max_version < 0:
@@ -129,7 +136,7 @@ class Controls:
             self.pause_holds.clear()
         elif req.action == "stop":
             self.stopping = True
-        s.announcements.append((m.TOPIC_CONTROL, m.ControlAnnouncement(
+        self.announcements.append((m.TOPIC_CONTROL, m.ControlAnnouncement(
             action=req.action, reason=req.reason, min_version=req.min_version, max_version=req.max_version)))
         log.info("control %s from %s (%s)%s", req.action, req.client_id, req.reason, f": {count} groups discarded" if count else "")
         return m.Ack(req_id=req.req_id, ref=req.action, count=count)
@@ -141,10 +148,9 @@ class Controls:
             self.pause_holds.pop(req.client_id, None)
 
     def _discard(self, lo: int, hi: int, provisional: bool = False) -> int:
-        s = self.s
         doomed_range = VersionRanges([(lo, hi)])  # any token from [lo, hi], not only the oldest
-        doomed = [gid for gid in s.q.queue if gid in s.q.queued and doomed_range.touches(s.q.groups[gid])]
-        s.drop(doomed, "discarded", requeue_prompts=True, also=[sp.VersionsDiscarded(lo, hi)])
+        doomed = [gid for gid in self.q.queue if gid in self.q.queued and doomed_range.touches(self.q.groups[gid])]
+        self.drop(doomed, "discarded", True, [sp.VersionsDiscarded(lo, hi)])
         self.discarded.add(lo, hi)
         if provisional:
             self.provisional += 1
@@ -155,7 +161,7 @@ class Controls:
     def _lift_provisional(self) -> None:
         """An operator's resume: the ranges discarded during its pause are lifted (spooled as the set that stays)."""
         kept = self.kept_discards.ranges()
-        self.s._log([sp.DiscardsSet(kept)])
+        self.journal.write([sp.DiscardsSet(kept)])
         log.warning("resume lifts the %d version range(s) discarded during the operator's pause; still discarded: %s",
                     self.provisional, kept or "none")
         self.discarded, self.provisional = VersionRanges(kept), 0

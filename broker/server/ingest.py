@@ -15,38 +15,20 @@ spool write leaves no trace:
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from fleetrl.broker.server import spool as sp
+from fleetrl.broker.server.admission import Admission
 from fleetrl.broker.server.client_table import ClientState
+from fleetrl.broker.server.control import Controls
+from fleetrl.broker.server.journal import Journal
+from fleetrl.broker.server.prompts import PromptSource
+from fleetrl.broker.server.queue import GroupQueue
+from fleetrl.broker.server.rates import Rate
 from fleetrl.broker.server.staleness import min_fresh_version
 from fleetrl.common import messages as m
-
-if TYPE_CHECKING:
-    from fleetrl.broker.server.state import BrokerState
-
-
-class Rate:
-    """Events per second over a sliding window of one-second buckets."""
-
-    def __init__(self, window_s: int = 10):
-        self.window_s = window_s
-        self.buckets: deque[list[float]] = deque()
-
-    def add(self, now: float, n: int = 1) -> None:
-        sec = int(now)
-        if self.buckets and self.buckets[-1][0] == sec:
-            self.buckets[-1][1] += n
-        else:
-            self.buckets.append([sec, n])
-        while self.buckets and self.buckets[0][0] <= sec - self.window_s:
-            self.buckets.popleft()
-
-    def per_s(self, now: float) -> float:
-        horizon = int(now) - self.window_s
-        return sum(n for s, n in self.buckets if s > horizon) / self.window_s
+from fleetrl.common.config.schema import JobConfig
 
 
 @dataclass
@@ -58,8 +40,13 @@ class Verdict:
 
 
 class Ingest:
-    def __init__(self, state: "BrokerState"):
-        self.s = state
+    """Pushed groups in: the queue, the prompt leases they answer, the journal, admission and the versions."""
+
+    def __init__(self, cfg: JobConfig, vocab_size: int, q: GroupQueue, prompts: PromptSource, journal: Journal,
+                 admission: Admission, controls: Controls, counters: Counter[str], rejected: Counter[str]):
+        self.bcfg, self.group_size, self.vocab_size = cfg.broker, cfg.rollout.group_size, vocab_size
+        self.q, self.prompts, self.journal, self.admission, self.controls = q, prompts, journal, admission, controls
+        self.counters, self.rejected = counters, rejected
         self.rate_in = Rate()
 
     def push(self, groups: list[m.SampleGroup], client: ClientState, now: float) -> list[tuple[str, str]]:
@@ -67,57 +54,57 @@ class Ingest:
         verdicts = self._judge(groups)
         kept = [v for v in verdicts if v.status in ("accepted", "stale")]
         try:
-            if self.s.spool is not None:
-                self.s._log(self._records(kept))
+            if self.journal.enabled:
+                self.journal.write(self._records(kept))
         except ValueError:  # some group cannot be encoded: find it, write the others one by one
             for v in kept:
                 try:
-                    self.s._log(self._records([v]))
+                    self.journal.write(self._records([v]))
                 except ValueError as e:
                     v.status, v.reason = "rejected", f"group {v.group.group_id}: {e}"
-                    self.s.rejected["invalid_group"] += 1
+                    self.rejected["invalid_group"] += 1
         for v in verdicts:
             if v.status in ("accepted", "stale"):
                 self._apply(v, client, now)
             elif v.status == "duplicate":
-                self.s.counters["duplicates"] += 1
+                self.counters["duplicates"] += 1
             elif v.status == "throttled":
-                self.s.counters["push_throttled"] += 1
+                self.counters["push_throttled"] += 1
         return [(v.status, v.reason) for v in verdicts]
 
     def _judge(self, groups: list[m.SampleGroup]) -> list[Verdict]:
-        s, bcfg = self.s, self.s.bcfg
-        max_version = s.version + bcfg.version_slack if s.controls.version_known else None
-        oldest = min_fresh_version(s.version, bcfg.max_staleness)
-        held, load, seen = len(s.q.groups), s.load(), set()
-        group_size, answering = s.cfg.rollout.group_size, Counter()  # samples per prompt id in this frame
+        bcfg, version, adm = self.bcfg, self.controls.version, self.admission
+        max_version = version + bcfg.version_slack if self.controls.version_known else None
+        oldest = min_fresh_version(version, bcfg.max_staleness)
+        held, load, seen = len(self.q.groups), adm.load(), set()
+        group_size, answering = self.group_size, Counter[str]()  # samples per prompt id in this frame
         out = []
         for g in groups:
-            if s.q.knows(g.group_id) or g.group_id in seen:
+            if self.q.knows(g.group_id) or g.group_id in seen:
                 out.append(Verdict(g, "duplicate"))
                 continue
-            problem = m.check_group(g, s.vocab_size, max_abs_reward=bcfg.max_abs_reward, max_version=max_version)
-            leased = s.prompts.known(g.prompt_id)
+            problem = m.check_group(g, self.vocab_size, max_abs_reward=bcfg.max_abs_reward, max_version=max_version)
+            leased = self.prompts.known(g.prompt_id)
             if problem is None and not leased and not bcfg.accept_unleased:
                 problem = (f"group {g.group_id} answers prompt {g.prompt_id!r}, which this broker never leased; "
                            "push groups for leased prompts (or set broker.accept_unleased=true for imports)")
             if problem:
-                s.rejected["invalid_group"] += 1
+                self.rejected["invalid_group"] += 1
                 out.append(Verdict(g, "rejected", problem))
                 continue
             n = len(g.rewards)
-            if leased and not s.prompts.room(g.prompt_id, answering[g.prompt_id] + n, group_size):
-                s.rejected["prompt_overanswered"] += 1
+            if leased and not self.prompts.room(g.prompt_id, answering[g.prompt_id] + n, group_size):
+                self.rejected["prompt_overanswered"] += 1
                 out.append(Verdict(g, "rejected", (
                     f"group {g.group_id}: prompt {g.prompt_id!r} has had its {group_size} samples (rollout.group_size) "
                     "for each time it was handed out; push one group per leased prompt")))
                 continue
-            if held >= s.max_held or (not leased and load >= s.capacity):
-                out.append(Verdict(g, "throttled", f"the broker holds {held} groups (capacity {s.capacity}, at most "
-                                                   f"broker.max_held_groups={s.max_held}); push again later"))
+            if held >= adm.max_held or (not leased and load >= adm.capacity):
+                out.append(Verdict(g, "throttled", f"the broker holds {held} groups (capacity {adm.capacity}, at most "
+                                                   f"broker.max_held_groups={adm.max_held}); push again later"))
                 continue
             seen.add(g.group_id)
-            if s.controls.discarded.touches(g):
+            if self.controls.discarded.touches(g):
                 out.append(Verdict(g, "stale", f"policy versions of group {g.group_id} (oldest {g.policy_version}) "
                                                "were rolled back by the learner",
                                    "discarded"))
@@ -142,22 +129,22 @@ class Ingest:
         return recs
 
     def _requeued_prompt(self, v: Verdict) -> m.Prompt | None:
-        requeue = v.drop == "discarded" or self.s.bcfg.requeue_stale
-        return self.s.prompts.lookup(v.group.prompt_id) if requeue else None
+        requeue = v.drop == "discarded" or self.bcfg.requeue_stale
+        return self.prompts.lookup(v.group.prompt_id) if requeue else None
 
     def _apply(self, v: Verdict, client: ClientState, now: float) -> None:
-        s, g = self.s, v.group
-        s.prompts.fulfil(g.prompt_id)
-        s.prompts.answered(g.prompt_id, len(g.rewards))
-        s.q.remember(g.group_id)
-        s.counters["groups_in"] += 1
+        g = v.group
+        self.prompts.fulfil(g.prompt_id)
+        self.prompts.answered(g.prompt_id, len(g.rewards))
+        self.q.remember(g.group_id)
+        self.counters["groups_in"] += 1
         client.groups_pushed += 1
         self.rate_in.add(now)
         if v.status == "accepted":
-            s.q.groups[g.group_id] = g
-            s.q.enqueue(g.group_id)
+            self.q.groups[g.group_id] = g
+            self.q.enqueue(g.group_id)
             return
-        s.counters[v.drop] += 1
+        self.counters[v.drop] += 1
         p = self._requeued_prompt(v)
         if p is not None:
-            s.prompts.requeue(p)
+            self.prompts.requeue(p)

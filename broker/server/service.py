@@ -31,7 +31,7 @@ import zmq.auth
 from fleetrl.broker.security import auth
 from fleetrl.broker.security.audit import AuditLog
 from fleetrl.broker.security.guard import Guard
-from fleetrl.broker.client.metrics import WireStats
+from fleetrl.broker.server.rates import WireStats
 from fleetrl.broker.server.prompts import PromptSource, rows_to_prompts
 from fleetrl.broker.server.spool import Spool
 from fleetrl.broker.server.state import BrokerState

@@ -8,9 +8,12 @@ acknowledged until it is consumed for good, dropped as stale, or discarded — a
 transition is written to the spool *before* the state changes, so a write that fails (a full disk)
 leaves no trace and is answered ``unavailable``.
 
-Composition: ``self.q`` (GroupQueue: groups, queue, de-duplication), ``self.batches`` (BatchLeases:
-the learner side), ``self.prompts`` (PromptSource: the rollout side's leases), ``self.clients``
-(ClientTable); ingest is in ``ingest.py``, controls and versions in ``control.py``.
+Composition: ``self.q`` (GroupQueue: groups, queue, de-duplication), ``self.journal`` (Journal: the
+spool, written before every change), ``self.batches`` (BatchLeases: the learner side), ``self.prompts``
+(PromptSource: the rollout side's leases), ``self.clients`` (ClientTable), ``self.admission``
+(Admission: capacity and load); ingest is in ``ingest.py``, controls and versions in ``control.py``.
+Each piece is handed only the others it needs (ingest: the queue, prompts, journal, admission and
+controls), never the state itself.
 """
 
 from __future__ import annotations
@@ -24,13 +27,16 @@ from typing import Any, Callable
 from fleetrl.broker.server import spool as sp
 from fleetrl.broker.security.auth import Principal
 from fleetrl.broker.server.client_table import ClientState, ClientTable, receivers_error
+from fleetrl.broker.server.admission import Admission
 from fleetrl.broker.server.control import Controls
-from fleetrl.broker.server.ingest import Ingest, Rate
+from fleetrl.broker.server.ingest import Ingest
+from fleetrl.broker.server.rates import Rate
+from fleetrl.broker.server.journal import Journal
 from fleetrl.broker.server.leases import BatchLeases, Unauthorized
 from fleetrl.broker.security.permissions import REGISTRATION_FREE, authorize
 from fleetrl.broker.server.prompts import PromptSource
 from fleetrl.broker.server.queue import GroupQueue
-from fleetrl.broker.server.staleness import MeasuredCapacity, admission_capacity, min_fresh_version, rollout_is_fresh, staleness
+from fleetrl.broker.server.staleness import min_fresh_version, rollout_is_fresh, staleness
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import JobConfig
 
@@ -48,11 +54,6 @@ class BrokerState:
         self.prompts, self.vocab_size, self.spool, self.audit, self.wall = prompts, vocab_size, spool, audit, wall
         self.broker_id = broker_id or uuid.uuid4().hex[:12]
         self.started = clock()
-        static = admission_capacity(cfg.learner.groups_per_step, cfg.sync.interval, self.bcfg.max_staleness)
-        self.measured = (MeasuredCapacity(cfg.learner.groups_per_step * cfg.sync.interval, self.bcfg.max_staleness)
-                         if self.bcfg.queue_capacity is None and self.bcfg.admission == "measured" else None)
-        self.fixed_capacity = self.bcfg.queue_capacity or static
-        self.max_held = self.bcfg.max_held_groups or max(16 * self.fixed_capacity * (8 if self.measured else 1), 10_000)
         self.counters: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
         self.staleness_hist: Counter[int] = Counter()
@@ -60,12 +61,15 @@ class BrokerState:
         self.status_stats: Callable[[float], dict[str, float]] = lambda now: {}  # the server's wire and process stats
         self.pub_port = 0  # set by the server once the PUB socket is bound
         self.announcements: list[tuple[bytes, m.Message]] = []  # to publish after this request
-        self.spool_failing = ""  # the error while the spool cannot be written ("" = fine)
         self.q = GroupQueue()
-        self.batches = BatchLeases(self.bcfg, self.q, self._log, self.counters)
+        self.journal = Journal(spool, self.counters, self._audit_event)
+        self.batches = BatchLeases(self.bcfg, self.q, self.journal.write, self.counters)
         self.clients = ClientTable(self.bcfg)
-        self.controls = Controls(self)
-        self.ingest = Ingest(self)
+        self.admission = Admission(cfg, self.q, prompts, self.batches)
+        self.controls = Controls(cfg, self.q, self.journal, self.drop, self.announcements, self.admission.measured,
+                                 self.counters, self.rejected, wall)
+        self.ingest = Ingest(cfg, vocab_size, self.q, prompts, self.journal, self.admission, self.controls,
+                             self.counters, self.rejected)
         self.recovery: dict[str, int] = {}
         self.learner_done = ""  # why the learner finished ("" = training goes on); a learner registering clears it
         if spool is not None:
@@ -81,35 +85,14 @@ class BrokerState:
     paused = property(lambda self: self.controls.paused)
     discarded_versions = property(lambda self: self.controls.discarded.ranges())
 
-    @property
-    def capacity(self) -> int:
-        """Most groups queued + generating + training (broker.queue_capacity, else measured or static)."""
-        return self.measured.capacity if self.measured is not None else self.fixed_capacity
+    measured = property(lambda self: self.admission.measured)
+    capacity = property(lambda self: self.admission.capacity)
 
     def load(self) -> int:
         """Groups queued, being generated, or being trained: what admission control bounds."""
-        return len(self.q) + self.prompts.leased + self.batches.in_flight
+        return self.admission.load()
 
     # ------------------------------------------------------------------ spool
-    def _log(self, records: list[sp.Record]) -> None:
-        """Write ``records`` before the change they describe; raises SpoolUnavailable (nothing changed)."""
-        if self.spool is None or not records:
-            return
-        try:
-            self.spool.write(records)
-        except sp.SpoolUnavailable as e:
-            self.counters["spool_unavailable"] += 1
-            if not self.spool_failing:
-                log.error("ALERT: the spool at %s cannot be written (%s); pushes and leases are answered `unavailable` "
-                          "until it can, and serving resumes by itself when space returns", self.spool.dir, e)
-                self._audit_event({"event": "spool_unavailable", "error": str(e)})
-            self.spool_failing = str(e)
-            raise
-        if self.spool_failing:
-            log.warning("the spool at %s is writable again; serving normally", self.spool.dir)
-            self._audit_event({"event": "spool_writable"})
-            self.spool_failing = ""
-
     def _recover(self, rec: sp.Recovered) -> None:
         acked = {gid for entries in rec.uncommitted.values() for _, gid in entries}
         self.q.groups = dict(rec.groups)
@@ -277,7 +260,7 @@ class BrokerState:
                                reason=f"all {self.prompts.epochs} epoch(s) of the prompt set were served; raise data.epochs")
             return m.Throttle(req_id=req.req_id, retry_after_s=1.0, reason="waiting for leased prompts to come back")
         try:
-            self._log([sp.PromptsLeased(prompts, self.prompts.epoch, self.prompts.pos)])
+            self.journal.write([sp.PromptsLeased(prompts, self.prompts.epoch, self.prompts.pos)])
         except sp.SpoolUnavailable:
             self.prompts.untake(mark, prompts)
             raise
@@ -319,7 +302,7 @@ class BrokerState:
                 self.prompts.fulfil(pid)
             self.counters["prompts_unscored"] += len(returned)
             return m.Ack(req_id=req.req_id, ref=req.lease_id, count=len(returned))
-        self._log([sp.PromptsRequeued([lease.prompts[i] for i in ids if i in lease.prompts])])
+        self.journal.write([sp.PromptsRequeued([lease.prompts[i] for i in ids if i in lease.prompts])])
         n = self.prompts.give_back(req.lease_id, ids)
         return m.Ack(req_id=req.req_id, ref=req.lease_id, count=n)
 
@@ -346,7 +329,7 @@ class BrokerState:
         """Forget groups for good, maybe re-issuing their prompts; spooled first, with ``also`` in the same write."""
         prompts = [p for gid in gids if requeue_prompts and (g := self.q.groups.get(gid)) is not None
                    and (p := self.prompts.lookup(g.prompt_id)) is not None]
-        self._log(list(also or []) + ([sp.GroupsDone(gids)] if gids else []) + ([sp.PromptsRequeued(prompts)] if prompts else []))
+        self.journal.write(list(also or []) + ([sp.GroupsDone(gids)] if gids else []) + ([sp.PromptsRequeued(prompts)] if prompts else []))
         self.q.forget(gids)
         self.counters[reason] += len(gids)
         for p in prompts:
@@ -450,7 +433,7 @@ class BrokerState:
         if not expired:
             return 0
         try:
-            self._log([sp.PromptsRequeued([p for lid in expired for p in self.prompts.leases[lid].prompts.values()])])
+            self.journal.write([sp.PromptsRequeued([p for lid in expired for p in self.prompts.leases[lid].prompts.values()])])
         except sp.SpoolUnavailable:
             return 0  # retried on the next tick
         reissued = sum(self.prompts.give_back(lid) for lid in expired)

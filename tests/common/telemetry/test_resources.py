@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import psutil
 
-from fleetrl.broker.client.metrics import WireStats, fleet_resources, status_metrics
+from fleetrl.broker.client.metrics import fleet_resources, status_metrics
+from fleetrl.broker.server.rates import WireStats
 from fleetrl.common import messages as m
 from fleetrl.common.telemetry.resources import MB, Nvml, ProcessResources
 
