@@ -85,7 +85,7 @@ class Learner:
         self.evaluator = objective.evaluator
         self.ckpt = Checkpointer(cfg, run_dir, dist.rank)
         self.monitor = Monitor.for_run(run_dir, dist.rank, cfg=cfg)
-        from fleetrl.learner.weights import WeightPublisher
+        from fleetrl.common.weightsync.sender.publisher import WeightPublisher
 
         specs = lora_param_specs(self.module) if self.lora else param_specs(self.module)  # the base model's names
         self.publisher = WeightPublisher(cfg, run_dir, dist.rank, specs) if self.fleet else None

@@ -21,7 +21,7 @@ from fleetrl.common.config.schema import JobConfig
 from fleetrl.rollout.tracing import trace_load
 
 if TYPE_CHECKING:
-    from fleetrl.rollout.weights import WeightReceiver
+    from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
 
 log = logging.getLogger("fleetrl.rollout")
 

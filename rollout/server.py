@@ -54,7 +54,7 @@ from fleetrl.rollout.rewards.scorer import RewardScorer, RewardsHopeless
 from fleetrl.rollout.tracing import LeaseTrace
 
 if TYPE_CHECKING:
-    from fleetrl.rollout.weights import WeightReceiver
+    from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
 
 log = logging.getLogger("fleetrl.rollout")
 

@@ -243,7 +243,7 @@ class Engine(abc.ABC):
 
     def weight_receiver(self, cfg: JobConfig, device: str, client_id: str) -> Any:
         """What receives announced versions for this engine: an in-process `WeightReceiver`."""
-        from fleetrl.rollout.weights import WeightReceiver
+        from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
 
         return WeightReceiver(cfg, self.param_specs(), device, client_id)
 

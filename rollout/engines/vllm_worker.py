@@ -5,7 +5,7 @@ process that owns the model (the engine-core process on CPU, one process per GPU
 module must be importable there (fleetrl installed, or on ``PYTHONPATH``). The rollout server calls
 its ``fleetrl_*`` methods through ``collective_rpc`` with control messages only.
 
-Each worker runs the rollout's own `fleetrl.rollout.weights.WeightReceiver`, unchanged: the same
+Each worker runs the rollout's own `fleetrl.common.weightsync.receiver.receiver.WeightReceiver`, unchanged: the same
 round protocol (join through the learner's TCPStore, form or reuse the group, receive every bucket
 into flat buffers on the worker's device, NCCL on GPU, gloo on CPU) in a background thread while
 generation goes on, and the same filesystem path. Only the destination differs: `WorkerLoader`
@@ -99,7 +99,7 @@ class FleetrlWorkerExtension:
         import msgspec
 
         from fleetrl.common.config.schema import JobConfig
-        from fleetrl.rollout.weights import WeightReceiver
+        from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
 
         cfg = msgspec.json.decode(cfg_json, type=JobConfig)
         self.fleetrl_close()  # a receiver built earlier (a second engine.weight_receiver call) stops

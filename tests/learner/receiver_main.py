@@ -26,7 +26,7 @@ def main() -> int:
 
     from fleetrl.broker.client.sync import ZmqBrokerClient
     from fleetrl.common.config import load_config
-    from fleetrl.rollout.weights import WeightReceiver
+    from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
 
     torch.set_num_threads(1)
     cfg = load_config(args.config)

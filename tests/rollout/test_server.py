@@ -30,7 +30,7 @@ from fleetrl.rollout.engines import SamplingParams, create_engine
 from fleetrl.rollout.loop import encode_prompt
 from fleetrl.rollout.rewards import RewardInput, RewardScorer
 from fleetrl.rollout.server import RolloutServer, broker_address
-from fleetrl.rollout.weights import WeightReceiver
+from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
 from tests.broker.conftest import make_state
 from tests.helpers import BrokerProcess, write_job
 

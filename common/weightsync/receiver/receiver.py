@@ -39,7 +39,7 @@ from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import JobConfig, SyncConfig
 from fleetrl.common.plugins.registry import Registry
 from fleetrl.rollout.engines.base import Engine, ParamSpec
-from fleetrl.rollout.rounds import Joined, RoundSkipped, receive_round, request_catchup
+from fleetrl.common.weightsync.receiver.broadcast import Joined, RoundSkipped, receive_round, request_catchup
 
 log = logging.getLogger(__name__)
 

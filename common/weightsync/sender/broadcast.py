@@ -39,7 +39,7 @@ from fleetrl.common import chaos, messages
 from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import SyncConfig
 
-log = logging.getLogger("fleetrl.learner.weights")
+log = logging.getLogger("fleetrl.common.weightsync.sender.publisher")
 
 Announce = Callable[[messages.WeightsInfo], None]
 Tensors = Iterator[tuple[messages.ParamSpec, torch.Tensor]]

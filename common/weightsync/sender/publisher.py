@@ -34,7 +34,7 @@ from fleetrl.common.telemetry import tracing
 from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import JobConfig, SyncConfig
 from fleetrl.common.plugins.registry import Registry
-from fleetrl.learner.broadcast import Announce, BroadcastSender, Sent, Tensors
+from fleetrl.common.weightsync.sender.broadcast import Announce, BroadcastSender, Sent, Tensors
 
 log = logging.getLogger(__name__)
 
@@ -160,4 +160,4 @@ class FileSender:
 
 # ------------------------------------------------------------------------------- broadcast
 
-SENDERS.register("gloo", "nccl")(BroadcastSender)  # learner/broadcast.py
+SENDERS.register("gloo", "nccl")(BroadcastSender)  # common/weightsync/sender/broadcast.py

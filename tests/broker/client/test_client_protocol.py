@@ -43,8 +43,8 @@ def test_the_sync_client_has_no_attribute_proxy():
 
 
 def test_receivers_mirror_the_senders():
-    from fleetrl.learner.weights import SENDERS
-    from fleetrl.rollout.weights import RECEIVERS
+    from fleetrl.common.weightsync.sender.publisher import SENDERS
+    from fleetrl.common.weightsync.receiver.receiver import RECEIVERS
 
     assert RECEIVERS.names() == SENDERS.names() == ["filesystem", "gloo", "nccl"]
 

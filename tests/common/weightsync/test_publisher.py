@@ -1,5 +1,5 @@
 """The learner side of weight sync: the bucket plan, the filesystem publisher, ranks that only consume,
-and a broadcast round nobody joins. Rounds with real receivers are in tests/rollout/test_weights.py."""
+and a broadcast round nobody joins. Rounds with real receivers are in tests/common/weightsync/test_receiver.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from fleetrl.common import weightsync as ws
 from fleetrl.common.messages import ParamSpec, WeightsInfo
 from fleetrl.common.config.schema import JobConfig, SyncConfig
-from fleetrl.learner.weights import WeightPublisher
+from fleetrl.common.weightsync.sender.publisher import WeightPublisher
 
 MB = ws.MB
 

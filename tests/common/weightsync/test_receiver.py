@@ -1,6 +1,6 @@
 """Weight sync end to end on CPU: a learner-side `WeightPublisher` here, `WeightReceiver`s driving real
 engines, over files and over gloo. The gloo receivers of the last tests run in processes of their own
-(tests/rollout/weights_child.py), started by spawn and stopped by their handles / PIDs only."""
+(tests/common/weightsync/weights_child.py), started by spawn and stopped by their handles / PIDs only."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from transformers import AutoModelForCausalLM
 from fleetrl.common import weightsync as ws
 from fleetrl.common.messages import VersionAnnouncement, WeightsInfo, encode
 from fleetrl.common.config.schema import JobConfig, ModelConfig, RolloutConfig, SyncConfig
-from fleetrl.learner.weights import WeightPublisher
+from fleetrl.common.weightsync.sender.publisher import WeightPublisher
 from fleetrl.rollout.engines import SamplingParams, create_engine
-from fleetrl.rollout.weights import WeightReceiver
-from tests.rollout.weights_child import PROMPTS, CaptureEngine, run_receiver
+from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
+from tests.common.weightsync.weights_child import PROMPTS, CaptureEngine, run_receiver
 
 TIMEOUT_S = 10.0
 BUCKET_S = 2.0  # sync.bucket_timeout_s of the multi-process tests
@@ -168,7 +168,7 @@ def test_gloo_rounds_in_process_late_join_and_mismatch(learner_model, tmp_path):
 
 
 def test_a_stalled_receiver_holds_the_learner_about_one_bucket_timeout(learner_model, tmp_path, monkeypatch):
-    import fleetrl.rollout.rounds as rounds
+    import fleetrl.common.weightsync.receiver.broadcast as rounds
 
     cfg = JobConfig(sync=SyncConfig(transport="gloo", timeout_s=30.0, bucket_timeout_s=1.0, bucket_mb=0.05))
     pub = WeightPublisher(cfg, tmp_path, 0, specs_of(learner_model))

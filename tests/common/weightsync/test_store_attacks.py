@@ -15,10 +15,10 @@ from torch.distributed import TCPStore
 from fleetrl.common import messages
 from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import JobConfig, SyncConfig
-from fleetrl.learner.weights import WeightPublisher
-from fleetrl.rollout import rounds
-from fleetrl.rollout.weights import WeightReceiver
-from tests.rollout.test_weights import CaptureEngine, assert_same_weights, learner_model, perturb, specs_of, wait_pending  # noqa: F401
+from fleetrl.common.weightsync.sender.publisher import WeightPublisher
+from fleetrl.common.weightsync.receiver import broadcast as rounds
+from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
+from tests.common.weightsync.test_receiver import CaptureEngine, assert_same_weights, learner_model, perturb, specs_of, wait_pending  # noqa: F401
 
 TIMEOUT_S = 10.0
 

@@ -55,7 +55,7 @@ def run_receiver(cfg, client_id, model_dir, specs, cmd_q, out_q):
     import torch
 
     from fleetrl.common.messages import decode_announcement
-    from fleetrl.rollout.weights import WeightReceiver
+    from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
 
     torch.set_num_threads(1)
     if model_dir:
@@ -75,7 +75,7 @@ def run_receiver(cfg, client_id, model_dir, specs, cmd_q, out_q):
             ann = decode_announcement(cmd[1])
             receiver.on_version(ann.version, ann.weights)
         elif cmd[0] == "stall":  # in the next round's first bucket: joined and in the group, then silent
-            import fleetrl.rollout.rounds as rounds
+            import fleetrl.common.weightsync.receiver.broadcast as rounds
 
             def stall(*_, **__):
                 out_q.put(("stalled", os.getpid()))
