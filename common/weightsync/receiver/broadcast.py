@@ -18,14 +18,16 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
-import torch
-from torch.distributed import PrefixStore
 
 from fleetrl.common import chaos, messages
 from fleetrl.common import weightsync as ws
+
+if TYPE_CHECKING:  # torch is imported where it is used: this package imports without it
+    import torch
+    from torch.distributed import PrefixStore
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,8 @@ def signed_plan(store: Any, keys: ws.RoundKeys, signer: str, deadline: float) ->
 
 def check_seal(store: Any, keys: ws.RoundKeys, i: int, buffer: Any, signer: str, timeout_s: float) -> None:
     """Raise BucketForged unless bucket ``i``'s bytes match the digest the learner signed for this round."""
+    import torch
+
     wait_key(store, keys.seal(i), time.monotonic() + timeout_s)
     try:
         seal = messages.decode_seal(store.get(keys.seal(i)))
@@ -94,6 +98,8 @@ def check_seal(store: Any, keys: ws.RoundKeys, i: int, buffer: Any, signer: str,
 def form_group(store: Any, keys: ws.RoundKeys, plan: messages.RoundPlan, identity: str, backend: str, host: str,
                timeout_s: float) -> Any:
     """The round's own process group (collectives time out after ``timeout_s``: one bucket's budget)."""
+    from torch.distributed import PrefixStore
+
     return ws.new_group(backend, PrefixStore(keys.group(plan.group), store), plan.ranks[identity], plan.size,
                         timeout_s, host)
 

@@ -29,17 +29,18 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
-
-import torch
-from torch.distributed import TCPStore
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 from fleetrl.common import messages
 from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import JobConfig, SyncConfig
 from fleetrl.common.plugins.registry import Registry
-from fleetrl.rollout.engines.base import Engine, ParamSpec
+from fleetrl.common.messages import ParamSpec
 from fleetrl.common.weightsync.receiver.broadcast import Joined, RoundSkipped, receive_round, request_catchup
+
+if TYPE_CHECKING:  # torch is imported where it is used: this package imports without it
+    import torch
+    from torch.distributed import TCPStore
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,14 @@ RETRY_FAILED_S = 30.0  # a version whose round failed here is tried again (catch
 CATCHUP_WAIT_S = ws.JOIN_WINDOW_S + 10.0  # how long a receiver waits for the learner to offer a catch-up round
 
 RECEIVERS: Registry[type] = Registry("weight transport", config_key="sync.transport")
+
+
+class WeightSink(Protocol):
+    """What a receiver loads weights into: a rollout engine (``rollout/engines/engine.py``'s ``Engine``)."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def load_weights_from_dir(self, path: str) -> None: ...
 
 
 @dataclass
@@ -121,7 +130,7 @@ class WeightReceiver:
         with self._cv:
             return self._pending.version if self._pending is not None else None
 
-    def apply(self, engine: Engine) -> int | None:
+    def apply(self, engine: WeightSink) -> int | None:
         """Load the newest complete version into ``engine``; returns it, or None if nothing is new."""
         with self._cv:
             update, self._pending = self._pending, None
@@ -139,7 +148,7 @@ class WeightReceiver:
         log.debug("loaded weight version %d in %.2fs", update.version, time.perf_counter() - t0)  # the server says it
         return update.version
 
-    def _load(self, engine: Engine, update: Update) -> bool:
+    def _load(self, engine: WeightSink, update: Update) -> bool:
         """Hand ``update`` to the engine; False when its files are gone."""
         t0 = time.perf_counter()
         if update.path:
@@ -252,6 +261,8 @@ class BroadcastReceiver:
             self._thread.join(timeout=1.0)  # a round in progress ends at its timeout; the thread is a daemon
 
     def _run(self) -> None:
+        import torch
+
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         while True:
@@ -316,6 +327,8 @@ class BroadcastReceiver:
     def _catch_up(self, store: TCPStore, missed: ws.RoundKeys, version: int, layouts, host: str,
                   deadline: float, signer: str) -> list[torch.Tensor] | None:
         """A fresh round of ``version`` from the learner's host copy (gloo, CPU buffers); None if none came."""
+        import torch
+
         tried: set[int] = set()
         for _ in range(2):
             keys = request_catchup(store, missed, version, CATCHUP_WAIT_S, tried, self._newer_queued, signer)
@@ -341,6 +354,8 @@ class BroadcastReceiver:
             return self._queued is not None or self._closed
 
     def _connect(self, addr: tuple[str, int]) -> TCPStore:
+        from torch.distributed import TCPStore
+
         if self._store is None or self._store[0] != addr:
             self._drop_group()
             store = TCPStore(addr[0], addr[1], None, False, timeout=timedelta(seconds=self.cfg.timeout_s))
@@ -349,6 +364,8 @@ class BroadcastReceiver:
 
     def _buffers(self, layouts: list[ws.BucketLayout], device: torch.device) -> list[torch.Tensor]:
         """One flat buffer per bucket; the last applied update's buffers when their layout matches."""
+        import torch
+
         with self._cv:
             spare, self._spare = self._spare, []
         if [(b.numel(), ws.dtype_name(b.dtype), b.device) for b in spare] == [(lay.numel, lay.dtype, device)
@@ -364,6 +381,8 @@ class BroadcastReceiver:
 
 def buffer_device(transport: str, device: str) -> torch.device:
     """Where received buckets land: the rollout's GPU for nccl, else CPU."""
+    import torch
+
     if transport != "nccl":
         return torch.device("cpu")
     resolved = torch.device("cuda" if device == "auto" else device)

@@ -29,20 +29,22 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import msgspec
-import torch
-from torch.distributed import PrefixStore, TCPStore
 
 from fleetrl.common import chaos, messages
 from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import SyncConfig
 
+if TYPE_CHECKING:  # torch is imported where it is used: this package imports without it
+    import torch
+    from torch.distributed import PrefixStore, TCPStore
+
 log = logging.getLogger("fleetrl.common.weightsync.sender.publisher")
 
 Announce = Callable[[messages.WeightsInfo], None]
-Tensors = Iterator[tuple[messages.ParamSpec, torch.Tensor]]
+Tensors = Iterator[tuple[messages.ParamSpec, "torch.Tensor"]]
 CATCHUP_POLL_S = 0.5
 
 
@@ -83,6 +85,8 @@ class Round:
 def bound_store(host: str, port: int, timeout_s: float) -> TCPStore:
     """A TCPStore server listening on ``host`` only (TCPStore alone binds every interface); it takes over
     the listening socket."""
+    from torch.distributed import TCPStore
+
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -97,6 +101,8 @@ class BroadcastSender:
     """Hosts the round TCPStore, forms or reuses the group, broadcasts the buckets (module docstring)."""
 
     def __init__(self, cfg: SyncConfig, run_dir: Path, plan: list[list[messages.ParamSpec]]):
+        import torch
+
         self.cfg, self.plan = cfg, plan
         self.layouts = [ws.bucket_layout(b) for b in plan]
         nccl = cfg.transport == "nccl"
@@ -128,6 +134,8 @@ class BroadcastSender:
 
     # ---------------------------------------------------------------------------------- a publish
     def send(self, version: int, step: int, tensors: Tensors, announce: Announce, expected: int) -> Sent:
+        import torch
+
         self._publishing.set()
         with self._lock:
             self._publishing.clear()
@@ -273,6 +281,8 @@ class BroadcastSender:
     def _group_for(self, store: TCPStore, keys: ws.RoundKeys, members: list[messages.JoinRecord], rnd: Round,
                    resume: int = 0, reuse_ok: bool = True) -> Group:
         """The previous group when the same members hold it, else a new one (published in the plan)."""
+        from torch.distributed import PrefixStore
+
         prev = self._group
         idents = [m.identity for m in members]
         if reuse_ok and prev is not None and set(idents) == set(prev.ranks) and all(m.group == prev.id for m in members):
@@ -376,6 +386,8 @@ class BroadcastSender:
         """The bucket's tensors copied back to back into one flat tensor. Always a copy: under ZeRO-3
         a gathered tensor's storage may be released as soon as the next one is yielded. With a host
         copy on a GPU, the bucket is also copied to its host buffer (asynchronously)."""
+        import torch
+
         dtype = getattr(torch, layout.dtype)
         on_host = self.device.type == "cpu"
         if on_host:
@@ -438,6 +450,9 @@ class BroadcastSender:
             self._catchup_round(store, keys, members, version)
 
     def _catchup_round(self, store: TCPStore, keys: ws.RoundKeys, members: list[messages.JoinRecord], version: int) -> None:
+        import torch
+        from torch.distributed import PrefixStore
+
         ranks = {mb.identity: i for i, mb in enumerate(members, start=1)}
         plan = messages.RoundPlan(group=f"c{keys.round_id}", size=len(ranks) + 1, ranks=ranks)
         self._set_plan(store, keys, plan)

@@ -25,9 +25,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from fleetrl.common import messages
 from fleetrl.common.telemetry import tracing
@@ -35,6 +33,9 @@ from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import JobConfig, SyncConfig
 from fleetrl.common.plugins.registry import Registry
 from fleetrl.common.weightsync.sender.broadcast import Announce, BroadcastSender, Sent, Tensors
+
+if TYPE_CHECKING:  # torch is imported where it is used: this package imports without it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,8 @@ class FileSender:
         self.specs = [s for bucket in plan for s in bucket]
 
     def send(self, version: int, step: int, tensors: Tensors, announce: Announce, expected: int) -> Sent:
+        import torch
+
         t0 = time.perf_counter()
         final = self.root / ws.version_dir(version)
         tmp = self.root / f".{ws.version_dir(version)}.tmp-{os.getpid()}"
