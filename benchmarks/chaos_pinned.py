@@ -5,7 +5,7 @@ spool that it was survived — or that it failed fast, naming the cause.
 
 Each scenario is a `fleetrl run` (tiny model, 2 rollout servers, gloo weight sync, spool and commits on,
 checkpoints every 4 steps, `run.restart_policy: on-failure`). The targeted process is stopped at its
-point with ``FLEETRL_PIN`` (``common/chaos.py``) and SIGKILLed there:
+point with ``FLEETRL_PIN`` (``common/faults/pins.py``) and SIGKILLed there:
 
 | scenario | pinned at | survival means |
 | --- | --- | --- |

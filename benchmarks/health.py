@@ -5,7 +5,7 @@ learner, gloo weight sync) from the demo's warm start (the ~1.2M-parameter ``sma
 `fleetrl sft --target-acc 0.25`, built once into ``--workdir`` and reused by every run), for ``--steps``
 learner steps, held-out greedy accuracy on ``--eval-n`` problems every ``--eval-interval`` steps, a
 checkpoint every ``--checkpoint-interval`` steps, and **no** ``health.*`` override: the defaults as
-shipped. A fault run sets ``FLEETRL_FAULT*`` (``common/faults.py``) so that the fault is active from
+shipped. A fault run sets ``FLEETRL_FAULT*`` (``common/faults/plan.py``) so that the fault is active from
 learner step / policy version ``--inject-at`` for ``--duration`` steps:
 
 | kind | FLEETRL_FAULT | what goes wrong |

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from fleetrl.broker.client.sync import BrokerClient
-from fleetrl.common import chaos
+from fleetrl.common import faults
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.learner.algorithms import dynamic_sampling_filter
@@ -115,7 +115,7 @@ class BrokerBatchSource:
         return [g for i, g in enumerate(groups) if i in kept_groups]
 
     def ack(self, leased: Leased, step: int) -> None:
-        chaos.pin("learner.step")  # a chaos run: trained, not acknowledged yet
+        faults.at("learner.step")  # a chaos run pins here: trained, not acknowledged yet
         for lease_id, group_ids in leased.leases:
             self.client.ack_batch(lease_id, group_ids, step)
 

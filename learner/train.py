@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -120,7 +119,7 @@ class Learner:
         with tracing.span("learner.step", tracing.ROOT, {"fleetrl.step": self.step + 1},
                             tracing.group_links(leased.groups), start_ns) as step_span:  # linked to every group
             batch = self.actor.plan(leased)
-            with injected_faults(self, self.step + 1):  # FLEETRL_FAULT (benchmarks/health.py); off by default
+            with faults.around("learner.update", learner=self, step=self.step + 1):
                 stats = self.actor.step(batch, self.version, self.pristine)
             self.pristine = False
             self.step += 1
@@ -286,27 +285,6 @@ def finite_update(stats: dict[str, float]) -> bool:
     if not ok:
         log.error("step loss or grad norm is not finite: these weights are not published to the fleet")
     return ok
-
-
-@contextlib.contextmanager
-def injected_faults(learner: "Learner", step: int):
-    """The learner's fault hooks (common/faults.py) around one update: ``lr_spike`` multiplies the LR state
-    (the scheduler's base LR too, so it stays until a checkpoint is restored), ``nan_grad`` makes every
-    gradient of the step NaN."""
-    if not faults.PLAN:
-        yield
-        return
-    factor = faults.lr_multiplier(step)
-    if factor != 1.0:
-        learner.scheduler.base_lrs = [lr * factor for lr in learner.scheduler.base_lrs]
-        for group in learner.optimizer.param_groups:
-            group["lr"] *= factor
-    hooks = faults.poison_grads(learner.module, step)
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 class JsonlLog:

@@ -32,7 +32,6 @@ class WeightApplier:
         self.cfg, self.engine, self.receiver, self.on_loaded = cfg, engine, receiver, on_loaded
         self.version = 0  # the weights the engine holds: model.path until a new version is applied
         self.stats = {"weights/pause_ms": 0.0, "weights/updates_inflight": 0.0}
-        self._faults = faults.WeightFaults()  # stale_fleet / corrupt_weights / engine_dtype: off unless injected
         self._announced: dict[int, list[dict[str, str]]] = {}  # version -> the publish spans it was announced with
         self._warned_no_receiver = False
 
@@ -54,7 +53,8 @@ class WeightApplier:
         if self.receiver is None or self.receiver.pending_version() is None:
             return None
         start_ns, t0 = time.time_ns(), time.perf_counter()
-        load = functools.partial(self._faults.wrap(self.receiver.apply, self.receiver.pending_version), self.engine)
+        load = functools.partial(faults.at("rollout.weight_load", self.receiver.apply,
+                                           pending=self.receiver.pending_version, owner=self), self.engine)
         try:
             version = self.engine.loop.call(self.engine.swap_weights(load, self.cfg.rollout.inflight_update))
         except ValueError as e:  # names, shapes or dtypes that do not fit: the engine changed nothing
@@ -69,7 +69,7 @@ class WeightApplier:
         log.info("policy version %d -> %d: new weights loaded in flight (%s, %d groups in flight, paused %.0f ms)",
                  self.version, version, self.cfg.rollout.inflight_update, in_flight, pause_ms)
         self.version = version
-        faults.note_version(version)
+        faults.at("rollout.version_loaded", version)
         self.stats["weights/pause_ms"] = pause_ms
         self.stats["weights/updates_inflight"] += 1
         self.on_loaded(version)

@@ -35,7 +35,7 @@ from fleetrl.broker.client.sync import (
     BrokerClient, BrokerError, BrokerUnavailable, SubscriptionLike, ZmqBrokerClient, client_identity, default_client_id,
     resolve_address,
 )
-from fleetrl.common import chaos, faults
+from fleetrl.common import faults
 from fleetrl.common.telemetry import tracing
 from fleetrl.common import messages as m
 from fleetrl.common.config import load_config
@@ -227,7 +227,7 @@ class RolloutServer:
         if self.paused:
             self.wait(PAUSED_POLL_S)
             return None
-        chaos.pin("rollout.idle")
+        faults.at("rollout.idle")
         try:
             reply = self.client.lease_prompts(n or self.cfg.rollout.prompts_per_batch, self.version)
         except BrokerError as e:
@@ -254,7 +254,7 @@ class RolloutServer:
         g = self.cfg.rollout.group_size
         n = g + int(self.greedy_baseline)  # the last sample of a group is the greedy baseline (remax)
         admitted = []
-        chaos.pin("rollout.generate")
+        faults.at("rollout.generate")
         for prompt in lease.prompts:
             task = self.env.task(prompt)
             key, self._next_id = self._next_id, self._next_id + 1
@@ -262,9 +262,7 @@ class RolloutServer:
             self.inflight[key] = item
             self.budget.admitted()
             for j in range(n):
-                params = self.greedy_params if j == g else self.params
-                if faults.PLAN and j != g:  # entropy_collapse (a testing aid, off by default)
-                    params = dataclasses.replace(params, temperature=faults.temperature(params.temperature, self.version))
+                params = self.greedy_params if j == g else faults.at("rollout.sampling", self.params, version=self.version)
                 episode = self.env.episode(self.engine, task, params, f"{self.client_id}/{key}/{j}",
                                            trace_carrier(trace, prompt.prompt_id))
                 future = self.engine.loop.submit(episode)

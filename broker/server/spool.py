@@ -36,7 +36,7 @@ from typing import Union
 
 import msgspec
 
-from fleetrl.common import chaos
+from fleetrl.common import faults
 from fleetrl.common.config import ConfigError
 from fleetrl.common.messages import Prompt, SampleGroup, WeightsInfo
 
@@ -346,9 +346,7 @@ class Spool:
         data = encode_records(records)
         view, start = memoryview(data), self._size
         try:
-            if "broker.spool_write" in chaos.POINTS:  # a chaos run: stop with half of the record written
-                view = view[os.write(self._fd, view[: len(view) // 2]):]
-                chaos.pin("broker.spool_write")
+            view = faults.at("broker.spool_write", view, fd=self._fd)  # a chaos run stops half-way through
             while view:
                 n = os.write(self._fd, view)
                 view = view[n:]

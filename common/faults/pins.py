@@ -3,7 +3,8 @@ there (NeMo-RL's pinned-state chaos scripts; ``benchmarks/chaos.py`` drives it).
 
     FLEETRL_PIN=rollout.broadcast FLEETRL_PIN_DIR=/tmp/pins [FLEETRL_PIN_AFTER=3] fleetrl run ...
 
-``pin(point)`` costs one set lookup unless ``FLEETRL_PIN`` (a comma list) names the point. Once the
+Production code passes the points through ``faults.at(point)`` (``points.py``); ``pin(point)`` costs one set
+lookup unless ``FLEETRL_PIN`` (a comma list) names the point. Once the
 controller has *armed* it (created ``<dir>/<point>.armed``, e.g. after the learner's 4th step), the
 ``FLEETRL_PIN_AFTER``-th time a process passes it, the first process to get there writes
 ``<dir>/<point>.pinned`` (its pid) and waits; the controller kills it and writes ``<dir>/<point>.done``,

@@ -22,7 +22,8 @@ the fleet. ``FLEETRL_FAULT_AT`` must be >= 1.
 | ``corrupt_weights`` | rollout | each weight load adds noise (``FLEETRL_FAULT_NOISE`` (0.05) x each tensor's std) while the server reports the new version: a corrupted sync (HF engine) |
 | ``engine_dtype`` | rollout | each weight load rounds the engine's weights through ``FLEETRL_FAULT_DTYPE`` (float8_e5m2) while the learner trains full precision: engine numerics (HF engine) |
 
-With ``FLEETRL_FAULT`` unset each hook costs one truthiness test. Nothing here runs in a normal job.
+Production code reaches these through the seam of ``points.py`` (``faults.at`` / ``faults.around``), never
+directly. With ``FLEETRL_FAULT`` unset each point costs one truthiness test. Nothing here runs in a normal job.
 """
 
 from __future__ import annotations

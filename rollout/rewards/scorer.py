@@ -245,7 +245,7 @@ class RewardScorer:
 
     def _finish(self, job: _Job) -> None:
         try:
-            faults.poison_scores(job.scores, [b.response for b in job.batch], as_score)  # off unless FLEETRL_FAULT
+            faults.at("rollout.scores", job.scores, responses=[b.response for b in job.batch], nan_score=as_score)
             results = [self._combine(job.scores, j) for j in range(len(job.batch))]
             self._record(job, results)
         except Exception as e:  # a bug here must reach the waiting server, not vanish in a callback

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 
-from fleetrl.common import chaos, messages
+from fleetrl.common import messages
+from fleetrl.common import faults
 from fleetrl.common import weightsync as ws
 
 if TYPE_CHECKING:  # torch is imported where it is used: this package imports without it
@@ -118,7 +119,7 @@ def receive_buckets(pg: Any, buffers: list, store: Any, keys: ws.RoundKeys, star
             e.have = i
             raise
         store.add(keys.progress(i), 1)
-        chaos.pin("rollout.broadcast")
+        faults.at("rollout.broadcast")
         if on_bucket is not None:
             on_bucket(i)
 

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import msgspec
 
-from fleetrl.common import chaos, messages
+from fleetrl.common import messages
+from fleetrl.common import faults
 from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import SyncConfig
 
@@ -320,7 +321,7 @@ class BroadcastSender:
                 self._seal(store, rnd.keys, i)
                 inflight = ws.broadcast(rnd.group.pg, flat, self.cfg.bucket_timeout_s)
                 if i == 1:
-                    chaos.pin("learner.publish")
+                    faults.at("learner.publish")
             except Exception as e:  # noqa: BLE001 - a receiver died or stalled: re-form without it
                 inflight = None
                 failed = not self._reform(store, rnd, i, e)

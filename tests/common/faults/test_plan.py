@@ -1,4 +1,4 @@
-"""Fault-injection hooks (common/faults.py): off by default, each fault active exactly where documented."""
+"""Fault-injection hooks (common/faults/plan.py): off by default, each fault active exactly where documented."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from fleetrl.common import faults
-from fleetrl.common.faults import FaultPlan
+from fleetrl.common.faults import plan as faults
+from fleetrl.common.faults.plan import FaultPlan
 from fleetrl.rollout.rewards.scorer import Failure, as_score
 
 
