@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.rollout.engines.base import Generation
+from fleetrl.rollout.engines.records import Generation
 from fleetrl.rollout.tracing import LeaseTrace
 
 

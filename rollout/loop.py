@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 from fleetrl.broker.client.sync import BrokerClient, BrokerError, BrokerUnavailable
 from fleetrl.common import messages as m
 from fleetrl.common.config import ConfigError
-from fleetrl.rollout.engines.base import Generation
+from fleetrl.rollout.engines.records import Generation
 from fleetrl.rollout.envs.base import Episode
 from fleetrl.rollout.rewards import RewardInput, RewardResult
 from fleetrl.rollout.rewards.scorer import RewardsHopeless

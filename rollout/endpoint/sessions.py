@@ -31,7 +31,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetrl.rollout.engines.base import Generation, SamplingParams
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation
 from fleetrl.rollout.envs.base import EnvFailure, EnvTimeout, Environment, Episode, Message, Task
 from fleetrl.common.chat.codec import GENERIC_EXAMPLE, ChatCodec, check_prefix_stable
 from fleetrl.rollout.envs.episode import Budget, EpisodeBuilder

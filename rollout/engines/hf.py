@@ -49,22 +49,19 @@ from fleetrl.rollout.engines.sampling import (  # noqa: F401 - draw and filter_t
     resolve_dtype,
     sample_rows,
 )
-from fleetrl.rollout.engines.base import (
-    Engine,
-    EngineLoop,
-    Generation,
+from fleetrl.rollout.engines.base import Engine
+from fleetrl.rollout.engines.event_loop import EngineLoop
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation, Request
+from fleetrl.rollout.engines.stops import eos_token_ids, find_stop, stop_window
+from fleetrl.rollout.engines.weight_files import (
     ParamSpec,
-    Request,
-    SamplingParams,
     check_named_shapes,
     check_named_tensors,
-    eos_token_ids,
-    find_stop,
     missing_weights,
     safetensors_files,
     safetensors_shapes,
     state_specs,
-    stop_window,
 )
 
 log = logging.getLogger(__name__)

@@ -40,9 +40,11 @@ from typing import Any
 
 from fleetrl.common import messages
 from fleetrl.common.config.schema import JobConfig, ModelConfig, RolloutConfig
-from fleetrl.rollout.engines.base import (
-    Engine, EngineLoop, Generation, ParamSpec, Request, SamplingParams, state_specs,
-)
+from fleetrl.rollout.engines.base import Engine
+from fleetrl.rollout.engines.event_loop import EngineLoop
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation, Request
+from fleetrl.rollout.engines.weight_files import ParamSpec, state_specs
 
 log = logging.getLogger(__name__)
 

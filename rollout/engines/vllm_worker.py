@@ -40,7 +40,7 @@ class WorkerLoader:
         self.floats |= {alias for alias, name in aliases.items() if name in self.floats}
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        from fleetrl.rollout.engines.base import check_named_tensors
+        from fleetrl.rollout.engines.weight_files import check_named_tensors
 
         named = list(named_tensors)
         check_named_tensors(named, self.shapes, self.floats, "update_weights")
@@ -49,7 +49,12 @@ class WorkerLoader:
     def load_weights_from_dir(self, path: str) -> None:
         from safetensors import safe_open
 
-        from fleetrl.rollout.engines.base import check_named_shapes, missing_weights, safetensors_files, safetensors_shapes
+        from fleetrl.rollout.engines.weight_files import (
+            check_named_shapes,
+            missing_weights,
+            safetensors_files,
+            safetensors_shapes,
+        )
 
         files = safetensors_files(path)
         shapes = safetensors_shapes(files)

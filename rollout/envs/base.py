@@ -35,7 +35,8 @@ from fleetrl.common import messages as m
 from fleetrl.common.chat.errors import EnvFailure as EnvFailure
 from fleetrl.common.chat.errors import Message as Message
 from fleetrl.common.chat.errors import TemplateMismatch as TemplateMismatch
-from fleetrl.rollout.engines.base import Generation, SamplingParams
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation
 
 if TYPE_CHECKING:
     from fleetrl.common.config.schema import JobConfig

@@ -27,7 +27,7 @@ from collections import Counter
 from concurrent.futures import Future
 from typing import Any, Sequence
 
-from fleetrl.rollout.engines.base import Generation
+from fleetrl.rollout.engines.records import Generation
 from fleetrl.rollout.envs.base import EnvStats, Episode
 from fleetrl.rollout.rewards import RewardInput, RewardResult
 

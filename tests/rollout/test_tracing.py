@@ -12,10 +12,11 @@ import pytest
 from fleetrl.common import messages as m
 from fleetrl.common.telemetry import tracing
 from fleetrl.common.config.schema import TelemetryConfig
-from fleetrl.rollout.engines.base import Generation
+from fleetrl.rollout.engines.records import Generation
 from fleetrl.rollout.loop import Batch, build_groups
 from fleetrl.rollout.rewards import RewardResult
-from fleetrl.rollout.engines.base import Request, SamplingParams
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Request
 from fleetrl.rollout.tracing import LeaseTrace, genai_attributes, trace_load
 
 

@@ -35,7 +35,6 @@ from fleetrl.common import messages
 from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import JobConfig, SyncConfig
 from fleetrl.common.plugins.registry import Registry
-from fleetrl.common.messages import ParamSpec
 from fleetrl.common.weightsync.receiver.broadcast import Joined, RoundSkipped, receive_round, request_catchup
 
 if TYPE_CHECKING:  # torch is imported where it is used: this package imports without it
@@ -51,8 +50,11 @@ CATCHUP_WAIT_S = ws.JOIN_WINDOW_S + 10.0  # how long a receiver waits for the le
 RECEIVERS: Registry[type] = Registry("weight transport", config_key="sync.transport")
 
 
+EngineSpec = tuple[str, tuple[int, ...], "torch.dtype"]  # (name, shape, dtype): an engine's param_specs()
+
+
 class WeightSink(Protocol):
-    """What a receiver loads weights into: a rollout engine (``rollout/engines/engine.py``'s ``Engine``)."""
+    """What a receiver loads weights into: a rollout engine (``rollout/engines/base.py``'s ``Engine``)."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -73,7 +75,7 @@ class Update:
 class WeightReceiver:
     receivers = 1  # weight receivers this handle stands for (the server registers the count with the broker)
 
-    def __init__(self, cfg: JobConfig, specs: list[ParamSpec], device: str, client_id: str):
+    def __init__(self, cfg: JobConfig, specs: list[EngineSpec], device: str, client_id: str):
         self.cfg = cfg.sync
         self.identity = f"{client_id}/{uuid.uuid4().hex[:8]}"
         self._cv = threading.Condition()
@@ -211,7 +213,7 @@ class FileReceiver:
 class BroadcastReceiver:
     """Rounds on a thread of their own (module docstring); ``deliver`` gets each outcome."""
 
-    def __init__(self, cfg: SyncConfig, specs: list[ParamSpec], device: str, identity: str, deliver: Callable,
+    def __init__(self, cfg: SyncConfig, specs: list[EngineSpec], device: str, identity: str, deliver: Callable,
                  count: Callable):
         self.cfg, self.identity, self.deliver, self.count = cfg, identity, deliver, count
         self.expected = {name: (tuple(shape), ws.dtype_name(dtype)) for name, shape, dtype in specs}

@@ -14,7 +14,8 @@ from fleetrl.common import messages as m
 from fleetrl.common.config import ConfigError, load_config
 from fleetrl.common.config.env import EnvType, ToolParserName
 from fleetrl.common.plugins.registry import RegistryError
-from fleetrl.rollout.engines.base import Generation, SamplingParams
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation
 from fleetrl.rollout.envs import ENVS, Episode, create_env
 from fleetrl.common.chat.codec import ChatCodec, check_prefix_stable
 from fleetrl.rollout.envs.base import TemplateMismatch
