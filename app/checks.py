@@ -40,8 +40,8 @@ from fleetrl.common.config.preflight import (
 from fleetrl.common.config.schema import JobConfig
 
 REWARD_CHECKS = "fleetrl.rollout.rewards:check_rewards"  # imported when the checks run
-REWARD_COLUMNS = "fleetrl.rollout.rewards.user:missing_columns"  # likewise
-ENV_CHECKS = ("fleetrl.rollout.envs.tool:tool_problems", "fleetrl.rollout.envs.user:user_env_problems")  # likewise
+REWARD_COLUMNS = "fleetrl.rollout.rewards.python:missing_columns"  # likewise
+ENV_CHECKS = ("fleetrl.rollout.envs.tool_env:tool_problems", "fleetrl.rollout.envs.user_env:user_env_problems")  # likewise
 
 
 def check_job(cfg: JobConfig) -> list[str]:

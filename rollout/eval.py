@@ -42,7 +42,7 @@ from fleetrl.common.data.tables import DataError, load_rows
 from fleetrl.rollout.engines import SamplingParams, create_engine
 from fleetrl.rollout.loop import check_chat_template, encode_prompt
 from fleetrl.rollout.envs import Episode, create_env
-from fleetrl.rollout.envs import groups as env_groups
+from fleetrl.rollout import group_rule as env_groups
 from fleetrl.rollout.rewards import RewardInput, RewardScorer
 
 log = logging.getLogger("fleetrl.eval")

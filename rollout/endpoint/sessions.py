@@ -17,7 +17,7 @@ token sequence, token-in/token-out:
 
 A session idle for ``rollout.openai.session_timeout_s`` (and a slot no agent took for as long) is
 closed as failed: its tokens are not trained, and its group follows the group rule
-(``rollout/envs/groups.py``). Everything here runs on the engine's event loop (one thread).
+(``rollout/group_rule.py``). Everything here runs on the engine's event loop (one thread).
 """
 
 from __future__ import annotations

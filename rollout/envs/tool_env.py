@@ -27,7 +27,7 @@ from fleetrl.common.config import ConfigError
 from fleetrl.rollout.envs.base import EnvFailure, EnvSession, EnvTimeout, Message, StepResult, Task
 from fleetrl.rollout.envs.multi import MultiTurnEnvironment, call_with_timeout
 from fleetrl.rollout.envs.parsers import TOOL_PARSERS, Parsed, ToolCall
-from fleetrl.rollout.rewards.user import load_function
+from fleetrl.rollout.rewards.python import load_function
 
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 

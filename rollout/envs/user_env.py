@@ -30,7 +30,7 @@ from typing import Any
 from fleetrl.common.config import ConfigError
 from fleetrl.rollout.envs.base import EnvSession, Message, StepResult, Task, check_messages
 from fleetrl.rollout.envs.multi import MultiTurnEnvironment, call_with_timeout
-from fleetrl.rollout.rewards.user import load_function
+from fleetrl.rollout.rewards.python import load_function
 
 
 def load_env_class(opts: Any) -> type:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fleetrl.rollout.envs import groups
+from fleetrl.rollout import group_rule as groups
 from fleetrl.rollout.envs.base import EnvStats, Episode
 
 SYS, USER, ASSIST = 1, 2, 3  # stand-ins for <|system|>, <|user|>, <|assistant|>
