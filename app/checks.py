@@ -15,7 +15,7 @@ did-you-mean). It returns one line per problem, each naming the key and the fix:
   reset/step and takes its args;
 - ``rollout.rewards``: each reward's arguments, a ``python`` function importable with a signature
   that fits, a reward model directory that exists (through ``fleetrl.rollout.rewards``, imported
-  only when the checks run — ``common`` names components, it does not import them at import time);
+  only when the checks run, so that `fleetrl --help` stays light);
 - the telemetry sinks' libraries, the CURVE key files, ``checkpoint.resume``, and the eval threshold.
 
 Nothing here loads a model or a whole data set.
@@ -23,7 +23,6 @@ Nothing here loads a model or a whole data set.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import json
 import os
@@ -39,9 +38,6 @@ from fleetrl.common.config.preflight import (
 )
 from fleetrl.common.config.schema import JobConfig
 
-REWARD_CHECKS = "fleetrl.rollout.rewards:check_rewards"  # imported when the checks run
-REWARD_COLUMNS = "fleetrl.rollout.rewards.python:missing_columns"  # likewise
-ENV_CHECKS = ("fleetrl.rollout.envs.tool_env:tool_problems", "fleetrl.rollout.envs.user_env:user_env_problems")  # likewise
 
 
 def check_job(cfg: JobConfig) -> list[str]:
@@ -158,8 +154,9 @@ def check_data(cfg: JobConfig) -> list[str]:
 def check_rewards(cfg: JobConfig) -> list[str]:
     if not cfg.needs_fleet:
         return []
-    module, _, name = REWARD_CHECKS.partition(":")
-    problems: list[str] = getattr(importlib.import_module(module), name)(cfg.rollout.rewards)
+    from fleetrl.rollout.rewards import check_rewards as reward_problems  # the rollout, only when the checks run
+
+    problems: list[str] = reward_problems(cfg.rollout.rewards)
     if not problems:
         problems += reward_column_problems(cfg)
     if cfg.run.eval_interval and cfg.data.eval and cfg.run.eval_success is None:
@@ -175,11 +172,10 @@ def check_env(cfg: JobConfig) -> list[str]:
     class (`type: user`) imports, has reset/step and takes rollout.env.user.args."""
     if not cfg.needs_fleet:
         return []
-    problems: list[str] = []
-    for ref in ENV_CHECKS:
-        module, _, name = ref.partition(":")
-        problems += getattr(importlib.import_module(module), name)(cfg)
-    return problems
+    from fleetrl.rollout.envs.tool_env import tool_problems
+    from fleetrl.rollout.envs.user_env import user_env_problems
+
+    return tool_problems(cfg) + user_env_problems(cfg)
 
 
 def first_train_row(cfg: JobConfig) -> dict | None:
@@ -217,8 +213,8 @@ def reward_column_problems(cfg: JobConfig) -> list[str]:
     row = first_train_row(cfg) if specs else None
     if row is None:
         return []
-    module, _, name = REWARD_COLUMNS.partition(":")
-    missing_columns = getattr(importlib.import_module(module), name)
+    from fleetrl.rollout.rewards.python import missing_columns
+
     columns = [k for k in row if k != cfg.data.prompt_key]
     out = []
     for i, spec in specs:
