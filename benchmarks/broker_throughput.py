@@ -32,6 +32,8 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fleetrl.common import net as _net  # noqa: E402 - after the path is set
+
 
 def payload_group(prompt_id: str, gid: str, tokens: bytes, logprobs: bytes):
     from fleetrl.common import messages as m
@@ -174,16 +176,8 @@ def result_of(proc: subprocess.Popen) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bare_trial(n: int) -> dict:
-    address = f"tcp://127.0.0.1:{free_port()}"
+    address = f"tcp://127.0.0.1:{_net.free_port()}"
     pull = run_child("--role", "bare-pull", "--address", address, "--groups", str(n))
     time.sleep(0.5)
     push = run_child("--role", "bare-push", "--address", address, "--groups", str(n))
@@ -192,7 +186,7 @@ def bare_trial(n: int) -> dict:
 
 
 def relay_trial(n: int) -> dict:
-    a, b = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    a, b = f"tcp://127.0.0.1:{_net.free_port()}", f"tcp://127.0.0.1:{_net.free_port()}"
     relay = run_child("--role", "relay", "--address", a, "--address2", b, "--groups", str(n))
     time.sleep(0.5)
     pull = run_child("--role", "relay-pull", "--address", b, "--groups", str(n))

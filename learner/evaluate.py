@@ -50,12 +50,12 @@ class Evaluator:
     """Greedy accuracy of the training model on the first run.eval_n rows of data.eval (rank 0)."""
 
     def __init__(self, cfg: JobConfig, device: torch.device, evaluate_model: EvaluateModel | None):
-        from transformers import AutoTokenizer
+        from fleetrl.common.chat.tokenizer import job_tokenizer
 
         self.evaluate_model = require_evaluator(evaluate_model, "run.eval_interval", "run.eval_interval=0")
         self.cfg, self.device = cfg, device
         self.rows = load_rows(cfg.data.eval, "data.eval", cfg.data)[: cfg.run.eval_n]
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+        self.tokenizer = job_tokenizer(cfg.model)
         if cfg.learner.zero_stage == 3 or cfg.learner.num_ranks > 1:
             log.warning("periodic evaluation runs on rank 0 only and is skipped with ZeRO-3 or several ranks; "
                         "use `fleetrl eval` on a checkpoint's hf/ export instead")

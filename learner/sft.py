@@ -81,13 +81,15 @@ def sft(model_dir: str, data: str, eval_data: str, out: str, target_acc: float, 
     """``cfg``: a job whose ``rollout.env`` is multi-turn makes the early stop measure whole episodes.
     ``evaluate_model``: the held-out evaluator (``learner/evaluate.py``), handed in by the application."""
     evaluate_model = require_evaluator(evaluate_model, "the warm start's early stop")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from fleetrl.common.chat.tokenizer import load_tokenizer
 
     t0 = time.monotonic()  # the budget counts loading and evaluation too: `--max-minutes 4` means 4 minutes
     deadline = t0 + max_minutes * 60
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code if cfg is not None else False)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     pairs = encode_pairs(tokenizer, read_rows(data))
     held_out = read_rows(eval_data)[:eval_n]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -30,6 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from fleetrl.common.config import ConfigError, load_config
+from fleetrl.common.net import free_port
 from fleetrl.app.launch.run import Child, child_env
 from fleetrl.app.launch.slurm import prepare, resolve_run_dir
 from fleetrl.app.launch.supervisor import log_event
@@ -45,12 +45,6 @@ def import_ray():
         raise ConfigError("`fleetrl launch ray` needs Ray: pip install 'fleetrl[ray]' (or pip install ray) on this "
                           "machine and on every node of the cluster") from None
     return ray
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class ProcessActor:
@@ -76,7 +70,7 @@ class ProcessActor:
 
     def pick_master(self) -> tuple[str, int]:
         """Rank 0: this node's IP and a free port for the learner rendezvous."""
-        return self.node_ip, _free_port()
+        return self.node_ip, free_port("")
 
     def start(self, ctx: dict) -> int:
         self.ctx.update(ctx)

@@ -39,6 +39,7 @@ from fleetrl.common.config import ConfigError, dump_yaml, load_config
 from fleetrl.app.checks import check_job, resume_problem
 from fleetrl.common.config.names import defaults_used
 from fleetrl.common.config.schema import JobConfig
+from fleetrl.common.net import free_port
 
 POLL_S = 0.25
 EXIT_REWARDS_HOPELESS = 4  # a rollout server's exit code when no sample got a usable reward (rollout/server.py)
@@ -195,19 +196,11 @@ def plan_children(cfg: JobConfig, run_dir: Path, config_path: Path) -> list[Chil
                                   logs / f"rollout-{i}.log", child_env(rollout_threads), run_dir / f"rollout-{i}.ready"))
     if cfg.learner.num_ranks > 1:
         learner = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.learner.num_ranks),
-                   "--master-port", str(_free_port()), "-m", "fleetrl.app.learner", *job]
+                   "--master-port", str(free_port()), "-m", "fleetrl.app.learner", *job]
     else:
         learner = [*py, "learner", *job]
     children.append(Child("learner", learner, logs / "learner.log", child_env(learner_threads), run_dir / "learner.ready"))
     return children
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Launcher:

@@ -37,8 +37,9 @@ from collections import deque
 from typing import Iterable, Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
 
+from fleetrl.common.chat.tokenizer import job_tokenizer
 from fleetrl.common.config.schema import HfConfig, ModelConfig, RolloutConfig
 from fleetrl.rollout.engines.kv_rows import Rows
 from fleetrl.rollout.engines.sampling import (  # noqa: F401 - draw and filter_top_k_top_p are tested from here
@@ -88,9 +89,7 @@ class HFEngine(Engine):
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         device_ = resolve_device(device)
-        tokenizer = AutoTokenizer.from_pretrained(
-            model_cfg.tokenizer or model_cfg.path, trust_remote_code=model_cfg.trust_remote_code
-        )
+        tokenizer = job_tokenizer(model_cfg)
         model = AutoModelForCausalLM.from_pretrained(
             model_cfg.path,
             dtype=resolve_dtype(model_cfg.dtype, device_),

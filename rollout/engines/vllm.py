@@ -185,10 +185,9 @@ class VllmEngine(Engine):
         except BaseException:
             self.loop.close()
             raise
-        from transformers import AutoTokenizer
+        from fleetrl.common.chat.tokenizer import job_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer or model_cfg.path,
-                                                       trust_remote_code=model_cfg.trust_remote_code)
+        self.tokenizer = job_tokenizer(model_cfg)
         log.info("vllm engine (%s): %s, %s, logprobs_mode=%s", self.backend, model_cfg.path, self.dtype, self.mode)
 
     async def _start(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, seed: int) -> Any:
