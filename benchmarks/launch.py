@@ -81,8 +81,9 @@ class Load:
 
     @staticmethod
     def _busy() -> float:
-        t = psutil.cpu_times()._asdict()
-        return sum(t.get(k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+        from fleetrl.common.telemetry.cpu import machine_busy_s
+
+        return machine_busy_s()
 
     def sample(self) -> None:
         """The job's processes (its run dir in the command line), the Slurm daemons and Ray's own."""
@@ -96,7 +97,9 @@ class Load:
         wall = time.monotonic() - self.t0
         busy = self._busy() - self.busy0
         ours = sum(t - self.base.get(pid, 0.0) for pid, t in self.ours.items())
-        return round(max(0.0, busy - ours) / max(1e-9, wall * (os.cpu_count() or 1)), 3)
+        from fleetrl.common.telemetry.cpu import others_cpu_share
+
+        return round(others_cpu_share(busy, ours, wall), 3)
 
 
 def measure(run: Path, kill_rollout, load: Load) -> dict:

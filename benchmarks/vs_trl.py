@@ -133,8 +133,9 @@ class CpuWatch:
 
     @staticmethod
     def _busy() -> float:
-        t = psutil.cpu_times()._asdict()  # guest time is already inside user on Linux
-        return sum(t.get(k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+        from fleetrl.common.telemetry.cpu import machine_busy_s
+
+        return machine_busy_s()
 
     @staticmethod
     def _children_cpu() -> float:
@@ -142,9 +143,11 @@ class CpuWatch:
         return r.ru_utime + r.ru_stime
 
     def result(self) -> dict:
+        from fleetrl.common.telemetry.cpu import others_cpu_share
+
         wall, busy, own = time.monotonic() - self.t0, self._busy() - self.busy0, self._children_cpu() - self.own0
         return {"wall_s": wall, "own_cpu_s": own, "machine_busy_cpu_s": busy,
-                "others_cpu_share": max(0.0, busy - own) / max(wall * (os.cpu_count() or 1), 1e-9)}
+                "others_cpu_share": others_cpu_share(busy, own, wall)}
 
 
 def run_child(name: str, argv: list[str], log: Path, timeout_s: float, env: dict | None = None) -> tuple[int, dict]:

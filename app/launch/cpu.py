@@ -16,10 +16,7 @@ from pathlib import Path
 
 import psutil
 
-
-def _busy_cpu_s() -> float:
-    t = psutil.cpu_times()._asdict()  # guest time is already inside user on Linux
-    return sum(t.get(k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+from fleetrl.common.telemetry.cpu import machine_busy_s, others_cpu_share
 
 
 class CpuMeter:
@@ -52,7 +49,7 @@ class CpuMeter:
     def begin(self, children: dict[str, int]) -> None:
         """The RL phase starts: everything so far (imports, model loading) is left out."""
         self.sample(children)
-        self.start, self.t0, self.machine0 = self.per_child(), time.monotonic(), _busy_cpu_s()
+        self.start, self.t0, self.machine0 = self.per_child(), time.monotonic(), machine_busy_s()
 
     def result(self) -> dict:
         wall = max(time.monotonic() - self.t0, 1e-9)
@@ -60,7 +57,7 @@ class CpuMeter:
         per = {k: (v - start.get(k, 0.0)) / wall for k, v in sorted(self.per_child().items())}
         cores = os.cpu_count() or 1
         job = sum(per.values())
-        others = max(0.0, (_busy_cpu_s() - self.machine0) / wall - job) / cores
+        others = others_cpu_share(machine_busy_s() - self.machine0, job * wall, wall, cores)
         return {"wall_s": wall, "cores": cores, "cores_busy": job, "per_child": per, "others_cpu_share": others}
 
     def line(self, result: dict) -> str:
