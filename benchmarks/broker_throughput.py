@@ -105,7 +105,7 @@ def bare_relay_pull(address: str, n: int) -> None:
 
 
 async def broker_produce(address: str, n: int, window: int, per_push: int) -> None:
-    from fleetrl.broker.client.sync import AsyncBrokerClient
+    from fleetrl.broker.client.aio import AsyncBrokerClient
     from fleetrl.common import messages as m
 
     tokens, logprobs = arrays()
@@ -141,7 +141,7 @@ async def broker_produce(address: str, n: int, window: int, per_push: int) -> No
 
 
 async def broker_consume(address: str, n: int, batch: int) -> None:
-    from fleetrl.broker.client.sync import AsyncBrokerClient
+    from fleetrl.broker.client.aio import AsyncBrokerClient
     from fleetrl.common import messages as m
 
     client = AsyncBrokerClient(address, "bench-learner", "learner", timeout_s=60)

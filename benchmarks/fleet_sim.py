@@ -95,7 +95,7 @@ def payload():
 
 async def rollout_server(client, rec: Recorder, schedule: list[dict], per_push: int, seed: int) -> None:
     """One simulated server: lease 8 prompts, wait the time 8 groups take at the step's rate, push them."""
-    from fleetrl.broker.client.sync import BrokerError, BrokerUnavailable
+    from fleetrl.broker.client.errors import BrokerError, BrokerUnavailable
     from fleetrl.common import messages as m
 
     tokens, logprobs, prompt = payload()
@@ -180,7 +180,7 @@ async def rollout_server(client, rec: Recorder, schedule: list[dict], per_push: 
 async def run_rollouts(address: str, first: int, count: int, schedule: list[dict], per_push: int, out: str) -> None:
     import zmq
 
-    from fleetrl.broker.client.sync import AsyncBrokerClient
+    from fleetrl.broker.client.aio import AsyncBrokerClient
 
     ctx = zmq.Context()
     ctx.setsockopt(zmq.MAX_SOCKETS, 4 * count + 64)
@@ -200,7 +200,7 @@ async def run_rollouts(address: str, first: int, count: int, schedule: list[dict
 
 
 async def run_learner(address: str, rank: int, schedule: list[dict], out: str) -> None:
-    from fleetrl.broker.client.sync import AsyncBrokerClient
+    from fleetrl.broker.client.aio import AsyncBrokerClient
     from fleetrl.common import messages as m
 
     edges = [x for s in schedule for x in (s["measure"], s["end"])]

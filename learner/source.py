@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from fleetrl.broker.client.sync import BrokerClient
+from fleetrl.broker.client.roles import LearnerClient
 from fleetrl.common import faults
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import JobConfig
@@ -57,7 +57,7 @@ def share_of(total: int, rank: int, world: int) -> int:
 
 
 class BrokerBatchSource:
-    def __init__(self, client: BrokerClient, cfg: JobConfig, rank: int, world: int):
+    def __init__(self, client: LearnerClient, cfg: JobConfig, rank: int, world: int):
         self.client, self.cfg = client, cfg
         self.want = max(1, share_of(cfg.learner.groups_per_step, rank, world))
         self.dynamic = cfg.algorithm.dynamic_sampling

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
-from fleetrl.broker.client.sync import expected_receivers, status_metrics
+from fleetrl.broker.client.metrics import expected_receivers, status_metrics
 from fleetrl.common import faults
 from fleetrl.common.telemetry import tracing
 from fleetrl.common.config import load_config, save_resolved

@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fleetrl.broker.client.sync import (
-    BrokerClient, BrokerError, BrokerUnavailable, SubscriptionLike, ZmqBrokerClient, client_identity, default_client_id,
-    resolve_address,
-)
+from fleetrl.broker.client.address import client_identity, default_client_id, resolve_address
+from fleetrl.broker.client.errors import BrokerError, BrokerUnavailable
+from fleetrl.broker.client.roles import RolloutClient, SubscriptionLike
+from fleetrl.broker.client.sync import ZmqBrokerClient
 from fleetrl.common import faults
 from fleetrl.common.telemetry import tracing
 from fleetrl.common import messages as m
@@ -78,7 +78,7 @@ class RolloutServer:
     ``run()`` registers, loops until stopped and returns the exit code. It closes none of them.
     """
 
-    def __init__(self, cfg: JobConfig, client: BrokerClient, engine: Any, scorer: RewardScorer, *, server_index: int = 0,
+    def __init__(self, cfg: JobConfig, client: RolloutClient, engine: Any, scorer: RewardScorer, *, server_index: int = 0,
                  run_dir: str | Path | None = None, receiver: WeightReceiver | None = None,
                  stop_event: threading.Event | None = None, env: Environment | None = None, endpoint: Any = None):
         self.cfg, self.client, self.engine, self.scorer, self.receiver = cfg, client, engine, scorer, receiver

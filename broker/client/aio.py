@@ -21,6 +21,7 @@ import zmq
 import zmq.auth
 from zmq.utils.monitor import parse_monitor_message
 
+from fleetrl.broker.client.errors import BrokerError, BrokerUnauthorized, BrokerUnavailable
 from fleetrl.broker.zio import LoopSocket
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import CurveConfig
@@ -29,22 +30,6 @@ log = logging.getLogger("fleetrl.broker.client.sync")
 T = TypeVar("T")
 HEARTBEAT_MS = 5000  # ZMTP heartbeats: a half-open connection to a vanished broker is noticed and redialled
 RETRY_LATER = ("unavailable",)
-
-
-class BrokerUnavailable(ConnectionError):
-    """The broker did not answer in time (down, unreachable, or refusing this client)."""
-
-
-class BrokerUnauthorized(BrokerUnavailable):
-    """The broker refused this client's CURVE key."""
-
-
-class BrokerError(RuntimeError):
-    """A typed error reply; ``code`` is one of ``messages.ErrorCode``."""
-
-    def __init__(self, code: str, reason: str):
-        super().__init__(f"{code}: {reason}")
-        self.code, self.reason = code, reason
 
 
 class AsyncBrokerClient:

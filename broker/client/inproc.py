@@ -13,7 +13,7 @@ from collections import deque
 from typing import Any, Callable
 
 from fleetrl.broker.security.auth import Principal
-from fleetrl.broker.client.sync import BrokerError
+from fleetrl.broker.client.errors import BrokerError
 from fleetrl.broker.server.state import BrokerState
 from fleetrl.common import messages as m
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import sys
 
 from fleetrl.broker.client.address import client_identity, default_client_id
-from fleetrl.broker.client.sync import BrokerError, BrokerUnavailable, ZmqBrokerClient
+from fleetrl.broker.client.errors import BrokerError, BrokerUnavailable
+from fleetrl.broker.client.sync import ZmqBrokerClient
 from fleetrl.common.config import load_config
 
 

@@ -13,7 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from fleetrl.broker.client.address import client_identity, default_client_id
-from fleetrl.broker.client.sync import ZmqBrokerClient, BrokerUnavailable
+from fleetrl.broker.client.errors import BrokerUnavailable
+from fleetrl.broker.client.sync import ZmqBrokerClient
 from fleetrl.broker.client.metrics import status_metrics
 from fleetrl.common import messages as m
 from fleetrl.common.config import load_config

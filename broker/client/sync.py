@@ -1,16 +1,9 @@
-"""How other components reach the broker: the :class:`BrokerClient` protocol and its implementations.
+"""``ZmqBrokerClient``: the synchronous broker client over ZeroMQ, for every role (``roles.py``).
 
-- :class:`BrokerClient` (a ``typing.Protocol``) is the synchronous interface rollout servers and
-  learners are written against; ``ZmqBrokerClient`` here (sockets) and
-  ``fleetrl.broker.client.inproc.InprocBrokerClient`` (the in-process twin of unit tests) both satisfy it
-  (``tests/broker/client/test_client_protocol.py`` checks).
-- ``ZmqBrokerClient`` wraps ``AsyncBrokerClient`` (``aclient.py``): its event loop runs in a daemon
-  thread, which also sends heartbeats while the caller computes. Both raise ``BrokerUnavailable``
-  when no reply comes in time — the message names the setting to raise — and ``BrokerError`` for a
-  typed error reply.
-
-Other components import nothing else of the broker: this module re-exports the address and
-status-metrics helpers they need.
+It wraps ``AsyncBrokerClient`` (``aio.py``): that client's event loop runs in a daemon thread, which also
+sends heartbeats while the caller computes. Both raise ``BrokerUnavailable`` when no reply comes in time
+— the message names the setting to raise — and ``BrokerError`` for a typed error reply (``errors.py``).
+The in-process twin with the same methods is ``inproc.py``'s ``InprocBrokerClient``.
 """
 
 from __future__ import annotations
@@ -18,81 +11,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Awaitable, Callable, Protocol, TypeVar, runtime_checkable
+from typing import Any, Awaitable, Callable, TypeVar
 
 import zmq
 
-from fleetrl.broker.client.aio import AsyncBrokerClient, AsyncSubscription, BrokerError, BrokerUnauthorized, BrokerUnavailable
-from fleetrl.broker.client.address import client_identity, default_client_id, resolve_address
-from fleetrl.broker.client.metrics import expected_receivers, fleet_metrics, status_metrics
+from fleetrl.broker.client.aio import AsyncBrokerClient, AsyncSubscription
+from fleetrl.broker.client.errors import BrokerError, BrokerUnavailable
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import CurveConfig
-
-__all__ = ["AsyncBrokerClient", "BrokerClient", "BrokerError", "BrokerUnauthorized", "BrokerUnavailable",
-           "Subscription", "SubscriptionLike", "ZmqBrokerClient", "client_identity", "default_client_id",
-           "expected_receivers", "fleet_metrics", "resolve_address", "status_metrics"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@runtime_checkable
-class SubscriptionLike(Protocol):
-    """Announcements (version, control) as they arrive."""
-
-    def next(self, timeout_s: float = 0.0) -> m.Announcement | None: ...
-
-    def drain(self) -> list[m.Announcement]: ...
-
-
-@runtime_checkable
-class BrokerClient(Protocol):
-    """The synchronous broker client every component is written against (docs/broker.md#messages)."""
-
-    client_id: str
-
-    @property
-    def registered(self) -> m.Registered | None: ...
-
-    def connect(self, timeout_s: float | None = None) -> m.Registered: ...
-
-    def start_heartbeat(self, stats: Callable[[], tuple[int, dict[str, float]]], interval_s: float) -> None: ...
-
-    def lease_prompts(self, n: int, policy_version: int) -> m.PromptLease | m.Throttle: ...
-
-    def push_group(self, group: m.SampleGroup, deadline_s: float = 600.0) -> m.Ack: ...
-
-    def push_groups(self, groups: list[m.SampleGroup], deadline_s: float = 600.0) -> list[m.GroupAck]: ...
-
-    def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False) -> m.Ack: ...
-
-    def leave(self, reason: str = "", done: bool = False) -> m.Ack: ...
-
-    def lease_batch(self, n: int, wait_s: float = 0.0, min_groups: int = 1) -> m.BatchLease | m.Throttle: ...
-
-    def ack_batch(self, lease_id: str, group_ids: list[str], step: int, keep_rest: bool = False) -> m.Ack: ...
-
-    def commit(self, step: int) -> m.Ack: ...
-
-    def rewind(self, step: int) -> m.Ack: ...
-
-    def publish_version(self, version: int, step: int, weights: m.WeightsInfo) -> m.Ack: ...
-
-    def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1) -> m.Ack: ...
-
-    def heartbeat(self, policy_version: int, stats: dict[str, float] | None = None) -> m.Ack: ...
-
-    def current_version(self) -> m.CurrentVersion: ...
-
-    def status(self) -> m.Status: ...
-
-    def subscribe(self) -> SubscriptionLike: ...
-
-    def close(self) -> None: ...
-
-
 class ZmqBrokerClient:
-    """:class:`BrokerClient` over ZeroMQ: the async client runs on an event loop in a daemon thread."""
+    """Every role's calls (``roles.py``) over ZeroMQ: the async client runs on an event loop in a daemon thread."""
 
     def __init__(self, address: str, client_id: str, role: str, rank: int = 0, *, timeout_s: float = 30.0,
                  curve: CurveConfig | None = None, info: dict[str, str] | None = None):

@@ -21,7 +21,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetrl.broker.client.sync import AsyncBrokerClient, AsyncSubscription, ZmqBrokerClient
+from fleetrl.broker.client.aio import AsyncBrokerClient
+from fleetrl.broker.client.sync import AsyncSubscription, ZmqBrokerClient
 from fleetrl.common import messages as m
 from tests.broker import fuzz_strategies as fs
 

@@ -1,5 +1,6 @@
-"""The `BrokerClient` protocol: the socket client and the in-process twin both satisfy it, method by
-method with the same signatures, so rollout and learner code written against it runs on either."""
+"""The role protocols (broker/client/roles.py): the socket client and the in-process twin satisfy every
+sync role, the asyncio client every async role, method by method with the same signatures, so rollout
+and learner code written against its role runs on any of them."""
 
 from __future__ import annotations
 
@@ -7,12 +8,25 @@ import inspect
 
 import pytest
 
-from fleetrl.broker.client.sync import BrokerClient, SubscriptionLike, Subscription, ZmqBrokerClient
+from fleetrl.broker.client import roles
+from fleetrl.broker.client.aio import AsyncBrokerClient
+from fleetrl.broker.client.roles import BrokerClient, SubscriptionLike
+from fleetrl.broker.client.sync import Subscription, ZmqBrokerClient
 from fleetrl.broker.client.inproc import InprocBroker, InprocBrokerClient, InprocSubscription
 from tests.broker.conftest import make_state
 from fleetrl.common import messages as m
 
-METHODS = [name for name, v in vars(BrokerClient).items() if callable(v) and not name.startswith("_")]
+
+def methods(protocol: type) -> list[str]:
+    """The calls a protocol declares, its bases' included."""
+    names = {n for klass in protocol.__mro__ if klass.__module__ == roles.__name__
+             for n, v in vars(klass).items() if callable(v) and not n.startswith("_")}
+    return sorted(names)
+
+
+METHODS = methods(BrokerClient)
+SYNC_ROLES = [roles.RolloutClient, roles.LearnerClient, roles.OperatorClient]
+ASYNC_ROLES = [roles.AsyncRolloutClient, roles.AsyncLearnerClient, roles.AsyncOperatorClient]
 
 
 def test_both_clients_satisfy_the_protocol():
@@ -32,6 +46,23 @@ def test_signatures_match_the_protocol(impl, name):
     got = inspect.signature(getattr(impl, name))
     strip = lambda sig: [(p.name, p.kind, p.default) for p in sig.parameters.values()]  # noqa: E731
     assert strip(got) == strip(want), f"{impl.__name__}.{name}{got} differs from BrokerClient.{name}{want}"
+
+
+def test_the_roles_split_the_calls_as_the_permission_table_does():
+    rollout, learner, operator = (set(methods(r)) - set(methods(roles.Session)) for r in SYNC_ROLES)
+    assert rollout == {"lease_prompts", "push_group", "push_groups", "return_prompts", "leave"}
+    assert learner == {"lease_batch", "ack_batch", "commit", "rewind", "publish_version", "control", "leave"}
+    assert operator == {"control"}
+    assert set(METHODS) == set(methods(roles.Session)) | rollout | learner | operator
+
+
+@pytest.mark.parametrize("role", ASYNC_ROLES, ids=lambda r: r.__name__)
+def test_the_async_client_satisfies_every_async_role(role):
+    for name in methods(role):
+        want, got = inspect.signature(getattr(role, name)), inspect.signature(getattr(AsyncBrokerClient, name))
+        strip = lambda sig: [(p.name, p.kind, p.default) for p in sig.parameters.values()]  # noqa: E731
+        assert strip(got) == strip(want), f"AsyncBrokerClient.{name}{got} differs from {role.__name__}.{name}{want}"
+        assert inspect.iscoroutinefunction(getattr(AsyncBrokerClient, name)), name
 
 
 def test_subscriptions_satisfy_theirs():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fleetrl.broker.client.sync import BrokerError
+from fleetrl.broker.client.errors import BrokerError
 from fleetrl.broker.client.inproc import InprocBroker
 from fleetrl.broker.server.spool import Spool
 from fleetrl.broker.server.queue import VersionRanges

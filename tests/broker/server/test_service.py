@@ -13,7 +13,8 @@ import msgspec
 import pytest
 import zmq
 
-from fleetrl.broker.client.sync import ZmqBrokerClient, BrokerError, BrokerUnauthorized, BrokerUnavailable
+from fleetrl.broker.client.errors import BrokerError, BrokerUnauthorized, BrokerUnavailable
+from fleetrl.broker.client.sync import ZmqBrokerClient
 from fleetrl.broker.security.keys import generate
 from fleetrl.common import messages as m
 from tests.helpers import BrokerProcess, make_group, write_job
