@@ -46,3 +46,14 @@ def test_launchers_import_without_torch_or_ray():
 def test_weightsync_imports_without_torch():
     """Its torch imports sit inside the functions (and under TYPE_CHECKING for annotations)."""
     assert _loaded_after("import fleetrl.common.weightsync, fleetrl.common.weightsync.groups") == []
+
+
+def test_every_module_of_common_imports_without_torch():
+    """The whole ground floor, weight sync's sender and receiver included: torch only inside functions."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "common"
+    names = sorted(".".join(("fleetrl", "common", *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+                   for p in root.rglob("*.py"))
+    assert "fleetrl.common.weightsync.sender.broadcast" in names and len(names) > 40
+    assert _loaded_after("import " + ", ".join(names)) == []
