@@ -1,4 +1,4 @@
-"""In-process twin of the socket client: a :class:`~fleetrl.broker.client.sync.BrokerClient` without sockets.
+"""In-process twin of the socket client: a :class:`~fleetrl.broker.client.roles.BrokerClient` without sockets.
 
 Several twins may share one :class:`InprocBroker` (one per simulated rollout server or learner rank),
 from several threads. Unit tests of the rollout server and the learner run on it. Each twin acts with
