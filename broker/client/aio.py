@@ -15,7 +15,7 @@ import itertools
 import logging
 import random
 import time
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Literal, TypeVar, cast
 
 import zmq
 import zmq.auth
@@ -28,6 +28,7 @@ from fleetrl.common.config.schema import CurveConfig
 
 log = logging.getLogger("fleetrl.broker.client.sync")
 T = TypeVar("T")
+ControlAction = Literal["pause", "resume", "stop", "discard"]
 HEARTBEAT_MS = 5000  # ZMTP heartbeats: a half-open connection to a vanished broker is noticed and redialled
 RETRY_LATER = ("unavailable",)
 
@@ -50,14 +51,15 @@ class AsyncBrokerClient:
 
     # ------------------------------------------------------------- lifecycle
     def _secure(self, sock: zmq.Socket) -> None:
-        if not (self.curve.client_secret_key and self.curve.server_public_key):
+        curve = self.curve
+        if curve is None or not (curve.client_secret_key and curve.server_public_key):
             raise ValueError("broker.curve is set, so this client needs broker.curve.client_secret_key "
                              "(from `fleetrl keys generate`) and broker.curve.server_public_key")
         from fleetrl.broker.security.auth import check_secret_file
 
-        check_secret_file(self.curve.client_secret_key, "broker.curve.client_secret_key")
-        public, secret = zmq.auth.load_certificate(self.curve.client_secret_key)
-        server_public, _ = zmq.auth.load_certificate(self.curve.server_public_key)
+        check_secret_file(curve.client_secret_key, "broker.curve.client_secret_key")
+        public, secret = zmq.auth.load_certificate(curve.client_secret_key)
+        server_public, _ = zmq.auth.load_certificate(curve.server_public_key)
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, server_public
 
     def _socket(self, kind: int) -> zmq.Socket:
@@ -70,7 +72,8 @@ class AsyncBrokerClient:
         return sock
 
     def _register_request(self, rid: int) -> m.Register:
-        return m.Register(req_id=rid, client_id=self.client_id, role=self.role, rank=self.rank, info=self.info)
+        return m.Register(req_id=rid, client_id=self.client_id, role=cast(m.Role, self.role), rank=self.rank,
+                          info=self.info)
 
     async def connect(self, timeout_s: float | None = None) -> m.Registered:
         """Connect and register (the ready handshake); raises BrokerUnavailable/Unauthorized/BrokerError."""
@@ -100,12 +103,13 @@ class AsyncBrokerClient:
 
     async def _race_auth(self, register: Awaitable[T]) -> T:
         task = asyncio.ensure_future(register)
-        done, _ = await asyncio.wait({task, self._auth_failed}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, cast("asyncio.Future[Any]", self._auth_failed)},
+                                     return_when=asyncio.FIRST_COMPLETED)
         if task in done:
             return task.result()
         task.cancel()
         raise BrokerUnauthorized(f"the broker at {self.address} refused this client's CURVE key "
-                                 f"({self.curve.client_secret_key}); add its public key to the broker's "
+                                 f"({self.curve.client_secret_key if self.curve else ''}); add its public key to the broker's "
                                  "broker.curve.authorized_keys_dir/<role>/")
 
     async def close(self) -> None:
@@ -138,7 +142,7 @@ class AsyncBrokerClient:
         req_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[req_id] = fut
-        self.sock.send([m.encode(make(req_id))])
+        cast(LoopSocket, self.sock).send([m.encode(make(req_id))])  # connected before any request
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
@@ -190,14 +194,15 @@ class AsyncBrokerClient:
         """Push until acknowledged (the broker de-duplicates retries); BrokerError for an invalid group."""
         limit, _ = self._limits()
         body = m.encode_raw(group)  # encoded once: the size check and every attempt reuse it
-        frame_len = len(m.encode(m.PushGroup(req_id=0, client_id=self.client_id, group=body)))
+        group_bytes = cast(m.SampleGroup, body)  # the group's encoded bytes (msgspec.Raw), sent as they are
+        frame_len = len(m.encode(m.PushGroup(req_id=0, client_id=self.client_id, group=group_bytes)))
         if limit and frame_len > limit:
             raise BrokerError("too_large", f"group {group.group_id} is {frame_len} bytes, over "
                                            f"broker.max_message_bytes={limit}; generate shorter responses or raise that setting")
         give_up = time.monotonic() + deadline_s
         while True:
             try:
-                reply = await self.request(lambda r: m.PushGroup(req_id=r, client_id=self.client_id, group=body))
+                reply = await self.request(lambda r: m.PushGroup(req_id=r, client_id=self.client_id, group=group_bytes))
             except BrokerUnavailable:
                 if time.monotonic() > give_up:
                     raise
@@ -230,7 +235,7 @@ class AsyncBrokerClient:
         todo = list(groups)
         encoded = {g.group_id: b for g, b in zip(groups, bodies)}
         while todo:
-            body = [encoded[g.group_id] for g in todo]  # a retry re-sends the same bytes; only the envelope is new
+            body = [cast(m.SampleGroup, encoded[g.group_id]) for g in todo]  # a retry re-sends the same bytes
             try:
                 reply = await self.request(lambda r: m.PushGroups(req_id=r, client_id=self.client_id, groups=body))
             except BrokerUnavailable:
@@ -276,8 +281,9 @@ class AsyncBrokerClient:
                                                              step=step, weights=weights))
 
     async def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1) -> m.Ack:
-        return await self.request(lambda r: m.Control(req_id=r, client_id=self.client_id, action=action, reason=reason,
-                                                      min_version=min_version, max_version=max_version))
+        return await self.request(lambda r: m.Control(  # the broker refuses an unknown action (a typed error)
+            req_id=r, client_id=self.client_id, action=cast(ControlAction, action), reason=reason,
+            min_version=min_version, max_version=max_version))
 
     async def heartbeat(self, policy_version: int, stats: dict[str, float] | None = None) -> m.Ack:
         return await self.request(lambda r: m.Heartbeat(req_id=r, client_id=self.client_id, policy_version=policy_version,

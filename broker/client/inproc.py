@@ -10,9 +10,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from fleetrl.broker.security.auth import Principal
+from fleetrl.broker.client.aio import ControlAction
 from fleetrl.broker.client.errors import BrokerError
 from fleetrl.broker.server.state import BrokerState
 from fleetrl.common import messages as m
@@ -27,7 +28,7 @@ class InprocBroker:
         self.subscribers: list[deque] = []
         self._ids = 0
 
-    def handle(self, req_factory: Callable[[int], m.Message], wait_s: float = 0.0,
+    def handle(self, req_factory: Callable[[int], m.Request], wait_s: float = 0.0,
                principal: Principal | None = None) -> m.Message:
         deadline = self.clock() + wait_s
         with self.lock:
@@ -81,7 +82,7 @@ class InprocBrokerClient:
         self.registered: m.Registered | None = None
         self.principal = Principal(client_id, role)
 
-    def _call(self, make: Callable[[int], m.Message], wait_s: float = 0.0) -> Any:
+    def _call(self, make: Callable[[int], m.Request], wait_s: float = 0.0) -> Any:
         reply = self.broker.handle(make, wait_s, self.principal)
         if isinstance(reply, m.Error) and reply.code == "unregistered" and not isinstance(make(0), m.Register):
             self.connect()  # not registered (or evicted): register, then retry, like the socket client
@@ -91,7 +92,8 @@ class InprocBrokerClient:
         return reply
 
     def connect(self, timeout_s: float | None = None) -> m.Registered:
-        self.registered = self._call(lambda r: m.Register(req_id=r, client_id=self.client_id, role=self.role, rank=self.rank))
+        self.registered = self._call(lambda r: m.Register(req_id=r, client_id=self.client_id,
+                                                          role=cast(m.Role, self.role), rank=self.rank))
         return self.registered
 
     def start_heartbeat(self, stats: Callable[[], tuple[int, dict[str, float]]], interval_s: float) -> None:
@@ -143,8 +145,8 @@ class InprocBrokerClient:
                                                      weights=weights))
 
     def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1) -> m.Ack:
-        return self._call(lambda r: m.Control(req_id=r, client_id=self.client_id, action=action, reason=reason,
-                                              min_version=min_version, max_version=max_version))
+        return self._call(lambda r: m.Control(req_id=r, client_id=self.client_id, action=cast(ControlAction, action),
+                                              reason=reason, min_version=min_version, max_version=max_version))
 
     def heartbeat(self, policy_version: int, stats: dict[str, float] | None = None) -> m.Ack:
         return self._call(lambda r: m.Heartbeat(req_id=r, client_id=self.client_id, policy_version=policy_version,

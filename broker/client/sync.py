@@ -9,9 +9,10 @@ The in-process twin with the same methods is ``inproc.py``'s ``InprocBrokerClien
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Callable, Coroutine, TypeVar
 
 import zmq
 
@@ -36,7 +37,7 @@ class ZmqBrokerClient:
         self.client = AsyncBrokerClient(address, client_id, role, rank, timeout_s=timeout_s, curve=curve, info=info,
                                         ctx=self._ctx)
         self.client_id = client_id
-        self._heartbeat: asyncio.Future | None = None
+        self._heartbeat: concurrent.futures.Future[None] | None = None
         self._subs: list[AsyncSubscription] = []
 
     @property
@@ -47,7 +48,7 @@ class ZmqBrokerClient:
     def address(self) -> str:
         return self.client.address
 
-    def _run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def connect(self, timeout_s: float | None = None) -> m.Registered:

@@ -62,8 +62,8 @@ def truncate(value: Any, depth: int = 0) -> Any:
             out["..."] = f"+{len(items) - 64} items"
         return out
     if isinstance(value, (list, tuple)):
-        out = [truncate(v, depth + 1) for v in value[:64]]
-        return out + [f"...(+{len(value) - 64} items)"] if len(value) > 64 else out
+        kept = [truncate(v, depth + 1) for v in value[:64]]
+        return kept + [f"...(+{len(value) - 64} items)"] if len(value) > 64 else kept
     return value
 
 

@@ -42,7 +42,7 @@ PERMISSIONS: dict[type, frozenset[str]] = {
 REGISTRATION_FREE = (m.Register, m.GetStatus, m.GetVersion)  # answered without a client record
 
 
-def authorize(principal: Principal, role: str, req: m.Message, version: int) -> str | None:
+def authorize(principal: Principal, role: str, req: m.Request, version: int) -> str | None:
     """Why ``principal`` (acting as ``role``) may not send ``req``, or None; ``version`` is the broker's."""
     kind = type(req)
     allowed = PERMISSIONS.get(kind, frozenset())

@@ -58,7 +58,8 @@ class BatchLeases:
     # ---------------------------------------------------------------- leasing
     def take(self, n: int, oldest: int) -> tuple[list[str], list[str]]:
         """Dequeue up to ``n`` fresh group ids (version >= ``oldest``) and the stale ones met on the way."""
-        ids, stale = [], []
+        ids: list[str] = []
+        stale: list[str] = []
         while len(ids) < n:
             gid = self.q.dequeue()
             if gid is None:

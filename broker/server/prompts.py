@@ -12,7 +12,7 @@ import random
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import AbstractSet, Any
 
 from fleetrl.common.messages import Prompt
 from fleetrl.common.data.tables import DataError
@@ -132,10 +132,10 @@ class PromptSource:
                 out.append(p)
         self._taken_reissued = len(out)
         while len(out) < n:
-            p = self._next_new()
-            if p is None:
+            new = self._next_new()
+            if new is None:
                 break
-            out.append(p)
+            out.append(new)
         return out
 
     def open_lease(self, client_id: str, prompts: list[Prompt], now: float, lease_s: float) -> PromptLeaseState:
@@ -194,7 +194,7 @@ class PromptSource:
         self._note(prompt.prompt_id)
         self.reissued_total += 1
 
-    def expire(self, now: float, dead_clients: set[str] = frozenset()) -> int:
+    def expire(self, now: float, dead_clients: AbstractSet[str] = frozenset()) -> int:
         """Re-issue the prompts of expired leases and of leases held by dead clients."""
         expired = [lid for lid, lease in self.leases.items() if lease.expires_at <= now or lease.client_id in dead_clients]
         return sum(self.give_back(lid) for lid in expired)

@@ -24,6 +24,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import cast
 
 import zmq
 import zmq.auth
@@ -39,7 +40,7 @@ from fleetrl.broker.zio import LoopSocket
 from fleetrl.common import messages as m
 from fleetrl.common.telemetry import tracing
 from fleetrl.common.config import load_config, save_resolved
-from fleetrl.common.config.schema import JobConfig
+from fleetrl.common.config.schema import CurveConfig, JobConfig
 from fleetrl.common.data.tables import load_rows
 from fleetrl.common.telemetry.logs import setup_logging
 
@@ -121,7 +122,7 @@ class BrokerServer:
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def _curve(self, sock: zmq.Socket, domain: bytes) -> None:
-        curve = self.cfg.broker.curve
+        curve = cast(CurveConfig, self.cfg.broker.curve)  # set: the broker runs CURVE
         public, secret = zmq.auth.load_certificate(curve.server_secret_key)
         sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
         sock.zap_domain = domain
@@ -150,7 +151,7 @@ class BrokerServer:
         router.setsockopt(zmq.MAXMSGSIZE, 2 * bcfg.max_message_bytes)
         router.setsockopt(zmq.RCVHWM, 100_000)
         router.setsockopt(zmq.SNDHWM, 100_000)
-        for sock in (router, self.pub):
+        for sock in (router, cast(zmq.Socket, self.pub)):  # made just before
             sock.setsockopt(zmq.HEARTBEAT_IVL, int(bcfg.zmq_heartbeat_s * 1000))
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * bcfg.zmq_heartbeat_s * 1000))
             sock.setsockopt(zmq.HANDSHAKE_IVL, int(bcfg.handshake_timeout_s * 1000))
@@ -208,7 +209,7 @@ class BrokerServer:
         if self.auth is None:
             return auth.UNAUTHENTICATED
         try:
-            return auth.principal_of(frame.get("User-Id"))
+            return auth.principal_of(cast(str, frame.get("User-Id")))
         except zmq.ZMQError:  # pragma: no cover - every CURVE frame carries one
             return auth.Principal("?", "unknown")
 
@@ -231,7 +232,7 @@ class BrokerServer:
         try:
             req = m.decode_request(payload)
         except m.ProtocolError as e:
-            code = "invalid_group" if header and header[0] in m.PUSH_GROUP_TAGS else "bad_frame"
+            code: m.ErrorCode = "invalid_group" if header and header[0] in m.PUSH_GROUP_TAGS else "bad_frame"
             self.state.rejected[code] += 1
             return ident, m.Error(req_id=req_id, code=code, reason=e.reason)
         start_ns = time.time_ns() if tracing.enabled() else 0
@@ -243,10 +244,11 @@ class BrokerServer:
             self.state.rejected["internal"] += 1
             return ident, m.Error(req_id=req.req_id, code="internal", reason=f"{type(e).__name__}: {e}")
         if reply is None:  # a LeaseBatch that waits for groups
+            lease = cast(m.LeaseBatch, req)
             if len(self.waiting) >= self.cfg.broker.max_waiting_polls:
                 self.state.rejected["too_many_waiting"] += 1
-                return ident, self.state.lease_batch_final(req, now)
-            self.waiting.add(now + min(req.wait_s, MAX_WAIT_S), ident, req, principal, fd)  # type: ignore[arg-type]
+                return ident, self.state.lease_batch_final(lease, now)
+            self.waiting.add(now + min(lease.wait_s, MAX_WAIT_S), ident, lease, principal, fd)
         elif start_ns and isinstance(req, (m.PushGroup, m.PushGroups)):
             trace_ingest(req, reply, start_ns)
         return ident, reply
@@ -299,15 +301,16 @@ class BrokerServer:
                 self.state.counters["fsync_errors"] += 1
                 log.error("spool fsync failed (%s); the records reached the OS but may not survive a machine crash", e)
         now = time.monotonic()
+        router, pub = cast(LoopSocket, self.router), cast(zmq.Socket, self.pub)  # serving: both bound
         for ident, reply in replies:
             payload = m.encode(reply)
-            self.router.send([ident, payload])
+            router.send([ident, payload])
             self.wire.sent(len(payload), now)
             if isinstance(reply, m.BatchLease) and tracing.enabled():
                 trace_batch_lease(reply)
         for topic, ann in self.state.announcements:
             payload = m.encode(ann)
-            self.pub.send_multipart([topic, payload])
+            pub.send_multipart([topic, payload])
             self.wire.sent(len(payload), now)
         self.state.announcements.clear()
 

@@ -28,11 +28,12 @@ import os
 import re
 import struct
 import time
+import typing
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
+from typing import Union, cast
 
 import msgspec
 
@@ -127,7 +128,7 @@ AnyRecord = Union[GroupAccepted, GroupsDone, GroupsAcked, Committed, Rewound, Pr
                   SeenIds, VersionsDiscarded, BatchLeased, DiscardsSet]
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyRecord)
-_TAGS = len(AnyRecord.__args__)
+_TAGS = len(typing.get_args(AnyRecord))
 _ARRAY = re.compile(rb"[\x91-\x9f]")  # a record body opens with a msgpack fixarray header (a record has < 16 fields)
 
 
@@ -345,15 +346,16 @@ class Spool:
             return
         data = encode_records(records)
         view, start = memoryview(data), self._size
+        fd = cast(int, self._fd)  # open from __init__ until close
         try:
-            view = faults.at("broker.spool_write", view, fd=self._fd)  # a chaos run stops half-way through
+            view = faults.at("broker.spool_write", view, fd=fd)  # a chaos run stops half-way through
             while view:
-                n = os.write(self._fd, view)
+                n = os.write(fd, view)
                 view = view[n:]
         except OSError as e:
             self.write_errors += 1
             try:
-                os.ftruncate(self._fd, start)
+                os.ftruncate(fd, start)
             except OSError:  # pragma: no cover - recovery resynchronises past a partial record anyway
                 log.exception("spool: could not cut a partial write back off %s", self._path(self._index))
             raise SpoolUnavailable(e) from None
@@ -380,7 +382,7 @@ class Spool:
             self._fsync(now)
 
     def _fsync(self, now: float) -> None:
-        os.fsync(self._fd)
+        os.fsync(cast(int, self._fd))
         self._last_fsync, self._unsynced = now, False
 
     # ----------------------------------------------------------------- compaction

@@ -22,7 +22,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, Literal, cast
 
 from fleetrl.broker.server import spool as sp
 from fleetrl.broker.security.auth import Principal
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 Audit = Callable[[dict[str, Any]], None]
 AUDITED = (m.Control, m.PublishVersion, m.Commit, m.Rewind)
+AckStatus = Literal["accepted", "duplicate", "stale", "rejected", "throttled"]  # GroupAck.status (ingest's verdicts)
 
 
 class BrokerState:
@@ -111,7 +112,7 @@ class BrokerState:
                      f"; skipped {rec.skipped_bytes} damaged bytes in {rec.damaged} region(s), quarantined"
                      if rec.damaged else "")
         self.recovery = {"records_kept": rec.records, "bytes_skipped": rec.skipped_bytes, "regions_quarantined": rec.damaged}
-        if rec.needs_rewrite:  # damage inside the log: rewrite it so the next replay starts clean
+        if rec.needs_rewrite and self.spool is not None:  # damage inside the log: rewrite it, next replay starts clean
             self.spool.compact(self.snapshot())
 
     def snapshot(self) -> list[sp.Record]:
@@ -130,7 +131,7 @@ class BrokerState:
         return recs
 
     # ------------------------------------------------------------- dispatch
-    def handle(self, req: m.Message, now: float, principal: Principal | None = None) -> m.Message | None:
+    def handle(self, req: m.Request, now: float, principal: Principal | None = None) -> m.Message | None:
         """Authorize and apply one request; returns its reply, or None for a LeaseBatch that should wait.
 
         ``principal`` is the key behind the request (None: a trusted in-process caller, e.g. a test of
@@ -156,7 +157,7 @@ class BrokerState:
             reply.identity = principal.identity
         return reply
 
-    def _check(self, req: m.Message, now: float, principal: Principal) -> tuple[m.Error | None, str | None]:
+    def _check(self, req: m.Request, now: float, principal: Principal) -> tuple[m.Error | None, str | None]:
         """(refusal, role): the permission table, and a client record for every request but a few."""
         client = self.clients.get(req.client_id) if req.client_id else None
         if principal.authenticated:
@@ -175,14 +176,14 @@ class BrokerState:
             return None, role
         return self._refuse(req, principal, role, reason), role
 
-    def _refuse(self, req: m.Message, principal: Principal | None, role: str, reason: str) -> m.Error:
+    def _refuse(self, req: m.Request, principal: Principal | None, role: str, reason: str) -> m.Error:
         self.rejected["unauthorized"] += 1
         self.counters[f"refused/{type(req).__name__}"] += 1
         self._audit_event({"event": "refused", "request": type(req).__name__, "client_id": req.client_id,
                            "identity": principal.identity if principal else "", "role": role, "reason": reason})
         return m.Error(req_id=req.req_id, code="unauthorized", reason=reason)
 
-    def _audit_request(self, req: m.Message, principal: Principal | None, role: str | None, reply: m.Message) -> None:
+    def _audit_request(self, req: m.Request, principal: Principal | None, role: str | None, reply: m.Message) -> None:
         fields = {f: getattr(req, f) for f in req.__struct_fields__ if f not in ("req_id", "client_id", "weights")}
         if isinstance(req, m.PublishVersion):
             fields["transport"] = req.weights.transport
@@ -322,7 +323,7 @@ class BrokerState:
                 f"{len(req.groups)} groups in one PushGroups, over broker.max_groups_per_push="
                 f"{self.bcfg.max_groups_per_push}; push them in several frames"))
         results = self.ingest.push(req.groups, self._touch(req.client_id, now, "rollout"), now)
-        return m.GroupAcks(req_id=req.req_id, acks=[m.GroupAck(group_id=g.group_id, status=s, reason=r)
+        return m.GroupAcks(req_id=req.req_id, acks=[m.GroupAck(group_id=g.group_id, status=cast(AckStatus, s), reason=r)
                                                     for g, (s, r) in zip(req.groups, results)])
 
     def drop(self, gids: list[str], reason: str, requeue_prompts: bool, also: list[sp.Record] | None = None) -> None:

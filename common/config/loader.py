@@ -15,7 +15,7 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, Union, cast
 
 import msgspec
 import yaml
@@ -68,11 +68,11 @@ def variants_of(tp: Any) -> dict[str, type[Section]] | None:
         return None
     tags = {a.__struct_config__.tag: a for a in typing.get_args(tp)
             if isinstance(a, type) and issubclass(a, Section) and a.__struct_config__.tag is not None}
-    return tags if len(tags) > 1 else None
+    return cast("dict[str, type[Section]]", tags) if len(tags) > 1 else None
 
 
 def tag_field_of(variants: dict[str, type[Section]]) -> str:
-    return next(iter(variants.values())).__struct_config__.tag_field
+    return cast(str, next(iter(variants.values())).__struct_config__.tag_field)
 
 
 def _section_for(tp: Any, value: Any) -> type[Section] | None:
@@ -81,7 +81,7 @@ def _section_for(tp: Any, value: Any) -> type[Section] | None:
     variants = variants_of(tp)
     if variants is None:
         return struct_of(tp)
-    return variants.get(value.get(tag_field_of(variants))) if isinstance(value, dict) else None
+    return variants.get(cast(str, value.get(tag_field_of(variants)))) if isinstance(value, dict) else None
 
 
 def _fill_tags(raw: dict[str, Any]) -> None:

@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import math
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 log = logging.getLogger("fleetrl.faults")
 
@@ -73,8 +73,8 @@ class FaultPlan:
         return kind in self.kinds and self.at <= clock < self.at + self.duration
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "FaultPlan":
-        env = os.environ if env is None else env
+    def from_env(cls, given: Mapping[str, str] | None = None) -> "FaultPlan":
+        env: Mapping[str, str] = os.environ if given is None else given
         kinds = frozenset(k.strip() for k in env.get("FLEETRL_FAULT", "").split(",") if k.strip())
         if not kinds:
             return cls()

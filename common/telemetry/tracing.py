@@ -220,7 +220,7 @@ def remote_context(carrier: Mapping[str, str] | None) -> trace.SpanContext:
     anything else goes through the propagator.
     """
     tp = carrier.get("traceparent", "") if carrier else ""
-    if len(tp) == 55 and tp.startswith("00-") and "tracestate" not in carrier and tp[35] == tp[52] == "-" \
+    if carrier and len(tp) == 55 and tp.startswith("00-") and "tracestate" not in carrier and tp[35] == tp[52] == "-" \
             and _HEX.issuperset(tp[3:35]) and _HEX.issuperset(tp[36:52]) and _HEX.issuperset(tp[53:]):
         trace_id, span_id = int(tp[3:35], 16), int(tp[36:52], 16)
         if trace_id and span_id:
@@ -298,7 +298,7 @@ def note_exemplar(carrier: Mapping[str, str] | None, group_id: str) -> None:
     An unsampled or empty carrier changes nothing.
     """
     global _exemplar
-    if sampled(carrier):
+    if carrier and sampled(carrier):
         _exemplar = {"trace_id": carrier["traceparent"][3:35], "group_id": group_id}
 
 

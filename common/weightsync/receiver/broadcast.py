@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, AbstractSet, Any, Callable
 
 import msgspec
 
@@ -156,7 +156,7 @@ def receive_round(store: Any, keys: ws.RoundKeys, identity: str, buffers: list, 
 
 
 def request_catchup(store: Any, missed: ws.RoundKeys, version: int, timeout_s: float,
-                    tried: set[int] = frozenset(), give_up: Callable[[], bool] = lambda: False,
+                    tried: AbstractSet[int] = frozenset(), give_up: Callable[[], bool] = lambda: False,
                     signer: str = "") -> ws.RoundKeys | None:
     """Ask for a fresh round of ``version`` (the round ``missed`` went by without this receiver); the keys
     of the round the learner offers (not one of ``tried``), or None when none came within ``timeout_s``

@@ -29,7 +29,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol, cast
 
 from fleetrl.common import messages
 from fleetrl.common import weightsync as ws
@@ -273,7 +273,8 @@ class BroadcastReceiver:
                     self._cv.wait()
                 if self._closed:
                     break
-                (version, info, key), self._queued = self._queued, None
+                queued, self._queued = self._queued, None
+                version, info, key = cast("tuple[int, messages.WeightsInfo, Key]", queued)  # not None: waited for
                 self._receiving = key
             update = self._receive(version, info, key)
             with self._cv:
@@ -319,9 +320,10 @@ class BroadcastReceiver:
             log.info("weight version %d: %s; asking the learner for a catch-up round", version, e)
             if isinstance(e, ws.BucketFailed):
                 self._held = None  # retired by receive_round
-            buffers = self._catch_up(store, keys, version, layouts, host, deadline, info.signer)
-            if buffers is None:
+            caught = self._catch_up(store, keys, version, layouts, host, deadline, info.signer)
+            if caught is None:
                 return None
+            buffers = caught
         named = [(s.name, buf[s.offset : s.offset + s.numel].view(s.shape))
                  for layout, buf in zip(layouts, buffers) for s in layout.slots]
         return Update(version, key, named=named, buffers=buffers)

@@ -139,7 +139,7 @@ class FileSender:
                 f.write(header)
                 for spec, tensor in tensors:
                     data = tensor.detach().to("cpu", getattr(torch, spec.dtype)).contiguous().reshape(-1)
-                    f.write(memoryview(data.view(torch.uint8).numpy()))
+                    f.write(data.view(torch.uint8).numpy().data)
                 f.flush()
                 os.fsync(f.fileno())
         except BaseException:
