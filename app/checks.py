@@ -24,7 +24,6 @@ Nothing here loads a model or a whole data set.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from pathlib import Path
 from typing import Callable

@@ -84,8 +84,8 @@ def run_one(name: str, work: dict, args, seed: int, fault: str | None) -> dict:
     result = {"name": name, "fault": fault, "seed": seed, "exit_code": code, "cpu": cpu, "wall_s": time.time() - t0,
               "run_dir": str(run_dir), "inject_at": args.inject_at if fault else None,
               "duration": args.duration if fault else None, "recover_within": args.recover_within,
-              "command": ("FLEETRL_FAULT=%s FLEETRL_FAULT_AT=%d FLEETRL_FAULT_FOR=%d " % (
-                  FAULTS[fault], args.inject_at, args.duration) if fault else "") + " ".join(["fleetrl", *argv[3:]])}
+              "command": (f"FLEETRL_FAULT={FAULTS[fault]} FLEETRL_FAULT_AT={args.inject_at:d} "
+                          f"FLEETRL_FAULT_FOR={args.duration:d} " if fault else "") + " ".join(["fleetrl", *argv[3:]])}
     if not (run_dir / "metrics.jsonl").exists():
         result["error"] = f"no metrics.jsonl; log ends with:\n{tail(log)}"
     return {**result, **analyze_run(result)}

@@ -43,7 +43,6 @@ import time
 import traceback
 from pathlib import Path
 
-import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

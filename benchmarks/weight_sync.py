@@ -150,7 +150,7 @@ def main() -> None:
                       f"{args.receivers} receivers: broadcast {row['mb_per_s']:7.1f} MB/s, whole round "
                       f"{row['round_mb_per_s']:7.1f} MB/s", flush=True)
     finally:
-        for (cmd_q, _), proc in zip(kids, procs):
+        for (cmd_q, _), _proc in zip(kids, procs):
             cmd_q.put("stop")
         for proc in procs:
             proc.join(timeout=10)

@@ -4,9 +4,10 @@ Every ``run.eval_interval`` steps (and once at step 0, the start of the curve) r
 first ``run.eval_n`` rows of ``data.eval`` with ``rollout/eval.py``'s ``evaluate_model`` — the code
 `fleetrl eval` runs — through an ``hf`` engine over the training module itself (no copy of the
 weights). The learner does not import the rollout package: the application hands that function in
-(``app/entries.py``; the learner and rollout are peers, docs/architecture.md): the same prompt key, chat template, truncation and reward scorer, and the same notion of
-correct (reward >= ``run.eval_success``, 1.0 for exact/math rewards). The curve a run shows is therefore what `fleetrl eval` measures on the
-exported checkpoint (greedy decoding: the two agree to the token).
+(``app/entries.py``; the learner and rollout are peers, docs/architecture.md): the same prompt key, chat
+template, truncation and reward scorer, and the same notion of correct (reward >= ``run.eval_success``, 1.0
+for exact/math rewards). The curve a run shows is therefore what `fleetrl eval` measures on the exported
+checkpoint (greedy decoding: the two agree to the token).
 
 With ZeRO-3 or several ranks rank 0 does not hold the whole model, so it is skipped there;
 `fleetrl eval` on a checkpoint's ``hf/`` export covers that case.

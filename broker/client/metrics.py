@@ -1,9 +1,9 @@
 """The broker's ``Status`` reply as namespaced monitor metrics.
 
 ``broker/...`` are the broker's own queue, rates and staleness (and, from the socket broker's
-`WireStats` in ``server/rates.py``, its bytes in and out and its process's ``resource/broker/*``); ``fleet/...``
-aggregate the stats the rollout servers send with their heartbeats. The learner logs both every step; `fleetrl status --json`
-prints them.
+`WireStats` in ``server/rates.py``, its bytes in and out and its process's ``resource/broker/*``);
+``fleet/...`` aggregate the stats the rollout servers send with their heartbeats. The learner logs both
+every step; `fleetrl status --json` prints them.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """What each role may call on the broker, as protocols: the permission table (``security/permissions.py``) as types.
 
-| protocol | calls | implementations |
-| --- | --- | --- |
-| ``Session`` | connect, heartbeat, current_version, status, subscribe, close | every client |
-| ``RolloutClient`` | + lease_prompts, push_group(s), return_prompts, leave | ``ZmqBrokerClient`` (``sync.py``), ``InprocBrokerClient`` (``inproc.py``) |
-| ``LearnerClient`` | + lease_batch, ack_batch, commit, rewind, publish_version, control (its rollback), leave | the same two |
-| ``OperatorClient`` | + control | the same two |
-| ``AsyncRolloutClient``, ``AsyncLearnerClient``, ``AsyncOperatorClient`` | the same calls, awaited | ``AsyncBrokerClient`` (``aio.py``) |
+| protocol | calls (beyond ``Session``'s: connect, heartbeat, current_version, status, subscribe, close) |
+| --- | --- |
+| ``RolloutClient`` | lease_prompts, push_group(s), return_prompts, leave |
+| ``LearnerClient`` | lease_batch, ack_batch, commit, rewind, publish_version, control (its rollback), leave |
+| ``OperatorClient`` | control |
+
+``ZmqBrokerClient`` (``sync.py``) and ``InprocBrokerClient`` (``inproc.py``) implement every sync role;
+``AsyncBrokerClient`` (``aio.py``) the async twins (``AsyncRolloutClient``, ... : the same calls, awaited).
 
 A rollout server is written against ``RolloutClient``, a learner rank against ``LearnerClient``, the
 `fleetrl control` command against ``OperatorClient``; each client class implements them all (the broker

@@ -12,7 +12,8 @@ import random
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any
+from collections.abc import Set
+from typing import Any
 
 from fleetrl.common.messages import Prompt
 from fleetrl.common.data.tables import DataError
@@ -194,7 +195,7 @@ class PromptSource:
         self._note(prompt.prompt_id)
         self.reissued_total += 1
 
-    def expire(self, now: float, dead_clients: AbstractSet[str] = frozenset()) -> int:
+    def expire(self, now: float, dead_clients: Set[str] = frozenset()) -> int:
         """Re-issue the prompts of expired leases and of leases held by dead clients."""
         expired = [lid for lid, lease in self.leases.items() if lease.expires_at <= now or lease.client_id in dead_clients]
         return sum(self.give_back(lid) for lid in expired)

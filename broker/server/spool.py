@@ -33,7 +33,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union, cast
+from typing import cast
 
 import msgspec
 
@@ -124,8 +124,8 @@ class DiscardsSet(Record, tag=12):  # an operator's resume lifted the ranges dis
     ranges: list[tuple[int, int]]
 
 
-AnyRecord = Union[GroupAccepted, GroupsDone, GroupsAcked, Committed, Rewound, PromptsLeased, PromptsRequeued, VersionSet,
-                  SeenIds, VersionsDiscarded, BatchLeased, DiscardsSet]
+AnyRecord = (GroupAccepted | GroupsDone | GroupsAcked | Committed | Rewound | PromptsLeased | PromptsRequeued | VersionSet
+             | SeenIds | VersionsDiscarded | BatchLeased | DiscardsSet)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyRecord)
 _TAGS = len(typing.get_args(AnyRecord))

@@ -13,7 +13,7 @@ the actor, the batch source and the evaluator of ``algorithm.type`` from one reg
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union, cast
+from typing import Annotated, Any, Literal, cast
 
 from msgspec import field
 
@@ -184,7 +184,7 @@ class DpoAlgorithm(Section, tag_field="type", tag="dpo"):
         return 1
 
 
-AlgorithmConfig = Union[RlAlgorithm, DpoAlgorithm]
+AlgorithmConfig = RlAlgorithm | DpoAlgorithm
 """The ``algorithm`` section: one of the variants, chosen by ``algorithm.type`` (default ``rl``)."""
 
 ALGORITHM_TYPES: dict[str, type[Section]] = {"rl": RlAlgorithm, "dpo": DpoAlgorithm}

@@ -11,16 +11,24 @@ rollback does not clear them; they end when that window does (versions keep coun
 a rollback). Every process of a job inherits the environment, so one setting reaches the learner and
 the fleet. ``FLEETRL_FAULT_AT`` must be >= 1.
 
-| fault | side | what it does while active |
-| --- | --- | --- |
-| ``lr_spike`` | learner | from step AT the learning rate (optimizer and scheduler state) is × ``FLEETRL_FAULT_LR_FACTOR`` (50): divergence |
-| ``nan_grad`` | learner | every gradient of step AT is NaN (one non-finite update) |
-| ``nan_reward`` | rollout | a fraction ``FLEETRL_FAULT_FRACTION`` (0.25) of reward scores are NaN (the scorer sees them) |
-| ``reward_hack`` | rollout | the reward pays 1 for a degenerate output: an empty or one-character answer |
-| ``stale_fleet`` | rollout | new weights are received and announced but the engine keeps the weights of the fault's start: the fleet's real policy falls ever further behind the learner's version (HF engine) |
-| ``entropy_collapse`` | rollout | sampling temperature ``FLEETRL_FAULT_TEMPERATURE`` (0.1) instead of ``rollout.temperature`` |
-| ``corrupt_weights`` | rollout | each weight load adds noise (``FLEETRL_FAULT_NOISE`` (0.05) x each tensor's std) while the server reports the new version: a corrupted sync (HF engine) |
-| ``engine_dtype`` | rollout | each weight load rounds the engine's weights through ``FLEETRL_FAULT_DTYPE`` (float8_e5m2) while the learner trains full precision: engine numerics (HF engine) |
+Learner faults:
+
+- ``lr_spike``: from step AT the learning rate (optimizer and scheduler state) is x
+  ``FLEETRL_FAULT_LR_FACTOR`` (50): divergence;
+- ``nan_grad``: every gradient of step AT is NaN (one non-finite update).
+
+Rollout faults:
+
+- ``nan_reward``: a fraction ``FLEETRL_FAULT_FRACTION`` (0.25) of reward scores are NaN (the scorer sees them);
+- ``reward_hack``: the reward pays 1 for a degenerate output: an empty or one-character answer;
+- ``stale_fleet``: new weights are received and announced but the engine keeps the weights of the fault's
+  start: the fleet's real policy falls ever further behind the learner's version (HF engine);
+- ``entropy_collapse``: sampling temperature ``FLEETRL_FAULT_TEMPERATURE`` (0.1) instead of
+  ``rollout.temperature``;
+- ``corrupt_weights``: each weight load adds noise (``FLEETRL_FAULT_NOISE`` (0.05) x each tensor's std)
+  while the server reports the new version: a corrupted sync (HF engine);
+- ``engine_dtype``: each weight load rounds the engine's weights through ``FLEETRL_FAULT_DTYPE``
+  (float8_e5m2) while the learner trains full precision: engine numerics (HF engine).
 
 Production code reaches these through the seam of ``points.py`` (``faults.at`` / ``faults.around``), never
 directly. With ``FLEETRL_FAULT`` unset each point costs one truthiness test. Nothing here runs in a normal job.

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 from fleetrl.common import faults
 from fleetrl.common.plugins.registry import RegistryError
-from fleetrl.rollout.rewards.base import REWARDS, Reward, RewardArgsError, RewardInput, RewardResult, SampleReward
+from fleetrl.rollout.rewards.base import REWARDS, Reward, RewardArgsError, RewardInput, RewardResult
 from fleetrl.rollout.rewards.runner import CallRunner, CallTimeout
 
 if TYPE_CHECKING:

@@ -70,7 +70,8 @@ class Launch:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"fleetrl launch ray still running after {timeout:.0f} s:\n{self.output()[-3000:]}")
+            raise AssertionError(
+                f"fleetrl launch ray still running after {timeout:.0f} s:\n{self.output()[-3000:]}") from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:

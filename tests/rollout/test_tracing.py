@@ -81,7 +81,7 @@ def test_each_prompt_of_a_lease_starts_its_own_trace_and_its_group_carries_it(tr
 
 def test_a_version_load_joins_the_traces_it_was_announced_with(traced):
     parents = []
-    for i in range(2):
+    for _ in range(2):
         with tracing.span("learner.publish_weights", tracing.ROOT) as s:
             parents.append(tracing.inject(s))
     trace_load(time.time_ns(), parents, {"fleetrl.policy_version": 3})

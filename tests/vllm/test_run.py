@@ -66,8 +66,8 @@ def test_fleetrl_run_with_the_vllm_engine_raises_held_out_accuracy(tmp_path):
     events = (run_dir / "events.jsonl").read_text().splitlines() if (run_dir / "events.jsonl").exists() else []
     assert not events, events
     mismatch = [r["off_policy/mismatch_kl"] for r in rows if "off_policy/mismatch_kl" in r]
-    print("vllm engine mismatch_kl: mean %.3g max %.3g over %d steps" % (sum(mismatch) / len(mismatch), max(mismatch),
-                                                                          len(mismatch)))
+    print(f"vllm engine mismatch_kl: mean {sum(mismatch) / len(mismatch):.3g} max {max(mismatch):.3g} over "
+          f"{len(mismatch)} steps")
     # the rollout leaves on `done` with exit 0, and the engine's shutdown leaves no error behind
     assert re.search(r"rollout-0\s+exit 0", log), log[-3000:]
     for text in (log, rollout_log):

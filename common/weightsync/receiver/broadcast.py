@@ -18,17 +18,14 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, AbstractSet, Any, Callable
+from collections.abc import Set
+from typing import Any, Callable
 
 import msgspec
 
 from fleetrl.common import messages
 from fleetrl.common import faults
 from fleetrl.common import weightsync as ws
-
-if TYPE_CHECKING:  # torch is imported where it is used: this package imports without it
-    import torch
-    from torch.distributed import PrefixStore
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +153,7 @@ def receive_round(store: Any, keys: ws.RoundKeys, identity: str, buffers: list, 
 
 
 def request_catchup(store: Any, missed: ws.RoundKeys, version: int, timeout_s: float,
-                    tried: AbstractSet[int] = frozenset(), give_up: Callable[[], bool] = lambda: False,
+                    tried: Set[int] = frozenset(), give_up: Callable[[], bool] = lambda: False,
                     signer: str = "") -> ws.RoundKeys | None:
     """Ask for a fresh round of ``version`` (the round ``missed`` went by without this receiver); the keys
     of the round the learner offers (not one of ``tried``), or None when none came within ``timeout_s``

@@ -40,7 +40,7 @@ from fleetrl.common.config.schema import SyncConfig
 
 if TYPE_CHECKING:  # torch is imported where it is used: this package imports without it
     import torch
-    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed import TCPStore
 
 log = logging.getLogger("fleetrl.common.weightsync.sender.publisher")
 

@@ -101,7 +101,7 @@ def test_an_unfinished_multipart_message_is_cut_off(broker):
 def test_half_sent_frames_and_idle_connections_are_closed(broker):
     canary = Canary(broker.address)
     held = []
-    for i in range(300):
+    for _ in range(300):
         s = zmtp.connect(broker.address)
         s.sendall(zmtp.frame_header(512 << 10) + b"y" * 100)  # a frame that announces 512 KiB and stops
         held.append(s)

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from fleetrl.broker.client.errors import BrokerUnavailable
 from fleetrl.broker.client.sync import ZmqBrokerClient
 from fleetrl.broker.security.keys import generate
 from fleetrl.broker.security.permissions import PERMISSIONS
@@ -91,7 +92,7 @@ def test_audit_log_and_owner_only_files(secured, tmp_path):
     generate(tmp_path / "other", {"rollout": ["intruder"]})
     intruder = ZmqBrokerClient(proc.address, "intruder-0", "rollout", timeout_s=2.0,
                                curve=CurveConfig(**curve, client_secret_key=str(tmp_path / "other" / "intruder.key_secret")))
-    with pytest.raises(Exception):
+    with pytest.raises(BrokerUnavailable):  # BrokerUnauthorized (a refused key) is one
         intruder.connect()
     time.sleep(0.3)
     audit = proc.run_dir / "audit.jsonl"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from opentelemetry import trace
 
-from fleetrl.common.telemetry import tracing
+from fleetrl.common.telemetry import tracing as telemetry  # `tracing` is this file's fixture
 from fleetrl.common.config import ConfigError
 from fleetrl.common.config.schema import TelemetryConfig
 from fleetrl.app.trace_cli import Spans, main as trace_main
@@ -32,14 +32,14 @@ JSONL = TelemetryConfig(exporter="jsonl")
 @pytest.fixture
 def tracing(tmp_path):
     """Tracing to ``tmp_path/traces`` for this test; yields a function returning the spans written so far."""
-    tracing.setup_tracing("learner", JSONL, tmp_path, {"service.instance.id": "learner-0", "fleetrl.rank": 0})
+    telemetry.setup_tracing("learner", JSONL, tmp_path, {"service.instance.id": "learner-0", "fleetrl.rank": 0})
 
     def spans() -> list[dict]:
-        assert tracing.flush_tracing()
-        return tracing.read_spans(tmp_path)
+        assert telemetry.flush_tracing()
+        return telemetry.read_spans(tmp_path)
 
     yield spans
-    tracing.shutdown_tracing()
+    telemetry.shutdown_tracing()
 
 
 def test_telemetry_modules_import_without_torch():
@@ -49,26 +49,26 @@ def test_telemetry_modules_import_without_torch():
 
 
 def test_exporter_none_is_a_no_op(tmp_path):
-    tracer = tracing.setup_tracing("rollout", TelemetryConfig(), tmp_path)
-    assert isinstance(tracer, trace.NoOpTracer) and not tracing.enabled()
-    with tracing.span("generate", attributes={"fleetrl.x": 1}) as s:
+    tracer = telemetry.setup_tracing("rollout", TelemetryConfig(), tmp_path)
+    assert isinstance(tracer, trace.NoOpTracer) and not telemetry.enabled()
+    with telemetry.span("generate", attributes={"fleetrl.x": 1}) as s:
         assert s is trace.INVALID_SPAN
-        assert tracing.inject() == {}
-    assert tracing.record_span("push", time.time_ns()) is None
-    assert tracing.group_links([make_group("0:1")]) == []
+        assert telemetry.inject() == {}
+    assert telemetry.record_span("push", time.time_ns()) is None
+    assert telemetry.group_links([make_group("0:1")]) == []
     from fleetrl.rollout.tracing import LeaseTrace
 
     assert LeaseTrace.start(None, "r0", 0, time.time_ns()) is None  # the rollout loop builds nothing either
-    assert not (tmp_path / tracing.TRACES_DIR).exists()
+    assert not (tmp_path / telemetry.TRACES_DIR).exists()
 
 
 def test_jsonl_exporter_writes_one_parseable_record_per_span(tracing, tmp_path):
-    with tracing.span("learner.step", tracing.ROOT, {"fleetrl.step": 1}) as step:
-        with tracing.span("weights.publish", attributes={"fleetrl.policy_version": 1}):
+    with telemetry.span("learner.step", telemetry.ROOT, {"fleetrl.step": 1}) as step:
+        with telemetry.span("weights.publish", attributes={"fleetrl.policy_version": 1}):
             pass
-    tracing.record_span("weights.load", time.time_ns() - 5_000_000, parent=tracing.ROOT)
+    telemetry.record_span("weights.load", time.time_ns() - 5_000_000, parent=telemetry.ROOT)
     spans = tracing()
-    [path] = tracing.trace_files(tmp_path)
+    [path] = telemetry.trace_files(tmp_path)
     assert path.name == f"learner-{os.getpid()}.jsonl"
     assert all(json.loads(line) for line in path.read_text().splitlines())
     by_name = {s["name"]: s for s in spans}
@@ -83,43 +83,43 @@ def test_jsonl_exporter_writes_one_parseable_record_per_span(tracing, tmp_path):
 
 
 def test_inject_extract_round_trip(tracing):
-    with tracing.span("prompt", tracing.ROOT) as parent:
-        carrier = tracing.inject(parent)
-        assert carrier == tracing.inject()  # the current span by default
+    with telemetry.span("prompt", telemetry.ROOT) as parent:
+        carrier = telemetry.inject(parent)
+        assert carrier == telemetry.inject()  # the current span by default
     ctx = parent.get_span_context()
     assert carrier == {"traceparent": f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-01"}
-    remote = trace.get_current_span(tracing.extract(carrier)).get_span_context()
+    remote = trace.get_current_span(telemetry.extract(carrier)).get_span_context()
     assert (remote.trace_id, remote.span_id, remote.is_remote) == (ctx.trace_id, ctx.span_id, True)
-    child = tracing.record_span("broker.ingest", time.time_ns(), parent=carrier)  # as the broker does
+    child = telemetry.record_span("broker.ingest", time.time_ns(), parent=carrier)  # as the broker does
     assert child.parent.span_id == ctx.span_id and child.get_span_context().trace_id == ctx.trace_id
-    link = tracing.link_from(carrier, {"fleetrl.group_id": "g"})
+    link = telemetry.link_from(carrier, {"fleetrl.group_id": "g"})
     assert link.context.span_id == ctx.span_id and link.attributes["fleetrl.group_id"] == "g"
-    assert tracing.link_from({}) is None and tracing.extract({}) is not None
-    assert tracing.sampled(carrier) and not tracing.sampled({"traceparent": carrier["traceparent"][:-2] + "00"})
-    assert not tracing.sampled({}) and not tracing.sampled(None) and not tracing.sampled({"traceparent": "01"})
+    assert telemetry.link_from({}) is None and telemetry.extract({}) is not None
+    assert telemetry.sampled(carrier) and not telemetry.sampled({"traceparent": carrier["traceparent"][:-2] + "00"})
+    assert not telemetry.sampled({}) and not telemetry.sampled(None) and not telemetry.sampled({"traceparent": "01"})
     with_state = {"traceparent": carrier["traceparent"], "tracestate": "vendor=abc"}
-    assert tracing.inject(trace.get_current_span(tracing.extract(with_state))) == with_state
+    assert telemetry.inject(trace.get_current_span(telemetry.extract(with_state))) == with_state
 
 
 def test_setup_is_once_per_process_and_jsonl_needs_a_run_dir(tracing, tmp_path):
-    first = tracing.get_tracer()
-    assert tracing.setup_tracing("learner", JSONL, tmp_path / "elsewhere") is first
-    tracing.shutdown_tracing()
-    assert not tracing.enabled()
+    first = telemetry.get_tracer()
+    assert telemetry.setup_tracing("learner", JSONL, tmp_path / "elsewhere") is first
+    telemetry.shutdown_tracing()
+    assert not telemetry.enabled()
     with pytest.raises(ConfigError, match="--run-dir"):
-        tracing.setup_tracing("broker", JSONL, None)
+        telemetry.setup_tracing("broker", JSONL, None)
     with pytest.raises(ValueError, match="unknown service"):
-        tracing.setup_tracing("trainer", JSONL, tmp_path)
+        telemetry.setup_tracing("trainer", JSONL, tmp_path)
 
 
 def test_a_learner_step_links_every_group_it_trained_on(tracing):
     groups = []
     for i in range(3):
-        with tracing.span("prompt", tracing.ROOT) as s:
+        with telemetry.span("prompt", telemetry.ROOT) as s:
             groups.append(make_group(f"0:{i}", gid=f"g{i}"))
-            groups[-1].trace = tracing.inject(s)
+            groups[-1].trace = telemetry.inject(s)
     untraced = make_group("0:9", gid="g9")  # a group from a server without tracing: no link, no error
-    with tracing.span("learner.step", tracing.ROOT, links=tracing.group_links([*groups, untraced])):
+    with telemetry.span("learner.step", telemetry.ROOT, links=telemetry.group_links([*groups, untraced])):
         pass
     [step] = [s for s in tracing() if s["name"] == "learner.step"]
     assert [(lk["trace_id"], lk["attributes"]["fleetrl.group_id"]) for lk in step["links"]] == [
@@ -143,11 +143,11 @@ def test_otlp_exporter_posts_spans_to_the_collector_over_http():
     thread.start()
     try:
         cfg = TelemetryConfig(exporter="otlp", otlp_endpoint=f"http://127.0.0.1:{server.server_port}")
-        tracing.setup_tracing("broker", cfg, None, {"service.instance.id": "broker"})
-        tracing.record_span("broker.batch_lease", time.time_ns(), parent=tracing.ROOT)
-        assert tracing.flush_tracing()
+        telemetry.setup_tracing("broker", cfg, None, {"service.instance.id": "broker"})
+        telemetry.record_span("broker.batch_lease", time.time_ns(), parent=telemetry.ROOT)
+        assert telemetry.flush_tracing()
     finally:
-        tracing.shutdown_tracing()
+        telemetry.shutdown_tracing()
         server.shutdown()
         server.server_close()
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -165,9 +165,9 @@ SEEDED_CHILD = textwrap.dedent("""
     from fleetrl.common.telemetry import tracing
     from fleetrl.common.config.schema import TelemetryConfig
     random.seed(0)
-    tracing.setup_tracing("rollout", TelemetryConfig(exporter="jsonl"), sys.argv[1])
+    telemetry.setup_tracing("rollout", TelemetryConfig(exporter="jsonl"), sys.argv[1])
     for _ in range(5):
-        with tracing.span("generate", tracing.ROOT) as s:
+        with telemetry.span("generate", telemetry.ROOT) as s:
             c = s.get_span_context()
             print(f"{c.trace_id:032x} {c.span_id:016x}")
 """)
@@ -177,7 +177,7 @@ def test_span_ids_differ_between_identically_seeded_processes(tmp_path):
     outs = [subprocess.run([sys.executable, "-c", SEEDED_CHILD, str(tmp_path)], capture_output=True, text=True,
                            check=True, cwd=ROOT).stdout.split() for _ in range(2)]
     assert len(outs[0]) == 10 and not set(outs[0]) & set(outs[1])
-    assert len(tracing.trace_files(tmp_path)) == 2  # one file per process
+    assert len(telemetry.trace_files(tmp_path)) == 2  # one file per process
     # the SDK's default generator would have repeated them: it draws from `random`
     from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
@@ -190,7 +190,7 @@ def test_span_ids_differ_between_identically_seeded_processes(tmp_path):
 
 def test_ids_from_the_urandom_pool_differ_in_a_forked_child_and_are_never_zero():
     """The pool is emptied at fork: a child that inherits it draws fresh bytes, not its parent's."""
-    gen = tracing.UrandomIdGenerator()
+    gen = telemetry.UrandomIdGenerator()
     gen.generate_span_id()  # the pool is filled now
     read, write = os.pipe()
     pid = os.fork()
@@ -211,13 +211,13 @@ def test_remote_context_reads_our_traceparent_like_the_propagator():
 
     for flags in ("01", "00"):
         carrier = {"traceparent": f"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-{flags}"}
-        fast, slow = tracing.remote_context(carrier), trace.get_current_span(tracing.extract(carrier)).get_span_context()
+        fast, slow = telemetry.remote_context(carrier), trace.get_current_span(telemetry.extract(carrier)).get_span_context()
         assert fast == slow and fast.is_remote and fast.trace_flags == TraceFlags(int(flags))
     for bad in ({}, None, {"traceparent": "00-" + "0" * 32 + "-00f067aa0ba902b7-01"},
                 {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e473X-00f067aa0ba902b7-01"}, {"traceparent": "junk"}):
-        assert not tracing.remote_context(bad).is_valid
+        assert not telemetry.remote_context(bad).is_valid
     with_state = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "tracestate": "v=1"}
-    assert tracing.remote_context(with_state).trace_state.get("v") == "1"  # the propagator's path keeps it
+    assert telemetry.remote_context(with_state).trace_state.get("v") == "1"  # the propagator's path keeps it
 
 
 # --------------------------------------------------------------------------------- fleetrl trace
@@ -292,7 +292,7 @@ def test_trace_cli_lists_the_latest_groups_and_explains_what_is_missing(tmp_path
     assert "3 groups match 'g'" in capsys.readouterr().err
     assert trace_main(Namespace(run_dir=str(tmp_path / "none"), group=None, n=10)) == 1
     assert "telemetry.exporter=jsonl" in capsys.readouterr().err
-    assert Spans(tracing.read_spans(tmp_path)).find_group("gC") == "gC"
+    assert Spans(telemetry.read_spans(tmp_path)).find_group("gC") == "gC"
 
 
 # ------------------------------------------------------------------------------ across processes

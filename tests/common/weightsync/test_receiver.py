@@ -53,11 +53,6 @@ def greedy(engine):
     return [[(g.token_ids, g.logprobs) for g in group] for group in out]
 
 
-@pytest.fixture
-def learner_model(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-
-
 def save_reference(model, path) -> str:
     model.save_pretrained(path)
     return str(path)

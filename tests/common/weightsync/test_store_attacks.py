@@ -18,7 +18,8 @@ from fleetrl.common.config.schema import JobConfig, SyncConfig
 from fleetrl.common.weightsync.sender.publisher import WeightPublisher
 from fleetrl.common.weightsync.receiver import broadcast as rounds
 from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
-from tests.common.weightsync.test_receiver import CaptureEngine, assert_same_weights, learner_model, perturb, specs_of, wait_pending  # noqa: F401
+from tests.common.weightsync.test_receiver import CaptureEngine, assert_same_weights, perturb  # noqa: F401
+from tests.common.weightsync.test_receiver import specs_of, wait_pending  # noqa: F401
 
 TIMEOUT_S = 10.0
 

@@ -4,7 +4,6 @@ changed its base_url; the groups it produced; a session left open times out and 
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
