@@ -45,7 +45,7 @@ def role_of(proc: psutil.Process) -> str:
         return "rollout-" + (argv[argv.index("--server-index") + 1] if "--server-index" in argv else "0")
     if "broker" in argv:
         return "broker"
-    if "learner" in argv or "fleetrl.learner" in argv:
+    if "learner" in argv or "fleetrl.app.learner" in argv:  # `fleetrl learner`, or a rank under torchrun
         return "learner"
     if "run" in argv:
         return "launcher"
