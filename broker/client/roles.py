@@ -7,7 +7,8 @@
 | ``OperatorClient`` | control |
 
 ``ZmqBrokerClient`` (``sync.py``) and ``InprocBrokerClient`` (``inproc.py``) implement every sync role;
-``AsyncBrokerClient`` (``aio.py``) the async twins (``AsyncRolloutClient``, ... : the same calls, awaited).
+``AsyncBrokerClient`` (``aio.py``, ZeroMQ) and ``AsyncInprocBrokerClient`` (``ainproc.py``) the async twins
+(``AsyncRolloutClient``, ...: the same calls, awaited).
 
 A rollout server is written against ``RolloutClient``, a learner rank against ``LearnerClient``, the
 `fleetrl control` command against ``OperatorClient``; each client class implements them all (the broker

@@ -4,12 +4,14 @@ and learner code written against its role runs on any of them."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 
 import pytest
 
 from fleetrl.broker.client import roles
 from fleetrl.broker.client.aio import AsyncBrokerClient
+from fleetrl.broker.client.ainproc import AsyncInprocBrokerClient
 from fleetrl.broker.client.roles import BrokerClient, SubscriptionLike
 from fleetrl.broker.client.sync import Subscription, ZmqBrokerClient
 from fleetrl.broker.client.inproc import InprocBroker, InprocBrokerClient, InprocSubscription
@@ -56,13 +58,37 @@ def test_the_roles_split_the_calls_as_the_permission_table_does():
     assert set(METHODS) == set(methods(roles.Session)) | rollout | learner | operator
 
 
+@pytest.mark.parametrize("impl", [AsyncBrokerClient, AsyncInprocBrokerClient], ids=lambda c: c.__name__)
 @pytest.mark.parametrize("role", ASYNC_ROLES, ids=lambda r: r.__name__)
-def test_the_async_client_satisfies_every_async_role(role):
+def test_the_async_clients_satisfy_every_async_role(role, impl):
     for name in methods(role):
-        want, got = inspect.signature(getattr(role, name)), inspect.signature(getattr(AsyncBrokerClient, name))
+        want, got = inspect.signature(getattr(role, name)), inspect.signature(getattr(impl, name))
         strip = lambda sig: [(p.name, p.kind, p.default) for p in sig.parameters.values()]  # noqa: E731
-        assert strip(got) == strip(want), f"AsyncBrokerClient.{name}{got} differs from {role.__name__}.{name}{want}"
-        assert inspect.iscoroutinefunction(getattr(AsyncBrokerClient, name)), name
+        assert strip(got) == strip(want), f"{impl.__name__}.{name}{got} differs from {role.__name__}.{name}{want}"
+        assert inspect.iscoroutinefunction(getattr(impl, name)), name
+
+
+def test_the_async_in_process_twin_serves_a_rollout_and_a_learner():
+    """Lease, push, lease a batch (a long poll that a push from the same loop wakes), ack: over the twin."""
+    from tests.helpers import make_group
+
+    broker = InprocBroker(make_state())
+
+    async def run() -> tuple[int, int, int]:
+        rollout = AsyncInprocBrokerClient(broker, "rollout-0", "rollout")
+        learner = AsyncInprocBrokerClient(broker, "learner-0", "learner")
+        await rollout.connect()
+        await learner.connect()
+        lease = await rollout.lease_prompts(3, 0)
+        assert isinstance(lease, m.PromptLease)
+        waiting = asyncio.ensure_future(learner.lease_batch(3, wait_s=10.0, min_groups=3))
+        acks = await rollout.push_groups([make_group(p.prompt_id) for p in lease.prompts])
+        batch = await waiting
+        assert isinstance(batch, m.BatchLease)
+        ack = await learner.ack_batch(batch.lease_id, [g.group_id for g in batch.groups], 1)
+        return sum(a.status == "accepted" for a in acks), len(batch.groups), ack.count
+
+    assert asyncio.run(run()) == (3, 3, 3)
 
 
 def test_subscriptions_satisfy_theirs():

@@ -162,7 +162,7 @@ def test_otlp_exporter_posts_spans_to_the_collector_over_http():
 
 SEEDED_CHILD = textwrap.dedent("""
     import random, sys
-    from fleetrl.common.telemetry import tracing
+    from fleetrl.common.telemetry import tracing as telemetry  # the name the lines below use
     from fleetrl.common.config.schema import TelemetryConfig
     random.seed(0)
     telemetry.setup_tracing("rollout", TelemetryConfig(exporter="jsonl"), sys.argv[1])
