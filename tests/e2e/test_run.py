@@ -90,3 +90,24 @@ def test_a_run_whose_reward_never_works_stops_naming_it(tmp_path, tiny_model_dir
     assert "no sample got a usable reward" in out and f"'{function}' (rollout.rewards[0]) {says}" in out
     assert "restarting" not in out  # a restart would score nothing again
     assert not run.child_pids()
+
+
+@pytest.mark.slow
+def test_a_run_whose_reward_starts_failing_mid_run_stops_naming_it(tmp_path, tiny_model_dir, arith_data, empty_config):
+    """A reward that scores the first 48 samples, then raises on every one: the run trains, then stops with exit 1
+    and a line naming the reward (issue 30: a mid-run failure was counted and shown, but the run went on)."""
+    run_dir = tmp_path / "run"
+    rewards = "rollout.rewards=[{name: python, args: {function: 'tests.rollout.user_rewards:works_then_breaks'}}]"
+    run = RunProcess(run_dir, empty_config, job_args(tiny_model_dir, arith_data, rewards, "learner.total_steps=200",
+                                                     "run.restart_policy=on-failure"))
+    try:
+        code = run.wait(300)
+        out = run.output()
+    finally:
+        run.stop()
+    assert code == 1, out
+    assert "the rewards stopped working: the last 32 samples got no usable reward (after 48 usable ones)" in out
+    assert "'works_then_breaks' (rollout.rewards[0]) failed on 32 of 32 samples" in out and "ConnectionError" in out
+    assert "rollout.reward_stop_after=32 samples in a row" in out and "restarting" not in out
+    assert read_jsonl(run_dir / "metrics.jsonl"), "the learner never trained on the samples that had a reward"
+    assert not run.child_pids()
