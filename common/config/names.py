@@ -53,9 +53,11 @@ def set_key(raw: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-def apply_aliases(raw: dict[str, Any], note: bool = True) -> None:
-    """TRL's / verl's names at the top level are accepted with a one-line note naming fleetrl's key. TRL's
+def apply_aliases(raw: dict[str, Any], note: bool = True, notes: list[str] | None = None) -> None:
+    """TRL's / verl's names at the top level are accepted with a one-line note naming fleetrl's key, appended to
+    ``notes`` when given (the command the user runs prints them once, with its name), else logged. TRL's
     ``beta`` > 0 turns on a KL loss term (its GRPO adds beta x KL to the loss) unless algorithm.kl.placement is set."""
+    said: list[str] = []
     for alias, target in ALIASES.items():
         if alias not in raw:
             continue
@@ -70,12 +72,14 @@ def apply_aliases(raw: dict[str, Any], note: bool = True) -> None:
                 and get_key(raw, "algorithm.kl.placement") is None:
             set_key(raw, "algorithm.kl.placement", "loss")
             extra = " and algorithm.kl.placement=loss (a KL loss term, as TRL's GRPO)"
-        if note:
-            log.warning("config: %s=%s is read as %s=%s%s; write fleetrl's key to drop this note", alias, value,
-                        target, value, extra)
-    said = apply_batch_aliases(raw)
-    if said and note:
-        log.warning("config: %s", said)
+        said.append(f"{alias}={value} is read as {target}={value}{extra}; write fleetrl's key to drop this note")
+    batch = apply_batch_aliases(raw)
+    said += [batch] if batch else []
+    if notes is not None:
+        notes += said
+    elif note:
+        for line in said:
+            log.warning("config: %s", line)
 
 
 BATCH_ALIASES = ("per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size")  # TRL's

@@ -415,8 +415,9 @@ class Launcher:
                 signal.signal(sig, handler)
 
 
-def resolve(args) -> tuple[JobConfig, Path | None, bool]:
-    """The job's config, its run directory when known (--resume, --run-dir) and whether it resumes."""
+def resolve(args, notes: list[str] | None = None) -> tuple[JobConfig, Path | None, bool]:
+    """The job's config, its run directory when known (--resume, --run-dir) and whether it resumes; the notes on
+    the names it read go to ``notes``."""
     if args.resume:
         run_dir = Path(args.resume)
         problem = resume_problem(run_dir, None)
@@ -424,19 +425,20 @@ def resolve(args) -> tuple[JobConfig, Path | None, bool]:
             raise ConfigError(problem)
         if args.config:
             raise ConfigError("--resume takes the run's own config.yaml; drop --config (overrides still apply)")
-        cfg = load_config(run_dir / "config.yaml", [*args.overrides, "checkpoint.resume=auto"])
+        cfg = load_config(run_dir / "config.yaml", [*args.overrides, "checkpoint.resume=auto"], notes)
         problem = resume_problem(run_dir, cfg)
         if problem:
             raise ConfigError(problem)
         return cfg, run_dir, True
     if not args.config:
         raise ConfigError("pass --config FILE (a job YAML, see configs/), or --resume RUN_DIR to continue a run")
-    return load_config(args.config, [*args.overrides]), None, False
+    return load_config(args.config, [*args.overrides], notes), None, False
 
 
 def main(args) -> int:
     STARTUP.mark("python+imports")
-    cfg, run_dir, resumed = resolve(args)
+    notes: list[str] = []  # printed here, once: the children read the resolved config.yaml, which needs none
+    cfg, run_dir, resumed = resolve(args, notes)
     if cfg.broker.address is None and cfg.broker.host in ("127.0.0.1", "localhost"):
         cfg = _free_ports(cfg)  # one machine: free ports
     STARTUP.mark("config")
@@ -446,7 +448,7 @@ def main(args) -> int:
         for problem in problems:
             print(f"fleetrl run: {problem}", file=sys.stderr)
         return 2
-    for note in [] if resumed else defaults_used(cfg, args.config, args.overrides):
+    for note in notes + ([] if resumed else defaults_used(cfg, args.config, args.overrides)):
         print(f"fleetrl run: note: {note}", file=sys.stderr)
     run_dir = run_dir or make_run_dir(cfg, args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,9 @@ learner.groups_per_step groups of rollout.group_size and makes learner.mini_batc
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from fleetrl.common.config import ConfigError, load_config
@@ -69,3 +72,16 @@ def test_sizes_that_do_not_divide_or_clash_are_refused_naming_the_fix(overrides,
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
     assert says in str(e.value)
+
+
+def test_config_validate_prints_each_note_once_with_its_name(tmp_path, tiny_model_dir, arith_data):
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {{path: {tiny_model_dir}}}\ndata: {{train: {arith_data}}}\nrollout: {{rewards: [{{name: "
+                   "exact}]}\nnum_generations: 4\ngeneration_batch_size: 32\n")
+    out = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "config", "validate", "--config", str(job)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    notes = [line for line in out.stderr.splitlines() if line.startswith("fleetrl config: note: ")]
+    assert len(notes) == 2 and "num_generations=4 is read as rollout.group_size=4" in notes[0], out.stderr
+    assert "generation_batch_size (TRL's, in completions) read as learner.groups_per_step=8" in notes[1]
+    assert "config: num_generations" not in out.stderr.replace("fleetrl config: note: num_generations", "")

@@ -13,7 +13,8 @@ from tests.e2e.conftest import RunProcess, job_args, read_jsonl, wait_for
 
 def test_run_trains_publishes_and_checkpoints(tmp_path, tiny_model_dir, arith_data, empty_config):
     run_dir = tmp_path / "run"
-    run = RunProcess(run_dir, empty_config, job_args(tiny_model_dir, arith_data))
+    args = [a if a != "rollout.group_size=4" else "num_generations=4" for a in job_args(tiny_model_dir, arith_data)]
+    run = RunProcess(run_dir, empty_config, args)  # TRL's name for the group size: one note, from `fleetrl run`
     try:
         code = run.wait()
         out = run.output()
@@ -40,6 +41,13 @@ def test_run_trains_publishes_and_checkpoints(tmp_path, tiny_model_dir, arith_da
     assert {"learner", "broker", "rollout-0"} <= set(cpu["per_child"]) and cpu["cores_busy"] > 0
     assert "CPU during RL" in out
     assert f"watch it with `fleetrl status --broker {run_dir}`" in out and "broker at tcp://127.0.0.1:" in out
+    assert out.count("fleetrl run: note: num_generations=4 is read as rollout.group_size=4") == 1, out
+    assert not [p.name for p in (run_dir / "logs").glob("*.log") if "is read as" in p.read_text()]  # not the children
+    assert re.search(r"3 processes ready in [0-9.]+ s \(checks done at [0-9.]+ s; ready: broker at [0-9.]+, "
+                     r"rollout-0 at [0-9.]+, learner at [0-9.]+ s\)", out), out
+    for name in ("broker", "rollout-0", "learner"):  # each child says where its start-up went
+        assert re.search(r"start-up: ready [0-9.]+ s after exec \(python\+imports [0-9.]+, ",
+                         (run_dir / "logs" / f"{name}.log").read_text()), name
 
 
 def test_sigint_stops_everything_with_a_checkpoint(tmp_path, tiny_model_dir, arith_data, empty_config):
