@@ -276,6 +276,8 @@ def cpu_s(procs) -> float:
 def run_fleet(servers: int, rates: list[float], args, workdir: Path) -> dict:
     import psutil
 
+    from fleetrl.common.telemetry.cpu import machine_busy_s
+
     from fleetrl.broker.client.sync import ZmqBrokerClient
 
     broker, address = start_broker(workdir, args.spool)
@@ -312,11 +314,10 @@ def run_fleet(servers: int, rates: list[float], args, workdir: Path) -> dict:
             for edge in ("measure", "end"):
                 time.sleep(max(0.0, s[edge] - time.time()))
                 st = monitor.status()
-                sys_cpu = psutil.cpu_times()
                 samples.append({"t": time.time(), "groups_in": st.groups_in, "groups_out": st.groups_out,
                                 "throttled": st.throttled, "clients": sum(c.alive for c in st.clients) - 1,
                                 "broker_cpu_s": cpu_s([bproc]), "gen_cpu_s": cpu_s(gen_procs),
-                                "sys_busy_s": sum(sys_cpu) - sys_cpu.idle - getattr(sys_cpu, "iowait", 0.0),
+                                "sys_busy_s": machine_busy_s(),
                                 "rss": bproc.memory_info().rss, "load": os.getloadavg()[0]})
         for c in children:
             c.wait(timeout=120)
