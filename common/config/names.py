@@ -86,7 +86,7 @@ def _count(raw: dict[str, Any], key: str, default: int) -> int:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _config_error(f"{key}={value!r}: give a whole number >= 1")
+        raise ConfigError(f"{key}={value!r}: give a whole number >= 1")
     return value
 
 
@@ -106,14 +106,14 @@ def apply_batch_aliases(raw: dict[str, Any]) -> str:
         return ""
     alg = raw.get("algorithm")
     if isinstance(alg, dict) and alg.get("type") == "dpo":
-        raise _config_error(f"{', '.join(given)}: TRL's batch sizes count completions; a DPO step counts pairs: set "
+        raise ConfigError(f"{', '.join(given)}: TRL's batch sizes count completions; a DPO step counts pairs: set "
                             "learner.groups_per_step (pairs per step across all ranks) instead")
     for key in ("learner.groups_per_step", *(["learner.mini_batches"] if "per_device_train_batch_size" in raw else [])):
         if get_key(raw, key) is not None:
-            raise _config_error(f"{', '.join(given)} (TRL's batch sizes, in completions) and {key} are both set; "
+            raise ConfigError(f"{', '.join(given)} (TRL's batch sizes, in completions) and {key} are both set; "
                                 f"keep one (fleetrl's {key} counts groups of rollout.group_size)")
     if "gradient_accumulation_steps" in raw and "per_device_train_batch_size" not in raw:
-        raise _config_error("gradient_accumulation_steps counts with per_device_train_batch_size only (fleetrl "
+        raise ConfigError("gradient_accumulation_steps counts with per_device_train_batch_size only (fleetrl "
                             "splits micro-batches by tokens, learner.max_tokens_per_microbatch); set "
                             "per_device_train_batch_size too, or learner.groups_per_step and learner.mini_batches")
     defaults = JobConfig()
@@ -124,7 +124,7 @@ def apply_batch_aliases(raw: dict[str, Any]) -> str:
     how = (f"per_device_train_batch_size={per_device} x gradient_accumulation_steps={accum} = {per_rank} completions "
            f"per rank and optimizer step")
     if per_rank % group:
-        raise _config_error(f"{how} is not a whole number of groups of rollout.group_size={group} (a group is trained "
+        raise ConfigError(f"{how} is not a whole number of groups of rollout.group_size={group} (a group is trained "
                             f"on one rank); make it a multiple of {group}, or set learner.groups_per_step")
     step = per_rank * ranks  # completions per optimizer step
     generation = _count(raw, "generation_batch_size", step)
@@ -132,7 +132,7 @@ def apply_batch_aliases(raw: dict[str, Any]) -> str:
     if generation % unit:
         what = (f"optimizer steps of {step} completions ({how}, x learner.num_ranks={ranks})" if step else
                 f"groups per learner rank (rollout.group_size={group} x learner.num_ranks={ranks})")
-        raise _config_error(f"generation_batch_size={generation} is not a whole number of {what}; make it a multiple "
+        raise ConfigError(f"generation_batch_size={generation} is not a whole number of {what}; make it a multiple "
                             f"of {unit}")
     set_key(raw, "learner.groups_per_step", generation // group)
     said = f"learner.groups_per_step={generation // group}"
@@ -233,13 +233,13 @@ def with_absolute_paths(cfg: JobConfig) -> JobConfig:
         node, leaf = _node(raw, key)
         if node is not None:
             node[leaf] = _absolute(node[leaf])
-    refs = user_code_refs(raw)
+    refs: list[tuple[Any, Any]] = user_code_refs(raw)  # (dict or list, key or index)
     for container, key in refs:
-        container[key] = _absolute(container[key], function=True)  # type: ignore[index]
+        container[key] = _absolute(container[key], function=True)
     run = raw.setdefault("run", {})
     folders = [str(Path(p).resolve()) for p in run.get("python_path") or []]
     here = str(Path.cwd().resolve())
-    if any(_found_here(container[key]) for container, key in refs) and here not in folders:  # type: ignore[index]
+    if any(_found_here(container[key]) for container, key in refs) and here not in folders:
         folders.append(here)
     run["python_path"] = folders
     return msgspec.convert(raw, JobConfig)
