@@ -21,7 +21,7 @@ LAYOUT = ["cluster.share_nodes=false", "cluster.slurm.broker_own_node=true", "cl
 
 def submit(hosts, slurm, *args: str) -> str:
     """`fleetrl launch slurm ARGS` on the login host; returns the job id."""
-    out = hosts.run(0, [sys.executable, "-m", "fleetrl.common.cli", "launch", "slurm", *args], env=slurm.env, timeout=120)
+    out = hosts.run(0, [sys.executable, "-m", "fleetrl.app.cli", "launch", "slurm", *args], env=slurm.env, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     return re.search(r"submitted job (\d+)", out.stdout).group(1)
 
@@ -57,7 +57,7 @@ def account(run: Path, spool: Path, stale: int) -> dict:
     """Every group the broker acknowledged to a rollout server: trained (in the final model's lineage),
     acknowledged untrained by dynamic sampling, still in the spool, or — at most ``stale`` of them — dropped
     stale by design (counted by the broker, not named). Trained twice = twice in the lineage."""
-    from fleetrl.broker.spool import Spool
+    from fleetrl.broker.server.spool import Spool
 
     acked_ids = {g for path in run.glob("rollout-*.acked.jsonl") for r in read_jsonl(path) for g in r["group_ids"]}
     trained, filtered = lineage(run, "group_ids"), set(lineage(run, "filtered_ids"))

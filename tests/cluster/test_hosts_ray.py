@@ -80,7 +80,7 @@ def launch(hosts, env, run: Path, name: str, *args: str) -> tuple[subprocess.Pop
     """A `fleetrl launch ray` driver on the head's host (a driver needs a Ray node on its own host)."""
     run.mkdir(parents=True, exist_ok=True)
     out = run.parent / f"{name}.out"
-    proc = hosts.popen(HEAD, [sys.executable, "-m", "fleetrl.common.cli", "launch", "ray", *args], env=env,
+    proc = hosts.popen(HEAD, [sys.executable, "-m", "fleetrl.app.cli", "launch", "ray", *args], env=env,
                        stdout=out.open("w"), stderr=subprocess.STDOUT)
     return proc, out
 

@@ -23,7 +23,7 @@ class Launch:
         run.mkdir(parents=True, exist_ok=True)
         self.out_path = run.parent / "launch.out"
         self.out = self.out_path.open("w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "fleetrl.common.cli", "launch", "ray", "--config", JOB,
+        self.proc = subprocess.Popen([sys.executable, "-m", "fleetrl.app.cli", "launch", "ray", "--config", JOB,
                                       "--run-dir", str(run), *args], stdout=self.out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
@@ -36,7 +36,8 @@ class Launch:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"fleetrl launch ray still running after {timeout:.0f} s:\n{self.output()[-3000:]}")
+            raise AssertionError(
+                f"fleetrl launch ray still running after {timeout:.0f} s:\n{self.output()[-3000:]}") from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
