@@ -25,8 +25,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 log = logging.getLogger("fleetrl.learner")
 
@@ -52,9 +52,18 @@ def fail_now(message: str) -> None:
 class PeerWatch:
     """Heartbeats of ``world`` ranks in one store; ``on_lost(message)`` once when one goes silent."""
 
-    def __init__(self, rank: int, world: int, host: str, timeout_s: float, connect: Callable[[float], object],
-                 store_where: str = "", on_lost: Callable[[str], None] = fail_now, heartbeat_s: float | None = None,
-                 prefix: str = KEY):
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        host: str,
+        timeout_s: float,
+        connect: Callable[[float], object],
+        store_where: str = "",
+        on_lost: Callable[[str], None] = fail_now,
+        heartbeat_s: float | None = None,
+        prefix: str = KEY,
+    ):
         self.rank, self.world, self.host, self.timeout_s, self.key = rank, world, host, timeout_s, prefix
         self.connect, self.store_where, self.on_lost = connect, store_where, on_lost
         self.heartbeat_s = heartbeat_s or min(1.0, timeout_s / 4)
@@ -70,10 +79,12 @@ class PeerWatch:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._store = None
-        self._threads = [threading.Thread(target=self._beat, name="peer-heartbeat", daemon=True),
-                         threading.Thread(target=self._judge, name="peer-judge", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._beat, name="peer-heartbeat", daemon=True),
+            threading.Thread(target=self._judge, name="peer-judge", daemon=True),
+        ]
 
-    def start(self) -> "PeerWatch":
+    def start(self) -> PeerWatch:
         for t in self._threads:
             t.start()
         return self
@@ -83,6 +94,7 @@ class PeerWatch:
         self._stop.set()
         store = self._store
         if leaving and store is not None:
+
             def mark() -> None:
                 try:
                     store.set(f"{self.key}left/{self.rank}", "1")
@@ -135,18 +147,27 @@ class PeerWatch:
             if 0 in self.left:  # rank 0 finished: the job is ending and its store with it
                 return ""
             if now - self.last_ok > self.timeout_s:
-                return (f"learner rank {self.rank} on {self.host} has not reached the rendezvous store{self.store_where} "
-                        f"for {now - self.last_ok:.1f} s (learner.peer_timeout_s={self.timeout_s:g}): the network between "
-                        f"them is down or that node is gone{f'; last error {self.error}' if self.error else ''}")
-            silent = [(r, now - t) for r, (_, t) in sorted(self.seen.items())
-                      if r not in self.left and now - t > self.timeout_s]
+                return (
+                    f"learner rank {self.rank} on {self.host} has not reached the rendezvous store{self.store_where} "
+                    f"for {now - self.last_ok:.1f} s (learner.peer_timeout_s={self.timeout_s:g}): the network between "
+                    f"them is down or that node is gone{f'; last error {self.error}' if self.error else ''}"
+                )
+            silent = [
+                (r, now - t)
+                for r, (_, t) in sorted(self.seen.items())
+                if r not in self.left and now - t > self.timeout_s
+            ]
         if not silent:
             return ""
-        who = ", ".join(f"learner rank {r} on {self.hosts.get(r, '(host not yet known)')} not heard from for {s:.1f} s"
-                        for r, s in silent)
-        return (f"{who} (learner.peer_timeout_s={self.timeout_s:g}, seen from rank {self.rank} on {self.host}): that node "
-                "is cut off or the process froze; the collectives would wait for the process group's timeout, so this "
-                "rank ends and the job fails with this cause (a launcher may requeue it from the last checkpoint)")
+        who = ", ".join(
+            f"learner rank {r} on {self.hosts.get(r, '(host not yet known)')} not heard from for {s:.1f} s"
+            for r, s in silent
+        )
+        return (
+            f"{who} (learner.peer_timeout_s={self.timeout_s:g}, seen from rank {self.rank} on {self.host}): that node "
+            "is cut off or the process froze; the collectives would wait for the process group's timeout, so this "
+            "rank ends and the job fails with this cause (a launcher may requeue it from the last checkpoint)"
+        )
 
 
 def watch_peers(timeout_s: float, rank: int, world: int, env=os.environ) -> PeerWatch | None:
@@ -155,5 +176,12 @@ def watch_peers(timeout_s: float, rank: int, world: int, env=os.environ) -> Peer
         return None
     host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
     restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's agent store outlives a restart of the ranks
-    return PeerWatch(rank, world, socket.gethostname(), timeout_s, lambda t: connect_store(host, port, t),
-                     store_where=f" at {host}:{port} (learner rank 0's node)", prefix=f"{KEY}{restart}/").start()
+    return PeerWatch(
+        rank,
+        world,
+        socket.gethostname(),
+        timeout_s,
+        lambda t: connect_store(host, port, t),
+        store_where=f" at {host}:{port} (learner rank 0's node)",
+        prefix=f"{KEY}{restart}/",
+    ).start()

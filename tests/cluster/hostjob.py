@@ -13,10 +13,19 @@ from pathlib import Path
 
 from tests.cluster.conftest import JOB, events, job_overrides, lineage, read_jsonl
 
-RESULTS = Path(os.environ.get("FLEETRL_HOSTS_RESULTS") or Path(__file__).resolve().parents[2] / "benchmarks" / "results")
+RESULTS = Path(
+    os.environ.get("FLEETRL_HOSTS_RESULTS") or Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+)
 # The layout of docs/deploy.md's "Multi-host layout": each role on nodes of its own (a cut node is one fault)
-LAYOUT = ["cluster.share_nodes=false", "cluster.slurm.broker_own_node=true", "cluster.learner.nodes=2",
-          "learner.num_ranks=2", "cluster.rollout.nodes=2", "cluster.rollout.servers_per_node=1", "cluster.interface=eth0"]
+LAYOUT = [
+    "cluster.share_nodes=false",
+    "cluster.slurm.broker_own_node=true",
+    "cluster.learner.nodes=2",
+    "learner.num_ranks=2",
+    "cluster.rollout.nodes=2",
+    "cluster.rollout.servers_per_node=1",
+    "cluster.interface=eth0",
+]
 
 
 def submit(hosts, slurm, *args: str) -> str:
@@ -29,7 +38,9 @@ def submit(hosts, slurm, *args: str) -> str:
 def submit_job(hosts, slurm, run: Path, assets: dict, *overrides: str) -> str:
     """The lane's demo job in the multi-host layout, kept off the last compute host (left for `--add-rollout`)."""
     keep_off = f'cluster.slurm.extra_args=["--exclude={hosts.names[-1]}"]'
-    return submit(hosts, slurm, "--config", JOB, "--run-dir", str(run), *job_overrides(assets, *LAYOUT, keep_off, *overrides))
+    return submit(
+        hosts, slurm, "--config", JOB, "--run-dir", str(run), *job_overrides(assets, *LAYOUT, keep_off, *overrides)
+    )
 
 
 def steps(run: Path) -> list[dict]:
@@ -49,8 +60,11 @@ def acked(run: Path, index: int) -> list[dict]:
 def dropped_stale(run: Path) -> list[int]:
     """Each broker process's final count of groups dropped stale (its `broker stopped` line; one per attempt of
     the job): the learner's metric rows miss what a broker dropped after the last step it reported."""
-    return [int(n) for path in sorted(run.glob("logs/broker/attempt-*/output.log"))
-            for n in re.findall(r"broker stopped: .*, (\d+) dropped stale", path.read_text(errors="replace"))]
+    return [
+        int(n)
+        for path in sorted(run.glob("logs/broker/attempt-*/output.log"))
+        for n in re.findall(r"broker stopped: .*, (\d+) dropped stale", path.read_text(errors="replace"))
+    ]
 
 
 def account(run: Path, spool: Path, stale: int) -> dict:
@@ -65,15 +79,26 @@ def account(run: Path, spool: Path, stale: int) -> dict:
     lost = acked_ids - set(trained) - filtered - queued
     twice = [g for g, c in Counter(trained).items() if c > 1]
     versions = [r["policy/version"] for r in steps(run)]
-    return {"acknowledged": len(acked_ids), "trained": len(set(trained)), "filtered": len(filtered),
-            "still_queued": len(queued), "dropped_stale": stale, "acked_not_trained_filtered_or_queued": len(lost),
-            "lost": max(0, len(lost) - stale), "trained_twice": len(twice), "twice_ids": twice[:5],
-            "versions_monotonic": all(a <= b for a, b in zip(versions, versions[1:]))}
+    return {
+        "acknowledged": len(acked_ids),
+        "trained": len(set(trained)),
+        "filtered": len(filtered),
+        "still_queued": len(queued),
+        "dropped_stale": stale,
+        "acked_not_trained_filtered_or_queued": len(lost),
+        "lost": max(0, len(lost) - stale),
+        "trained_twice": len(twice),
+        "twice_ids": twice[:5],
+        "versions_monotonic": all(a <= b for a, b in zip(versions, versions[1:])),
+    }
 
 
 def save(name: str, report: dict) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    report = {**report, "load_avg": os.getloadavg(), "note": report.get("note", "shared 2-core box: not a quiet-box "
-                                                                                "figure unless others_cpu_share < 0.1")}
+    report = {
+        **report,
+        "load_avg": os.getloadavg(),
+        "note": report.get("note", "shared 2-core box: not a quiet-box figure unless others_cpu_share < 0.1"),
+    }
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
     print(f"hosts: {name}:", json.dumps(report))

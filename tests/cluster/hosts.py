@@ -78,7 +78,7 @@ class Hosts:
         self._closed = False
 
     # ------------------------------------------------------------------ setup / teardown
-    def start(self) -> "Hosts":
+    def start(self) -> Hosts:
         why = missing()
         if why:
             raise HostsError(why)
@@ -142,7 +142,7 @@ class Hosts:
             while pids and time.monotonic() < end and _ip("netns", "pids", ns, check=False).stdout.split():
                 time.sleep(0.1)
 
-    def __enter__(self) -> "Hosts":
+    def __enter__(self) -> Hosts:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -170,7 +170,9 @@ class Hosts:
     def hosts_file(self, moved: dict[int, str] | None = None) -> str:
         """/etc/hosts of a host: every host's name at its address, or at ``moved[i]`` for host i."""
         moved = moved or {}
-        return "127.0.0.1\tlocalhost\n" + "".join(f"{moved.get(i, a)}\t{h}\n" for i, (a, h) in enumerate(zip(self.addrs, self.names)))
+        return "127.0.0.1\tlocalhost\n" + "".join(
+            f"{moved.get(i, a)}\t{h}\n" for i, (a, h) in enumerate(zip(self.addrs, self.names))
+        )
 
     def point(self, host: int, addr: str | None, on: list[int]) -> None:
         """On the hosts ``on``, make host ``host``'s name resolve to ``addr`` (None: its own address again) —

@@ -79,8 +79,9 @@ async def serve(listen: tuple[str, int], upstream: tuple[str, int], delay: Delay
             c_writer.close()
             return
         STATS["connections"] += 1
-        await asyncio.gather(pump(c_reader, u_writer, delay, "bytes_to_server"),
-                             pump(u_reader, c_writer, delay, "bytes_to_client"))
+        await asyncio.gather(
+            pump(c_reader, u_writer, delay, "bytes_to_server"), pump(u_reader, c_writer, delay, "bytes_to_client")
+        )
 
     return await asyncio.start_server(on_client, *listen, reuse_address=True)
 

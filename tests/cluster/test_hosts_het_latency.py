@@ -42,8 +42,22 @@ def test_a_heterogeneous_job_keeps_training_through_a_50_ms_link_to_the_broker(l
     delay, ready, stats = tmp_path / "delay_ms", tmp_path / "proxy.ready", tmp_path / "proxy.stats"
     delay.write_text("0")
     routes = [f"--route=0.0.0.0:{p}={hosts.addrs[1]}:{p}" for p in (BASE_PORT, BASE_PORT + 1)]
-    proxy = hosts.popen(0, [sys.executable, "-m", "tests.cluster.latency_proxy", *routes, "--delay-file", str(delay),
-                            "--ready", str(ready), "--stats", str(stats)], cwd=ROOT)
+    proxy = hosts.popen(
+        0,
+        [
+            sys.executable,
+            "-m",
+            "tests.cluster.latency_proxy",
+            *routes,
+            "--delay-file",
+            str(delay),
+            "--ready",
+            str(ready),
+            "--stats",
+            str(stats),
+        ],
+        cwd=ROOT,
+    )
     wait_for(lambda: ready.exists() or proxy.poll() is not None, 60, "the latency proxy to listen")
     assert proxy.poll() is None, "the latency proxy exited"
     clients = [2, 3, 4, 5]
@@ -70,13 +84,26 @@ def test_a_heterogeneous_job_keeps_training_through_a_50_ms_link_to_the_broker(l
             windows.append({"delay_ms": ms, **window(steps(run), t0, time.time())})
             print(f"hosts: broker link +{ms} ms each way: {windows[-1]}")
         after = json.loads(stats.read_text())
-        assert after["bytes_to_server"] > carried["bytes_to_server"] and after["bytes_to_client"] > carried["bytes_to_client"]
+        assert (
+            after["bytes_to_server"] > carried["bytes_to_server"]
+            and after["bytes_to_client"] > carried["bytes_to_client"]
+        )
         assert all(w["steps"] > 0 for w in windows), windows  # it keeps training at 50 ms
         rate = {ms: sum(w["samples_per_s"] for w in windows if w["delay_ms"] == ms) / 2 for ms in (0, DELAY_MS)}
-        save("hosts_latency", {"delay_ms_each_way": DELAY_MS, "window_s": WINDOW_S, "windows": windows,
-                               "samples_per_s_0ms": round(rate[0], 1), f"samples_per_s_{DELAY_MS}ms": round(rate[DELAY_MS], 1),
-                               "ratio": round(rate[DELAY_MS] / max(1e-9, rate[0]), 3), "proxy": after,
-                               "heterogeneous_job": True, "all_registered_s": ready_ev[0].get("since_alloc_s")})
+        save(
+            "hosts_latency",
+            {
+                "delay_ms_each_way": DELAY_MS,
+                "window_s": WINDOW_S,
+                "windows": windows,
+                "samples_per_s_0ms": round(rate[0], 1),
+                f"samples_per_s_{DELAY_MS}ms": round(rate[DELAY_MS], 1),
+                "ratio": round(rate[DELAY_MS] / max(1e-9, rate[0]), 3),
+                "proxy": after,
+                "heterogeneous_job": True,
+                "all_registered_s": ready_ev[0].get("since_alloc_s"),
+            },
+        )
         slurm.slurm_cmd(["scancel", job])
         assert slurm.wait_state(job, {"CANCELLED", "COMPLETED", "FAILED"}, 180) in {"CANCELLED", "COMPLETED"}
     finally:

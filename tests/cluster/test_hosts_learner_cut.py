@@ -32,15 +32,28 @@ def checkpoints(run) -> list[int]:
 
 @pytest.mark.timeout(900)
 def test_a_learner_rank_cut_off_fails_naming_its_rank_and_host_and_the_job_comes_back_from_the_checkpoint(
-        lane_slurm, assets, tmp_path):
+    lane_slurm, assets, tmp_path
+):
     hosts, slurm = lane_slurm
     names, run, spool = hosts.names, tmp_path / "run", tmp_path / "spool"
-    job = submit_job(hosts, slurm, run, assets, f"learner.total_steps={TOTAL_STEPS}", "learner.max_minutes=8",
-                     f"checkpoint.interval={EVERY}", f"broker.spool_dir={spool}", "broker.commit_on_checkpoint=true",
-                     "cluster.slurm.requeue_on_failure=1", f"learner.peer_timeout_s={PEER_TIMEOUT_S}",
-                     f"sync.timeout_s={SYNC_TIMEOUT_S}")
+    job = submit_job(
+        hosts,
+        slurm,
+        run,
+        assets,
+        f"learner.total_steps={TOTAL_STEPS}",
+        "learner.max_minutes=8",
+        f"checkpoint.interval={EVERY}",
+        f"broker.spool_dir={spool}",
+        "broker.commit_on_checkpoint=true",
+        "cluster.slurm.requeue_on_failure=1",
+        f"learner.peer_timeout_s={PEER_TIMEOUT_S}",
+        f"sync.timeout_s={SYNC_TIMEOUT_S}",
+    )
     ready = wait_for(lambda: events(run, event="all_ready"), 240, "every process registered", run)
-    ranks = {c: h for r, c, h in {(e["role"], e["child"], e["host"]) for e in events(run, event="started")} if r == "learner"}
+    ranks = {
+        c: h for r, c, h in {(e["role"], e["child"], e["host"]) for e in events(run, event="started")} if r == "learner"
+    }
     assert ranks == {"learner": names[2], "learner-node1": names[3]}, ranks  # rank 0 on node 2, rank 1 on node 3
 
     # Cut rank 1's node in the middle of a step, after the first checkpoint.
@@ -51,8 +64,12 @@ def test_a_learner_rank_cut_off_fails_naming_its_rank_and_host_and_the_job_comes
     saved = checkpoints(run)[-1]
     hosts.cut(3)
     cut = time.time()
-    failed = wait_for(lambda: events(run, event="failed", role="learner"), SYNC_TIMEOUT_S + 30,
-                      "a learner supervisor to report the failure", run)
+    failed = wait_for(
+        lambda: events(run, event="failed", role="learner"),
+        SYNC_TIMEOUT_S + 30,
+        "a learner supervisor to report the failure",
+        run,
+    )
     reported_s = failed[0]["time"] - cut
     time.sleep(max(0.0, cut + CUT_S - time.time()))
     hosts.restore(3)
@@ -61,8 +78,10 @@ def test_a_learner_rank_cut_off_fails_naming_its_rank_and_host_and_the_job_comes
     requeued = wait_for(lambda: events(run, event="requeue"), 240, "the driver to requeue the job", run)
     result = json.loads((run / "launch" / "result.json").read_text())
     out = (run / "launch" / f"slurm-{job}.out").read_text()
-    print(f"hosts: cut {names[3]} (learner rank 1) at step {n + 1}; failure reported {reported_s:.1f} s later: "
-          f"{result['cause']}")
+    print(
+        f"hosts: cut {names[3]} (learner rank 1) at step {n + 1}; failure reported {reported_s:.1f} s later: "
+        f"{result['cause']}"
+    )
     assert f"learner rank 1 on {names[3]}" in result["cause"], result
     assert f"learner rank 1 on {names[3]}" in out and "requeue 1 of 1" in out, out[-3000:]
     assert reported_s <= SYNC_TIMEOUT_S + 10, f"the failure was reported {reported_s:.1f} s after the cut"
@@ -74,29 +93,44 @@ def test_a_learner_rank_cut_off_fails_naming_its_rank_and_host_and_the_job_comes
         return len(events(run, event="job_start")) == 2
 
     wait_for(started_again, 240, "the requeued job to start again", run)
-    again = wait_for(lambda: [r for r in steps(run) if r["time"] > requeued[0]["time"]], 240,
-                     "a learner step of the requeued job", run)
+    again = wait_for(
+        lambda: [r for r in steps(run) if r["time"] > requeued[0]["time"]],
+        240,
+        "a learner step of the requeued job",
+        run,
+    )
     back_s, back_from_cut_s = again[0]["time"] - restored, again[0]["time"] - cut
-    assert slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 420) == "COMPLETED", \
-        (run / "launch" / f"slurm-{job}.out").read_text()[-3000:]
+    assert slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 420) == "COMPLETED", (
+        run / "launch" / f"slurm-{job}.out"
+    ).read_text()[-3000:]
 
     for rank in (0, 1):  # each rank resumed from the checkpoint before the cut and ran every step once after it
         rows = read_jsonl(run / f"trained-{rank}.jsonl")
         assert [r["resume"] for r in rows if "resume" in r] == [saved], rows[-5:]
-        after = [r["step"] for r in rows[next(i for i, r in enumerate(rows) if "resume" in r):] if "step" in r]
+        after = [r["step"] for r in rows[next(i for i, r in enumerate(rows) if "resume" in r) :] if "step" in r]
         assert after == list(range(saved + 1, TOTAL_STEPS + 1)), after
     finals = dropped_stale(run)  # one broker per attempt, each counting from 0
     assert len(finals) == 2, f"a broker did not stop cleanly: its final counts {finals}"
     stale = sum(finals)
     books = account(run, spool, stale)
-    save("hosts_learner_cut", {"cut_s": CUT_S, "peer_timeout_s": PEER_TIMEOUT_S, "cut_at_step": n + 1,
-                               "failure_reported_after_cut_s": round(reported_s, 2), "cause": result["cause"],
-                               "resumed_from_step": saved, "training_again_after_link_s": round(back_s, 2),
-                               "training_again_after_cut_s": round(back_from_cut_s, 2),
-                               "all_registered_s": ready[0].get("since_alloc_s"),
-                               "requeued_all_registered_s": events(run, event="all_ready")[-1].get("since_alloc_s"),
-                               **books, "note": "the requeued job's ~2-min BeginTime hold was lifted by the test "
-                               "(scontrol update StartTime=now); shared 2-core box"})
+    save(
+        "hosts_learner_cut",
+        {
+            "cut_s": CUT_S,
+            "peer_timeout_s": PEER_TIMEOUT_S,
+            "cut_at_step": n + 1,
+            "failure_reported_after_cut_s": round(reported_s, 2),
+            "cause": result["cause"],
+            "resumed_from_step": saved,
+            "training_again_after_link_s": round(back_s, 2),
+            "training_again_after_cut_s": round(back_from_cut_s, 2),
+            "all_registered_s": ready[0].get("since_alloc_s"),
+            "requeued_all_registered_s": events(run, event="all_ready")[-1].get("since_alloc_s"),
+            **books,
+            "note": "the requeued job's ~2-min BeginTime hold was lifted by the test "
+            "(scontrol update StartTime=now); shared 2-core box",
+        },
+    )
     assert books["acked_not_trained_filtered_or_queued"] <= stale, books
     assert not books["trained_twice"], books["twice_ids"]
     assert books["versions_monotonic"], [r["policy/version"] for r in steps(run)]

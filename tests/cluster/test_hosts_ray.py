@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import JOB, events, evals, job_overrides, read_jsonl, trained_ids, wait_for
+from tests.cluster.conftest import JOB, evals, events, job_overrides, read_jsonl, trained_ids, wait_for
 from tests.cluster.hostjob import save
 
 pytestmark = pytest.mark.cluster
@@ -48,18 +48,53 @@ def ray_hosts(lane_hosts, tmp_path_factory):
     # may take longer than Ray's 30 s to register
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_raylet_start_wait_time_s": "180"}
     address = f"{hosts.addrs[HEAD]}:{PORT}"
-    nodes = [hosts.popen(HEAD, [RAY, "start", "--head", "--block", f"--node-ip-address={hosts.addrs[HEAD]}", f"--port={PORT}",
-                                "--num-cpus=1", "--include-dashboard=false", *NODE, f"--temp-dir={temp_dir(hosts, HEAD)}"], env=env,
-                         stdout=(logs / "head.out").open("w"), stderr=subprocess.STDOUT)]
-    alive = lambda: re.findall(r"^\s*1 node_", hosts.run(HEAD, [RAY, "status", f"--address={address}"], env=env).stdout,  # noqa: E731
-                               re.M)
+    nodes = [
+        hosts.popen(
+            HEAD,
+            [
+                RAY,
+                "start",
+                "--head",
+                "--block",
+                f"--node-ip-address={hosts.addrs[HEAD]}",
+                f"--port={PORT}",
+                "--num-cpus=1",
+                "--include-dashboard=false",
+                *NODE,
+                f"--temp-dir={temp_dir(hosts, HEAD)}",
+            ],
+            env=env,
+            stdout=(logs / "head.out").open("w"),
+            stderr=subprocess.STDOUT,
+        )
+    ]
+    alive = lambda: re.findall(
+        r"^\s*1 node_",
+        hosts.run(HEAD, [RAY, "status", f"--address={address}"], env=env).stdout,  # noqa: E731
+        re.M,
+    )
     try:
         wait_for(lambda: nodes[0].poll() is not None or alive(), 120, "ray start --head")
         assert nodes[0].poll() is None, (logs / "head.out").read_text()[-3000:]
         for n, i in enumerate(WORKERS, start=2):  # one after the other: each registers before the next starts
-            nodes.append(hosts.popen(i, [RAY, "start", "--block", f"--address={address}", f"--node-ip-address={hosts.addrs[i]}",
-                                         "--num-cpus=2", *NODE, f"--temp-dir={temp_dir(hosts, i)}"], env=env,
-                                     stdout=(logs / f"worker{i}.out").open("w"), stderr=subprocess.STDOUT))
+            nodes.append(
+                hosts.popen(
+                    i,
+                    [
+                        RAY,
+                        "start",
+                        "--block",
+                        f"--address={address}",
+                        f"--node-ip-address={hosts.addrs[i]}",
+                        "--num-cpus=2",
+                        *NODE,
+                        f"--temp-dir={temp_dir(hosts, i)}",
+                    ],
+                    env=env,
+                    stdout=(logs / f"worker{i}.out").open("w"),
+                    stderr=subprocess.STDOUT,
+                )
+            )
             wait_for(lambda: len(alive()) == n or any(p.poll() is not None for p in nodes), 240, f"{n} Ray nodes")
             assert len(alive()) == n, [(logs / f).read_text()[-2000:] for f in os.listdir(logs) if f.endswith(".out")]
         yield hosts, address, env
@@ -80,8 +115,13 @@ def launch(hosts, env, run: Path, name: str, *args: str) -> tuple[subprocess.Pop
     """A `fleetrl launch ray` driver on the head's host (a driver needs a Ray node on its own host)."""
     run.mkdir(parents=True, exist_ok=True)
     out = run.parent / f"{name}.out"
-    proc = hosts.popen(HEAD, [sys.executable, "-m", "fleetrl.app.cli", "launch", "ray", *args], env=env,
-                       stdout=out.open("w"), stderr=subprocess.STDOUT)
+    proc = hosts.popen(
+        HEAD,
+        [sys.executable, "-m", "fleetrl.app.cli", "launch", "ray", *args],
+        env=env,
+        stdout=out.open("w"),
+        stderr=subprocess.STDOUT,
+    )
     return proc, out
 
 
@@ -96,22 +136,41 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def test_the_job_spreads_over_three_hosts_takes_an_added_rollout_learns_and_reports_a_dead_learner(
-        ray_hosts, assets, tmp_path):
+    ray_hosts, assets, tmp_path
+):
     hosts, address, env = ray_hosts
     run = tmp_path / "run"
-    job, job_out = launch(hosts, env, run, "launch", "--config", JOB, "--run-dir", str(run), "--address", address,
-                          *job_overrides(assets, "learner.max_minutes=8", "cluster.interface=eth0"))
+    job, job_out = launch(
+        hosts,
+        env,
+        run,
+        "launch",
+        "--config",
+        JOB,
+        "--run-dir",
+        str(run),
+        "--address",
+        address,
+        *job_overrides(assets, "learner.max_minutes=8", "cluster.interface=eth0"),
+    )
     add = None
     try:
         ready = wait_for(lambda: events(run, event="all_ready") or job.poll() is not None, 240, "all registered", run)
         assert job.poll() is None, job_out.read_text()[-3000:]
         where = {e["child"]: e["host"] for e in events(run, event="started")}
-        assert set(where.values()) <= {hosts.addrs[i] for i in (HEAD, *WORKERS)} and len(set(where.values())) >= 2, where
+        assert set(where.values()) <= {hosts.addrs[i] for i in (HEAD, *WORKERS)} and len(set(where.values())) >= 2, (
+            where
+        )
         wait_for(lambda: len(read_jsonl(run / "metrics.jsonl")) >= 5, 180, "5 learner steps", run)
 
         # --add-rollout from a second driver: the fifth 1-CPU actor, so now every node runs part of the job.
         add, add_out = launch(hosts, env, run, "add", "--add-rollout", "1", "--run", str(run), "--address", address)
-        wait_for(lambda: (run / "rollout-2.ready").exists() or add.poll() is not None, 180, "the added rollout registered", run)
+        wait_for(
+            lambda: (run / "rollout-2.ready").exists() or add.poll() is not None,
+            180,
+            "the added rollout registered",
+            run,
+        )
         assert add.poll() is None, add_out.read_text()[-3000:]
         wait_for(lambda: read_jsonl(run / "rollout-2.acked.jsonl"), 120, "groups of the added server accepted", run)
         where = {e["child"]: e["host"] for e in events(run, event="started")}
@@ -122,8 +181,12 @@ def test_the_job_spreads_over_three_hosts_takes_an_added_rollout_learns_and_repo
         wait_for(lambda: events(run, child="rollout-0", event="rejoined"), 180, "rollout-0 restarted", run)
         restarted = events(run, child="rollout-0", event="rejoined")[0]["time"]
         rows = lambda: [r for r in read_jsonl(run / "metrics.jsonl") if r.get("time", 0) > restarted]  # noqa: E731
-        wait_for(lambda: any(r.get("sync/receivers") == 3 for r in rows()), 180,
-                 "a weight round reaching all three servers (the restarted one too) across the bridge", run)
+        wait_for(
+            lambda: any(r.get("sync/receivers") == 3 for r in rows()),
+            180,
+            "a weight round reaching all three servers (the restarted one too) across the bridge",
+            run,
+        )
         out = job_out.read_text()
         assert out.count("rollout-0 died") == 1 and "out of restarts" not in out, out[-3000:]  # one death, one restart
 
@@ -139,5 +202,13 @@ def test_the_job_spreads_over_three_hosts_takes_an_added_rollout_learns_and_repo
             stop(add)
     ids = trained_ids(run)
     assert ids and len(ids) == len(set(ids)), "a group was trained twice"
-    save("hosts_ray", {"hosts": 3, "all_registered_s": ready[0].get("since_alloc_s"), "target_s": 20.0,
-                       "placed": where, "evals": evals(run)})
+    save(
+        "hosts_ray",
+        {
+            "hosts": 3,
+            "all_registered_s": ready[0].get("since_alloc_s"),
+            "target_s": 20.0,
+            "placed": where,
+            "evals": evals(run),
+        },
+    )

@@ -24,7 +24,8 @@ CUT_S = 20.0
 
 @pytest.mark.timeout(900)
 def test_four_roles_on_five_nodes_learn_survive_a_rollout_host_cut_and_a_broker_host_cut_and_take_a_sixth_node(
-        lane_slurm, assets, tmp_path):
+    lane_slurm, assets, tmp_path
+):
     hosts, slurm = lane_slurm
     run, spool = tmp_path / "run", tmp_path / "spool"
     job = submit_job(hosts, slurm, run, assets, "learner.max_minutes=3", f"broker.spool_dir={spool}")
@@ -44,7 +45,9 @@ def test_four_roles_on_five_nodes_learn_survive_a_rollout_host_cut_and_a_broker_
     assert names[1] in json.dumps(world), world  # the broker's address names its host
     assert sorted(p.name for p in run.glob("trained-*.jsonl")) == ["trained-0.jsonl", "trained-1.jsonl"]
     # Weights across the bridge: both rollout servers (hosts 4 and 5) in the broadcast rounds.
-    wait_for(lambda: any(r.get("sync/receivers") == 2 for r in rows()), 120, "a weight round reaching both rollouts", run)
+    wait_for(
+        lambda: any(r.get("sync/receivers") == 2 for r in rows()), 120, "a weight round reaching both rollouts", run
+    )
     assert slurm.job_state(job) == "RUNNING"
 
     # Cut the host of one rollout server for CUT_S; the other server keeps the learner fed.
@@ -54,18 +57,28 @@ def test_four_roles_on_five_nodes_learn_survive_a_rollout_host_cut_and_a_broker_
     steps_during = len(rows()) - steps_at_cut
     hosts.restore(5)
     restored = time.time()
-    back = wait_for(lambda: [r for r in acked(run, cut_index) if r["time"] > restored and r["group_ids"]], 120,
-                    f"rollout-{cut_index}'s groups accepted again after its link returned", run)
+    back = wait_for(
+        lambda: [r for r in acked(run, cut_index) if r["time"] > restored and r["group_ids"]],
+        120,
+        f"rollout-{cut_index}'s groups accepted again after its link returned",
+        run,
+    )
     back_s = back[0]["time"] - restored
-    print(f"hosts: cut {names[5]} (rollout-{cut_index}) {CUT_S:.0f} s; {steps_during} learner steps during the cut; "
-          f"its groups accepted again {back_s:.1f} s after the link returned")
+    print(
+        f"hosts: cut {names[5]} (rollout-{cut_index}) {CUT_S:.0f} s; {steps_during} learner steps during the cut; "
+        f"its groups accepted again {back_s:.1f} s after the link returned"
+    )
 
     # --add-rollout from the login host: a job of its own on the sixth node, whose server joins the running fleet
     # through world.json's broker address (across the bridge) and whose groups the broker accepts.
     asked = time.time()
-    add = submit(hosts, slurm, "--add-rollout", "1", "--run", str(run), f'cluster.slurm.extra_args=["--nodelist={names[6]}"]')
+    add = submit(
+        hosts, slurm, "--add-rollout", "1", "--run", str(run), f'cluster.slurm.extra_args=["--nodelist={names[6]}"]'
+    )
     wait_for(lambda: (run / "rollout-2.ready").exists(), 120, "the added rollout server registered", run)
-    added = wait_for(lambda: [r for r in acked(run, 2) if r["group_ids"]], 120, "groups of the added server accepted", run)
+    added = wait_for(
+        lambda: [r for r in acked(run, 2) if r["group_ids"]], 120, "groups of the added server accepted", run
+    )
     assert ("rollout", "rollout-2", names[6]) in placed(run), placed(run)
     add_s = added[0]["time"] - asked
     print(f"hosts: --add-rollout on {names[6]}: its first groups accepted {add_s:.1f} s after sbatch")
@@ -78,28 +91,43 @@ def test_four_roles_on_five_nodes_learn_survive_a_rollout_host_cut_and_a_broker_
     time.sleep(CUT_S)
     hosts.restore(1)
     restored = time.time()
-    resumed = wait_for(lambda: [r for r in rows() if r["time"] > restored], 120,
-                       "a learner step after the broker's link returned", run)
+    resumed = wait_for(
+        lambda: [r for r in rows() if r["time"] > restored], 120, "a learner step after the broker's link returned", run
+    )
     broker_back_s = resumed[0]["time"] - restored
-    print(f"hosts: cut the broker's host {names[1]} {CUT_S:.0f} s; next learner step {broker_back_s:.1f} s after "
-          "the link returned")
+    print(
+        f"hosts: cut the broker's host {names[1]} {CUT_S:.0f} s; next learner step {broker_back_s:.1f} s after "
+        "the link returned"
+    )
 
-    assert slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 420) == "COMPLETED", \
-        (run / "launch" / f"slurm-{job}.out").read_text()[-3000:]
+    assert slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 420) == "COMPLETED", (
+        run / "launch" / f"slurm-{job}.out"
+    ).read_text()[-3000:]
     assert slurm.wait_state(add, {"COMPLETED", "FAILED", "CANCELLED"}, 120) == "COMPLETED"  # ends with the fleet
     # Accuracy up. The learner's held-out eval runs only with one rank (learner/evaluate.py), so this is the
     # exact-match accuracy of the groups it trained on (reward/mean of `exact`, temperature 1).
     reward = [r["reward/mean"] for r in rows() if "reward/mean" in r]
     first, last = sum(reward[:20]) / 20, sum(reward[-20:]) / 20
-    assert len(reward) >= 60 and last >= first + 0.05, f"training accuracy {first:.3f} -> {last:.3f} over {len(reward)} steps"
+    assert len(reward) >= 60 and last >= first + 0.05, (
+        f"training accuracy {first:.3f} -> {last:.3f} over {len(reward)} steps"
+    )
 
     (stale,) = dropped_stale(run)  # by design (broker.max_staleness); counted by the broker, not named
     books = account(run, spool, stale)
-    save("hosts_slurm", {"hosts": len(names), "all_registered_s": ready[0].get("since_alloc_s"), "cut_s": CUT_S,
-                         "learner_steps_during_cut": steps_during, "rollout_back_after_link_s": round(back_s, 2),
-                         "training_after_broker_link_s": round(broker_back_s, 2),
-                         "add_rollout_groups_accepted_after_sbatch_s": round(add_s, 2), **books,
-                         "accuracy_first_last_20_steps": [round(first, 3), round(last, 3)]})
+    save(
+        "hosts_slurm",
+        {
+            "hosts": len(names),
+            "all_registered_s": ready[0].get("since_alloc_s"),
+            "cut_s": CUT_S,
+            "learner_steps_during_cut": steps_during,
+            "rollout_back_after_link_s": round(back_s, 2),
+            "training_after_broker_link_s": round(broker_back_s, 2),
+            "add_rollout_groups_accepted_after_sbatch_s": round(add_s, 2),
+            **books,
+            "accuracy_first_last_20_steps": [round(first, 3), round(last, 3)],
+        },
+    )
     # Stale drops are counted, not named; some of them were never acknowledged to their server (the ack lost in a
     # cut, the re-push answered `duplicate`), so the unaccounted groups are at most that count.
     assert books["acked_not_trained_filtered_or_queued"] <= stale, books

@@ -30,8 +30,9 @@ def echo_server() -> tuple[socket.socket, int]:
                 conn, _ = srv.accept()
             except OSError:
                 return
-            threading.Thread(target=lambda c=conn: [c.sendall(d) for d in iter(lambda: c.recv(65536), b"")],
-                             daemon=True).start()
+            threading.Thread(
+                target=lambda c=conn: [c.sendall(d) for d in iter(lambda: c.recv(65536), b"")], daemon=True
+            ).start()
 
     threading.Thread(target=serve, daemon=True).start()
     return srv, srv.getsockname()[1]
@@ -41,8 +42,22 @@ def echo_server() -> tuple[socket.socket, int]:
 def proxied(tmp_path):
     srv, port = echo_server()
     ready, delay_file = tmp_path / "ready.json", tmp_path / "delay_ms"
-    proc = subprocess.Popen([sys.executable, "-m", "tests.cluster.latency_proxy", "--route", f"127.0.0.1:0=127.0.0.1:{port}",
-                             "--delay-ms", "50", "--delay-file", str(delay_file), "--ready", str(ready)], cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.cluster.latency_proxy",
+            "--route",
+            f"127.0.0.1:0=127.0.0.1:{port}",
+            "--delay-ms",
+            "50",
+            "--delay-file",
+            str(delay_file),
+            "--ready",
+            str(ready),
+        ],
+        cwd=ROOT,
+    )
     try:
         deadline = time.monotonic() + 30
         while not ready.exists():

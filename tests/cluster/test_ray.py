@@ -23,9 +23,12 @@ class Launch:
         run.mkdir(parents=True, exist_ok=True)
         self.out_path = run.parent / "launch.out"
         self.out = self.out_path.open("w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "fleetrl.app.cli", "launch", "ray", "--config", JOB,
-                                      "--run-dir", str(run), *args], stdout=self.out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fleetrl.app.cli", "launch", "ray", "--config", JOB, "--run-dir", str(run), *args],
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def output(self) -> str:
         if not self.out.closed:
@@ -37,7 +40,8 @@ class Launch:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError(
-                f"fleetrl launch ray still running after {timeout:.0f} s:\n{self.output()[-3000:]}") from None
+                f"fleetrl launch ray still running after {timeout:.0f} s:\n{self.output()[-3000:]}"
+            ) from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -52,7 +56,9 @@ class Launch:
 
 def test_a_fresh_local_cluster_runs_the_job_to_the_end(assets, tmp_path):
     run = tmp_path / "run"
-    launch = Launch(run, *job_overrides(assets, "cluster.ray.num_cpus=4", "learner.total_steps=15", "run.eval_interval=0"))
+    launch = Launch(
+        run, *job_overrides(assets, "cluster.ray.num_cpus=4", "learner.total_steps=15", "run.eval_interval=0")
+    )
     try:
         assert launch.wait(300) == 0, launch.output()[-3000:]
     finally:

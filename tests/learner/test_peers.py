@@ -39,8 +39,15 @@ RANK = textwrap.dedent("""
 
 def rank_processes(port: int, *ranks: tuple[int, int, str, str]) -> list[subprocess.Popen]:
     """Rank processes (rank, world, host, mode), each watching once all are told GO; returns once all beat."""
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(w), h, str(port), m], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True) for r, w, h, m in ranks]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, str(r), str(w), h, str(port), m],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r, w, h, m in ranks
+    ]
     for p in procs:
         assert p.stdout.readline().strip() == "READY"
     return procs
@@ -79,8 +86,9 @@ def store():
 def test_a_frozen_rank_is_named_with_its_host_within_the_timeout(store):
     lost = Lost()
     ranks = rank_processes(store.port, (1, 3, "hostB", "stay"), (2, 3, "hostC", "stay"))
-    watch = PeerWatch(0, 3, "hostA", TIMEOUT_S, lambda t: connect_store("127.0.0.1", store.port, t), on_lost=lost,
-                      heartbeat_s=0.2).start()
+    watch = PeerWatch(
+        0, 3, "hostA", TIMEOUT_S, lambda t: connect_store("127.0.0.1", store.port, t), on_lost=lost, heartbeat_s=0.2
+    ).start()
     go(ranks)
     try:
         assert watch.beating.wait(30)
@@ -90,7 +98,9 @@ def test_a_frozen_rank_is_named_with_its_host_within_the_timeout(store):
         frozen = time.monotonic()
         assert lost.event.wait(TIMEOUT_S + 3), "rank 0 never named the frozen rank"
         took = time.monotonic() - frozen
-        assert took <= TIMEOUT_S + 2, took  # (not earlier than the timeout after its last beat: a loaded box delays beats)
+        assert took <= TIMEOUT_S + 2, (
+            took
+        )  # (not earlier than the timeout after its last beat: a loaded box delays beats)
         (message,) = lost.messages
         assert "learner rank 2 on hostC not heard from" in message and "rank 1" not in message.split("(")[0], message
         assert "learner.peer_timeout_s=5" in message and "seen from rank 0 on hostA" in message
@@ -103,8 +113,9 @@ def test_a_frozen_rank_is_named_with_its_host_within_the_timeout(store):
 def test_a_rank_that_left_is_not_waited_for_and_the_others_stop_judging_once_rank_0_left(store):
     lost = Lost()
     (rank1,) = rank_processes(store.port, (1, 2, "hostB", "leave"))
-    watch = PeerWatch(0, 2, "hostA", TIMEOUT_S, lambda t: connect_store("127.0.0.1", store.port, t), on_lost=lost,
-                      heartbeat_s=0.2).start()
+    watch = PeerWatch(
+        0, 2, "hostA", TIMEOUT_S, lambda t: connect_store("127.0.0.1", store.port, t), on_lost=lost, heartbeat_s=0.2
+    ).start()
     go([rank1])
     try:
         assert rank1.stdout.readline().strip() == "LEFT"
@@ -114,8 +125,9 @@ def test_a_rank_that_left_is_not_waited_for_and_the_others_stop_judging_once_ran
         stop(rank1)
     # rank 1's view: rank 0 left (the job is ending) and beats no more: no alarm
     lost1 = Lost()
-    watch1 = PeerWatch(1, 2, "hostB", TIMEOUT_S, lambda t: connect_store("127.0.0.1", store.port, t), on_lost=lost1,
-                       heartbeat_s=0.2).start()
+    watch1 = PeerWatch(
+        1, 2, "hostB", TIMEOUT_S, lambda t: connect_store("127.0.0.1", store.port, t), on_lost=lost1, heartbeat_s=0.2
+    ).start()
     try:
         assert not lost1.event.wait(TIMEOUT_S + 1.5), lost1.messages
     finally:
@@ -123,19 +135,35 @@ def test_a_rank_that_left_is_not_waited_for_and_the_others_stop_judging_once_ran
 
 
 def test_a_rank_that_cannot_reach_the_store_says_so():
-    server = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
         import sys, time
         from datetime import timedelta
         from torch.distributed import TCPStore
         s = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)
         print(s.port, flush=True)
         time.sleep(60)
-    """)], stdout=subprocess.PIPE, text=True)
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     port = int(server.stdout.readline())
     (rank0,) = rank_processes(port, (0, 2, "hostA", "stay"))
     lost = Lost()
-    watch = PeerWatch(1, 2, "hostB", TIMEOUT_S, lambda t: connect_store("127.0.0.1", port, t), on_lost=lost,
-                      store_where=" at hostA:1234 (learner rank 0's node)", heartbeat_s=0.2).start()
+    watch = PeerWatch(
+        1,
+        2,
+        "hostB",
+        TIMEOUT_S,
+        lambda t: connect_store("127.0.0.1", port, t),
+        on_lost=lost,
+        store_where=" at hostA:1234 (learner rank 0's node)",
+        heartbeat_s=0.2,
+    ).start()
     go([rank0])
     try:
         assert watch.beating.wait(30)
@@ -145,8 +173,10 @@ def test_a_rank_that_cannot_reach_the_store_says_so():
             p.send_signal(signal.SIGSTOP)
         assert lost.event.wait(TIMEOUT_S + 3), "the cut-off rank never noticed"
         message = lost.messages[0]
-        assert ("learner rank 1 on hostB has not reached the rendezvous store at hostA:1234" in message
-                or "learner rank 0 on hostA not heard from" in message), message
+        assert (
+            "learner rank 1 on hostB has not reached the rendezvous store at hostA:1234" in message
+            or "learner rank 0 on hostA not heard from" in message
+        ), message
     finally:
         watch.stop(leaving=False)
         for p in (server, rank0):

@@ -14,14 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from fleetrl.common.config import load_config
 from fleetrl.app.launch import slurm_job
 from fleetrl.app.launch.slurm import render_job
 from fleetrl.app.launch.slurm_job import Driver
+from fleetrl.common.config import load_config
 
 ROOT = Path(__file__).resolve().parents[3]
-LAYOUT = ["cluster.share_nodes=false", "cluster.slurm.broker_own_node=true", "cluster.slurm.requeue_on_failure=1",
-          "checkpoint.interval=10"]
+LAYOUT = [
+    "cluster.share_nodes=false",
+    "cluster.slurm.broker_own_node=true",
+    "cluster.slurm.requeue_on_failure=1",
+    "checkpoint.interval=10",
+]
 RANK0 = "...\nfleetrl learner: FAILED: learner rank 1 on n3 not heard from for 15.2 s (learner.peer_timeout_s=15, ...)"
 RANK1 = "...\nfleetrl learner: FAILED: learner rank 1 on n3 has not reached the rendezvous store at n2:23502 ..."
 
@@ -31,7 +35,7 @@ def scontrol(tmp_path, monkeypatch):
     """A stand-in `scontrol` that appends its arguments to a file; the driver finds it on PATH."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol.calls"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n")
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
     (bin_dir / "scontrol").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("FLEETRL_ALLOC_START", str(time.time()))  # restored after the test (the driver sets it)
@@ -42,7 +46,12 @@ def scontrol(tmp_path, monkeypatch):
 def driver(run: Path, restart_count: int) -> Driver:
     render_job(load_config(ROOT / "configs" / "demo.yaml", LAYOUT), run)
     plan = json.loads((run / "launch" / "job.plan.json").read_text())
-    env = {**os.environ, "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_RESTART_COUNT": str(restart_count)}
+    env = {
+        **os.environ,
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NODELIST": "n[1-4]",
+        "SLURM_RESTART_COUNT": str(restart_count),
+    }
     d = Driver(plan, env)
     for step in d.steps:  # each step "runs" until told to stop (SIGUSR1 ends it, as srun forwards it)
         step.argv = [sys.executable, "-c", "import time; time.sleep(120)"]
@@ -51,11 +60,20 @@ def driver(run: Path, restart_count: int) -> Driver:
 
 def report_later(run: Path) -> None:
     """Rank 0's supervisor reports after 1 s, rank 1's (on the cut node) a moment later."""
+
     def write():
         time.sleep(1.0)
         for host, tail, code in (("n2", RANK0, 7), ("n3", RANK1, 7)):
-            record = {"time": time.time(), "role": "learner", "child": "learner" if host == "n2" else "learner-node1",
-                      "host": host, "code": code, "message": "", "log": f"/logs/{host}", "tail": tail}
+            record = {
+                "time": time.time(),
+                "role": "learner",
+                "child": "learner" if host == "n2" else "learner-node1",
+                "host": host,
+                "code": code,
+                "message": "",
+                "log": f"/logs/{host}",
+                "tail": tail,
+            }
             (run / "launch" / f"failed-learner-{host}.json").write_text(json.dumps(record))
             time.sleep(0.2)
 
@@ -71,12 +89,14 @@ def test_a_reported_learner_failure_requeues_the_job_naming_the_rank_and_host(tm
     assert scontrol.read_text().split() == ["requeue", "42"]
     result = json.loads((tmp_path / "launch" / "result.json").read_text())
     assert result["state"] == "requeued" and result["role"] == "learner"
-    assert result["cause"].startswith("learner on n2 exited with code 7: fleetrl learner: FAILED: learner rank 1 on n3 "
-                                      "not heard from"), result
+    assert result["cause"].startswith(
+        "learner on n2 exited with code 7: fleetrl learner: FAILED: learner rank 1 on n3 not heard from"
+    ), result
     assert "learner-node1 on n3 exited with code 7" in result["cause"]
     events = [json.loads(line) for line in (tmp_path / "launch" / "events.jsonl").read_text().splitlines()]
     assert [e["why"] for e in events if e["event"] == "requeue"] == [
-        "the learner failed; requeue 1 of 1 (cluster.slurm.requeue_on_failure), resuming from the last checkpoint"]
+        "the learner failed; requeue 1 of 1 (cluster.slurm.requeue_on_failure), resuming from the last checkpoint"
+    ]
     assert all(s.poll() is not None for s in d.steps)  # every step stopped
 
 
