@@ -4,13 +4,17 @@ A push is handled in three passes so that nothing is acknowledged before it is d
 spool write leaves no trace:
 
 1. **judge** each group without changing anything: ``duplicate`` (already held or seen), ``rejected``
-   (fails ``check_group``: tokens, log-probs, rewards, versions from the future, an unleased prompt; or
-   its prompt already had ``rollout.group_size`` samples for each time it was handed out),
-   ``throttled`` (the broker holds ``broker.max_held_groups``, or an unleased push over capacity),
-   else ``accepted`` — or ``stale`` when its version is too old or was discarded by a rollback;
+   (fails ``check_group``: tokens, log-probs, versions from the future, an unleased prompt; is
+   implausible (``plausible.py``: rewards outside the job's range, log-probs of exactly 0.0), counted
+   against the client; or its prompt already had ``rollout.group_size`` samples for each time it was
+   handed out), ``throttled`` (the broker holds ``broker.max_held_groups`` groups or
+   ``broker.max_held_bytes`` bytes, or an unleased push over capacity), else ``accepted`` — or
+   ``stale`` when its version is too old or was discarded by a rollback;
 2. **write** the records of every group that is kept (accepted, or stale: remembered for de-duplication)
    in one spool write; a group that cannot even be encoded is rejected on its own;
-3. **apply**: queue the accepted groups, drop the stale ones (re-issuing their prompts).
+3. **apply**: queue the accepted groups, drop the stale ones (re-issuing their prompts). Accepted groups
+   that are less than half of what their frame held are copied out of it (``messages.detached``), so
+   the refused rest of the frame is freed.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class Verdict:
     status: str  # accepted | duplicate | stale | rejected | throttled
     reason: str = ""
     drop: str = ""  # stale: the counter it is dropped under (dropped_stale | discarded)
+    code: str = ""  # rejected: implausible_reward | implausible_logprob (counted against the client)
+    nbytes: int = 0  # accepted: what it counts against broker.max_held_bytes
 
 
 class Ingest:
@@ -62,9 +68,10 @@ class Ingest:
         self.s = state
         self.rate_in = Rate()
 
-    def push(self, groups: list[m.SampleGroup], client: ClientState, now: float) -> list[tuple[str, str]]:
-        """(status, reason) for each group, in order (see the module docstring); raises SpoolUnavailable."""
+    def push(self, groups: list[m.SampleGroup], client: ClientState, now: float) -> list[tuple[str, str, str]]:
+        """(status, reason, code) for each group, in order (see the module docstring); raises SpoolUnavailable."""
         verdicts = self._judge(groups)
+        self._detach_if_sparse(verdicts)
         kept = [v for v in verdicts if v.status in ("accepted", "stale")]
         try:
             if self.s.spool is not None:
@@ -83,27 +90,44 @@ class Ingest:
                 self.s.counters["duplicates"] += 1
             elif v.status == "throttled":
                 self.s.counters["push_throttled"] += 1
-        return [(v.status, v.reason) for v in verdicts]
+            elif v.code:
+                kind = "implausible/" + v.code.split("_", 1)[1]
+                self.s.counters[kind] += 1
+                self.s.clients.tally(client.client_id, kind)
+        return [(v.status, v.reason, v.code) for v in verdicts]
+
+    @staticmethod
+    def _detach_if_sparse(verdicts: list[Verdict]) -> None:
+        """Copy the accepted groups out of their frame when they are less than half of it."""
+        if len(verdicts) < 2:
+            return
+        kept = [v for v in verdicts if v.status == "accepted"]
+        if kept and 2 * sum(m.arrays_nbytes(v.group) for v in kept) < sum(m.arrays_nbytes(v.group) for v in verdicts):
+            for v in kept:
+                v.group = m.detached(v.group)
 
     def _judge(self, groups: list[m.SampleGroup]) -> list[Verdict]:
         s, bcfg = self.s, self.s.bcfg
         max_version = s.version + bcfg.version_slack if s.controls.version_known else None
         oldest = min_fresh_version(s.version, bcfg.max_staleness)
-        held, load, seen = len(s.q.groups), s.load(), set()
+        held, held_bytes, load, seen = len(s.q.groups), s.q.held_bytes, s.load(), set()
         group_size, answering = s.cfg.rollout.group_size, Counter()  # samples per prompt id in this frame
         out = []
         for g in groups:
             if s.q.knows(g.group_id) or g.group_id in seen:
                 out.append(Verdict(g, "duplicate"))
                 continue
-            problem = m.check_group(g, s.vocab_size, max_abs_reward=bcfg.max_abs_reward, max_version=max_version)
+            problem = m.check_group(g, s.vocab_size, max_version=max_version)
             leased = s.prompts.known(g.prompt_id)
             if problem is None and not leased and not bcfg.accept_unleased:
                 problem = (f"group {g.group_id} answers prompt {g.prompt_id!r}, which this broker never leased; "
                            "push groups for leased prompts (or set broker.accept_unleased=true for imports)")
+            code = ""
+            if problem is None:
+                code, problem = s.plausibility.check(g) or ("", None)
             if problem:
                 s.rejected["invalid_group"] += 1
-                out.append(Verdict(g, "rejected", problem))
+                out.append(Verdict(g, "rejected", problem, code=code))
                 continue
             n = len(g.rewards)
             if leased and not s.prompts.room(g.prompt_id, answering[g.prompt_id] + n, group_size):
@@ -112,9 +136,14 @@ class Ingest:
                     f"group {g.group_id}: prompt {g.prompt_id!r} has had its {group_size} samples (rollout.group_size) "
                     "for each time it was handed out; push one group per leased prompt")))
                 continue
+            nbytes = m.group_nbytes(g)
             if held >= s.max_held or (not leased and load >= s.capacity):
                 out.append(Verdict(g, "throttled", f"the broker holds {held} groups (capacity {s.capacity}, at most "
                                                    f"broker.max_held_groups={s.max_held}); push again later"))
+                continue
+            if held_bytes and held_bytes + nbytes > s.max_held_bytes:
+                out.append(Verdict(g, "throttled", f"the broker holds {held_bytes} bytes of groups and this one counts "
+                                                   f"{nbytes} (broker.max_held_bytes={s.max_held_bytes}); push again later"))
                 continue
             seen.add(g.group_id)
             if s.controls.discarded.touches(g):
@@ -125,8 +154,8 @@ class Ingest:
                 out.append(Verdict(g, "stale", f"policy version {g.policy_version} is older than {oldest}",
                                    "dropped_stale"))
             else:
-                out.append(Verdict(g, "accepted"))
-                held, load = held + 1, load + (0 if leased else 1)
+                out.append(Verdict(g, "accepted", nbytes=nbytes))
+                held, held_bytes, load = held + 1, held_bytes + nbytes, load + (0 if leased else 1)
             answering[g.prompt_id] += n
         return out
 
@@ -154,7 +183,7 @@ class Ingest:
         client.groups_pushed += 1
         self.rate_in.add(now)
         if v.status == "accepted":
-            s.q.groups[g.group_id] = g
+            s.q.hold(g, v.nbytes)
             s.q.enqueue(g.group_id)
             return
         s.counters[v.drop] += 1

@@ -103,3 +103,10 @@ from fleetrl.common.messages.codec import (  # noqa: F401
     peek_push_count,
     to_dict,
 )
+from fleetrl.common.messages.sizes import (  # noqa: F401
+    arrays_nbytes,
+    detached,
+    group_nbytes,
+    push_sizes,
+    side_bytes,
+)

@@ -43,7 +43,8 @@ ANSWERS = {  # request type -> reply types (and error codes) that may answer it
     m.PushGroup: (m.Ack, m.Throttle, "invalid_group"), m.PushGroups: (m.GroupAcks, "too_large"),
     m.ReturnPrompts: (m.Ack,), m.LeaseBatch: (m.BatchLease, m.Throttle, "bad_request"),
     m.AckBatch: (m.Ack,), m.Commit: (m.Ack,), m.Rewind: (m.Ack, "bad_request"), m.PublishVersion: (m.Ack, "bad_request"),
-    m.Control: (m.Ack, "bad_request"), m.GetStatus: (m.Status,), m.GetVersion: (m.CurrentVersion,), m.Leave: (m.Ack,),
+    m.Control: (m.Ack, "bad_request"), m.GetStatus: (m.Status, "unavailable"), m.GetVersion: (m.CurrentVersion, "unavailable"),
+    m.Leave: (m.Ack,),  # unavailable: a client id over broker.key_requests_per_s (issue 31)
 }
 ANSWERS = {k: v + PERMISSION for k, v in ANSWERS.items()}
 REFUSALS = {"bad_frame", "invalid_group", "too_large"}
