@@ -4,7 +4,10 @@ A client record is created by ``Register`` only (any other request from an unkno
 answered ``unregistered``, and the client library registers again); at ``broker.max_clients`` the
 longest-silent dead client is evicted to make room, and Register is refused ``unavailable`` when none
 is dead. Dead clients (silent for ``broker.client_timeout_s``) are evicted anyway after ten times that.
-Register info and heartbeat stats are refused beyond ``broker.max_client_info_bytes``.
+Register info and heartbeat stats are refused beyond ``broker.max_client_info_bytes`` each, and all
+clients' together are bounded by ``broker.max_client_table_bytes`` (issue 31: 4,000 clients reporting
+16 KiB of stats each held 400 MB, a decoded entry costing ~7 times its bytes): beyond it a heartbeat's
+stats are dropped (the heartbeat still counts), and a Register evicts monitors, else is refused.
 
 Per key (issue 31: one monitor key filled the 4,096-slot table and a real rollout and a restarted
 learner got ``unavailable`` 10 of 10 times): a CURVE key holds at most ``broker.max_clients_per_key``
@@ -41,12 +44,16 @@ class ClientState:
     stats: dict[str, float] = field(default_factory=dict)
     info: dict[str, str] = field(default_factory=dict)
     groups_pushed: int = 0
+    held: int = 0  # info_size of its info and stats: what it counts against broker.max_client_table_bytes
     admit_from: int = 0  # a rollout leases prompts only once it holds at least this version (the current one at Register)
 
 
+ENTRY = 32  # what one entry of info or stats costs besides its key and value (it takes ~100 bytes decoded)
+
+
 def info_size(values: Mapping[str, object]) -> int:
-    """Bytes a Register info / Heartbeat stats mapping costs: key and value lengths, 8 per number."""
-    return sum(len(k) + (len(v) if isinstance(v, str) else 8) for k, v in values.items())
+    """Bytes a Register info / Heartbeat stats mapping costs: key and value lengths, 8 per number, ENTRY each."""
+    return sum(len(k) + (len(v) if isinstance(v, str) else 8) + ENTRY for k, v in values.items())
 
 
 def wire_size(values: Mapping[str, object]) -> int:
@@ -73,6 +80,7 @@ class ClientTable:
         self.by_key: dict[str, OrderedDict[str, None]] = {}  # CURVE identity -> its client ids, least recently seen first
         self.monitors: OrderedDict[str, None] = OrderedDict()  # client ids registered as monitor, likewise
         self.tallies: OrderedDict[str, Counter[str]] = OrderedDict()  # client id -> counters about it (bounded)
+        self.held = 0  # info_size of every record's info and stats
         self.evicted = 0
 
     def __len__(self) -> int:
@@ -116,11 +124,13 @@ class ClientTable:
     def register(self, client: ClientState, now: float) -> str | None:
         """Add or replace a record; a reason when there is no room for it (see the module docstring)."""
         self.remove(client.client_id)
+        client.held = info_size(client.info)
         full = self._make_room(client, now)
         if full:
             return full
         client.last_seen = now
         self.clients[client.client_id] = client
+        self.held += client.held
         if client.identity:
             self.by_key.setdefault(client.identity, OrderedDict())[client.client_id] = None
         if client.role == "monitor":
@@ -148,7 +158,23 @@ class ClientTable:
             else:
                 return (f"the broker holds {len(self.clients)} live clients (broker.max_clients="
                         f"{b.max_clients}); retry later or raise that setting")
+        while self.held + client.held > b.max_client_table_bytes:
+            if not self.monitors or client.role == "monitor":
+                return (f"the clients' info and stats take {self.held} bytes (broker.max_client_table_bytes="
+                        f"{b.max_client_table_bytes}); retry later or raise that setting")
+            self._evict(next(iter(self.monitors)))
         return None
+
+    def set_stats(self, c: ClientState, stats: dict[str, float]) -> bool:
+        """A heartbeat's stats, unless they would take the table past broker.max_client_table_bytes (then none)."""
+        size, old = info_size(stats), info_size(c.stats)
+        keep = self.held - old + size <= self.bcfg.max_client_table_bytes
+        c.stats = stats if keep else {}
+        delta = (size if keep else 0) - old
+        c.held += delta
+        if c.client_id in self.clients:
+            self.held += delta
+        return keep
 
     def _evict(self, client_id: str) -> None:
         self.remove(client_id)
@@ -158,6 +184,7 @@ class ClientTable:
         """Forget a record (a Leave, an eviction, a re-registration); its tallies stay."""
         c = self.clients.pop(client_id, None)
         if c is not None:
+            self.held -= c.held
             if c.identity:
                 mine = self.by_key.get(c.identity)
                 if mine is not None:
@@ -188,13 +215,13 @@ class ClientTable:
         room = budget - sum(bare[:keep])
         rows, stats_omitted = [], 0
         for c in order[:keep]:
-            stats = {**c.stats, "groups_pushed": float(c.groups_pushed)} if c.groups_pushed else c.stats
             counters = dict(self.tallies.get(c.client_id, {}))
-            cost = wire_size(stats)
+            cost = c.held - info_size(c.info) + (40 if c.groups_pushed else 0)  # >= the stats' msgpack size
             if cost > room:
                 stats, stats_omitted = {}, stats_omitted + 1
             else:
                 room -= cost
+                stats = {**c.stats, "groups_pushed": float(c.groups_pushed)} if c.groups_pushed else c.stats
             rows.append(m.ClientInfo(client_id=c.client_id, role=c.role, rank=c.rank, policy_version=c.policy_version,
                                      last_seen_s=round(now - c.last_seen, 3), alive=self.alive(c, now), stats=stats,
                                      receivers=int(c.info.get("receivers", 1)), counters=counters))

@@ -281,7 +281,8 @@ class BrokerState:
             self.rejected["too_large"] += 1
             return m.Error(req_id=req.req_id, code="too_large", reason=too_large)
         c = self._touch(req.client_id, now, version=req.policy_version)
-        c.stats = dict(req.stats)
+        if not self.clients.set_stats(c, dict(req.stats)):
+            self.counters["stats_dropped"] += 1
         return m.Ack(req_id=req.req_id, ref=req.client_id)
 
     # ------------------------------------------------------------- rollout side

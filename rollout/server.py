@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fleetrl.broker.client import (
-    BrokerClient, BrokerError, BrokerUnavailable, SubscriptionLike, ZmqBrokerClient, client_identity, default_client_id,
-    resolve_address,
+    BrokerClient, BrokerError, BrokerUnauthorized, BrokerUnavailable, SubscriptionLike, ZmqBrokerClient, client_identity,
+    default_client_id, resolve_address,
 )
 from fleetrl.common import chaos, faults, telemetry
 from fleetrl.common import messages as m
@@ -492,6 +492,9 @@ def main(args) -> int:
         server = RolloutServer(cfg, client, engine, scorer, server_index=index, run_dir=args.run_dir,
                                receiver=receiver, stop_event=stop, env=env, endpoint=endpoint)
         return server.run()
+    except BrokerUnauthorized as e:
+        log.error("giving up, the broker refused this server's key: %s", e)
+        return EXIT_BROKER_UNAVAILABLE
     except BrokerUnavailable as e:
         hint = "" if "request_timeout_s" in str(e) else (
             f" (check broker.address / --broker, or raise broker.request_timeout_s={cfg.broker.request_timeout_s:g})")

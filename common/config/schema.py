@@ -294,8 +294,14 @@ class BrokerConfig(Section):
         int, doc("Client records kept; at the cap the longest-dead one is evicted, else Register gets `unavailable`.", ge=1)
     ] = 4096
     max_client_info_bytes: Annotated[
-        int, doc("Largest Register info / Heartbeat stats (keys + values, 8 bytes a number); larger ones are refused.", ge=64)
+        int, doc("Largest Register info / Heartbeat stats (keys + values, 8 bytes a number, 32 an entry); larger ones "
+                 "are refused.", ge=64)
     ] = 16384
+    max_client_table_bytes: Annotated[
+        int, doc("Register info and heartbeat stats of all clients together (counted as max_client_info_bytes); "
+                 "beyond, a heartbeat's stats are dropped and a Register evicts monitors, else is `unavailable`.",
+                 ge=1 << 16)
+    ] = 16 << 20
     max_groups_per_push: Annotated[int, doc("Most groups in one PushGroups frame (refused with `too_large` beyond).", ge=1)] = 1024
     max_held_groups: Annotated[
         int | None, doc("Most groups held in memory (queued, leased, uncommitted); pushes beyond are throttled "

@@ -119,9 +119,9 @@ def test_the_dedupe_window_is_bounded_in_bytes():
 
 def test_status_replies_are_bounded_in_bytes_and_list_the_fleet_first():
     state = make_state("broker.max_clients=5000", "broker.max_monitor_clients=5000", "broker.max_clients_per_key=5000",
-                       "broker.key_requests_per_s=1000000")
-    stats = {f"stat/{i:04d}": float(i) for i in range(900)}  # ~16 KiB of heartbeat stats each
-    for i in range(600):
+                       "broker.key_requests_per_s=1000000", "broker.max_client_table_bytes=100000000")
+    stats = {f"stat/{i:04d}": float(i) for i in range(300)}  # ~16 KiB of heartbeat stats each, as counted
+    for i in range(1200):
         state.handle(m.Register(req_id=1, client_id=f"mon-{i}", role="monitor"), 0.0)
         assert isinstance(state.handle(m.Heartbeat(req_id=2, client_id=f"mon-{i}", stats=stats), 0.0), m.Ack)
     for cid, role in (("rollout-0", "rollout"), ("learner-0", "learner")):
@@ -132,7 +132,7 @@ def test_status_replies_are_bounded_in_bytes_and_list_the_fleet_first():
     assert size <= 8 * MIB + 64 * 1024, size  # broker.max_status_bytes (was ~10 MB here, 960 MiB in the attack)
     assert [c.client_id for c in status.clients[:2]] == ["learner-0", "rollout-0"]
     assert status.clients[1].stats == {"rollout/tokens_per_s": 5.0}  # the fleet keeps its stats
-    assert len(status.clients) == 602 and status.clients_omitted == 0 and status.stats_omitted > 100
+    assert len(status.clients) == 1202 and status.clients_omitted == 0 and status.stats_omitted > 100
     tight = make_state("broker.max_status_bytes=65536", "broker.key_requests_per_s=1000000")
     for i in range(2000):
         tight.handle(m.Register(req_id=1, client_id=f"mon-{i}" + "x" * 200, role="monitor"), 0.0)
@@ -184,3 +184,26 @@ def test_appended_bytes_in_a_push_frame_are_not_pinned_by_its_group():
     refusal, pinned_limit = check(frame)
     assert refusal is None and len(frame) > pinned_limit  # the server copies the group out of this frame
     assert np.array_equal(m.detached(m.decode_request(frame).group).token_array(), g.token_array())
+
+
+def test_the_client_tables_info_and_stats_are_bounded_in_bytes_together():
+    """4,000 clients reporting 16 KiB of stats each held 400 MB (a decoded entry costs ~7 x its bytes)."""
+    state = make_state("broker.max_client_table_bytes=200000", "broker.key_requests_per_s=1000000")
+    stats = {f"stat/{i:04d}": float(i) for i in range(300)}  # 14,700 bytes as counted: 13 fit 200,000
+    for i in range(40):
+        state.handle(m.Register(req_id=1, client_id=f"r{i}", role="rollout"), 0.0)
+        assert isinstance(state.handle(m.Heartbeat(req_id=2, client_id=f"r{i}", stats=stats), 0.0), m.Ack)
+    kept = [c for c in state.clients.clients.values() if c.stats]
+    assert len(kept) == 13 and state.counters["stats_dropped"] == 27 and state.clients.held <= 200_000
+    assert state.clients["r39"].last_seen == 0.0  # a heartbeat whose stats were dropped still counts
+    state.handle(m.Heartbeat(req_id=2, client_id="r0", stats={}), 1.0)  # r0 reports less: room for one more
+    assert isinstance(state.handle(m.Heartbeat(req_id=2, client_id="r39", stats=stats), 1.0), m.Ack)
+    assert state.clients["r39"].stats == stats
+    monitors = make_state("broker.max_client_table_bytes=100000", "broker.key_requests_per_s=1000000")
+    info = {f"k{i:03d}": "v" * 10 for i in range(250)}  # 11,500 bytes of Register info, as counted: 8 fit 100,000
+    for i in range(8):
+        assert isinstance(monitors.handle(m.Register(req_id=1, client_id=f"mon-{i}", role="monitor", info=info), 0.0),
+                          m.Registered)
+    assert monitors.handle(m.Register(req_id=1, client_id="mon-8", role="monitor", info=info), 0.0).code == "unavailable"
+    rollout = monitors.handle(m.Register(req_id=1, client_id="rollout-0", role="rollout", info=info), 0.0)
+    assert isinstance(rollout, m.Registered) and len(monitors.clients.monitors) == 7  # a monitor made room
