@@ -26,6 +26,7 @@ SMALL_FRAME = 16 << 20  # requests other than pushes: ack lists, weight specs
 FRAME_SIDE = 8  # a push frame's groups together: at most this many x broker.max_group_metadata_bytes of side fields
 INFO_TAGS = (m.Register.__struct_config__.tag, m.Heartbeat.__struct_config__.tag)
 NO_LIMIT = 1 << 62
+UNMEASURED = 64 << 10  # push frames up to this size are not measured
 
 Refusal = tuple[str, m.Error]  # (the Status.rejected key, the reply)
 
@@ -51,6 +52,8 @@ def precheck(payload: memoryview, header: tuple[int, int] | None, req_id: int,
             return ("too_many_groups", m.Error(req_id=req_id, code="too_large", reason=(
                 f"{count} groups in one PushGroups, over broker.max_groups_per_push={bcfg.max_groups_per_push}; "
                 "push them in several frames"))), NO_LIMIT
+    if len(payload) <= min(UNMEASURED, bcfg.max_group_metadata_bytes):
+        return None, NO_LIMIT  # no side fields over the limit, and a frame too small to matter if a group pins it
     return side_check(payload, req_id, bcfg.max_group_metadata_bytes)
 
 
