@@ -99,9 +99,9 @@ class Ingest:
     @staticmethod
     def _detach_if_sparse(verdicts: list[Verdict]) -> None:
         """Copy the accepted groups out of their frame when they are less than half of it."""
-        if len(verdicts) < 2:
-            return
         kept = [v for v in verdicts if v.status == "accepted"]
+        if len(kept) == len(verdicts):  # every group of the frame is held (the common case)
+            return
         if kept and 2 * sum(m.arrays_nbytes(v.group) for v in kept) < sum(m.arrays_nbytes(v.group) for v in verdicts):
             for v in kept:
                 v.group = m.detached(v.group)

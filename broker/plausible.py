@@ -50,8 +50,9 @@ class Plausibility:
         return self._rewards(g) or self._logprobs(g)
 
     def _rewards(self, g: m.SampleGroup) -> tuple[str, str] | None:
-        rewards = list(g.rewards) + ([g.baseline_reward] if g.baseline_reward is not None else [])
-        lo, hi = min(rewards), max(rewards)
+        lo, hi = min(g.rewards), max(g.rewards)
+        if g.baseline_reward is not None:
+            lo, hi = min(lo, g.baseline_reward), max(hi, g.baseline_reward)
         if self.reward_range is None:
             if max(-lo, hi) > self.max_abs_reward:
                 return "implausible_reward", (
@@ -72,6 +73,8 @@ class Plausibility:
         if not self.sampled_at_temperature or self.zero_fraction > 1.0:
             return None
         logp = g.logprob_array()
+        if logp.size < ZERO_MIN_TOKENS or float(logp.max()) < 0.0:  # no 0.0 at all: one reduction, no copy
+            return None
         if len(g.loss_mask):
             logp = logp[g.loss_mask_array() == 1]
         if logp.size < ZERO_MIN_TOKENS:

@@ -12,9 +12,10 @@ bytes, checked at decode).
   ``FRAME_SIDE`` x that together. Measured by ``messages.push_sizes``: every field skipped as raw bytes,
   nothing materialized.
 
-A push frame that holds much more than its groups account for (fields a newer or hostile sender appended,
-which decoding skips) has its groups copied out of it (:func:`detach_groups`), so a held group never pins
-a frame larger than itself.
+A frame no larger than ``broker.max_group_metadata_bytes`` is not measured (its groups' side fields cannot
+weigh more), so an ordinary push costs nothing here. After decoding, a push frame that holds much more than
+its groups' arrays (large side fields, or fields a newer or hostile sender appended, which decoding skips)
+has its groups copied out of it (:func:`detach_if_pinning`), so a held group never pins a larger frame.
 """
 
 from __future__ import annotations
@@ -25,55 +26,56 @@ from fleetrl.common.config.schema import BrokerConfig
 SMALL_FRAME = 16 << 20  # requests other than pushes: ack lists, weight specs
 FRAME_SIDE = 8  # a push frame's groups together: at most this many x broker.max_group_metadata_bytes of side fields
 INFO_TAGS = (m.Register.__struct_config__.tag, m.Heartbeat.__struct_config__.tag)
-NO_LIMIT = 1 << 62
-UNMEASURED = 64 << 10  # push frames up to this size are not measured
 
 Refusal = tuple[str, m.Error]  # (the Status.rejected key, the reply)
 
 
-def precheck(payload: memoryview, header: tuple[int, int] | None, req_id: int,
-             bcfg: BrokerConfig) -> tuple[Refusal | None, int]:
-    """(refusal or None, the frame size beyond which a push's groups are copied out of their frame)."""
+def precheck(payload: memoryview, header: tuple[int, int] | None, req_id: int, bcfg: BrokerConfig) -> Refusal | None:
+    """Why a frame is refused before decoding (the Status.rejected key and the reply), or None."""
     if len(payload) > bcfg.max_message_bytes:
         return ("too_large", m.Error(req_id=req_id, code="too_large", reason=(
             f"frame of {len(payload)} bytes is over broker.max_message_bytes={bcfg.max_message_bytes}; "
-            "send smaller groups or raise that setting"))), NO_LIMIT
+            "send smaller groups or raise that setting")))
     tag = header[0] if header else None
     if tag not in m.PUSH_GROUP_TAGS:
         limit = 4 * bcfg.max_client_info_bytes + 4096 if tag in INFO_TAGS else SMALL_FRAME
         if len(payload) > limit:
             return ("too_large", m.Error(req_id=req_id, code="too_large", reason=(
                 f"a {len(payload)}-byte request (tag {tag}) is over the {limit} bytes such a request may take "
-                "(Register/Heartbeat: 4 x broker.max_client_info_bytes + 4096)"))), NO_LIMIT
-        return None, NO_LIMIT
+                "(Register/Heartbeat: 4 x broker.max_client_info_bytes + 4096)")))
+        return None
     if tag == m.PushGroups.__struct_config__.tag:
         count = m.peek_push_count(payload)
         if count is not None and count > bcfg.max_groups_per_push:
             return ("too_many_groups", m.Error(req_id=req_id, code="too_large", reason=(
                 f"{count} groups in one PushGroups, over broker.max_groups_per_push={bcfg.max_groups_per_push}; "
-                "push them in several frames"))), NO_LIMIT
-    if len(payload) <= min(UNMEASURED, bcfg.max_group_metadata_bytes):
-        return None, NO_LIMIT  # no side fields over the limit, and a frame too small to matter if a group pins it
+                "push them in several frames")))
+    if len(payload) <= bcfg.max_group_metadata_bytes:
+        return None  # its groups' side fields cannot weigh more than the frame: nothing to measure
     return side_check(payload, req_id, bcfg.max_group_metadata_bytes)
 
 
-def side_check(payload: memoryview, req_id: int, limit: int) -> tuple[Refusal | None, int]:
+def side_check(payload: memoryview, req_id: int, limit: int) -> Refusal | None:
     """Each pushed group's side fields within ``limit`` (FRAME_SIDE x it together), read as raw spans."""
     sizes = m.push_sizes(payload)
     if sizes is None:
-        return None, NO_LIMIT  # the full decode says what is wrong with it
+        return None  # the full decode says what is wrong with it
     side = [s for _, s in sizes]
     worst = max(side, default=0)
     if worst > limit or sum(side) > FRAME_SIDE * limit:
         what = (f"a group with {worst} bytes of metadata, reward_parts, failed_parts, trace and per-response lists"
                 if worst > limit else f"groups with {sum(side)} bytes of those fields together (at most {FRAME_SIDE} x it)")
         return ("too_large", m.Error(req_id=req_id, code="too_large", reason=(
-            f"{what}, over broker.max_group_metadata_bytes={limit}; send less metadata, or raise that setting"))), NO_LIMIT
-    return None, 2 * sum(a + s for a, s in sizes) + (64 << 10)
+            f"{what}, over broker.max_group_metadata_bytes={limit}; send less metadata, or raise that setting")))
+    return None
 
 
-def detach_groups(req: m.PushGroup | m.PushGroups) -> None:
-    """Copy the groups' arrays out of a frame that holds much besides them, so that a held group does not pin it."""
+def detach_if_pinning(req: m.PushGroup | m.PushGroups, frame_bytes: int) -> None:
+    """Copy the groups' arrays out of a frame that holds much besides them (more than twice their arrays + 64 KiB),
+    so that a held group does not pin it."""
+    groups = [req.group] if isinstance(req, m.PushGroup) else req.groups
+    if frame_bytes <= 2 * sum(m.arrays_nbytes(g) for g in groups) + (64 << 10):
+        return
     if isinstance(req, m.PushGroup):
         req.group = m.detached(req.group)
     else:

@@ -34,7 +34,7 @@ from fleetrl.broker import auth
 from fleetrl.broker.audit import AuditLog
 from fleetrl.broker.guard import Guard
 from fleetrl.broker.metrics import WireStats
-from fleetrl.broker.precheck import detach_groups, precheck
+from fleetrl.broker.precheck import detach_if_pinning, precheck
 from fleetrl.broker.prompts import PromptSource, rows_to_prompts
 from fleetrl.broker.spool import Spool
 from fleetrl.broker.state import BrokerState
@@ -228,7 +228,7 @@ class BrokerServer:
         payload = frames[1].buffer
         header = m.peek_header(payload)
         req_id = header[1] if header else 0
-        refusal, pinned_limit = precheck(payload, header, req_id, self.cfg.broker)
+        refusal = precheck(payload, header, req_id, self.cfg.broker)
         if refusal is not None:
             self.state.rejected[refusal[0]] += 1
             return ident, refusal[1]
@@ -238,8 +238,8 @@ class BrokerServer:
             code = "invalid_group" if header and header[0] in m.PUSH_GROUP_TAGS else "bad_frame"
             self.state.rejected[code] += 1
             return ident, m.Error(req_id=req_id, code=code, reason=e.reason)
-        if isinstance(req, (m.PushGroup, m.PushGroups)) and len(payload) > pinned_limit:
-            detach_groups(req)
+        if isinstance(req, (m.PushGroup, m.PushGroups)):
+            detach_if_pinning(req, len(payload))
         start_ns = time.time_ns() if telemetry.enabled() else 0
         principal = self._principal(frames[1])
         try:

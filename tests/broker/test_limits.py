@@ -15,7 +15,7 @@ import tracemalloc
 import msgspec
 import numpy as np
 
-from fleetrl.broker.precheck import precheck
+from fleetrl.broker.precheck import detach_if_pinning, precheck
 from fleetrl.common import messages as m
 from fleetrl.common.config import load_config
 from tests.broker.conftest import make_state
@@ -44,6 +44,15 @@ def check(frame: bytes, *overrides: str):
     return precheck(memoryview(frame), m.peek_header(frame), 7, bcfg)
 
 
+def pinning(frame: bytes) -> bool:
+    """Whether the server copies the frame's groups out of it after decoding."""
+    req = m.decode_request(frame)
+    before = [req.group] if isinstance(req, m.PushGroup) else list(req.groups)
+    detach_if_pinning(req, len(frame))
+    after = [req.group] if isinstance(req, m.PushGroup) else req.groups
+    return any(a is not b for a, b in zip(after, before))
+
+
 def test_group_metadata_is_measured_and_refused_before_decoding():
     """48 MiB of small integers in a group's metadata: refused from its raw size, nothing decoded (it took 430 MB)."""
     n = 48 * MIB
@@ -52,7 +61,7 @@ def test_group_metadata_is_measured_and_refused_before_decoding():
     assert len(frame) > n
     tracemalloc.start()
     try:
-        refusal, _ = check(frame, "broker.max_message_bytes=100000000")
+        refusal = check(frame, "broker.max_message_bytes=100000000")
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -61,24 +70,25 @@ def test_group_metadata_is_measured_and_refused_before_decoding():
     assert peak < MIB, peak  # measured as raw spans: no Python object per integer
     ok = make_group("0:0")
     ok.metadata = {"note": "x" * 1000, "ints": list(range(1000))}
-    assert check(push_frame(ok))[0] is None  # an ordinary group passes
+    assert check(push_frame(ok)) is None  # an ordinary group passes
     many = []
     for i in range(9):  # each under the per-group limit, together over 8 x it
         g = make_group(f"0:{i}")
         g.metadata = {"blob": "y" * (MIB - 4096)}
         many.append(g)
-    refusal, _ = check(push_frame(*many))
+    refusal = check(push_frame(*many))
     assert refusal is not None and "together" in refusal[1].reason
-    assert check(push_frame(*many[:8]))[0] is None
+    assert check(push_frame(*many[:8])) is None and pinning(push_frame(*many[:8]))  # copied out: mostly metadata
+    assert not pinning(push_frame(*[make_group(f"0:{i}", t=5000) for i in range(8)]))  # ordinary frames stay views
 
 
 def test_small_requests_and_info_frames_are_refused_by_size_before_decoding():
     info = m.encode(m.Register(req_id=3, client_id="r0", role="rollout", info={f"k{i}": "v" * 60 for i in range(2000)}))
-    refusal, _ = check(info)
+    refusal = check(info)
     assert refusal is not None and refusal[0] == "too_large" and "max_client_info_bytes" in refusal[1].reason
-    assert check(m.encode(m.Register(req_id=3, client_id="r0", role="rollout", info={"receivers": "1"})))[0] is None
+    assert check(m.encode(m.Register(req_id=3, client_id="r0", role="rollout", info={"receivers": "1"}))) is None
     acks = m.encode(m.AckBatch(req_id=4, client_id="l0", lease_id="x", group_ids=["g" * 200] * 100_000))
-    refusal, _ = check(acks, "broker.max_message_bytes=100000000")
+    refusal = check(acks, "broker.max_message_bytes=100000000")
     assert refusal is not None and "tag 7" in refusal[1].reason
 
 
@@ -181,8 +191,7 @@ def test_a_group_accepted_from_a_frame_of_refused_ones_does_not_pin_the_frame():
 def test_appended_bytes_in_a_push_frame_are_not_pinned_by_its_group():
     g = make_group("0:0", t=100)
     frame = with_fields(g, extra=[0, b"\0" * (4 * MIB)])  # fields a newer (or hostile) sender appended: skipped
-    refusal, pinned_limit = check(frame)
-    assert refusal is None and len(frame) > pinned_limit  # the server copies the group out of this frame
+    assert check(frame) is None and pinning(frame)  # the server copies the group out of this frame
     assert np.array_equal(m.detached(m.decode_request(frame).group).token_array(), g.token_array())
 
 
