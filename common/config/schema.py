@@ -184,6 +184,10 @@ class RolloutConfig(Section):
     on_reward_failure: Annotated[
         Literal["zero", "drop_group"], doc("A failed reward gives reward 0, or drops its whole group.")
     ] = "zero"
+    reward_stop_after: Annotated[int, doc(
+        "Stop the rollout server (exit code 4; `fleetrl run` then stops the job) once this many samples in a row got "
+        "no usable reward (every reward failed or returned None), at the start of a run or later; 0 = never stop.",
+        ge=0)] = 32
     seed: Annotated[int, doc("Base sampling seed; server i uses seed + i.")] = 0
     stay_after_done: Annotated[bool, doc(
         "Keep this server up when the learner finishes or the broker shuts down (it waits for the next learner); "
@@ -458,10 +462,10 @@ class RunConfig(Section):
         Literal["never", "on-failure"], doc("Restart children that die (`fleetrl run`).")
     ] = "never"
     max_restarts: Annotated[int, doc("Restarts per child before the job fails.", ge=0)] = 3
-    learner_threads: Annotated[int | None, doc("Torch threads per learner rank `fleetrl run` sets (null = the cores / ranks with the hf engine, an even split otherwise).")] = (
+    learner_threads: Annotated[int | None, doc("Torch threads per learner rank `fleetrl run` sets (null = an even split: cores / (ranks + servers)).")] = (
         None
     )
-    rollout_threads: Annotated[int | None, doc("Torch threads per rollout server `fleetrl run` sets (null = every core with the hf engine, an even split otherwise).")] = (
+    rollout_threads: Annotated[int | None, doc("Torch threads per rollout server `fleetrl run` sets (null = an even split: cores / (ranks + servers)).")] = (
         None
     )
     eval_interval: Annotated[int, doc("Evaluate on data.eval every this many steps (0 = off).", ge=0)] = 0
@@ -476,6 +480,10 @@ class RunConfig(Section):
         "Who may read what the job's processes write (umask 077 / 027 / 022): `owner` only, the `group` too (share "
         "checkpoints, logs, metrics and TensorBoard files on a cluster), or `all`. Keys, the broker spool and weight "
         "versions stay owner-only (0600 / 0700) whatever this says.")] = "owner"
+    python_path: Annotated[list[str], doc(
+        "Folders added at the end of sys.path, where user code named `pkg.module:function` is looked for (relative "
+        "ones from the working directory); the config a run saves adds the working directory when such code was "
+        "found there, so `--resume` from another directory imports the same code.")] = field(default_factory=list)
 
 
 class JobConfig(Section):
