@@ -59,6 +59,13 @@ def test_rewards_outside_the_declared_range_are_refused_and_counted_per_client()
     metrics = status_metrics(status)
     assert metrics["broker/implausible"] == 5 and metrics["broker/implausible/rollout-bad"] == 5
     assert "broker/implausible/rollout-good" not in metrics
+    from rich.console import Console
+
+    from fleetrl.broker.status import render
+
+    console = Console(width=160, record=True)
+    console.print(render(status))
+    assert "alive, 5 implausible/reward" in console.export_text()  # `fleetrl status` shows the server's count
     bad.connect()  # it registers again (a restart keeps its id only with its pid; here, the same id): still counted
     assert {c.client_id: c for c in state.status(2, 0.0).clients}["rollout-bad"].counters == {"implausible/reward": 5}
 
