@@ -43,20 +43,22 @@ def frames(n_groups: int, per_push: int) -> list[bytes]:
 
 def trial(payloads: list[bytes]) -> float:
     """CPU seconds for every frame: pre-decode checks (where the tree has them), decode, ingest; then leases+acks."""
-    from fleetrl.broker.prompts import PromptSource, rows_to_prompts
-    from fleetrl.broker.state import BrokerState
+    from fleetrl.broker.server.prompts import PromptSource, rows_to_prompts
+    from fleetrl.broker.server.state import BrokerState
     from fleetrl.common import messages as m
     from fleetrl.common.config import load_config
 
     try:
-        from fleetrl.broker.precheck import precheck
+        from fleetrl.broker.security.precheck import precheck
     except ImportError:  # a tree before issue 31: its checks were a header peek in the server
         precheck = None
     cfg = load_config(None, ["broker.accept_unleased=true", "broker.queue_capacity=1000000", "broker.max_held_groups=1000000",
                              "broker.max_staleness=1000"])
     rows = [{"prompt": f"{i}+1=", "answer": "1"} for i in range(1000)]
     state = BrokerState(cfg, PromptSource(rows_to_prompts(rows, "prompt", "answer", "b"), False, 0, 1), vocab_size=263)
-    if hasattr(state, "max_held_bytes"):
+    if hasattr(state, "admission"):  # the budget lives in Admission since the re-floor (issue 25)
+        state.admission.max_held_bytes = 1 << 62
+    elif hasattr(state, "max_held_bytes"):
         state.max_held_bytes = 1 << 62
     t0 = time.process_time()
     for i, buf in enumerate(payloads):
@@ -84,7 +86,7 @@ def main() -> None:
     us = [round(1e6 * trial(payloads) / args.groups, 2) for _ in range(args.trials)]
     mine = time.process_time() - mine0
     others = max(0.0, sum(psutil.cpu_times()[:3]) - busy0 - mine) / ((time.monotonic() - wall0) * psutil.cpu_count())
-    import fleetrl.broker.state as tree
+    import fleetrl.broker.server.state as tree
 
     out = {"label": args.label, "tree": str(Path(tree.__file__).resolve().parents[1]), "us_per_group_median":
            statistics.median(us), "us_per_group": us, "groups": args.groups, "others_cpu_share": round(others, 3),

@@ -4,7 +4,7 @@
 
 A segment holds record A, a record of S bytes whose body is candidate headers every D bytes (each claims
 the rest of the segment and carries a wrong CRC) with its own header damaged, then records B and C; the
-reader must skip the damaged record and keep A, B and C (tests/broker/test_spool_resync.py builds the
+reader must skip the damaged record and keep A, B and C (tests/broker/server/test_spool_resync.py builds the
 same segment). Reported for each (S, D): process CPU seconds of ``spool.scan`` now, and of the reader
 before issue 31 (one CRC per candidate over the length it claims: quadratic) where it ends in reasonable
 time. Others' CPU share during the run is recorded: figures from a busy box are not quiet figures.
@@ -24,9 +24,9 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fleetrl.broker import resync  # noqa: E402
-from fleetrl.broker import spool as sp  # noqa: E402
-from tests.broker.test_spool_resync import crafted_segment  # noqa: E402
+from fleetrl.broker.server import resync  # noqa: E402
+from fleetrl.broker.server import spool as sp  # noqa: E402
+from tests.broker.server.test_spool_resync import crafted_segment  # noqa: E402
 
 MIB = 1 << 20
 _ARRAY = re.compile(rb"[\x91-\x9f]")

@@ -1,0 +1,182 @@
+"""Group ingest: judge every pushed group, write what is kept to the spool, then apply it.
+
+A push is handled in three passes so that nothing is acknowledged before it is durable and a failed
+spool write leaves no trace:
+
+1. **judge** each group without changing anything: ``duplicate`` (already held or seen), ``rejected``
+   (fails ``check_group``: tokens, log-probs, versions from the future, an unleased prompt; is
+   implausible (``plausible.py``: rewards outside the job's range, log-probs of exactly 0.0), counted
+   against the client; or its prompt already had ``rollout.group_size`` samples for each time it was
+   handed out), ``throttled`` (the broker holds ``broker.max_held_groups`` groups or
+   ``broker.max_held_bytes`` bytes, or an unleased push over capacity), else ``accepted`` — or
+   ``stale`` when its version is too old or was discarded by a rollback;
+2. **write** the records of every group that is kept (accepted, or stale: remembered for de-duplication)
+   in one spool write; a group that cannot even be encoded is rejected on its own;
+3. **apply**: queue the accepted groups, drop the stale ones (re-issuing their prompts). Accepted groups
+   that are less than half of what their frame held are copied out of it (``messages.detached``), so
+   the refused rest of the frame is freed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from fleetrl.broker.server import spool as sp
+from fleetrl.broker.server.admission import Admission
+from fleetrl.broker.server.client_table import ClientState, ClientTable
+from fleetrl.broker.server.control import Controls
+from fleetrl.broker.server.journal import Journal
+from fleetrl.broker.server.plausible import Plausibility
+from fleetrl.broker.server.prompts import PromptSource
+from fleetrl.broker.server.queue import GroupQueue
+from fleetrl.broker.server.rates import Rate
+from fleetrl.broker.server.staleness import min_fresh_version
+from fleetrl.common import messages as m
+from fleetrl.common.config.schema import JobConfig
+
+
+@dataclass
+class Verdict:
+    group: m.SampleGroup
+    status: str  # accepted | duplicate | stale | rejected | throttled
+    reason: str = ""
+    drop: str = ""  # stale: the counter it is dropped under (dropped_stale | discarded)
+    code: str = ""  # rejected: implausible_reward | implausible_logprob (counted against the client)
+    nbytes: int = 0  # accepted: what it counts against broker.max_held_bytes
+
+
+class Ingest:
+    """Pushed groups in: the queue, the prompt leases they answer, the journal, admission and the versions."""
+
+    def __init__(self, cfg: JobConfig, vocab_size: int, q: GroupQueue, prompts: PromptSource, journal: Journal,
+                 admission: Admission, controls: Controls, counters: Counter[str], rejected: Counter[str],
+                 plausibility: Plausibility, clients: ClientTable):
+        self.bcfg, self.group_size, self.vocab_size = cfg.broker, cfg.rollout.group_size, vocab_size
+        self.q, self.prompts, self.journal, self.admission, self.controls = q, prompts, journal, admission, controls
+        self.counters, self.rejected = counters, rejected
+        self.plausibility, self.clients = plausibility, clients
+        self.rate_in = Rate()
+
+    def push(self, groups: list[m.SampleGroup], client: ClientState, now: float) -> list[tuple[str, str, str]]:
+        """(status, reason, code) for each group, in order (see the module docstring); raises SpoolUnavailable."""
+        verdicts = self._judge(groups)
+        self._detach_if_sparse(verdicts)
+        kept = [v for v in verdicts if v.status in ("accepted", "stale")]
+        try:
+            if self.journal.enabled:
+                self.journal.write(self._records(kept))
+        except ValueError:  # some group cannot be encoded: find it, write the others one by one
+            for v in kept:
+                try:
+                    self.journal.write(self._records([v]))
+                except ValueError as e:
+                    v.status, v.reason = "rejected", f"group {v.group.group_id}: {e}"
+                    self.rejected["invalid_group"] += 1
+        for v in verdicts:
+            if v.status in ("accepted", "stale"):
+                self._apply(v, client, now)
+            elif v.status == "duplicate":
+                self.counters["duplicates"] += 1
+            elif v.status == "throttled":
+                self.counters["push_throttled"] += 1
+            elif v.code:
+                kind = "implausible/" + v.code.split("_", 1)[1]
+                self.counters[kind] += 1
+                self.clients.tally(client.client_id, kind)
+        return [(v.status, v.reason, v.code) for v in verdicts]
+
+    @staticmethod
+    def _detach_if_sparse(verdicts: list[Verdict]) -> None:
+        """Copy the accepted groups out of their frame when they are less than half of it."""
+        kept = [v for v in verdicts if v.status == "accepted"]
+        if len(kept) == len(verdicts):  # every group of the frame is held (the common case)
+            return
+        if kept and 2 * sum(m.arrays_nbytes(v.group) for v in kept) < sum(m.arrays_nbytes(v.group) for v in verdicts):
+            for v in kept:
+                v.group = m.detached(v.group)
+
+    def _judge(self, groups: list[m.SampleGroup]) -> list[Verdict]:
+        bcfg, version, adm = self.bcfg, self.controls.version, self.admission
+        max_version = version + bcfg.version_slack if self.controls.version_known else None
+        oldest = min_fresh_version(version, bcfg.max_staleness)
+        held, held_bytes, load, seen = len(self.q.groups), self.q.held_bytes, adm.load(), set()
+        group_size, answering = self.group_size, Counter[str]()  # samples per prompt id in this frame
+        out = []
+        for g in groups:
+            if self.q.knows(g.group_id) or g.group_id in seen:
+                out.append(Verdict(g, "duplicate"))
+                continue
+            problem = m.check_group(g, self.vocab_size, max_version=max_version)
+            leased = self.prompts.known(g.prompt_id)
+            if problem is None and not leased and not bcfg.accept_unleased:
+                problem = (f"group {g.group_id} answers prompt {g.prompt_id!r}, which this broker never leased; "
+                           "push groups for leased prompts (or set broker.accept_unleased=true for imports)")
+            code = ""
+            if problem is None:
+                code, problem = self.plausibility.check(g) or ("", None)
+            if problem:
+                self.rejected["invalid_group"] += 1
+                out.append(Verdict(g, "rejected", problem, code=code))
+                continue
+            n = len(g.rewards)
+            if leased and not self.prompts.room(g.prompt_id, answering[g.prompt_id] + n, group_size):
+                self.rejected["prompt_overanswered"] += 1
+                out.append(Verdict(g, "rejected", (
+                    f"group {g.group_id}: prompt {g.prompt_id!r} has had its {group_size} samples (rollout.group_size) "
+                    "for each time it was handed out; push one group per leased prompt")))
+                continue
+            nbytes = m.group_nbytes(g)
+            if held >= adm.max_held or (not leased and load >= adm.capacity):
+                out.append(Verdict(g, "throttled", f"the broker holds {held} groups (capacity {adm.capacity}, at most "
+                                                   f"broker.max_held_groups={adm.max_held}); push again later"))
+                continue
+            if held_bytes and held_bytes + nbytes > adm.max_held_bytes:
+                out.append(Verdict(g, "throttled", f"the broker holds {held_bytes} bytes of groups and this one counts "
+                                                   f"{nbytes} (broker.max_held_bytes={adm.max_held_bytes}); push again later"))
+                continue
+            seen.add(g.group_id)
+            if self.controls.discarded.touches(g):
+                out.append(Verdict(g, "stale", f"policy versions of group {g.group_id} (oldest {g.policy_version}) "
+                                               "were rolled back by the learner",
+                                   "discarded"))
+            elif g.policy_version < oldest:
+                out.append(Verdict(g, "stale", f"policy version {g.policy_version} is older than {oldest}",
+                                   "dropped_stale"))
+            else:
+                out.append(Verdict(g, "accepted", nbytes=nbytes))
+                held, held_bytes, load = held + 1, held_bytes + nbytes, load + (0 if leased else 1)
+            answering[g.prompt_id] += n
+        return out
+
+    def _records(self, kept: list[Verdict]) -> list[sp.Record]:
+        recs: list[sp.Record] = []
+        for v in kept:
+            recs.append(sp.GroupAccepted(v.group))
+            if v.status == "stale":
+                recs.append(sp.GroupsDone([v.group.group_id]))
+                p = self._requeued_prompt(v)
+                if p is not None:
+                    recs.append(sp.PromptsRequeued([p]))
+        return recs
+
+    def _requeued_prompt(self, v: Verdict) -> m.Prompt | None:
+        requeue = v.drop == "discarded" or self.bcfg.requeue_stale
+        return self.prompts.lookup(v.group.prompt_id) if requeue else None
+
+    def _apply(self, v: Verdict, client: ClientState, now: float) -> None:
+        g = v.group
+        self.prompts.fulfil(g.prompt_id)
+        self.prompts.answered(g.prompt_id, len(g.rewards))
+        self.q.remember(g.group_id)
+        self.counters["groups_in"] += 1
+        client.groups_pushed += 1
+        self.rate_in.add(now)
+        if v.status == "accepted":
+            self.q.hold(g, v.nbytes)
+            self.q.enqueue(g.group_id)
+            return
+        self.counters[v.drop] += 1
+        p = self._requeued_prompt(v)
+        if p is not None:
+            self.prompts.requeue(p)
