@@ -34,9 +34,19 @@ def frames(n_groups: int, per_push: int) -> list[bytes]:
     logprobs = (-rng.random(8 * 512, dtype=np.float32) - 0.01).tobytes()
     out = []
     for start in range(0, n_groups, per_push):
-        groups = [m.SampleGroup(group_id=uuid.uuid4().hex, prompt_id=f"0:{i % 1000}", policy_version=0,
-                                prompt_tokens=tokens[:64], lengths=[512] * 8, tokens=tokens, logprobs=logprobs,
-                                rewards=[1.0, 0.0] * 4) for i in range(start, start + per_push)]
+        groups = [
+            m.SampleGroup(
+                group_id=uuid.uuid4().hex,
+                prompt_id=f"0:{i % 1000}",
+                policy_version=0,
+                prompt_tokens=tokens[:64],
+                lengths=[512] * 8,
+                tokens=tokens,
+                logprobs=logprobs,
+                rewards=[1.0, 0.0] * 4,
+            )
+            for i in range(start, start + per_push)
+        ]
         out.append(m.encode(m.PushGroups(req_id=start + 1, client_id="r0", groups=groups)))
     return out
 
@@ -52,8 +62,15 @@ def trial(payloads: list[bytes]) -> float:
         from fleetrl.broker.security.precheck import precheck
     except ImportError:  # a tree before issue 31: its checks were a header peek in the server
         precheck = None
-    cfg = load_config(None, ["broker.accept_unleased=true", "broker.queue_capacity=1000000", "broker.max_held_groups=1000000",
-                             "broker.max_staleness=1000"])
+    cfg = load_config(
+        None,
+        [
+            "broker.accept_unleased=true",
+            "broker.queue_capacity=1000000",
+            "broker.max_held_groups=1000000",
+            "broker.max_staleness=1000",
+        ],
+    )
     rows = [{"prompt": f"{i}+1=", "answer": "1"} for i in range(1000)]
     state = BrokerState(cfg, PromptSource(rows_to_prompts(rows, "prompt", "answer", "b"), False, 0, 1), vocab_size=263)
     if hasattr(state, "admission"):  # the budget lives in Admission since the re-floor (issue 25)
@@ -88,9 +105,16 @@ def main() -> None:
     others = max(0.0, sum(psutil.cpu_times()[:3]) - busy0 - mine) / ((time.monotonic() - wall0) * psutil.cpu_count())
     import fleetrl.broker.server.state as tree
 
-    out = {"label": args.label, "tree": str(Path(tree.__file__).resolve().parents[1]), "us_per_group_median":
-           statistics.median(us), "us_per_group": us, "groups": args.groups, "others_cpu_share": round(others, 3),
-           "quiet": others < 0.10, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out = {
+        "label": args.label,
+        "tree": str(Path(tree.__file__).resolve().parents[1]),
+        "us_per_group_median": statistics.median(us),
+        "us_per_group": us,
+        "groups": args.groups,
+        "others_cpu_share": round(others, 3),
+        "quiet": others < 0.10,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     print(json.dumps(out))
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 

@@ -72,20 +72,38 @@ def main() -> None:
     resync.shift_tables()
     rows = [{"what": "shift tables (once per process)", "cpu_s": round(time.process_time() - t0, 3)}]
     busy0, wall0, mine0 = sum(psutil.cpu_times()[:3]), time.monotonic(), time.process_time()
-    for size, every, before in ((MIB // 4, 32, True), (MIB // 2, 32, True), (MIB, 32, True), (2 * MIB, 32, False),
-                                (8 * MIB, 32, False), (64 * MIB, 32, False), (8 * MIB, 10, False), (64 * MIB, 10, False)):
+    for size, every, before in (
+        (MIB // 4, 32, True),
+        (MIB // 2, 32, True),
+        (MIB, 32, True),
+        (2 * MIB, 32, False),
+        (8 * MIB, 32, False),
+        (64 * MIB, 32, False),
+        (8 * MIB, 10, False),
+        (64 * MIB, 10, False),
+    ):
         data, names = crafted_segment(size, every)
         now_s, got = timed(sp.scan, data)
-        row = {"record_mib": size / MIB, "candidate_every_bytes": every, "candidates": size // every, "cpu_s": now_s,
-               "kept": got == names}
+        row = {
+            "record_mib": size / MIB,
+            "candidate_every_bytes": every,
+            "candidates": size // every,
+            "cpu_s": now_s,
+            "kept": got == names,
+        }
         if before:
             row["cpu_s_before"], got_before = timed(scan_before, data)
             row["kept_before"] = got_before == names
         rows.append(row)
         print(json.dumps(row), flush=True)
     share = others_cpu_share(time.process_time() - mine0, busy0, wall0)
-    out = {"rows": rows, "others_cpu_share": share, "quiet": share < 0.10, "cpus": psutil.cpu_count(),
-           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out = {
+        "rows": rows,
+        "others_cpu_share": share,
+        "quiet": share < 0.10,
+        "cpus": psutil.cpu_count(),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({"others_cpu_share": share, "quiet": out["quiet"], "saved": args.out}))
 

@@ -35,32 +35,64 @@ Refusal = tuple[str, m.Error]  # (the Status.rejected key, the reply)
 def precheck(payload: memoryview, header: tuple[int, int] | None, req_id: int, bcfg: BrokerConfig) -> Refusal | None:
     """Why a frame is refused before decoding (the Status.rejected key and the reply), or None."""
     if len(payload) > bcfg.max_message_bytes:
-        return ("too_large", m.Error(req_id=req_id, code="too_large", reason=(
-            f"frame of {len(payload)} bytes is over broker.max_message_bytes={bcfg.max_message_bytes}; "
-            "send smaller groups or raise that setting")))
+        return (
+            "too_large",
+            m.Error(
+                req_id=req_id,
+                code="too_large",
+                reason=(
+                    f"frame of {len(payload)} bytes is over broker.max_message_bytes={bcfg.max_message_bytes}; "
+                    "send smaller groups or raise that setting"
+                ),
+            ),
+        )
     tag = header[0] if header else None
     if tag not in m.PUSH_GROUP_TAGS:
         limit = 4 * bcfg.max_client_info_bytes + 4096 if tag in INFO_TAGS else SMALL_FRAME
         if len(payload) > limit:
-            return ("too_large", m.Error(req_id=req_id, code="too_large", reason=(
-                f"a {len(payload)}-byte request (tag {tag}) is over the {limit} bytes such a request may take "
-                "(Register/Heartbeat: 4 x broker.max_client_info_bytes + 4096)")))
+            return (
+                "too_large",
+                m.Error(
+                    req_id=req_id,
+                    code="too_large",
+                    reason=(
+                        f"a {len(payload)}-byte request (tag {tag}) is over the {limit} bytes such a request may take "
+                        "(Register/Heartbeat: 4 x broker.max_client_info_bytes + 4096)"
+                    ),
+                ),
+            )
         return None
     if tag == m.PushGroups.__struct_config__.tag:
         count = m.peek_push_count(payload)
         if count is not None and count > bcfg.max_groups_per_push:
-            return ("too_many_groups", m.Error(req_id=req_id, code="too_large", reason=(
-                f"{count} groups in one PushGroups, over broker.max_groups_per_push={bcfg.max_groups_per_push}; "
-                "push them in several frames")))
+            return (
+                "too_many_groups",
+                m.Error(
+                    req_id=req_id,
+                    code="too_large",
+                    reason=(
+                        f"{count} groups in one PushGroups, over broker.max_groups_per_push={bcfg.max_groups_per_push}; "
+                        "push them in several frames"
+                    ),
+                ),
+            )
     if len(payload) <= bcfg.max_group_metadata_bytes:
         return None  # its groups' side fields cannot weigh more than the frame: nothing to measure
     if tag == m.PushGroup.__struct_config__.tag:
         least = side_at_least(payload)
         if least is not None and least > FAST * bcfg.max_group_metadata_bytes:  # refused from its first fields: O(1)
-            return ("too_large", m.Error(req_id=req_id, code="too_large", reason=(
-                f"a group with at least {least} bytes of metadata, reward_parts, failed_parts, trace and per-response "
-                f"lists, over broker.max_group_metadata_bytes={bcfg.max_group_metadata_bytes}; send less metadata, "
-                "or raise that setting")))
+            return (
+                "too_large",
+                m.Error(
+                    req_id=req_id,
+                    code="too_large",
+                    reason=(
+                        f"a group with at least {least} bytes of metadata, reward_parts, failed_parts, trace and per-response "
+                        f"lists, over broker.max_group_metadata_bytes={bcfg.max_group_metadata_bytes}; send less metadata, "
+                        "or raise that setting"
+                    ),
+                ),
+            )
     return side_check(payload, req_id, bcfg.max_group_metadata_bytes)
 
 
@@ -117,10 +149,10 @@ def _head(buf: memoryview, off: int) -> tuple[str, int, int]:
     for first, kind in ((0xC4, "bin"), (0xD9, "str")):
         if first <= b <= first + 2:
             size = 1 << (b - first)
-            return kind, int.from_bytes(buf[off + 1:off + 1 + size], "big"), off + 1 + size
+            return kind, int.from_bytes(buf[off + 1 : off + 1 + size], "big"), off + 1 + size
     if b in (0xDC, 0xDD):
         size = 2 if b == 0xDC else 4
-        return "array", int.from_bytes(buf[off + 1:off + 1 + size], "big"), off + 1 + size
+        return "array", int.from_bytes(buf[off + 1 : off + 1 + size], "big"), off + 1 + size
     return "other", 0, off + 1
 
 
@@ -132,10 +164,21 @@ def side_check(payload: memoryview, req_id: int, limit: int) -> Refusal | None:
     side = [s for _, s in sizes]
     worst = max(side, default=0)
     if worst > limit or sum(side) > FRAME_SIDE * limit:
-        what = (f"a group with {worst} bytes of metadata, reward_parts, failed_parts, trace and per-response lists"
-                if worst > limit else f"groups with {sum(side)} bytes of those fields together (at most {FRAME_SIDE} x it)")
-        return ("too_large", m.Error(req_id=req_id, code="too_large", reason=(
-            f"{what}, over broker.max_group_metadata_bytes={limit}; send less metadata, or raise that setting")))
+        what = (
+            f"a group with {worst} bytes of metadata, reward_parts, failed_parts, trace and per-response lists"
+            if worst > limit
+            else f"groups with {sum(side)} bytes of those fields together (at most {FRAME_SIDE} x it)"
+        )
+        return (
+            "too_large",
+            m.Error(
+                req_id=req_id,
+                code="too_large",
+                reason=(
+                    f"{what}, over broker.max_group_metadata_bytes={limit}; send less metadata, or raise that setting"
+                ),
+            ),
+        )
     return None
 
 

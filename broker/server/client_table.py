@@ -21,8 +21,8 @@ beside the records and survive its re-registration.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import BrokerConfig
@@ -45,7 +45,9 @@ class ClientState:
     info: dict[str, str] = field(default_factory=dict)
     groups_pushed: int = 0
     held: int = 0  # info_size of its info and stats: what it counts against broker.max_client_table_bytes
-    admit_from: int = 0  # a rollout leases prompts only once it holds at least this version (the current one at Register)
+    admit_from: int = (
+        0  # a rollout leases prompts only once it holds at least this version (the current one at Register)
+    )
 
 
 ENTRY = 32  # what one entry of info or stats costs besides its key and value (it takes ~100 bytes decoded)
@@ -68,8 +70,10 @@ def receivers_error(info: Mapping[str, str]) -> str:
     """Why a Register's ``info["receivers"]`` (weight receivers behind the client) is unusable, or ''."""
     value = info.get("receivers", "1")
     if not value.isdigit() or not 1 <= int(value) <= MAX_RECEIVERS:
-        return (f"Register.info['receivers'] must be a whole number of weight receivers, 1..{MAX_RECEIVERS} "
-                f"(one per tensor-parallel worker), got {value!r}")
+        return (
+            f"Register.info['receivers'] must be a whole number of weight receivers, 1..{MAX_RECEIVERS} "
+            f"(one per tensor-parallel worker), got {value!r}"
+        )
     return ""
 
 
@@ -77,7 +81,9 @@ class ClientTable:
     def __init__(self, bcfg: BrokerConfig):
         self.bcfg = bcfg
         self.clients: OrderedDict[str, ClientState] = OrderedDict()  # least recently seen first
-        self.by_key: dict[str, OrderedDict[str, None]] = {}  # CURVE identity -> its client ids, least recently seen first
+        self.by_key: dict[
+            str, OrderedDict[str, None]
+        ] = {}  # CURVE identity -> its client ids, least recently seen first
         self.monitors: OrderedDict[str, None] = OrderedDict()  # client ids registered as monitor, likewise
         self.tallies: OrderedDict[str, Counter[str]] = OrderedDict()  # client id -> counters about it (bounded)
         self.held = 0  # info_size of every record's info and stats
@@ -117,8 +123,10 @@ class ClientTable:
     def too_large(self, values: Mapping[str, object], what: str) -> str | None:
         size = info_size(values)
         if size > self.bcfg.max_client_info_bytes:
-            return (f"{what} of {size} bytes is over broker.max_client_info_bytes={self.bcfg.max_client_info_bytes}; "
-                    "send fewer or shorter entries, or raise that setting")
+            return (
+                f"{what} of {size} bytes is over broker.max_client_info_bytes={self.bcfg.max_client_info_bytes}; "
+                "send fewer or shorter entries, or raise that setting"
+            )
         return None
 
     def register(self, client: ClientState, now: float) -> str | None:
@@ -144,8 +152,10 @@ class ClientTable:
         if len(mine) >= b.max_clients_per_key:
             oldest = self.clients[next(iter(mine))]
             if self.alive(oldest, now):
-                return (f"key {client.identity!r} holds {len(mine)} live clients (broker.max_clients_per_key="
-                        f"{b.max_clients_per_key}); retry later, or register fewer client ids with this key")
+                return (
+                    f"key {client.identity!r} holds {len(mine)} live clients (broker.max_clients_per_key="
+                    f"{b.max_clients_per_key}); retry later, or register fewer client ids with this key"
+                )
             self._evict(oldest.client_id)
         if client.role == "monitor" and len(self.monitors) >= b.max_monitor_clients:
             self._evict(next(iter(self.monitors)))
@@ -156,12 +166,16 @@ class ClientTable:
             elif self.monitors:
                 self._evict(next(iter(self.monitors)))  # monitors make room before any fleet role
             else:
-                return (f"the broker holds {len(self.clients)} live clients (broker.max_clients="
-                        f"{b.max_clients}); retry later or raise that setting")
+                return (
+                    f"the broker holds {len(self.clients)} live clients (broker.max_clients="
+                    f"{b.max_clients}); retry later or raise that setting"
+                )
         while self.held + client.held > b.max_client_table_bytes:
             if not self.monitors or client.role == "monitor":
-                return (f"the clients' info and stats take {self.held} bytes (broker.max_client_table_bytes="
-                        f"{b.max_client_table_bytes}); retry later or raise that setting")
+                return (
+                    f"the clients' info and stats take {self.held} bytes (broker.max_client_table_bytes="
+                    f"{b.max_client_table_bytes}); retry later or raise that setting"
+                )
             self._evict(next(iter(self.monitors)))
         return None
 
@@ -208,7 +222,9 @@ class ClientTable:
         """The status rows, learners then rollouts then operators then monitors, within ``budget`` bytes: (rows,
         rows left out from the end, rows listed without their stats). Rows (with their counters) come before stats."""
         order = sorted(self.clients.values(), key=lambda c: FLEET_FIRST.get(c.role, 3))
-        bare = [ROW_BYTES + len(c.client_id) + len(c.role) + wire_size(self.tallies.get(c.client_id, {})) for c in order]
+        bare = [
+            ROW_BYTES + len(c.client_id) + len(c.role) + wire_size(self.tallies.get(c.client_id, {})) for c in order
+        ]
         keep = len(order)
         while keep and sum(bare[:keep]) > budget:
             keep = max(0, keep - max(1, keep // 8))
@@ -222,9 +238,19 @@ class ClientTable:
             else:
                 room -= cost
                 stats = {**c.stats, "groups_pushed": float(c.groups_pushed)} if c.groups_pushed else c.stats
-            rows.append(m.ClientInfo(client_id=c.client_id, role=c.role, rank=c.rank, policy_version=c.policy_version,
-                                     last_seen_s=round(now - c.last_seen, 3), alive=self.alive(c, now), stats=stats,
-                                     receivers=int(c.info.get("receivers", 1)), counters=counters))
+            rows.append(
+                m.ClientInfo(
+                    client_id=c.client_id,
+                    role=c.role,
+                    rank=c.rank,
+                    policy_version=c.policy_version,
+                    last_seen_s=round(now - c.last_seen, 3),
+                    alive=self.alive(c, now),
+                    stats=stats,
+                    receivers=int(c.info.get("receivers", 1)),
+                    counters=counters,
+                )
+            )
         return rows, len(order) - keep, stats_omitted
 
     def create(self, client_id: str, role: str, now: float) -> ClientState:

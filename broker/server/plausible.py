@@ -41,9 +41,13 @@ class Plausibility:
     zero_fraction: float  # broker.max_zero_logprob_fraction
 
     @classmethod
-    def of(cls, cfg: JobConfig) -> "Plausibility":
-        return cls(declared_reward_range(cfg.rollout), cfg.broker.max_abs_reward, cfg.rollout.temperature > 0,
-                   cfg.broker.max_zero_logprob_fraction)
+    def of(cls, cfg: JobConfig) -> Plausibility:
+        return cls(
+            declared_reward_range(cfg.rollout),
+            cfg.broker.max_abs_reward,
+            cfg.rollout.temperature > 0,
+            cfg.broker.max_zero_logprob_fraction,
+        )
 
     def check(self, g: m.SampleGroup) -> tuple[str, str] | None:
         """(code, reason) when ``g`` is implausible, else None."""
@@ -58,7 +62,8 @@ class Plausibility:
                 return "implausible_reward", (
                     f"group {g.group_id} has a reward of magnitude {max(-lo, hi):g} over broker.max_abs_reward="
                     f"{self.max_abs_reward:g}; scale the rewards, raise that setting, or declare the rewards' range "
-                    "(rollout.rewards[].range)")
+                    "(rollout.rewards[].range)"
+                )
             return None
         a, b = self.reward_range
         slack = TOLERANCE * max(1.0, abs(a), abs(b))
@@ -66,7 +71,8 @@ class Plausibility:
             return "implausible_reward", (
                 f"group {g.group_id} has a reward of {lo if lo < a - slack else hi:g} outside the job's declared range "
                 f"[{a:g}, {b:g}] (rollout.rewards: each function's range x its weight); fix the rollout, or declare "
-                "the range its rewards really have (rollout.rewards[].range)")
+                "the range its rewards really have (rollout.rewards[].range)"
+            )
         return None
 
     def _logprobs(self, g: m.SampleGroup) -> tuple[str, str] | None:
@@ -85,4 +91,5 @@ class Plausibility:
         return "implausible_logprob", (
             f"group {g.group_id} has {zeros} of {logp.size} sampled tokens with a behaviour log-prob of exactly 0.0 at "
             f"rollout.temperature > 0 (at most {self.zero_fraction:g} of them may be, broker.max_zero_logprob_fraction); "
-            "send the engine's log-probs of the sampled tokens")
+            "send the engine's log-probs of the sampled tokens"
+        )

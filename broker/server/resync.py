@@ -23,7 +23,7 @@ segment per million candidates (a 64 MiB record of crafted headers: ``benchmarks
 from __future__ import annotations
 
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -57,7 +57,7 @@ def shift_tables() -> np.ndarray:
         t = crc_table()
         unit = np.uint32(1) << np.arange(32, dtype=np.uint32)
         base = t[unit & np.uint32(0xFF)] ^ (unit >> np.uint32(8))  # S: one zero byte
-        byte_in = (np.arange(256, dtype=np.uint32)[None, :] << (np.uint32(8) * np.arange(4, dtype=np.uint32)[:, None]))
+        byte_in = np.arange(256, dtype=np.uint32)[None, :] << (np.uint32(8) * np.arange(4, dtype=np.uint32)[:, None])
         tables = np.empty((4, 256, 4, 256), dtype=np.uint32)
         for k in range(4):
             op = unit.copy()  # identity
@@ -76,7 +76,7 @@ def shift(v: np.ndarray, n: np.ndarray) -> np.ndarray:
     for k in range(4):
         b = ((n >> (8 * k)) & 0xFF).astype(np.intp)
         t = tables[k]
-        v = (t[b, 0, v & 0xFF] ^ t[b, 1, (v >> 8) & 0xFF] ^ t[b, 2, (v >> 16) & 0xFF] ^ t[b, 3, v >> 24])
+        v = t[b, 0, v & 0xFF] ^ t[b, 1, (v >> 8) & 0xFF] ^ t[b, 2, (v >> 16) & 0xFF] ^ t[b, 3, v >> 24]
     return v
 
 
@@ -86,7 +86,7 @@ def range_crcs(data: bytes | memoryview, starts: np.ndarray, ends: np.ndarray) -
     points, inverse = np.unique(np.concatenate([starts, ends]), return_inverse=True)
     dense = len(points) * DENSE > int(points[-1]) - origin
     prefix = (prefix_by_blocks if dense else prefix_by_walk)(data, origin, points)
-    p_start, p_end = prefix[inverse[: len(starts)]], prefix[inverse[len(starts):]]
+    p_start, p_end = prefix[inverse[: len(starts)]], prefix[inverse[len(starts) :]]
     return p_end ^ shift(p_start, (ends - starts).astype(np.int64))
 
 
@@ -113,7 +113,7 @@ def prefix_by_blocks(data: bytes | memoryview, origin: int, points: np.ndarray) 
     view, starts, crc = memoryview(padded), np.empty(nblocks, dtype=np.uint32), 0
     for k in range(nblocks):
         starts[k] = crc
-        crc = zlib.crc32(view[k * BLOCK:(k + 1) * BLOCK], crc)
+        crc = zlib.crc32(view[k * BLOCK : (k + 1) * BLOCK], crc)
     rel = points - origin
     order = np.argsort(rel % BLOCK, kind="stable")
     bounds = np.searchsorted((rel % BLOCK)[order], np.arange(BLOCK + 1))
@@ -135,12 +135,16 @@ def candidates(arr: np.ndarray, lo: int, hi: int, tags: int, max_record: int) ->
     a, b = lo + 8, min(hi + 8, n - 1)
     if a >= b:
         return np.empty(0, dtype=np.int64)
-    first, second = arr[a:b], arr[a + 1:b + 1]
+    first, second = arr[a:b], arr[a + 1 : b + 1]
     hits = np.flatnonzero((first >= 0x91) & (first <= 0x9F) & (second >= 1) & (second <= tags)).astype(np.int64) + lo
     if not hits.size:
         return hits
-    length = (arr[hits].astype(np.int64) | arr[hits + 1].astype(np.int64) << 8 | arr[hits + 2].astype(np.int64) << 16
-              | arr[hits + 3].astype(np.int64) << 24)
+    length = (
+        arr[hits].astype(np.int64)
+        | arr[hits + 1].astype(np.int64) << 8
+        | arr[hits + 2].astype(np.int64) << 16
+        | arr[hits + 3].astype(np.int64) << 24
+    )
     return hits[(length >= 2) & (length <= max_record) & (hits + 8 + length <= n)]
 
 
@@ -151,11 +155,19 @@ def next_record(data: bytes, start: int, tags: int, max_record: int, valid: Call
     for lo in range(start, n, SLICE):
         found = candidates(arr, lo, min(lo + SLICE, n), tags, max_record)
         for i in range(0, len(found), BATCH):
-            c = found[i:i + BATCH]
-            length = (arr[c].astype(np.int64) | arr[c + 1].astype(np.int64) << 8 | arr[c + 2].astype(np.int64) << 16
-                      | arr[c + 3].astype(np.int64) << 24)
-            stored = (arr[c + 4].astype(np.uint32) | arr[c + 5].astype(np.uint32) << 8
-                      | arr[c + 6].astype(np.uint32) << 16 | arr[c + 7].astype(np.uint32) << 24)
+            c = found[i : i + BATCH]
+            length = (
+                arr[c].astype(np.int64)
+                | arr[c + 1].astype(np.int64) << 8
+                | arr[c + 2].astype(np.int64) << 16
+                | arr[c + 3].astype(np.int64) << 24
+            )
+            stored = (
+                arr[c + 4].astype(np.uint32)
+                | arr[c + 5].astype(np.uint32) << 8
+                | arr[c + 6].astype(np.uint32) << 16
+                | arr[c + 7].astype(np.uint32) << 24
+            )
             match = c[range_crcs(data, c + 8, c + 8 + length) == stored]
             for off in match.tolist():
                 if valid(off):

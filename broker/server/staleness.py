@@ -96,7 +96,7 @@ def rollout_is_fresh(current_version: int, rollout_version: int, max_staleness: 
 MIN_HELD_BYTES = 128 << 20
 
 
-def held_bytes_budget(cfg: "JobConfig", capacity: int) -> int:
+def held_bytes_budget(cfg: JobConfig, capacity: int) -> int:
     """broker.max_held_bytes, else 2 x ``capacity`` x the largest group the job makes (a prompt of
     data.max_prompt_tokens, group_size responses of the longest a sample may be, 13 bytes a token: id,
     log-prob, version, mask), plus a checkpoint interval's groups with broker.commit_on_checkpoint (held

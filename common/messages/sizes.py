@@ -11,8 +11,6 @@ before it costs anything; :func:`group_nbytes` is what the broker counts for a g
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 from fleetrl.common.messages.groups import SampleGroup
@@ -24,8 +22,9 @@ SIDE_WEIGHT = 8  # what one wire byte of side fields costs decoded (lists of sma
 GROUP_OVERHEAD = 512  # the struct, its ids and small fields
 
 # Every field of SampleGroup as raw msgpack (fields appended by a newer sender are skipped).
-GroupShape = msgspec.defstruct("GroupShape", [(f, msgspec.Raw, msgspec.Raw()) for f in SampleGroup.__struct_fields__],
-                               array_like=True)
+GroupShape = msgspec.defstruct(
+    "GroupShape", [(f, msgspec.Raw, msgspec.Raw()) for f in SampleGroup.__struct_fields__], array_like=True
+)
 
 
 class PushGroupShape(msgspec.Struct, array_like=True, tag=PushGroup.__struct_config__.tag, tag_field="t"):
@@ -40,7 +39,7 @@ class PushGroupsShape(msgspec.Struct, array_like=True, tag=PushGroups.__struct_c
     groups: list[GroupShape]  # type: ignore[valid-type]
 
 
-_shape_decoder = msgspec.msgpack.Decoder(Union[PushGroupShape, PushGroupsShape])
+_shape_decoder = msgspec.msgpack.Decoder(PushGroupShape | PushGroupsShape)
 
 
 def push_sizes(buf: bytes | memoryview) -> list[tuple[int, int]] | None:

@@ -73,8 +73,12 @@ def test_sixty_client_ids_of_16_mib_and_a_status_of_the_whole_table(tmp_path, ar
     try:
         canary, peak = Canary(proc.address), PeakRss(proc.proc.pid)
         sock = zmtp_dealer(proc.address)
-        ids = tally([ask(sock, m.encode(m.Register(req_id=i + 1, client_id=f"{i:02d}" + "x" * (16 * MIB), role="monitor")))
-                     for i in range(60)])
+        ids = tally(
+            [
+                ask(sock, m.encode(m.Register(req_id=i + 1, client_id=f"{i:02d}" + "x" * (16 * MIB), role="monitor")))
+                for i in range(60)
+            ]
+        )
         stats = {f"stat/{k:04d}": float(k) for k in range(300)}  # ~16 KiB as counted: the most a heartbeat may carry
         for i in range(4000):  # the table filled with clients that each report that much
             sock.send(m.encode(m.Register(req_id=1, client_id=f"filler-{i}", role="rollout")))
@@ -101,9 +105,21 @@ def test_fifty_stale_groups_with_16_mib_ids(tmp_path, arith_data):
     try:
         canary, peak = Canary(proc.address), PeakRss(proc.proc.pid)
         sock = zmtp_dealer(proc.address)
-        codes = tally([ask(sock, m.encode(m.PushGroup(req_id=i + 1, client_id="canary-0",
-                                                      group=make_group("0:0", gid=f"{i:02d}" + "s" * (16 * MIB)))))
-                       for i in range(50)])
+        codes = tally(
+            [
+                ask(
+                    sock,
+                    m.encode(
+                        m.PushGroup(
+                            req_id=i + 1,
+                            client_id="canary-0",
+                            group=make_group("0:0", gid=f"{i:02d}" + "s" * (16 * MIB)),
+                        )
+                    ),
+                )
+                for i in range(50)
+            ]
+        )
         seen = canary.client.status()
         canary.stop()
         rss = peak.stop()
@@ -126,14 +142,24 @@ def test_forty_groups_with_48_mib_metadata_and_held_groups_of_48_mib(tmp_path, a
         junk = msgspec.Raw(b"\x81\xa4junk\xdd" + n.to_bytes(4, "big") + b"\x01" * n)  # 48 Mi small ints (~430 MB)
         codes = []
         for i in range(40):
-            values = dict(zip(m.SampleGroup.__struct_fields__, msgspec.structs.astuple(make_group(prompts[i % 8].prompt_id))))
+            values = dict(
+                zip(m.SampleGroup.__struct_fields__, msgspec.structs.astuple(make_group(prompts[i % 8].prompt_id)))
+            )
             values["metadata"] = junk
-            codes.append(ask(sock, msgspec.msgpack.encode([m.PushGroup.__struct_config__.tag, i + 1, "canary-0",
-                                                           list(values.values())])))
+            codes.append(
+                ask(
+                    sock,
+                    msgspec.msgpack.encode(
+                        [m.PushGroup.__struct_config__.tag, i + 1, "canary-0", list(values.values())]
+                    ),
+                )
+            )
         codes = tally(codes)
         heavy = [make_group(p.prompt_id, t=3 * MIB) for p in prompts[:4]]  # 2 x 3 Mi tokens x 8 bytes: 48 MiB each
-        acks = [rollout.request(lambda r, g=g: m.PushGroup(req_id=r, client_id="canary-0", group=g),
-                                raise_errors=False) for g in heavy]
+        acks = [
+            rollout.request(lambda r, g=g: m.PushGroup(req_id=r, client_id="canary-0", group=g), raise_errors=False)
+            for g in heavy
+        ]
         learner = ZmqBrokerClient(proc.address, "learner-0", "learner", timeout_s=30.0)
         learner.connect()
         lease = learner.lease_batch(8)
@@ -154,8 +180,11 @@ def test_forty_groups_with_48_mib_metadata_and_held_groups_of_48_mib(tmp_path, a
 def test_a_monitor_key_flooding_the_table_crowds_out_no_fleet_role(tmp_path, arith_data):
     keys = tmp_path / "keys"
     generate(keys, {"rollout": ["rollout"], "learner": ["learner"], "monitor": ["grafana"]})
-    curve = {"server_secret_key": str(keys / "server.key_secret"), "server_public_key": str(keys / "server.key"),
-             "authorized_keys_dir": str(keys / "clients")}
+    curve = {
+        "server_secret_key": str(keys / "server.key_secret"),
+        "server_public_key": str(keys / "server.key"),
+        "authorized_keys_dir": str(keys / "clients"),
+    }
     proc = start(tmp_path, arith_data, curve=curve)
     as_key = lambda name: CurveConfig(**curve, client_secret_key=str(keys / f"{name}.key_secret"))  # noqa: E731
     try:
@@ -181,7 +210,10 @@ def test_a_monitor_key_flooding_the_table_crowds_out_no_fleet_role(tmp_path, ari
         time.sleep(2.0)
         served = 0
         for attempt in range(10):  # a real rollout, and the learner restarted, every time
-            for name, cid, role in (("rollout", f"rollout-0-host-{attempt}", "rollout"), ("learner", "learner-0", "learner")):
+            for name, cid, role in (
+                ("rollout", f"rollout-0-host-{attempt}", "rollout"),
+                ("learner", "learner-0", "learner"),
+            ):
                 c = ZmqBrokerClient(proc.address, cid, role, timeout_s=5.0, curve=as_key(name))
                 try:
                     served += isinstance(c.connect(), m.Registered)

@@ -36,8 +36,12 @@ def test_a_monitor_key_cannot_crowd_fleet_roles_out_of_the_client_table():
 
 
 def test_monitors_are_capped_and_one_key_holds_at_most_its_share_of_the_table():
-    state = make_state("broker.max_clients=4096", "broker.max_monitor_clients=8", "broker.max_clients_per_key=10",
-                       "broker.key_requests_per_s=100000")
+    state = make_state(
+        "broker.max_clients=4096",
+        "broker.max_monitor_clients=8",
+        "broker.max_clients_per_key=10",
+        "broker.key_requests_per_s=100000",
+    )
     for i in range(20):
         assert isinstance(register(state, MONITOR, f"grafana-{i}", now=i), m.Registered)
     assert list(state.clients.monitors) == [f"grafana-{i}" for i in range(12, 20)]  # the longest-silent made room

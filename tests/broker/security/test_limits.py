@@ -66,7 +66,9 @@ def test_group_metadata_is_measured_and_refused_before_decoding():
     finally:
         tracemalloc.stop()
     assert refusal is not None and refusal[1].code == "too_large" and refusal[1].req_id == 7
-    assert "broker.max_group_metadata_bytes" in refusal[1].reason and "at least" in refusal[1].reason  # O(1): first fields
+    assert (
+        "broker.max_group_metadata_bytes" in refusal[1].reason and "at least" in refusal[1].reason
+    )  # O(1): first fields
     assert peak < MIB, peak  # measured as raw spans: no Python object per integer
     ok = make_group("0:0")
     ok.metadata = {"note": "x" * 1000, "ints": list(range(1000))}
@@ -128,8 +130,13 @@ def test_the_dedupe_window_is_bounded_in_bytes():
 
 
 def test_status_replies_are_bounded_in_bytes_and_list_the_fleet_first():
-    state = make_state("broker.max_clients=5000", "broker.max_monitor_clients=5000", "broker.max_clients_per_key=5000",
-                       "broker.key_requests_per_s=1000000", "broker.max_client_table_bytes=100000000")
+    state = make_state(
+        "broker.max_clients=5000",
+        "broker.max_monitor_clients=5000",
+        "broker.max_clients_per_key=5000",
+        "broker.key_requests_per_s=1000000",
+        "broker.max_client_table_bytes=100000000",
+    )
     stats = {f"stat/{i:04d}": float(i) for i in range(300)}  # ~16 KiB of heartbeat stats each, as counted
     for i in range(1200):
         state.handle(m.Register(req_id=1, client_id=f"mon-{i}", role="monitor"), 0.0)
@@ -211,8 +218,11 @@ def test_the_client_tables_info_and_stats_are_bounded_in_bytes_together():
     monitors = make_state("broker.max_client_table_bytes=100000", "broker.key_requests_per_s=1000000")
     info = {f"k{i:03d}": "v" * 10 for i in range(250)}  # 11,500 bytes of Register info, as counted: 8 fit 100,000
     for i in range(8):
-        assert isinstance(monitors.handle(m.Register(req_id=1, client_id=f"mon-{i}", role="monitor", info=info), 0.0),
-                          m.Registered)
-    assert monitors.handle(m.Register(req_id=1, client_id="mon-8", role="monitor", info=info), 0.0).code == "unavailable"
+        assert isinstance(
+            monitors.handle(m.Register(req_id=1, client_id=f"mon-{i}", role="monitor", info=info), 0.0), m.Registered
+        )
+    assert (
+        monitors.handle(m.Register(req_id=1, client_id="mon-8", role="monitor", info=info), 0.0).code == "unavailable"
+    )
     rollout = monitors.handle(m.Register(req_id=1, client_id="rollout-0", role="rollout", info=info), 0.0)
     assert isinstance(rollout, m.Registered) and len(monitors.clients.monitors) == 7  # a monitor made room

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fleetrl.broker.client.metrics import status_metrics
 from fleetrl.broker.client.inproc import InprocBroker
+from fleetrl.broker.client.metrics import status_metrics
 from fleetrl.common import messages as m
 from fleetrl.common.config import load_config
 from fleetrl.common.config.rewards import declared_reward_range
@@ -19,21 +19,37 @@ from tests.broker.server.test_state import lease_prompts, publish, push
 def group(prompt_id: str, rewards=(0.0, 1.0), logp: float = -0.7, t: int = 12, gid: str | None = None, **kw):
     import uuid
 
-    return m.build_group(gid or uuid.uuid4().hex, prompt_id, 0, [1, 2, 3],
-                         [(np.full(t, 5), np.full(t, logp)) for _ in rewards], list(rewards), **kw)
+    return m.build_group(
+        gid or uuid.uuid4().hex,
+        prompt_id,
+        0,
+        [1, 2, 3],
+        [(np.full(t, 5), np.full(t, logp)) for _ in rewards],
+        list(rewards),
+        **kw,
+    )
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    ([], (0.0, 1.0)),  # the default: math
-    (["rollout.rewards=[{name: exact, weight: 2}, {name: regex, weight: 0.5, args: {pattern: x, hit: 1, miss: -1}}]"],
-     (-0.5, 2.5)),
-    (["rollout.rewards=[{name: length, args: {target: 4, max_penalty: 1, truncation_penalty: 0.5}}]"], (-1.5, 0.0)),
-    (["rollout.rewards=[{name: python, args: {function: 'tests.rollout.user_rewards:boom'}, range: [-3, 7]}]"],
-     (-3.0, 7.0)),
-    (["rollout.rewards=[{name: python, args: {function: 'tests.rollout.user_rewards:boom'}}]"], None),
-    (["rollout.rewards=[{name: length, args: {target: 4}}]"], None),  # no cap: no lower bound
-    (["rollout.env.type=http", "rollout.env.http.url=http://127.0.0.1:9"], None),  # the environment may reward
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ([], (0.0, 1.0)),  # the default: math
+        (
+            [
+                "rollout.rewards=[{name: exact, weight: 2}, {name: regex, weight: 0.5, args: {pattern: x, hit: 1, miss: -1}}]"
+            ],
+            (-0.5, 2.5),
+        ),
+        (["rollout.rewards=[{name: length, args: {target: 4, max_penalty: 1, truncation_penalty: 0.5}}]"], (-1.5, 0.0)),
+        (
+            ["rollout.rewards=[{name: python, args: {function: 'tests.rollout.user_rewards:boom'}, range: [-3, 7]}]"],
+            (-3.0, 7.0),
+        ),
+        (["rollout.rewards=[{name: python, args: {function: 'tests.rollout.user_rewards:boom'}}]"], None),
+        (["rollout.rewards=[{name: length, args: {target: 4}}]"], None),  # no cap: no lower bound
+        (["rollout.env.type=http", "rollout.env.http.url=http://127.0.0.1:9"], None),  # the environment may reward
+    ],
+)
 def test_the_jobs_declared_reward_range(overrides, expected):
     assert declared_reward_range(load_config(None, overrides).rollout) == expected
 

@@ -46,7 +46,7 @@ def crafted_segment(size: int, every: int = 32) -> tuple[bytes, list[str]]:
     start = len(a) + 8
     for off in range(0, size - every, every):
         claim = total - (start + off + 8) - 1  # ends one byte before the end of the segment: it fits
-        body[off:off + 10] = struct.pack("<II", claim, 0xDEADBEEF) + b"\x92\x01"
+        body[off : off + 10] = struct.pack("<II", claim, 0xDEADBEEF) + b"\x92\x01"
     header = struct.pack("<II", 1 << 31, zlib.crc32(body))  # damaged: a length that cannot be
     return a + header + bytes(body) + b + c, ["A", "B", "C"]
 
