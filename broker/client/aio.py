@@ -135,7 +135,7 @@ class AsyncBrokerClient:
             try:
                 return task.result()
             except BrokerUnavailable:
-                if not (self._handshake["connected"] and not self._handshake["succeeded"]):
+                if self.curve is None or not (self._handshake["connected"] and not self._handshake["succeeded"]):
                     raise
                 raise BrokerUnauthorized(
                     f"the broker at {self.address} took the connection but no CURVE handshake succeeded: check "

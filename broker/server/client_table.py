@@ -81,9 +81,8 @@ class ClientTable:
     def __init__(self, bcfg: BrokerConfig):
         self.bcfg = bcfg
         self.clients: OrderedDict[str, ClientState] = OrderedDict()  # least recently seen first
-        self.by_key: dict[
-            str, OrderedDict[str, None]
-        ] = {}  # CURVE identity -> its client ids, least recently seen first
+        # CURVE identity -> its client ids, least recently seen first
+        self.by_key: dict[str, OrderedDict[str, None]] = {}
         self.monitors: OrderedDict[str, None] = OrderedDict()  # client ids registered as monitor, likewise
         self.tallies: OrderedDict[str, Counter[str]] = OrderedDict()  # client id -> counters about it (bounded)
         self.held = 0  # info_size of every record's info and stats
@@ -148,7 +147,7 @@ class ClientTable:
     def _make_room(self, client: ClientState, now: float) -> str | None:
         """Evict what must go for ``client`` to fit (per key, monitors, the table); a reason when nothing may."""
         b = self.bcfg
-        mine = self.by_key.get(client.identity, {}) if client.identity else {}
+        mine: Mapping[str, None] = self.by_key.get(client.identity, {}) if client.identity else {}
         if len(mine) >= b.max_clients_per_key:
             oldest = self.clients[next(iter(mine))]
             if self.alive(oldest, now):

@@ -110,7 +110,7 @@ def prefix_by_blocks(data: bytes | memoryview, origin: int, points: np.ndarray) 
     padded = np.zeros(nblocks * BLOCK, dtype=np.uint8)
     padded[:span] = np.frombuffer(data, dtype=np.uint8, count=span, offset=origin)
     columns = np.ascontiguousarray(padded.reshape(nblocks, BLOCK).T)  # columns[j] = byte j of every block
-    view, starts, crc = memoryview(padded), np.empty(nblocks, dtype=np.uint32), 0
+    view, starts, crc = padded.data, np.empty(nblocks, dtype=np.uint32), 0
     for k in range(nblocks):
         starts[k] = crc
         crc = zlib.crc32(view[k * BLOCK : (k + 1) * BLOCK], crc)
