@@ -107,7 +107,7 @@ def main() -> None:
 
     out = {
         "label": args.label,
-        "tree": str(Path(tree.__file__).resolve().parents[1]),
+        "tree": str(Path(tree.__file__).resolve().parents[2]),
         "us_per_group_median": statistics.median(us),
         "us_per_group": us,
         "groups": args.groups,
