@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fleetrl.broker.client.address import client_identity, default_client_id, resolve_address
-from fleetrl.broker.client.errors import BrokerError, BrokerUnavailable
+from fleetrl.broker.client.errors import BrokerError, BrokerUnauthorized, BrokerUnavailable
 from fleetrl.broker.client.roles import RolloutClient, SubscriptionLike
 from fleetrl.broker.client.sync import ZmqBrokerClient
 from fleetrl.common import faults
@@ -565,6 +565,9 @@ def main(args) -> int:
             endpoint=endpoint,
         )
         return server.run()
+    except BrokerUnauthorized as e:
+        log.error("giving up, the broker refused this server's key: %s", e)
+        return EXIT_BROKER_UNAVAILABLE
     except BrokerUnavailable as e:
         hint = (
             ""

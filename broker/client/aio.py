@@ -55,6 +55,7 @@ class AsyncBrokerClient:
         self.sock: LoopSocket | None = None
         self._monitor: LoopSocket | None = None
         self._auth_failed: asyncio.Future | None = None
+        self._handshake = {"connected": False, "succeeded": False}  # what the CURVE socket monitor saw
         self.registered: m.Registered | None = None
         self.bad_replies = 0
         self.reregistered = 0
@@ -95,7 +96,12 @@ class AsyncBrokerClient:
             self.sock = LoopSocket(raw, self._on_replies)
             if self.curve is not None:
                 self._auth_failed = asyncio.get_running_loop().create_future()
-                monitor = raw.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+                monitor = raw.get_monitor_socket(
+                    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_CONNECTED
+                    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                )
                 self._monitor = LoopSocket(monitor, self._on_monitor)
             raw.connect(self.address)
             register = self.request(
@@ -111,18 +117,33 @@ class AsyncBrokerClient:
     def _on_monitor(self, batch: list[list[bytes]]) -> None:
         for frames in batch:
             event = parse_monitor_message(frames)["event"]
+            self._handshake["connected"] |= event == zmq.EVENT_CONNECTED
+            self._handshake["succeeded"] |= event == zmq.EVENT_HANDSHAKE_SUCCEEDED
             if event & (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
                 if self._auth_failed is not None and not self._auth_failed.done():
                     self._auth_failed.set_result(event)
 
     async def _race_auth(self, register: Awaitable[T]) -> T:
+        """The Register's reply, or BrokerUnauthorized as soon as the broker refuses the key (or, at the
+        Register's timeout, when the broker took the connection but no CURVE handshake ever succeeded: a
+        wrong broker.curve.server_public_key is never answered)."""
         task = asyncio.ensure_future(register)
         done, _ = await asyncio.wait(
             {task, cast("asyncio.Future[Any]", self._auth_failed)}, return_when=asyncio.FIRST_COMPLETED
         )
         if task in done:
-            return task.result()
+            try:
+                return task.result()
+            except BrokerUnavailable:
+                if self.curve is None or not (self._handshake["connected"] and not self._handshake["succeeded"]):
+                    raise
+                raise BrokerUnauthorized(
+                    f"the broker at {self.address} took the connection but no CURVE handshake succeeded: check "
+                    f"broker.curve.server_public_key ({self.curve.server_public_key}) and that this client's key "
+                    f"({self.curve.client_secret_key}) is in the broker's broker.curve.authorized_keys_dir"
+                ) from None
         task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its 'client closed' is expected
         raise BrokerUnauthorized(
             f"the broker at {self.address} refused this client's CURVE key "
             f"({self.curve.client_secret_key if self.curve else ''}); add its public key to the broker's "

@@ -33,7 +33,22 @@ def status_metrics(status: m.Status) -> dict[str, float]:
         "broker/policy_version": status.policy_version,
         **status.stats,  # broker/bytes_{in,out}[_per_s], resource/broker/* (the socket broker only)
         **fleet_metrics(status),
+        **implausible_metrics(status),
     }
+
+
+def implausible_metrics(status: m.Status) -> dict[str, float]:
+    """Groups refused as implausible (broker/server/plausible.py): in all (``broker/implausible``), per kind, and per
+    client id that pushed any (``broker/implausible/<client id>``), so a health rule can single one server out."""
+    out = {"broker/implausible": float(sum(v for k, v in status.counters.items() if k.startswith("implausible/")))}
+    for k, v in status.counters.items():
+        if k.startswith("implausible/"):
+            out["broker/implausible_" + k.split("/", 1)[1]] = float(v)
+    for c in status.clients:
+        n = sum(v for k, v in c.counters.items() if k.startswith("implausible/"))
+        if n:
+            out[f"broker/implausible/{c.client_id}"] = float(n)
+    return out
 
 
 def expected_receivers(status: m.Status) -> int:

@@ -41,11 +41,18 @@ def render(status: m.Status) -> Table:
         ("staleness histogram", ", ".join(f"{k}:{v}" for k, v in status.staleness_hist.items()) or "-"),
         ("data epoch / cursor", f"{status.data_epoch} / {status.data_cursor}"),
     ]
+    if status.clients_omitted or status.stats_omitted:
+        rows.append(
+            ("left out (broker.max_status_bytes)", f"{status.clients_omitted} clients, {status.stats_omitted} stats")
+        )
     for name, value in rows:
         table.add_row(name, str(value))
     for c in status.clients:
         state = "alive" if c.alive else "DEAD"
-        table.add_row(f"{c.role} {c.client_id}", f"v{c.policy_version}, seen {c.last_seen_s:.1f} s ago, {state}")
+        flagged = "".join(f", {v} {k}" for k, v in sorted(c.counters.items()))  # e.g. implausible/reward groups
+        table.add_row(
+            f"{c.role} {c.client_id}", f"v{c.policy_version}, seen {c.last_seen_s:.1f} s ago, {state}{flagged}"
+        )
     return table
 
 

@@ -1,5 +1,6 @@
 """Admission: how many groups may exist at once (queued, being generated, being trained), and how many
-the broker holds at most (``broker.max_held_groups``).
+the broker holds at most (``broker.max_held_groups``, ``broker.max_held_bytes``), and what one lease may
+weigh (``broker.max_lease_bytes``).
 
 The capacity is ``broker.queue_capacity`` when set, else measured from what the learner consumes
 (``broker.admission: measured``, ``staleness.MeasuredCapacity``) or the static bound of
@@ -12,7 +13,7 @@ from __future__ import annotations
 from fleetrl.broker.server.leases import BatchLeases
 from fleetrl.broker.server.prompts import PromptSource
 from fleetrl.broker.server.queue import GroupQueue
-from fleetrl.broker.server.staleness import MeasuredCapacity, admission_capacity
+from fleetrl.broker.server.staleness import MeasuredCapacity, admission_capacity, held_bytes_budget
 from fleetrl.common.config.schema import JobConfig
 
 
@@ -28,6 +29,8 @@ class Admission:
         )
         self.fixed_capacity = bcfg.queue_capacity or static
         self.max_held = bcfg.max_held_groups or max(16 * self.fixed_capacity * (8 if self.measured else 1), 10_000)
+        self.max_held_bytes = held_bytes_budget(cfg, self.fixed_capacity * (8 if self.measured else 1))
+        self.max_lease_bytes = bcfg.max_lease_bytes or self.max_held_bytes  # what one lease's frame may weigh
 
     @property
     def capacity(self) -> int:

@@ -4,13 +4,17 @@ A push is handled in three passes so that nothing is acknowledged before it is d
 spool write leaves no trace:
 
 1. **judge** each group without changing anything: ``duplicate`` (already held or seen), ``rejected``
-   (fails ``check_group``: tokens, log-probs, rewards, versions from the future, an unleased prompt; or
-   its prompt already had ``rollout.group_size`` samples for each time it was handed out),
-   ``throttled`` (the broker holds ``broker.max_held_groups``, or an unleased push over capacity),
-   else ``accepted`` — or ``stale`` when its version is too old or was discarded by a rollback;
+   (fails ``check_group``: tokens, log-probs, versions from the future, an unleased prompt; is
+   implausible (``plausible.py``: rewards outside the job's range, log-probs of exactly 0.0), counted
+   against the client; or its prompt already had ``rollout.group_size`` samples for each time it was
+   handed out), ``throttled`` (the broker holds ``broker.max_held_groups`` groups or
+   ``broker.max_held_bytes`` bytes, or an unleased push over capacity), else ``accepted`` — or
+   ``stale`` when its version is too old or was discarded by a rollback;
 2. **write** the records of every group that is kept (accepted, or stale: remembered for de-duplication)
    in one spool write; a group that cannot even be encoded is rejected on its own;
-3. **apply**: queue the accepted groups, drop the stale ones (re-issuing their prompts).
+3. **apply**: queue the accepted groups, drop the stale ones (re-issuing their prompts). Accepted groups
+   that are less than half of what their frame held are copied out of it (``messages.detached``), so
+   the refused rest of the frame is freed.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from dataclasses import dataclass
 
 from fleetrl.broker.server import spool as sp
 from fleetrl.broker.server.admission import Admission
-from fleetrl.broker.server.client_table import ClientState
+from fleetrl.broker.server.client_table import ClientState, ClientTable
 from fleetrl.broker.server.control import Controls
 from fleetrl.broker.server.journal import Journal
+from fleetrl.broker.server.plausible import Plausibility
 from fleetrl.broker.server.prompts import PromptSource
 from fleetrl.broker.server.queue import GroupQueue
 from fleetrl.broker.server.rates import Rate
@@ -37,6 +42,8 @@ class Verdict:
     status: str  # accepted | duplicate | stale | rejected | throttled
     reason: str = ""
     drop: str = ""  # stale: the counter it is dropped under (dropped_stale | discarded)
+    code: str = ""  # rejected: implausible_reward | implausible_logprob (counted against the client)
+    nbytes: int = 0  # accepted: what it counts against broker.max_held_bytes
 
 
 class Ingest:
@@ -53,15 +60,19 @@ class Ingest:
         controls: Controls,
         counters: Counter[str],
         rejected: Counter[str],
+        plausibility: Plausibility,
+        clients: ClientTable,
     ):
         self.bcfg, self.group_size, self.vocab_size = cfg.broker, cfg.rollout.group_size, vocab_size
         self.q, self.prompts, self.journal, self.admission, self.controls = q, prompts, journal, admission, controls
         self.counters, self.rejected = counters, rejected
+        self.plausibility, self.clients = plausibility, clients
         self.rate_in = Rate()
 
-    def push(self, groups: list[m.SampleGroup], client: ClientState, now: float) -> list[tuple[str, str]]:
-        """(status, reason) for each group, in order (see the module docstring); raises SpoolUnavailable."""
+    def push(self, groups: list[m.SampleGroup], client: ClientState, now: float) -> list[tuple[str, str, str]]:
+        """(status, reason, code) for each group, in order (see the module docstring); raises SpoolUnavailable."""
         verdicts = self._judge(groups)
+        self._detach_if_sparse(verdicts)
         kept = [v for v in verdicts if v.status in ("accepted", "stale")]
         try:
             if self.journal.enabled:
@@ -80,29 +91,46 @@ class Ingest:
                 self.counters["duplicates"] += 1
             elif v.status == "throttled":
                 self.counters["push_throttled"] += 1
-        return [(v.status, v.reason) for v in verdicts]
+            elif v.code:
+                kind = "implausible/" + v.code.split("_", 1)[1]
+                self.counters[kind] += 1
+                self.clients.tally(client.client_id, kind)
+        return [(v.status, v.reason, v.code) for v in verdicts]
+
+    @staticmethod
+    def _detach_if_sparse(verdicts: list[Verdict]) -> None:
+        """Copy the accepted groups out of their frame when they are less than half of it."""
+        kept = [v for v in verdicts if v.status == "accepted"]
+        if len(kept) == len(verdicts):  # every group of the frame is held (the common case)
+            return
+        if kept and 2 * sum(m.arrays_nbytes(v.group) for v in kept) < sum(m.arrays_nbytes(v.group) for v in verdicts):
+            for v in kept:
+                v.group = m.detached(v.group)
 
     def _judge(self, groups: list[m.SampleGroup]) -> list[Verdict]:
         bcfg, version, adm = self.bcfg, self.controls.version, self.admission
         max_version = version + bcfg.version_slack if self.controls.version_known else None
         oldest = min_fresh_version(version, bcfg.max_staleness)
-        held, load, seen = len(self.q.groups), adm.load(), set()
+        held, held_bytes, load, seen = len(self.q.groups), self.q.held_bytes, adm.load(), set()
         group_size, answering = self.group_size, Counter[str]()  # samples per prompt id in this frame
         out = []
         for g in groups:
             if self.q.knows(g.group_id) or g.group_id in seen:
                 out.append(Verdict(g, "duplicate"))
                 continue
-            problem = m.check_group(g, self.vocab_size, max_abs_reward=bcfg.max_abs_reward, max_version=max_version)
+            problem = m.check_group(g, self.vocab_size, max_version=max_version)
             leased = self.prompts.known(g.prompt_id)
             if problem is None and not leased and not bcfg.accept_unleased:
                 problem = (
                     f"group {g.group_id} answers prompt {g.prompt_id!r}, which this broker never leased; "
                     "push groups for leased prompts (or set broker.accept_unleased=true for imports)"
                 )
+            code = ""
+            if problem is None:
+                code, problem = self.plausibility.check(g) or ("", None)
             if problem:
                 self.rejected["invalid_group"] += 1
-                out.append(Verdict(g, "rejected", problem))
+                out.append(Verdict(g, "rejected", problem, code=code))
                 continue
             n = len(g.rewards)
             if leased and not self.prompts.room(g.prompt_id, answering[g.prompt_id] + n, group_size):
@@ -118,6 +146,7 @@ class Ingest:
                     )
                 )
                 continue
+            nbytes = m.group_nbytes(g)
             if held >= adm.max_held or (not leased and load >= adm.capacity):
                 out.append(
                     Verdict(
@@ -125,6 +154,16 @@ class Ingest:
                         "throttled",
                         f"the broker holds {held} groups (capacity {adm.capacity}, at most "
                         f"broker.max_held_groups={adm.max_held}); push again later",
+                    )
+                )
+                continue
+            if held_bytes and held_bytes + nbytes > adm.max_held_bytes:
+                out.append(
+                    Verdict(
+                        g,
+                        "throttled",
+                        f"the broker holds {held_bytes} bytes of groups and this one counts "
+                        f"{nbytes} (broker.max_held_bytes={adm.max_held_bytes}); push again later",
                     )
                 )
                 continue
@@ -144,8 +183,8 @@ class Ingest:
                     Verdict(g, "stale", f"policy version {g.policy_version} is older than {oldest}", "dropped_stale")
                 )
             else:
-                out.append(Verdict(g, "accepted"))
-                held, load = held + 1, load + (0 if leased else 1)
+                out.append(Verdict(g, "accepted", nbytes=nbytes))
+                held, held_bytes, load = held + 1, held_bytes + nbytes, load + (0 if leased else 1)
             answering[g.prompt_id] += n
         return out
 
@@ -173,7 +212,7 @@ class Ingest:
         client.groups_pushed += 1
         self.rate_in.add(now)
         if v.status == "accepted":
-            self.q.groups[g.group_id] = g
+            self.q.hold(g, v.nbytes)
             self.q.enqueue(g.group_id)
             return
         self.counters[v.drop] += 1

@@ -56,15 +56,25 @@ class BatchLeases:
         return self.in_flight + sum(len(e) for e in self.uncommitted.values())
 
     # ---------------------------------------------------------------- leasing
-    def take(self, n: int, oldest: int) -> tuple[list[str], list[str]]:
-        """Dequeue up to ``n`` fresh group ids (version >= ``oldest``) and the stale ones met on the way."""
+    def take(self, n: int, oldest: int, max_bytes: int | None = None) -> tuple[list[str], list[str]]:
+        """Dequeue up to ``n`` fresh group ids (version >= ``oldest``) weighing at most ``max_bytes`` together (at
+        least one), and the stale ones met on the way."""
         ids: list[str] = []
         stale: list[str] = []
+        total = 0
         while len(ids) < n:
             gid = self.q.dequeue()
             if gid is None:
                 break
-            (ids if self.q.groups[gid].policy_version >= oldest else stale).append(gid)
+            if self.q.groups[gid].policy_version < oldest:
+                stale.append(gid)
+                continue
+            size = self.q.sizes.get(gid, 0)
+            if ids and max_bytes is not None and total + size > max_bytes:
+                self.q.enqueue(gid, front=True)  # the next lease starts with it
+                break
+            ids.append(gid)
+            total += size
         return ids, stale
 
     def open(self, client_id: str, ids: list[str], now: float) -> BatchLeaseState:
@@ -121,7 +131,7 @@ class BatchLeases:
         else:
             self.journal([sp.GroupsDone(gids)])
             for gid in gids:
-                self.q.groups.pop(gid, None)
+                self.q.release(gid)
         self.counters["groups_trained"] += len(gids)
 
     def commit(self, req: m.Commit) -> m.Ack:
@@ -129,7 +139,7 @@ class BatchLeases:
         self.journal([sp.Committed(req.client_id, req.step)])
         done = [gid for step, gid in entries if step <= req.step]
         for gid in done:
-            self.q.groups.pop(gid, None)
+            self.q.release(gid)
         self.uncommitted[req.client_id] = [(s, g) for s, g in entries if s > req.step]
         self.counters["groups_committed"] += len(done)
         return m.Ack(req_id=req.req_id, ref=req.client_id, count=len(done))

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import random
 import uuid
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import Any
 
 from fleetrl.common.data.tables import DataError
-from fleetrl.common.messages import Prompt
+from fleetrl.common.messages import Prompt, encode
 
 RECENT = 1 << 18  # prompt ids remembered as handed out (groups for others are refused unless broker.accept_unleased)
 
@@ -51,6 +51,7 @@ class PromptLeaseState:
     client_id: str
     expires_at: float
     prompts: dict[str, Prompt] = field(default_factory=dict)  # prompt_id -> prompt, still open
+    key: str = ""  # the CURVE identity it was leased to ("" without CURVE): fairness.PromptShares
 
 
 class PromptSource:
@@ -64,6 +65,7 @@ class PromptSource:
         self.reissue: deque[Prompt] = deque()
         self.leases: dict[str, PromptLeaseState] = {}
         self.lease_of: dict[str, str] = {}  # open prompt_id -> lease_id
+        self.held_by_key: Counter[str] = Counter()  # open leased prompts per CURVE key
         self.recent: OrderedDict[str, None] = OrderedDict()  # prompt ids leased or re-issued lately (known ones)
         self.tally: OrderedDict[str, list[int]] = OrderedDict()  # prompt id -> [times handed out, samples accepted]
         self.reissued_total = 0
@@ -145,9 +147,18 @@ class PromptSource:
             out.append(new)
         return out
 
-    def open_lease(self, client_id: str, prompts: list[Prompt], now: float, lease_s: float) -> PromptLeaseState:
-        lease = PromptLeaseState(uuid.uuid4().hex[:16], client_id, now + lease_s, {p.prompt_id: p for p in prompts})
+    def put_back(self, prompts: list[Prompt]) -> None:
+        """Prompts taken but not leased (they did not fit the lease's bytes): served next, in their order."""
+        self.reissue.extendleft(reversed(prompts))
+
+    def open_lease(
+        self, client_id: str, prompts: list[Prompt], now: float, lease_s: float, key: str = ""
+    ) -> PromptLeaseState:
+        lease = PromptLeaseState(
+            uuid.uuid4().hex[:16], client_id, now + lease_s, {p.prompt_id: p for p in prompts}, key
+        )
         self.leases[lease.lease_id] = lease
+        self.held_by_key[key] += len(prompts)
         for p in prompts:
             self.lease_of[p.prompt_id] = lease.lease_id
             self._note(p.prompt_id)
@@ -178,7 +189,8 @@ class PromptSource:
         if lease_id is None:
             return False
         lease = self.leases[lease_id]
-        lease.prompts.pop(prompt_id, None)
+        if lease.prompts.pop(prompt_id, None) is not None:
+            self._unhold(lease.key, 1)
         if not lease.prompts:
             del self.leases[lease_id]
         return True
@@ -192,9 +204,15 @@ class PromptSource:
         for pid in ids:
             self.requeue(lease.prompts.pop(pid))
             self.lease_of.pop(pid, None)
+        self._unhold(lease.key, len(ids))
         if not lease.prompts:
             del self.leases[lease_id]
         return len(ids)
+
+    def _unhold(self, key: str, n: int) -> None:
+        self.held_by_key[key] -= n
+        if self.held_by_key[key] <= 0:
+            del self.held_by_key[key]
 
     def requeue(self, prompt: Prompt) -> None:
         self.reissue.append(prompt)
@@ -207,3 +225,13 @@ class PromptSource:
             lid for lid, lease in self.leases.items() if lease.expires_at <= now or lease.client_id in dead_clients
         ]
         return sum(self.give_back(lid) for lid in expired)
+
+
+def fit_bytes(prompts: list[Prompt], budget: int) -> tuple[list[Prompt], list[Prompt]]:
+    """The first prompts that weigh at most ``budget`` together (at least one), and the rest."""
+    total = 0
+    for i, p in enumerate(prompts):
+        total += len(encode(p))
+        if i and total > budget:
+            return prompts[:i], prompts[i:]
+    return prompts, []

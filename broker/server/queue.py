@@ -2,7 +2,10 @@
 seen (de-duplication), and the version ranges a rollback discarded. No spool, no clock.
 
 ``GroupQueue.grew`` turns true whenever a group becomes ready; the server wakes waiting long polls
-on it instead of re-running them on a timer.
+on it instead of re-running them on a timer. Both what it holds and what it remembers are counted in
+bytes (issue 31): ``held_bytes`` (each group's ``messages.group_nbytes``, bounded by the broker against
+``broker.max_held_bytes``) and ``seen_bytes`` (each remembered id + ``SEEN_ENTRY``, bounded here by
+``broker.max_dedupe_bytes``).
 """
 
 from __future__ import annotations
@@ -13,14 +16,18 @@ from collections import OrderedDict, deque
 from fleetrl.common import messages as m
 
 DEDUPE_WINDOW = 1 << 20  # acknowledged group ids remembered for de-duplication
+SEEN_ENTRY = 96  # bytes one remembered id costs besides its characters (dict slot, str header)
 
 
 class GroupQueue:
-    def __init__(self):
+    def __init__(self, max_seen_bytes: int = 1 << 62):
         self.groups: dict[str, m.SampleGroup] = {}  # every live group, queued or not
+        self.sizes: dict[str, int] = {}  # group id -> the bytes it counts (messages.group_nbytes)
+        self.held_bytes = 0
         self.queue: deque[str] = deque()  # ids ready for learners, oldest first (may hold removed ids)
         self.queued: set[str] = set()
         self.seen: OrderedDict[str, None] = OrderedDict()
+        self.seen_bytes, self.max_seen_bytes = 0, max_seen_bytes
         self.grew = False
 
     def __len__(self) -> int:
@@ -30,9 +37,40 @@ class GroupQueue:
         return gid in self.seen or gid in self.groups
 
     def remember(self, gid: str) -> None:
+        """Remember ``gid`` for de-duplication; the oldest ids go beyond DEDUPE_WINDOW ids or max_seen_bytes."""
+        if gid in self.seen:
+            return
         self.seen[gid] = None
-        if len(self.seen) > DEDUPE_WINDOW:
-            self.seen.popitem(last=False)
+        self.seen_bytes += len(gid) + SEEN_ENTRY
+        while len(self.seen) > DEDUPE_WINDOW or (self.seen_bytes > self.max_seen_bytes and len(self.seen) > 1):
+            old, _ = self.seen.popitem(last=False)
+            self.seen_bytes -= len(old) + SEEN_ENTRY
+
+    def restore_seen(self, gids) -> None:
+        """The ids recovered from the spool, oldest first, within the same bounds."""
+        self.seen.clear()
+        self.seen_bytes = 0
+        for gid in gids:
+            self.remember(gid)
+
+    def hold(self, g: m.SampleGroup, nbytes: int) -> None:
+        """Keep a live group (not queued yet) that counts ``nbytes``."""
+        self.release(g.group_id)
+        self.groups[g.group_id] = g
+        self.sizes[g.group_id] = nbytes
+        self.held_bytes += nbytes
+
+    def release(self, gid: str) -> m.SampleGroup | None:
+        """Stop holding a group (consumed, dropped); it may still sit in ``queue`` (skipped there)."""
+        g = self.groups.pop(gid, None)
+        if g is not None:
+            self.held_bytes -= self.sizes.pop(gid, 0)
+        return g
+
+    def restore(self, groups) -> None:
+        """Hold the groups recovered from the spool."""
+        for g in groups.values():
+            self.hold(g, m.group_nbytes(g))
 
     def enqueue(self, gid: str, front: bool = False) -> None:
         if gid in self.queued:
@@ -68,7 +106,7 @@ class GroupQueue:
         out = []
         for gid in gids:
             self.queued.discard(gid)
-            g = self.groups.pop(gid, None)
+            g = self.release(gid)
             if g is not None:
                 out.append(g)
         return out

@@ -9,7 +9,9 @@ Security (docs/broker.md#security): without CURVE only a loopback bind is allowe
 ``broker.insecure_bind``); with CURVE the allowlist maps each key to a role and identity, which
 ride with every frame (``User-Id``) into the permission table. Resources: ZMTP heartbeats and a
 handshake timeout on every connection, the connection guard (``guard.py``) against unfinished
-frames and idle descriptors, and long polls woken by arriving groups rather than re-run on a timer.
+frames and idle descriptors, what is too large refused before it is decoded (``security/precheck.py``: frame
+sizes, groups per push, a group's metadata in bytes), and long polls woken by arriving groups rather
+than re-run on a timer.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import zmq.auth
 from fleetrl.broker.security import auth
 from fleetrl.broker.security.audit import AuditLog
 from fleetrl.broker.security.guard import Guard
+from fleetrl.broker.security.precheck import detach_if_pinning, precheck
 from fleetrl.broker.server.prompts import PromptSource, rows_to_prompts
 from fleetrl.broker.server.rates import WireStats
 from fleetrl.broker.server.spool import Spool
@@ -243,15 +246,18 @@ class BrokerServer:
         payload = frames[1].buffer
         header = m.peek_header(payload)
         req_id = header[1] if header else 0
-        refusal = self._precheck(payload, header, req_id)
+        refusal = precheck(payload, header, req_id, self.cfg.broker)
         if refusal is not None:
-            return ident, refusal
+            self.state.rejected[refusal[0]] += 1
+            return ident, refusal[1]
         try:
             req = m.decode_request(payload)
         except m.ProtocolError as e:
             code: m.ErrorCode = "invalid_group" if header and header[0] in m.PUSH_GROUP_TAGS else "bad_frame"
             self.state.rejected[code] += 1
             return ident, m.Error(req_id=req_id, code=code, reason=e.reason)
+        if isinstance(req, (m.PushGroup, m.PushGroups)):
+            detach_if_pinning(req, len(payload))
         start_ns = time.time_ns() if tracing.enabled() else 0
         principal = self._principal(frames[1])
         try:
@@ -269,33 +275,6 @@ class BrokerServer:
         elif start_ns and isinstance(req, (m.PushGroup, m.PushGroups)):
             trace_ingest(req, reply, start_ns)
         return ident, reply
-
-    def _precheck(self, payload: memoryview, header: tuple[int, int] | None, req_id: int) -> m.Error | None:
-        """Refuse what is too large before decoding it: the frame, or a PushGroups of too many groups."""
-        bcfg = self.cfg.broker
-        if len(payload) > bcfg.max_message_bytes:
-            self.state.rejected["too_large"] += 1
-            return m.Error(
-                req_id=req_id,
-                code="too_large",
-                reason=(
-                    f"frame of {len(payload)} bytes is over broker.max_message_bytes={bcfg.max_message_bytes}; "
-                    "send smaller groups or raise that setting"
-                ),
-            )
-        if header and header[0] == m.PushGroups.__struct_config__.tag:
-            count = m.peek_push_count(payload)
-            if count is not None and count > bcfg.max_groups_per_push:
-                self.state.rejected["too_many_groups"] += 1
-                return m.Error(
-                    req_id=req_id,
-                    code="too_large",
-                    reason=(
-                        f"{count} groups in one PushGroups, over broker.max_groups_per_push={bcfg.max_groups_per_push}; "
-                        "push them in several frames"
-                    ),
-                )
-        return None
 
     def _serve_waiting(self, now: float) -> list[tuple[bytes, m.Message]]:
         """Answer the long polls: at their deadline, and all of them when groups arrived."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import struct
 import time
 import typing
@@ -37,6 +36,7 @@ from typing import cast
 
 import msgspec
 
+from fleetrl.broker.server.resync import next_record
 from fleetrl.common import faults
 from fleetrl.common.config import ConfigError
 from fleetrl.common.messages import Prompt, SampleGroup, WeightsInfo
@@ -141,7 +141,6 @@ AnyRecord = (
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyRecord)
 _TAGS = len(typing.get_args(AnyRecord))
-_ARRAY = re.compile(rb"[\x91-\x9f]")  # a record body opens with a msgpack fixarray header (a record has < 16 fields)
 
 
 @dataclass
@@ -245,9 +244,9 @@ def record_at(data: bytes, off: int) -> tuple[Record | None, int]:
 def scan(data: bytes) -> tuple[list[Record], list[tuple[int, int]]]:
     """Every valid record of a segment, and the damaged byte ranges ``[start, end)`` between them.
 
-    After a bad record, the next record is looked for at every later offset whose body would open with
-    an array header (a regex over the bytes, in C); the first one whose header, CRC and body are valid
-    resynchronises the reader."""
+    After a bad record, the next record is the first later offset whose header, CRC and body are valid
+    (``resync.next_record``: linear in the bytes and the candidate headers, so crafted headers inside a
+    group's bytes cost microseconds each, not a CRC of their claimed length)."""
     records, damaged, off = [], [], 0
     while off < len(data):
         rec, end = record_at(data, off)
@@ -255,11 +254,7 @@ def scan(data: bytes) -> tuple[list[Record], list[tuple[int, int]]]:
             records.append(rec)
             off = end
             continue
-        nxt = len(data)
-        for m in _ARRAY.finditer(data, off + 1 + HEADER.size):
-            if record_at(data, m.start() - HEADER.size)[0] is not None:
-                nxt = m.start() - HEADER.size
-                break
+        nxt = next_record(data, off + 1, _TAGS, MAX_RECORD, lambda c: record_at(data, c)[0] is not None)
         damaged.append((off, nxt))
         off = nxt
     return records, damaged

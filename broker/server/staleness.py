@@ -8,6 +8,10 @@ of the weights that generated it; while the learner trains on weights of version
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fleetrl.common.config.schema import JobConfig
 
 
 def min_fresh_version(current_version: int, max_staleness: int) -> int:
@@ -87,3 +91,20 @@ def rollout_is_fresh(current_version: int, rollout_version: int, max_staleness: 
     on arrival, so the broker throttles it until it loads newer weights.
     """
     return rollout_version >= min_fresh_version(current_version, max_staleness)
+
+
+MIN_HELD_BYTES = 128 << 20
+
+
+def held_bytes_budget(cfg: JobConfig, capacity: int) -> int:
+    """broker.max_held_bytes, else 2 x ``capacity`` x the largest group the job makes (a prompt of
+    data.max_prompt_tokens, group_size responses of the longest a sample may be, 13 bytes a token: id,
+    log-prob, version, mask), plus a checkpoint interval's groups with broker.commit_on_checkpoint (held
+    until committed), at least MIN_HELD_BYTES."""
+    if cfg.broker.max_held_bytes:
+        return cfg.broker.max_held_bytes
+    r = cfg.rollout
+    longest = r.max_new_tokens if r.env.type == "single_turn" else max(r.max_new_tokens, r.env.max_total_tokens)
+    largest = 4 * cfg.data.max_prompt_tokens + 13 * r.group_size * longest + (64 << 10)
+    uncommitted = cfg.checkpoint.interval * cfg.learner.groups_per_step if cfg.broker.commit_on_checkpoint else 0
+    return max(MIN_HELD_BYTES, (2 * capacity + uncommitted) * largest)

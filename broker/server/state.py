@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any, Literal, cast
 
 from fleetrl.broker.security.auth import Principal
+from fleetrl.broker.security.fairness import KeyLimiter, PromptShares
 from fleetrl.broker.security.permissions import REGISTRATION_FREE, authorize
 from fleetrl.broker.server import spool as sp
 from fleetrl.broker.server.admission import Admission
@@ -34,7 +35,8 @@ from fleetrl.broker.server.control import Controls
 from fleetrl.broker.server.ingest import Ingest
 from fleetrl.broker.server.journal import Journal
 from fleetrl.broker.server.leases import BatchLeases, Unauthorized
-from fleetrl.broker.server.prompts import PromptSource
+from fleetrl.broker.server.plausible import Plausibility
+from fleetrl.broker.server.prompts import PromptSource, fit_bytes
 from fleetrl.broker.server.queue import GroupQueue
 from fleetrl.broker.server.rates import Rate
 from fleetrl.broker.server.staleness import min_fresh_version, rollout_is_fresh, staleness
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 
 Audit = Callable[[dict[str, Any]], None]
 AUDITED = (m.Control, m.PublishVersion, m.Commit, m.Rewind)
+RATE_LIMITED = (m.Register, m.GetStatus, m.GetVersion)  # cheap to send, costly to serve: broker.key_requests_per_s
 AckStatus = Literal["accepted", "duplicate", "stale", "rejected", "throttled"]  # GroupAck.status (ingest's verdicts)
 
 
@@ -71,9 +74,12 @@ class BrokerState:
         self.status_stats: Callable[[float], dict[str, float]] = lambda now: {}  # the server's wire and process stats
         self.pub_port = 0  # set by the server once the PUB socket is bound
         self.announcements: list[tuple[bytes, m.Message]] = []  # to publish after this request
-        self.q = GroupQueue()
+        self.q = GroupQueue(self.bcfg.max_dedupe_bytes)
         self.journal = Journal(spool, self.counters, self._audit_event)
         self.batches = BatchLeases(self.bcfg, self.q, self.journal.write, self.counters)
+        self.plausibility = Plausibility.of(cfg)
+        self.limiter, self.shares = KeyLimiter(self.bcfg.key_requests_per_s), PromptShares()
+        self.key = ""  # the CURVE identity behind the request being handled ("" without CURVE)
         self.clients = ClientTable(self.bcfg)
         self.admission = Admission(cfg, self.q, prompts, self.batches)
         self.controls = Controls(
@@ -88,7 +94,17 @@ class BrokerState:
             wall,
         )
         self.ingest = Ingest(
-            cfg, vocab_size, self.q, prompts, self.journal, self.admission, self.controls, self.counters, self.rejected
+            cfg,
+            vocab_size,
+            self.q,
+            prompts,
+            self.journal,
+            self.admission,
+            self.controls,
+            self.counters,
+            self.rejected,
+            self.plausibility,
+            self.clients,
         )
         self.recovery: dict[str, int] = {}
         self.learner_done = ""  # why the learner finished ("" = training goes on); a learner registering clears it
@@ -107,6 +123,8 @@ class BrokerState:
 
     measured = property(lambda self: self.admission.measured)
     capacity = property(lambda self: self.admission.capacity)
+    max_held_bytes = property(lambda self: self.admission.max_held_bytes)
+    max_lease_bytes = property(lambda self: self.admission.max_lease_bytes)
 
     def load(self) -> int:
         """Groups queued, being generated, or being trained: what admission control bounds."""
@@ -115,12 +133,12 @@ class BrokerState:
     # ------------------------------------------------------------------ spool
     def _recover(self, rec: sp.Recovered) -> None:
         acked = {gid for entries in rec.uncommitted.values() for _, gid in entries}
-        self.q.groups = dict(rec.groups)
+        self.q.restore(rec.groups)
         self.batches.restore(rec)
         for gid in rec.groups:
             if gid not in acked:
                 self.q.enqueue(gid)
-        self.q.seen = rec.seen
+        self.q.restore_seen(rec.seen)
         self.prompts.seek(rec.epoch, rec.pos)
         for p in rec.open_prompts.values():
             self.prompts.requeue(p)
@@ -170,6 +188,9 @@ class BrokerState:
         if handler is None:  # pragma: no cover - every Request type has a handler
             return m.Error(req_id=req.req_id, code="bad_request", reason=f"no handler for {type(req).__name__}")
         role = None
+        self.key = principal.identity if principal is not None and principal.authenticated else ""
+        if isinstance(req, RATE_LIMITED) and not self.limiter.allow(self.key or req.client_id, now):
+            return self._throttle_key(req, now)
         if principal is not None:
             refusal, role = self._check(req, now, principal)
             if refusal is not None:
@@ -189,6 +210,24 @@ class BrokerState:
         if isinstance(reply, m.Registered) and principal is not None and principal.authenticated:
             reply.identity = principal.identity
         return reply
+
+    def _throttle_key(self, req: m.Request, now: float) -> m.Error:
+        """A key over broker.key_requests_per_s: `unavailable` (clients back off), one audit line per window."""
+        key = self.key or req.client_id
+        self.counters["key_throttled"] += 1
+        refused = self.limiter.audit_due(key, now)
+        if refused:
+            self._audit_event(
+                {"event": "key_throttled", "key": key, "refused": refused, "limit_per_s": self.bcfg.key_requests_per_s}
+            )
+        return m.Error(
+            req_id=req.req_id,
+            code="unavailable",
+            reason=(
+                f"{'key' if self.key else 'client'} {key!r} sends more than broker.key_requests_per_s="
+                f"{self.bcfg.key_requests_per_s:g} Register/GetStatus/GetVersion requests a second; retry later"
+            ),
+        )
 
     def _check(self, req: m.Request, now: float, principal: Principal) -> tuple[m.Error | None, str | None]:
         """(refusal, role): the permission table, and a client record for every request but a few."""
@@ -274,7 +313,7 @@ class BrokerState:
             self.rejected["bad_request"] += 1
             return m.Error(req_id=req.req_id, code="bad_request", reason=bad)
         shown = req.role if role is None or req.role == "monitor" else role
-        c = ClientState(req.client_id, shown, "", req.rank, info=dict(req.info))
+        c = ClientState(req.client_id, shown, self.key, req.rank, info=dict(req.info))
         if shown == "rollout" and self.controls.version_known:
             c.admit_from = self.version  # a (re)started rollout leases once it holds the current weights
         full = self.clients.register(c, now)
@@ -304,7 +343,8 @@ class BrokerState:
             self.rejected["too_large"] += 1
             return m.Error(req_id=req.req_id, code="too_large", reason=too_large)
         c = self._touch(req.client_id, now, version=req.policy_version)
-        c.stats = dict(req.stats)
+        if not self.clients.set_stats(c, dict(req.stats)):
+            self.counters["stats_dropped"] += 1
         return m.Ack(req_id=req.req_id, ref=req.client_id)
 
     # ------------------------------------------------------------- rollout side
@@ -314,13 +354,14 @@ class BrokerState:
             return m.Error(
                 req_id=req.req_id, code="bad_request", reason=f"LeasePrompts.n must be positive, got {req.n}"
             )
-        throttle = self._lease_throttle(req, c)
+        throttle = self._lease_throttle(req, c, now)
         if throttle is not None:
             self.counters["throttled"] += 1
             return m.Throttle(req_id=req.req_id, retry_after_s=throttle[0], reason=throttle[1])
         c.admit_from = 0
         mark = self.prompts.mark()
-        prompts = self.prompts.take(min(req.n, self.capacity - self.load()))
+        room = self._share_room(now)
+        prompts = self.prompts.take(min(req.n, self.capacity - self.load(), req.n if room is None else room))
         if not prompts:
             if self.prompts.exhausted and not self.prompts.leases:
                 return m.Error(
@@ -329,12 +370,17 @@ class BrokerState:
                     reason=f"all {self.prompts.epochs} epoch(s) of the prompt set were served; raise data.epochs",
                 )
             return m.Throttle(req_id=req.req_id, retry_after_s=1.0, reason="waiting for leased prompts to come back")
+        prompts, rest = fit_bytes(prompts, self.max_lease_bytes)
         try:
-            self.journal.write([sp.PromptsLeased(prompts, self.prompts.epoch, self.prompts.pos)])
+            self.journal.write(
+                [sp.PromptsLeased(prompts, self.prompts.epoch, self.prompts.pos)]
+                + ([sp.PromptsRequeued(rest)] if rest else [])
+            )
         except sp.SpoolUnavailable:
-            self.prompts.untake(mark, prompts)
+            self.prompts.untake(mark, prompts + rest)
             raise
-        lease = self.prompts.open_lease(req.client_id, prompts, now, self.bcfg.prompt_lease_s)
+        self.prompts.put_back(rest)
+        lease = self.prompts.open_lease(req.client_id, prompts, now, self.bcfg.prompt_lease_s, self.key)
         self.counters["prompts_leased"] += len(prompts)
         return m.PromptLease(
             req_id=req.req_id,
@@ -344,7 +390,7 @@ class BrokerState:
             policy_version=self.version,
         )
 
-    def _lease_throttle(self, req: m.LeasePrompts, c: ClientState) -> tuple[float, str] | None:
+    def _lease_throttle(self, req: m.LeasePrompts, c: ClientState, now: float) -> tuple[float, str] | None:
         """(retry_after_s, reason) when this rollout gets no prompts now."""
         ctl = self.controls
         if self.paused or ctl.stopping:
@@ -364,8 +410,23 @@ class BrokerState:
         if not rollout_is_fresh(self.version, req.policy_version, self.bcfg.max_staleness):
             return 0.2, f"policy version {req.policy_version} is too stale (current {self.version}); load new weights"
         if self.capacity - self.load() <= 0:
+            if self.key:
+                self.shares.starved(self.key, now)
             return 0.1, f"at capacity ({self.capacity} groups)"
+        if self._share_room(now) == 0:
+            self.counters["prompt_share_throttled"] += 1
+            return 0.2, (
+                f"key {self.key!r} holds {self.prompts.held_by_key[self.key]} leased prompts, its share of "
+                "the capacity while other keys wait for prompts (broker.fair_prompt_share)"
+            )
         return None
+
+    def _share_room(self, now: float) -> int | None:
+        """How many more prompts this request's key may hold (fairness.PromptShares), or None: no share applies."""
+        if not (self.key and self.bcfg.fair_prompt_share):
+            return None
+        share = self.shares.share(self.key, self.prompts.held_by_key, self.capacity, now)
+        return None if share is None else max(0, share - self.prompts.held_by_key[self.key])
 
     def _on_ReturnPrompts(self, req: m.ReturnPrompts, now: float, role: str | None = None) -> m.Message:
         self._touch(req.client_id, now)
@@ -386,7 +447,7 @@ class BrokerState:
         return m.Ack(req_id=req.req_id, ref=req.lease_id, count=n)
 
     def _on_PushGroup(self, req: m.PushGroup, now: float, role: str | None = None) -> m.Message:
-        ((status, reason),) = self.ingest.push([req.group], self._touch(req.client_id, now, "rollout"), now)
+        ((status, reason, _),) = self.ingest.push([req.group], self._touch(req.client_id, now, "rollout"), now)
         if status == "rejected":
             return m.Error(req_id=req.req_id, code="invalid_group", reason=reason)
         if status == "throttled":
@@ -410,8 +471,8 @@ class BrokerState:
         return m.GroupAcks(
             req_id=req.req_id,
             acks=[
-                m.GroupAck(group_id=g.group_id, status=cast(AckStatus, s), reason=r)
-                for g, (s, r) in zip(req.groups, results)
+                m.GroupAck(group_id=g.group_id, status=cast(AckStatus, s), reason=r, code=code)
+                for g, (s, r, code) in zip(req.groups, results)
             ],
         )
 
@@ -444,7 +505,9 @@ class BrokerState:
             return m.Error(req_id=req.req_id, code="bad_request", reason=f"LeaseBatch.n must be positive, got {req.n}")
         if len(self.q) < min(req.min_groups, req.n) and not final and req.wait_s > 0:
             return None
-        ids, stale = self.batches.take(req.n, min_fresh_version(self.version, self.bcfg.max_staleness))
+        ids, stale = self.batches.take(
+            req.n, min_fresh_version(self.version, self.bcfg.max_staleness), self.max_lease_bytes
+        )
         if stale:
             try:
                 self.drop(stale, "dropped_stale", self.bcfg.requeue_stale)
@@ -512,7 +575,7 @@ class BrokerState:
     def _on_Leave(self, req: m.Leave, now: float, role: str | None = None) -> m.Message:
         """A graceful exit: the client leaves the fleet at once (no wait for broker.client_timeout_s); the prompts
         and batches it still held are re-issued now. ``done`` from a learner: training finished, announced."""
-        client = self.clients.clients.pop(req.client_id, None)
+        client = self.clients.remove(req.client_id)
         who = client.role if client is not None else (role or "unknown")
         reissued = self._reissue(now, {req.client_id})  # prompts it still held (normally returned already)
         back = self.batches.release(req.client_id)
@@ -565,7 +628,7 @@ class BrokerState:
 
     # ------------------------------------------------------------- status
     def status(self, req_id: int, now: float) -> m.Status:
-        cs = self.clients
+        rows, omitted, stats_omitted = self.clients.rows(now, self.bcfg.max_status_bytes)
         return m.Status(
             req_id=req_id,
             broker_id=self.broker_id,
@@ -582,19 +645,9 @@ class BrokerState:
             duplicates=self.counters["duplicates"],
             rejected=dict(self.rejected),
             staleness_hist={str(k): v for k, v in sorted(self.staleness_hist.items())},
-            clients=[
-                m.ClientInfo(
-                    client_id=c.client_id,
-                    role=c.role,
-                    rank=c.rank,
-                    policy_version=c.policy_version,
-                    last_seen_s=round(now - c.last_seen, 3),
-                    alive=cs.alive(c, now),
-                    stats={**c.stats, "groups_pushed": float(c.groups_pushed)} if c.groups_pushed else c.stats,
-                    receivers=int(c.info.get("receivers", 1)),
-                )
-                for c in cs.clients.values()
-            ],
+            clients=rows,
+            clients_omitted=omitted,
+            stats_omitted=stats_omitted,
             paused=self.paused,
             data_epoch=self.prompts.epoch,
             data_cursor=self.prompts.pos,

@@ -13,9 +13,10 @@ This module imports nothing heavy: the broker, the CLI and tests load configs wi
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
-from msgspec import field
+from msgspec import Meta, field
 
 from fleetrl.common.config.algorithm import AlgorithmConfig, DpoAlgorithm, RlAlgorithm
 from fleetrl.common.config.base import Section, doc
@@ -143,6 +144,19 @@ class RewardSpec(Section):
     args: Annotated[dict[str, Any], doc("Keyword arguments of the reward function (see docs/rewards).")] = field(
         default_factory=dict
     )
+    range: Annotated[
+        list[float] | None,
+        doc(
+            "[low, high] its scores lie in, e.g. [0, 1] (null = the function's own: math/exact [0, 1], regex [miss, hit], "
+            "length with max_penalty; python and model declare none); the broker refuses groups outside the job's range."
+        ),
+    ] = None
+
+    def __post_init__(self) -> None:
+        if self.range is not None and not (
+            len(self.range) == 2 and self.range[0] <= self.range[1] and all(map(math.isfinite, self.range))
+        ):
+            raise ValueError(f"rollout.rewards[].range must be [low, high] with finite low <= high, got {self.range}")
 
 
 class VllmConfig(Section):
@@ -396,9 +410,19 @@ class BrokerConfig(Section):
     max_client_info_bytes: Annotated[
         int,
         doc(
-            "Largest Register info / Heartbeat stats (keys + values, 8 bytes a number); larger ones are refused.", ge=64
+            "Largest Register info / Heartbeat stats (keys + values, 8 bytes a number, 32 an entry); larger ones "
+            "are refused.",
+            ge=64,
         ),
     ] = 16384
+    max_client_table_bytes: Annotated[
+        int,
+        doc(
+            "Register info and heartbeat stats of all clients together (counted as max_client_info_bytes); "
+            "beyond, a heartbeat's stats are dropped and a Register evicts monitors, else is `unavailable`.",
+            ge=1 << 16,
+        ),
+    ] = 16 << 20
     max_groups_per_push: Annotated[
         int, doc("Most groups in one PushGroups frame (refused with `too_large` beyond).", ge=1)
     ] = 1024
@@ -438,6 +462,87 @@ class BrokerConfig(Section):
         int | None,
         doc("Open request connections; beyond, the idlest are closed (null = the open-files limit minus 64)."),
     ] = None
+    # ---- bytes (issue 31): a count bounds nothing when one item can weigh 16 MiB
+    max_group_metadata_bytes: Annotated[
+        int,
+        doc(
+            "Largest wire size of one group's metadata, reward_parts, failed_parts, trace and per-response lists "
+            "together, read before decoding (a push frame's groups: 8 x this together); larger is `too_large`.",
+            ge=1024,
+        ),
+    ] = 1 << 20
+    max_held_bytes: Annotated[
+        Annotated[int, Meta(ge=1 << 20)] | None,
+        doc(
+            "Bytes of the groups held (queued, leased, uncommitted): arrays as they weigh, other fields 8 x "
+            "their wire size; pushes beyond are throttled (null = 2 x capacity x the job's largest group, "
+            "+ a checkpoint interval's groups with commit_on_checkpoint, at least 128 MiB)."
+        ),
+    ] = None
+    max_dedupe_bytes: Annotated[
+        int,
+        doc(
+            "Bytes of group ids remembered for de-duplication (each id + 96); the oldest are forgotten beyond "
+            "(and beyond 2^20 ids).",
+            ge=1 << 16,
+        ),
+    ] = 64 << 20
+    max_status_bytes: Annotated[
+        int,
+        doc(
+            "Largest GetStatus reply: learners and rollouts are listed first; beyond it the stats of the last "
+            "clients, then monitor rows, are left out (counted in Status.clients_omitted / stats_omitted).",
+            ge=1 << 16,
+        ),
+    ] = 8 << 20
+    max_lease_bytes: Annotated[
+        Annotated[int, Meta(ge=1 << 16)] | None,
+        doc(
+            "Largest BatchLease or PromptLease reply; a lease stops short of it, with at least one group or "
+            "prompt (null = broker.max_held_bytes)."
+        ),
+    ] = None
+    # ---- fairness per key (issue 31): one key cannot crowd out the others
+    max_clients_per_key: Annotated[
+        int,
+        doc(
+            "Client records one CURVE key may hold; at the cap its own longest-silent dead client is evicted, "
+            "else its Register gets `unavailable` (other keys are not affected).",
+            ge=1,
+        ),
+    ] = 1024
+    max_monitor_clients: Annotated[
+        int,
+        doc(
+            "Client records registered as `monitor`; beyond, the longest-silent monitor is evicted, and a "
+            "fleet role's Register evicts one when the table is full.",
+            ge=1,
+        ),
+    ] = 256
+    key_requests_per_s: Annotated[
+        float,
+        doc(
+            "Register, GetStatus and GetVersion requests one key (without CURVE: one client id) may send per "
+            "second, bursts of twice that; beyond: `unavailable`, audited once per key per 10 s.",
+            gt=0,
+        ),
+    ] = 500.0
+    fair_prompt_share: Annotated[
+        bool,
+        doc(
+            "While another key waits for prompts (throttled at capacity in the last 5 s), a CURVE key may hold "
+            "at most capacity / keys leasing of the leased prompts."
+        ),
+    ] = True
+    # ---- plausibility at ingest (issue 31): in-range poison from one rollout must not trip the breaker
+    max_zero_logprob_fraction: Annotated[
+        float,
+        doc(
+            "At rollout.temperature > 0, a group of 16+ sampled tokens of which this fraction or more have a "
+            "behaviour log-prob of exactly 0.0 is refused as implausible (> 1 = off).",
+            gt=0,
+        ),
+    ] = 0.9
 
 
 # ---------------------------------------------------------------------------------------- sync

@@ -90,6 +90,13 @@ from fleetrl.common.messages.protocol import (  # noqa: F401
     Throttle,
     VersionAnnouncement,
 )
+from fleetrl.common.messages.sizes import (  # noqa: F401
+    arrays_nbytes,
+    detached,
+    group_nbytes,
+    push_sizes,
+    side_bytes,
+)
 from fleetrl.common.messages.weights import (  # noqa: F401
     BucketSeal,
     CatchupOffer,

@@ -24,6 +24,7 @@ class ClientInfo(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     alive: bool = True
     stats: dict[str, float] = {}
     receivers: int = 1  # weight receivers behind this client (a tensor-parallel vLLM server: one per worker)
+    counters: dict[str, int] = {}  # about this client id, kept across its re-registrations: implausible/<kind> groups
 
 
 # ---------------------------------------------------------------- requests (client -> broker)
@@ -172,6 +173,7 @@ class GroupAck(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     group_id: Id
     status: Literal["accepted", "duplicate", "stale", "rejected", "throttled"]  # throttled: not taken, push it later
     reason: str = ""
+    code: str = ""  # rejected: why, in one word where it has one (implausible_reward, implausible_logprob)
 
 
 class GroupAcks(Message, tag=28):  # Broker -> Rollout: the fate of each group of a PushGroups
@@ -254,6 +256,8 @@ class Status(Message, tag=27):  # Broker -> anyone
     uncommitted: int = 0
     counters: dict[str, int] = {}  # refusals by cap and role, spool and timer errors, evictions, closed connections
     stats: dict[str, float] = {}  # the broker process's bytes/s in and out and resources (broker/client/metrics.py)
+    clients_omitted: int = 0  # client rows left out to keep the reply under broker.max_status_bytes (monitors first)
+    stats_omitted: int = 0  # rows listed without their heartbeat stats, for the same reason
 
 
 Reply = Ack | Error | Throttle | Registered | PromptLease | BatchLease | CurrentVersion | Status | GroupAcks

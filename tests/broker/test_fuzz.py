@@ -50,9 +50,9 @@ ANSWERS = {  # request type -> reply types (and error codes) that may answer it
     m.Rewind: (m.Ack, "bad_request"),
     m.PublishVersion: (m.Ack, "bad_request"),
     m.Control: (m.Ack, "bad_request"),
-    m.GetStatus: (m.Status,),
-    m.GetVersion: (m.CurrentVersion,),
-    m.Leave: (m.Ack,),
+    m.GetStatus: (m.Status, "unavailable"),
+    m.GetVersion: (m.CurrentVersion, "unavailable"),
+    m.Leave: (m.Ack,),  # unavailable: a client id over broker.key_requests_per_s (issue 31)
 }
 ANSWERS = {k: v + PERMISSION for k, v in ANSWERS.items()}
 REFUSALS = {"bad_frame", "invalid_group", "too_large"}

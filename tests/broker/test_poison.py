@@ -46,7 +46,7 @@ def test_poisoned_groups_are_refused_at_ingest(state):
     publish(state, 0)  # a version is known (published, or recovered from the spool)
     prompt = lease_prompts(state, 1).prompts[0].prompt_id
     big = make_group(prompt, rewards=[2e6, 0.0])
-    assert "broker.max_abs_reward" in push(state, big).reason
+    assert "outside the job's declared range [0, 1]" in push(state, big).reason  # (max_abs_reward: test_plausible.py)
     future = make_group(prompt, version=1)  # a future version was never stale: lag is clamped at 0
     assert "ahead of the broker's newest version 0" in push(state, future).reason
     positive = m.build_group("gp", prompt, 0, [1, 2], [([5, 6], [-0.5, 0.25])], [1.0])

@@ -39,7 +39,8 @@ def test_the_broker_reports_each_servers_registered_receivers():
     metrics = status_metrics(status)
     assert metrics["fleet/servers"] == 2 and metrics["fleet/receivers"] == 3
     # through the wire format too (ClientInfo is array-like: the count rides at the end)
-    assert m.decode_reply(m.encode(status)).clients[0].receivers == 2
+    rows = {c.client_id: c for c in m.decode_reply(m.encode(status)).clients}  # learners are listed first (issue 31)
+    assert rows["rollout-0"].receivers == 2
 
 
 def test_dead_servers_receivers_are_not_expected():

@@ -283,6 +283,13 @@ def test_curve_known_key_served_unknown_refused(tmp_path, arith_data):
         bad = CurveConfig(**curve, client_secret_key=str(tmp_path / "other" / "intruder.key_secret"))
         with pytest.raises(BrokerUnauthorized, match="authorized_keys_dir"):
             client(proc.address, "intruder", curve=bad, timeout_s=3.0)
+        # issue 31: a key the broker cannot even read (a wrong server key) was BrokerUnavailable after the timeout
+        wrong = CurveConfig(
+            **{**curve, "server_public_key": str(tmp_path / "other" / "intruder.key")},
+            client_secret_key=str(keys / "rollout.key_secret"),
+        )
+        with pytest.raises(BrokerUnauthorized, match="server_public_key"):
+            client(proc.address, "rollout-1", curve=wrong, timeout_s=2.0)
         plain = ZmqBrokerClient(proc.address, "plain", "rollout", timeout_s=0.5)
         with pytest.raises(BrokerUnavailable):
             plain.connect()
