@@ -335,6 +335,10 @@ class SyncConfig(Section):
         bool, doc("gloo/nccl: keep the last version in host memory (model size) and serve catch-up rounds to "
                   "rollouts that missed a round; false = they wait for the next publish.")
     ] = True
+    overlap: Annotated[
+        bool, doc("gloo: announce the version, then stream it from a copy of the weights on a thread while the learner "
+                  "trains its next step (one round in flight); false = the learner waits for each round to finish.")
+    ] = True
 
 
 # ---------------------------------------------------------------------------------- checkpoint
