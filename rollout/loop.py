@@ -255,17 +255,26 @@ class MetricsFile:
 # ---------------------------------------------------------------------------------- finisher
 
 
+@dataclass
+class GiveBack:
+    """Prompts of one lease that go back to the broker without a group (`Finisher.give_back`)."""
+
+    lease_id: str
+    prompt_ids: list[str]
+
+
 class Finisher:
     """The background thread that scores, pushes and records finished groups (see the module docstring).
 
     ``error`` holds the exception that stopped it (the broker became unreachable); the main loop
     raises it. ``close()`` finishes every submitted batch; ``abandon()`` stops without finishing.
-    ``on_done(batch)`` runs (on this thread) once a batch is pushed, dropped or refused.
+    ``on_done(batch)`` runs (on this thread) once a batch is pushed, dropped or refused (``None``: once per
+    prompt given back).
     """
 
     def __init__(self, client: BrokerClient, scorer: Any, server_id: str, leases: OpenLeases, stats: Stats,
                  metrics: MetricsFile, push_deadline_s: float, extra_metrics: Callable[[], dict[str, float]],
-                 on_done: Callable[[Batch], None] | None = None):
+                 on_done: Callable[[Batch | None], None] | None = None):
         self.client, self.scorer, self.server_id = client, scorer, server_id
         self.leases, self.stats, self.metrics = leases, stats, metrics
         self.push_deadline_s, self.extra_metrics = push_deadline_s, extra_metrics
@@ -274,7 +283,7 @@ class Finisher:
         self.acked = MetricsFile(metrics.path.with_name(metrics.path.name.replace(".metrics.", ".acked."))
                                  if metrics.path else None)
         self.error: BaseException | None = None
-        self._queue: queue.Queue[Batch | None] = queue.Queue()
+        self._queue: queue.Queue[Batch | GiveBack | None] = queue.Queue()
         self._abandon = threading.Event()
         self._last_record = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"finisher-{server_id}", daemon=True)
@@ -286,6 +295,11 @@ class Finisher:
             raise self.error
         batch.rewards.add_done_callback(lambda _: setattr(batch, "rewards_done", time.monotonic()))
         self._queue.put(batch)
+
+    def give_back(self, lease_id: str, prompt_ids: list[str]) -> None:
+        """Return prompts that make no group (their generation failed, too few samples survived); ``on_done``
+        runs once per prompt, as for a pushed batch of one."""
+        self._queue.put(GiveBack(lease_id, list(prompt_ids)))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -308,10 +322,13 @@ class Finisher:
                     break
                 closing = more is None
                 batches.append(more)
-            batches = [b for b in batches if b is not None]
             if self._abandon.is_set():
                 return
+            backs = [b for b in batches if isinstance(b, GiveBack)]
+            batches = [b for b in batches if isinstance(b, Batch)]
             try:
+                for back in backs:
+                    self.return_prompts(back)
                 if batches:
                     self.finish_all(batches)
             except BaseException as e:  # noqa: BLE001 - reported to the main loop, which exits on it
@@ -319,6 +336,17 @@ class Finisher:
                 return
             if closing:
                 return
+
+    def return_prompts(self, back: GiveBack) -> None:
+        try:
+            self.client.return_prompts(back.lease_id, back.prompt_ids)
+            self.stats.add(prompts_returned=len(back.prompt_ids))
+        except (BrokerError, BrokerUnavailable) as e:
+            log.warning("could not return prompt(s) %s (%s); the broker re-issues them when their lease expires",
+                        ", ".join(back.prompt_ids), e)
+        self.leases.close(back.lease_id, back.prompt_ids)
+        for _ in back.prompt_ids:
+            self.on_done(None)
 
     def finish(self, batch: Batch) -> None:
         """One batch alone (see `finish_all`)."""

@@ -45,6 +45,7 @@ from fleetrl.rollout.engines.sampling import (  # noqa: F401 - draw and filter_t
     _Job,
     draw,
     filter_top_k_top_p,
+    resolve_all,
     resolve_device,
     resolve_dtype,
     sample_rows,
@@ -194,11 +195,9 @@ class HFEngine(Engine):
                     rows = self._iterate(rows, jobs)
             except BaseException as e:  # noqa: BLE001 - reported to each request, the thread goes on
                 log.exception("hf engine: a decode step of %d rows failed", len(rows) + len(jobs))
-                for job in rows.jobs + jobs:
-                    job.resolve(e)  # a request already resolved keeps its result
+                resolve_all([(job, e) for job in rows.jobs + jobs])  # a request already resolved keeps its result
                 rows = Rows.empty(self.device)
-        for job in rows.jobs + list(self._pending):
-            job.resolve(RuntimeError("the hf engine was closed"))
+        resolve_all([(job, RuntimeError("the hf engine was closed")) for job in rows.jobs + list(self._pending)])
 
     def _take(self, running: int) -> list[_Job]:
         """The pending jobs that join now (called under the lock): none while paused; continuous: the
@@ -242,9 +241,9 @@ class HFEngine(Engine):
         if by_string_R is not None:
             done_R |= by_string_R
         if bool(done_R.any()):
-            for row in done_R.nonzero().squeeze(1).tolist():
-                by_string = by_string_R is not None and bool(by_string_R[row])
-                rows.jobs[row].resolve(self._assemble(rows, row, by_string))
+            finished = done_R.nonzero().squeeze(1).tolist()
+            by_string = [False] * len(finished) if by_string_R is None else by_string_R[finished].tolist()
+            resolve_all([(rows.jobs[row], self._assemble(rows, row, hit)) for row, hit in zip(finished, by_string)])
             token_R = token_R[~done_R]
             rows = rows.keep(~done_R)
         parked = self._park()

@@ -94,6 +94,7 @@ class Reward:
     Args: ClassVar[type[RewardArgs]] = RewardArgs
     per_sample: bool = False  # the scorer calls score()/ascore() per sample, else the reward on the whole batch
     time_limited: ClassVar[bool] = False  # a batch call runs under rollout.reward_timeout_s (per-sample calls always do)
+    inline: bool = False  # a builtin whose score() is a bounded computation: scored on the caller's thread, no time limit
 
     def __init__(self, **args: Any):
         self.args = convert_args(self.name, self.Args, args)
