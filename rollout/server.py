@@ -3,9 +3,14 @@
     start:  load the engine → register with the broker (heartbeats from then on) → subscribe to
             announcements → `<run-dir>/rollout-<i>.ready`
     loop:   announcements and new weights → lease prompts while fewer than `rollout.max_inflight`
-            are in flight → `group_size` requests each to the engine → the moment a prompt's
-            samples are all done: rewards (scorer threads) → one SampleGroup → pushed until acked
-            with whatever else is ready (the finisher thread, `loop.py`)
+            are in flight → the lease to the engine's event loop in one call, where each prompt runs
+            its `group_size` episodes and, the moment they are all done, its group is assembled and
+            its rewards started (inline or scorer threads) → one SampleGroup → pushed until acked with
+            whatever else is ready (the finisher thread, `loop.py`)
+
+Threads: this control loop (the main thread); the engine's event loop, which also carries the
+broker client and each prompt's pipeline (`_pipeline`); the hf decode thread; the finisher; reward
+workers for rewards with a time limit; the weight receiver (docs/rollout.md, "Threads and loops").
     stop:   SIGTERM / SIGINT / a `stop` or `done` announcement / data exhausted: admit nothing more,
             finish the groups in flight, push, return every prompt still leased, leave the fleet,
             exit 0 (`done`: unless rollout.stay_after_done). A second signal abandons the groups in
