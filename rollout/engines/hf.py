@@ -137,10 +137,15 @@ class HFEngine(Engine):
     # ------------------------------------------------------------------------- the interface
 
     async def generate(self, request: Request) -> Generation:
-        [generation] = await self.generate_many([request])
-        return generation
+        [job] = self._enqueue([request])
+        return await job.future  # one request: no gather around one future
 
     async def generate_many(self, requests: Sequence[Request]) -> list[Generation]:
+        return list(await asyncio.gather(*(job.future for job in self._enqueue(requests))))
+
+    def _enqueue(self, requests: Sequence[Request]) -> list[_Job]:
+        """Queue ``requests`` for the decode thread (started if none runs); their jobs, whose futures resolve
+        on the calling event loop."""
         self._check_prompts([r.prompt_ids for r in requests])
         loop = asyncio.get_running_loop()
         jobs = [_Job(r, loop.create_future(), loop) for r in requests]
@@ -155,7 +160,7 @@ class HFEngine(Engine):
                 self._thread = threading.Thread(target=self._serve, name="hf-engine-decode", daemon=True)
                 self._thread.start()
             self._cv.notify_all()
-        return list(await asyncio.gather(*(job.future for job in jobs)))
+        return jobs
 
     async def pause(self, mode: str) -> None:
         with self._cv:
