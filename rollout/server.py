@@ -135,6 +135,8 @@ class RolloutServer:
             self.shutdown(finish, give_back)
         if self.finisher is not None and self.finisher.error is not None:
             raise self.finisher.error  # the last groups could not be pushed: not a clean exit
+        if self.pipeline_error is not None:
+            raise self.pipeline_error
         return 0
 
     def start(self) -> None:
@@ -203,10 +205,8 @@ class RolloutServer:
         while self.inflight:
             self._wake.wait(WAIT_SLICE_S)
             self._wake.clear()
-            if self.pipeline_error is not None:
-                raise self.pipeline_error
-            if self.finisher is not None and self.finisher.error is not None:
-                return
+            if self.pipeline_error is not None or (self.finisher is not None and self.finisher.error is not None):
+                return  # run() raises it once the server has shut down
 
     @property
     def stopping(self) -> bool:
