@@ -43,6 +43,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_trl import BUSY_SHARE, ROOT, CpuWatch, prepare, stop  # noqa: E402
 
+from fleetrl.common.telemetry.cpu import machine_busy_s  # noqa: E402
+
 
 def role_of(proc: psutil.Process) -> str:
     """learner / rollout-N / broker / other, from the command line `fleetrl run` starts each child with."""
@@ -54,7 +56,7 @@ def role_of(proc: psutil.Process) -> str:
         return "rollout-" + (argv[argv.index("--server-index") + 1] if "--server-index" in argv else "0")
     if "broker" in argv:
         return "broker"
-    if "learner" in argv or "fleetrl.learner" in argv:
+    if "learner" in argv or "fleetrl.app.learner" in argv:  # `fleetrl learner`, or a rank under torchrun
         return "learner"
     if "run" in argv:
         return "launcher"
@@ -222,7 +224,7 @@ def main() -> int:
     overrides = [f"model.path={work['warm']}", f"data.train={work['train']}", f"data.eval={work['eval']}",
                  f"learner.max_minutes={args.minutes}", f"run.eval_interval={args.eval_interval}", "checkpoint.interval=0",
                  *args.set]
-    argv = [sys.executable, "-m", "fleetrl.common.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
+    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
             "--run-dir", str(run_dir), "--no-status", *overrides]
     env = dict(os.environ)
     if args.pythonpath:
@@ -247,7 +249,7 @@ def main() -> int:
                     profiles = start_profiles(root, run_dir, args.profile)
                 if len(threads) == 1 and time.monotonic() - threads[0][0] >= args.profile:
                     threads.append((time.monotonic(), thread_cpu(root)))
-                samples.append((time.monotonic(), steps, tree_cpu(root, seen), CpuWatch._busy() - time.process_time(),
+                samples.append((time.monotonic(), steps, tree_cpu(root, seen), machine_busy_s() - time.process_time(),
                                 psutil.cpu_times().steal))
                 time.sleep(1.0)
         finally:

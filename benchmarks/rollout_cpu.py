@@ -33,12 +33,21 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_trl import BUSY_SHARE, ROOT, CpuWatch, prepare  # noqa: E402
+from vs_trl import BUSY_SHARE, ROOT, prepare  # noqa: E402
+
+from fleetrl.common.telemetry.cpu import machine_busy_s, others_cpu_share  # noqa: E402
 
 
-def start(role: str, argv: list[str], run_dir: Path, env: dict) -> subprocess.Popen:
+def cli_module(pythonpath: str | None) -> str:
+    """The CLI's module in the tree that runs: a tree from before the re-floor (issue 25) has it in common/."""
+    if pythonpath and not (Path(pythonpath) / "fleetrl" / "app" / "cli.py").exists():
+        return "fleetrl.common.cli"
+    return "fleetrl.app.cli"
+
+
+def start(role: str, argv: list[str], run_dir: Path, env: dict, cli: str) -> subprocess.Popen:
     log = (run_dir / f"{role}.log").open("w")
-    return subprocess.Popen([sys.executable, "-m", "fleetrl.common.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
+    return subprocess.Popen([sys.executable, "-m", cli, *argv], stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, env=env, cwd=ROOT)
 
 
@@ -89,25 +98,26 @@ def main() -> int:
            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "FLEETRL_CHILD": "1"}
     if args.pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([args.pythonpath, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    cli = cli_module(args.pythonpath)
     procs: list[subprocess.Popen] = []
     client = None
     try:
-        procs.append(start("broker", ["broker", *job, *overrides], run_dir, env))
+        procs.append(start("broker", ["broker", *job, *overrides], run_dir, env, cli))
         wait_file(run_dir / "broker.json", procs[0], 120)
-        procs.append(start("rollout", ["rollout", *job, "--server-index", "0", *overrides], run_dir, env))
+        procs.append(start("rollout", ["rollout", *job, "--server-index", "0", *overrides], run_dir, env, cli))
         wait_file(run_dir / "rollout-0.ready", procs[1], 300)
-        from fleetrl.broker.client import ZmqBrokerClient
+        from fleetrl.broker.client.sync import ZmqBrokerClient
 
         client = ZmqBrokerClient(json.loads((run_dir / "broker.json").read_text())["address"], "learner-bench", "learner")
         client.connect()
         step = [0]
         drain(client, time.monotonic() + args.warmup, step)
-        watch, t0 = CpuWatch(), time.monotonic()
+        busy0, driver0, t0 = machine_busy_s(), time.process_time(), time.monotonic()
         r0, b0 = cpu_s(procs[1]), cpu_s(procs[0])
         samples = drain(client, t0 + args.seconds, step)
         wall = time.monotonic() - t0
         rollout, broker = cpu_s(procs[1]) - r0, cpu_s(procs[0]) - b0
-        busy = CpuWatch._busy() - watch.busy0
+        busy, driver = machine_busy_s() - busy0, time.process_time() - driver0  # the driver's lease loop: not others'
     finally:
         if client is not None:
             client.close()
@@ -121,13 +131,12 @@ def main() -> int:
                 p.kill()
                 p.wait()
     cores = os.cpu_count() or 1
-    driver = time.process_time()  # this driver's own CPU (the lease loop) is neither the job's nor others'
     result = {
         "label": args.label, "pythonpath": args.pythonpath, "overrides": overrides, "run_dir": str(run_dir),
         "seconds": wall, "samples": samples, "samples_per_s": samples / wall,
         "rollout_cpu_ms_per_sample": 1000 * rollout / max(samples, 1), "rollout_cores": rollout / wall,
         "broker_cores": broker / wall,
-        "others_cpu_share": max(0.0, busy - rollout - broker - driver) / (wall * cores),
+        "others_cpu_share": others_cpu_share(busy, rollout + broker + driver, wall, cores),
     }
     result["comparable"] = result["others_cpu_share"] <= BUSY_SHARE
     out = ROOT / "benchmarks" / "results" / f"rollout_cpu-{args.label}.json"
