@@ -133,9 +133,28 @@ def start_profiles(root: psutil.Process, run_dir: Path, seconds: float) -> list[
         if role in ("launcher", "other"):
             continue
         out = run_dir / f"profile-{role}.txt"
-        procs.append(subprocess.Popen([exe, "record", "--pid", str(p.pid), "--duration", str(int(seconds)), "--rate", "200",
-                                       "--format", "raw", "--threads", "--nonblocking", "--output", str(out)],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [
+                    exe,
+                    "record",
+                    "--pid",
+                    str(p.pid),
+                    "--duration",
+                    str(int(seconds)),
+                    "--rate",
+                    "200",
+                    "--format",
+                    "raw",
+                    "--threads",
+                    "--nonblocking",
+                    "--output",
+                    str(out),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
     return procs
 
 
@@ -157,14 +176,15 @@ def thread_names(path: Path) -> dict[int, str]:
     for line in path.read_text().splitlines():
         head = line.split(";", 1)[0]
         if head.startswith("thread (") and "): " in head:
-            tid, _, name = head[len("thread ("):].partition("): ")
+            tid, _, name = head[len("thread (") :].partition("): ")
             if tid.isdigit():
                 names[int(tid)] = name
     return names
 
 
-def thread_report(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]], seconds: float,
-                  run_dir: Path) -> str:
+def thread_report(
+    before: dict[str, dict[int, float]], after: dict[str, dict[int, float]], seconds: float, run_dir: Path
+) -> str:
     """Cores each thread kept busy over the profile window (exact CPU time, not samples), by role."""
     lines = [f"CPU per thread over the {seconds:.0f} s profile window (cores):"]
     for role in sorted(after):
@@ -203,7 +223,9 @@ def summarize_profile(path: Path, top: int = 25) -> str:
         return f"{path.name}: no samples"
     lines = [f"{path.name}: {total} samples"]
     lines += [f"  thread {100 * n / total:5.1f}%  {t}" for t, n in threads.most_common(8)]
-    lines += [f"  incl {100 * n / total:5.1f}%  self {100 * own[f] / total:5.1f}%  {f}" for f, n in incl.most_common(top)]
+    lines += [
+        f"  incl {100 * n / total:5.1f}%  self {100 * own[f] / total:5.1f}%  {f}" for f, n in incl.most_common(top)
+    ]
     lines += ["  -- self:"] + [f"  self {100 * n / total:5.1f}%  {f}" for f, n in own.most_common(top)]
     return "\n".join(lines)
 
@@ -212,20 +234,43 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=3.0)
     ap.add_argument("--label", default="after")
-    ap.add_argument("--pythonpath", help="run another tree's fleetrl (a dir holding fleetrl/{common,broker,rollout,learner})")
+    ap.add_argument(
+        "--pythonpath", help="run another tree's fleetrl (a dir holding fleetrl/{common,broker,rollout,learner})"
+    )
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)")
     ap.add_argument("--workdir", default=str(ROOT), help="where models/demo-warm and data/ are (default: the checkout)")
     ap.add_argument("--eval-interval", type=int, default=40)
-    ap.add_argument("--profile", type=float, default=0.0, metavar="S",
-                    help="record each process with py-spy for S seconds once RL has begun (see the docstring)")
+    ap.add_argument(
+        "--profile",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="record each process with py-spy for S seconds once RL has begun (see the docstring)",
+    )
     args = ap.parse_args()
     work = prepare(Path(args.workdir), 0.25)
     run_dir = ROOT / "runs" / f"overlap-{args.label}-{time.strftime('%Y%m%d-%H%M%S')}"
-    overrides = [f"model.path={work['warm']}", f"data.train={work['train']}", f"data.eval={work['eval']}",
-                 f"learner.max_minutes={args.minutes}", f"run.eval_interval={args.eval_interval}", "checkpoint.interval=0",
-                 *args.set]
-    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
-            "--run-dir", str(run_dir), "--no-status", *overrides]
+    overrides = [
+        f"model.path={work['warm']}",
+        f"data.train={work['train']}",
+        f"data.eval={work['eval']}",
+        f"learner.max_minutes={args.minutes}",
+        f"run.eval_interval={args.eval_interval}",
+        "checkpoint.interval=0",
+        *args.set,
+    ]
+    argv = [
+        sys.executable,
+        "-m",
+        "fleetrl.app.cli",
+        "run",
+        "--config",
+        str(ROOT / "configs" / "demo.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--no-status",
+        *overrides,
+    ]
     env = dict(os.environ)
     if args.pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([args.pythonpath, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -249,8 +294,15 @@ def main() -> int:
                     profiles = start_profiles(root, run_dir, args.profile)
                 if len(threads) == 1 and time.monotonic() - threads[0][0] >= args.profile:
                     threads.append((time.monotonic(), thread_cpu(root)))
-                samples.append((time.monotonic(), steps, tree_cpu(root, seen), machine_busy_s() - time.process_time(),
-                                psutil.cpu_times().steal))
+                samples.append(
+                    (
+                        time.monotonic(),
+                        steps,
+                        tree_cpu(root, seen),
+                        machine_busy_s() - time.process_time(),
+                        psutil.cpu_times().steal,
+                    )
+                )
                 time.sleep(1.0)
         finally:
             code = proc.wait(timeout=5) if proc.poll() is not None else stop(proc)
@@ -278,17 +330,28 @@ def main() -> int:
     total = sum(r["timing/step_total_s"] for r in rows)
     rl_wall = rows[-1]["time"] - (rows[0]["time"] - rows[0]["timing/step_total_s"])
     result = {
-        "label": args.label, "pythonpath": args.pythonpath, "overrides": overrides, "exit_code": code,
-        "run_dir": str(run_dir), "cores": cores, "rl_wall_s": rl_wall, "steps": rows[-1]["step"],
-        "cores_busy": sum(per_role.values()), "cpu_per_role": per_role,
+        "label": args.label,
+        "pythonpath": args.pythonpath,
+        "overrides": overrides,
+        "exit_code": code,
+        "run_dir": str(run_dir),
+        "cores": cores,
+        "rl_wall_s": rl_wall,
+        "steps": rows[-1]["step"],
+        "cores_busy": sum(per_role.values()),
+        "cpu_per_role": per_role,
         "cpu_s_per_1k": {**cpu_per_1k, "job": sum(cpu_per_1k.values())} if cpu_per_1k else None,
         "wait_frac": wait / total if total else None,
         "trained_samples_per_s": rows[-1].get("batch/samples_total", 0.0) / rl_wall,
         "rollout_throttled_s": sum(r.get("rollout/throttled_s", 0.0) for r in rollout_rows),
         "filtered_groups_per_step": sum(r.get("batch/filtered_groups", 0.0) for r in rows) / len(rows),
         "broker_capacity_last": rows[-1].get("broker/capacity"),
-        "eval": {"start": evals[0][1] if evals else None, "best": max((a for _, a in evals), default=None),
-                 "end": evals[-1][1] if evals else None, "curve": evals},
+        "eval": {
+            "start": evals[0][1] if evals else None,
+            "best": max((a for _, a in evals), default=None),
+            "end": evals[-1][1] if evals else None,
+            "curve": evals,
+        },
         "others_cpu_share": max(0.0, busy - sum(per_role.values())) / cores,
         "steal_share": steal / cores,
         "others_cpu_share_whole_run": whole["others_cpu_share"],
@@ -297,15 +360,20 @@ def main() -> int:
     path = ROOT / "benchmarks" / "results" / f"overlap-{args.label}.json"
     path.write_text(json.dumps(result, indent=1))
     roles = ", ".join(f"{k} {v:.2f}" for k, v in sorted(per_role.items()))
-    print(f"{args.label}: {result['cores_busy']:.2f} of {cores} cores busy during RL ({roles}); learner waits "
-          f"{100 * (result['wait_frac'] or 0):.0f}% of each step; {result['trained_samples_per_s']:.0f} trained samples/s; "
-          f"{result['steps']} steps; rollout throttled {result['rollout_throttled_s']:.0f} s; held-out "
-          f"{100 * (result['eval']['start'] or 0):.1f}% -> {100 * (result['eval']['end'] or 0):.1f}%; others' CPU share "
-          f"{100 * result['others_cpu_share']:.1f}% (hypervisor steal {100 * result['steal_share']:.1f}% of it)"
-          f"{'' if result['comparable'] else ' (BUSY: not comparable)'}")
+    print(
+        f"{args.label}: {result['cores_busy']:.2f} of {cores} cores busy during RL ({roles}); learner waits "
+        f"{100 * (result['wait_frac'] or 0):.0f}% of each step; {result['trained_samples_per_s']:.0f} trained samples/s; "
+        f"{result['steps']} steps; rollout throttled {result['rollout_throttled_s']:.0f} s; held-out "
+        f"{100 * (result['eval']['start'] or 0):.1f}% -> {100 * (result['eval']['end'] or 0):.1f}%; others' CPU share "
+        f"{100 * result['others_cpu_share']:.1f}% (hypervisor steal {100 * result['steal_share']:.1f}% of it)"
+        f"{'' if result['comparable'] else ' (BUSY: not comparable)'}"
+    )
     if cpu_per_1k:
-        print("CPU seconds per 1,000 trained samples: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(cpu_per_1k.items()))
-              + f"; job {sum(cpu_per_1k.values()):.2f}")
+        print(
+            "CPU seconds per 1,000 trained samples: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in sorted(cpu_per_1k.items()))
+            + f"; job {sum(cpu_per_1k.values()):.2f}"
+        )
     for prof in sorted(run_dir.glob("profile-*.txt")):
         print(summarize_profile(prof))
     if len(threads) == 2:

@@ -47,8 +47,14 @@ def cli_module(pythonpath: str | None) -> str:
 
 def start(role: str, argv: list[str], run_dir: Path, env: dict, cli: str) -> subprocess.Popen:
     log = (run_dir / f"{role}.log").open("w")
-    return subprocess.Popen([sys.executable, "-m", cli, *argv], stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env=env, cwd=ROOT)
+    return subprocess.Popen(
+        [sys.executable, "-m", cli, *argv],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def wait_file(path: Path, proc: subprocess.Popen, timeout: float) -> None:
@@ -85,7 +91,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--warmup", type=float, default=15.0)
     ap.add_argument("--label", default="after")
-    ap.add_argument("--pythonpath", help="run another tree's fleetrl (a dir holding fleetrl/{common,broker,rollout,learner})")
+    ap.add_argument(
+        "--pythonpath", help="run another tree's fleetrl (a dir holding fleetrl/{common,broker,rollout,learner})"
+    )
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)")
     ap.add_argument("--workdir", default=str(ROOT), help="where models/demo-warm and data/ are (default: the checkout)")
     args = ap.parse_args()
@@ -94,8 +102,15 @@ def main() -> int:
     run_dir.mkdir(parents=True)
     overrides = [f"model.path={work['warm']}", f"data.train={work['train']}", f"data.eval={work['eval']}", *args.set]
     job = ["--config", str(ROOT / "configs" / "demo.yaml"), "--run-dir", str(run_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "FLEETRL_CHILD": "1"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "FLEETRL_CHILD": "1",
+    }
     if args.pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([args.pythonpath, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     cli = cli_module(args.pythonpath)
@@ -108,7 +123,9 @@ def main() -> int:
         wait_file(run_dir / "rollout-0.ready", procs[1], 300)
         from fleetrl.broker.client.sync import ZmqBrokerClient
 
-        client = ZmqBrokerClient(json.loads((run_dir / "broker.json").read_text())["address"], "learner-bench", "learner")
+        client = ZmqBrokerClient(
+            json.loads((run_dir / "broker.json").read_text())["address"], "learner-bench", "learner"
+        )
         client.connect()
         step = [0]
         drain(client, time.monotonic() + args.warmup, step)
@@ -132,19 +149,27 @@ def main() -> int:
                 p.wait()
     cores = os.cpu_count() or 1
     result = {
-        "label": args.label, "pythonpath": args.pythonpath, "overrides": overrides, "run_dir": str(run_dir),
-        "seconds": wall, "samples": samples, "samples_per_s": samples / wall,
-        "rollout_cpu_ms_per_sample": 1000 * rollout / max(samples, 1), "rollout_cores": rollout / wall,
+        "label": args.label,
+        "pythonpath": args.pythonpath,
+        "overrides": overrides,
+        "run_dir": str(run_dir),
+        "seconds": wall,
+        "samples": samples,
+        "samples_per_s": samples / wall,
+        "rollout_cpu_ms_per_sample": 1000 * rollout / max(samples, 1),
+        "rollout_cores": rollout / wall,
         "broker_cores": broker / wall,
         "others_cpu_share": others_cpu_share(busy, rollout + broker + driver, wall, cores),
     }
     result["comparable"] = result["others_cpu_share"] <= BUSY_SHARE
     out = ROOT / "benchmarks" / "results" / f"rollout_cpu-{args.label}.json"
     out.write_text(json.dumps(result, indent=1))
-    print(f"{args.label}: rollout {result['rollout_cpu_ms_per_sample']:.3f} CPU-ms per generated sample "
-          f"({result['rollout_cores']:.2f} cores, {result['samples_per_s']:.0f} samples/s, broker "
-          f"{result['broker_cores']:.2f} cores); others' CPU share {100 * result['others_cpu_share']:.0f}%"
-          f"{'' if result['comparable'] else ' (BUSY: wall-clock rates not comparable)'}")
+    print(
+        f"{args.label}: rollout {result['rollout_cpu_ms_per_sample']:.3f} CPU-ms per generated sample "
+        f"({result['rollout_cores']:.2f} cores, {result['samples_per_s']:.0f} samples/s, broker "
+        f"{result['broker_cores']:.2f} cores); others' CPU share {100 * result['others_cpu_share']:.0f}%"
+        f"{'' if result['comparable'] else ' (BUSY: wall-clock rates not comparable)'}"
+    )
     print(f"wrote {out}")
     return 0
 

@@ -12,7 +12,8 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from typing import Any, Callable, Coroutine, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import zmq
 
@@ -31,19 +32,30 @@ class ZmqBrokerClient:
     loop: one loop then carries the engine's and the broker's traffic). The synchronous methods must not be
     called from that loop's own thread (they wait for it)."""
 
-    def __init__(self, address: str, client_id: str, role: str, rank: int = 0, *, timeout_s: float = 30.0,
-                 curve: CurveConfig | None = None, info: dict[str, str] | None = None,
-                 loop: asyncio.AbstractEventLoop | None = None):
+    def __init__(
+        self,
+        address: str,
+        client_id: str,
+        role: str,
+        rank: int = 0,
+        *,
+        timeout_s: float = 30.0,
+        curve: CurveConfig | None = None,
+        info: dict[str, str] | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ):
         self._own_loop = loop is None
         self._loop = loop or asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
         if self._own_loop:
-            self._thread = threading.Thread(target=self._loop.run_forever, name=f"broker-client-{client_id}",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._loop.run_forever, name=f"broker-client-{client_id}", daemon=True
+            )
             self._thread.start()
         self._ctx = zmq.Context()
-        self.client = AsyncBrokerClient(address, client_id, role, rank, timeout_s=timeout_s, curve=curve, info=info,
-                                        ctx=self._ctx)
+        self.client = AsyncBrokerClient(
+            address, client_id, role, rank, timeout_s=timeout_s, curve=curve, info=info, ctx=self._ctx
+        )
         self.client_id = client_id
         self._heartbeat: concurrent.futures.Future[None] | None = None
         self._subs: list[AsyncSubscription] = []
@@ -127,7 +139,7 @@ class ZmqBrokerClient:
         """A raw request (tests and tools): ``make(req_id)`` -> the reply (see AsyncBrokerClient.request)."""
         return self._run(self.client.request(make, **kw))
 
-    def subscribe(self) -> "Subscription":
+    def subscribe(self) -> Subscription:
         sub = self._run(self._subscribe())
         self._subs.append(sub)
         return Subscription(self, sub)
@@ -154,7 +166,7 @@ class ZmqBrokerClient:
                 self._thread.join(timeout=5)
             self._ctx.term()
 
-    def __enter__(self) -> "ZmqBrokerClient":
+    def __enter__(self) -> ZmqBrokerClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -32,14 +32,15 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from fleetrl.common import messages
-from fleetrl.common.telemetry import tracing
 from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import JobConfig, SyncConfig
 from fleetrl.common.plugins.registry import Registry
+from fleetrl.common.telemetry import tracing
 from fleetrl.common.weightsync.sender.broadcast import Announce, BroadcastSender, Sent, Tensors
 
 if TYPE_CHECKING:  # torch is imported where it is used: this package imports without it
@@ -47,8 +48,17 @@ if TYPE_CHECKING:  # torch is imported where it is used: this package imports wi
 
 log = logging.getLogger(__name__)
 
-METRIC_KEYS = ("timing/sync_s", "sync/mb", "sync/mb_per_s", "sync/receivers", "sync/failed", "sync/unknown_joiners",
-               "sync/reforms", "sync/dropped", "sync/tampered")
+METRIC_KEYS = (
+    "timing/sync_s",
+    "sync/mb",
+    "sync/mb_per_s",
+    "sync/receivers",
+    "sync/failed",
+    "sync/unknown_joiners",
+    "sync/reforms",
+    "sync/dropped",
+    "sync/tampered",
+)
 OVERLAP_TRANSPORTS = ("gloo",)  # nccl would need a second copy of the weights on the GPU; files announce at the end
 
 SENDERS: Registry[type] = Registry("weight transport", config_key="sync.transport")
@@ -64,8 +74,14 @@ class WeightPublisher:
         self.overlap = self.cfg.overlap and self.cfg.transport in OVERLAP_TRANSPORTS
         self._background: BackgroundRound | None = None  # the overlapped round in flight (rank 0)
 
-    def publish(self, version: int, step: int, params: Iterable[tuple[str, torch.Tensor]], announce: Announce,
-                expected_receivers: int) -> dict[str, float]:
+    def publish(
+        self,
+        version: int,
+        step: int,
+        params: Iterable[tuple[str, torch.Tensor]],
+        announce: Announce,
+        expected_receivers: int,
+    ) -> dict[str, float]:
         """One sync round (see the module docstring); returns ``sync/*`` metrics (zeros off rank 0)."""
         it = iter(params)
         if self._sender is None:
@@ -76,17 +92,30 @@ class WeightPublisher:
         try:
             with tracing.span("learner.publish_weights", attributes=attributes) as span:  # child of learner.step
                 sent = self._sender.send(version, step, _checked(it, self.specs), announce, expected_receivers)
-                span.set_attributes({"fleetrl.mb": sent.nbytes / ws.MB, "fleetrl.receivers": sent.receivers,
-                                    "fleetrl.failed": sent.failed})
+                span.set_attributes(
+                    {
+                        "fleetrl.mb": sent.nbytes / ws.MB,
+                        "fleetrl.receivers": sent.receivers,
+                        "fleetrl.failed": sent.failed,
+                    }
+                )
         finally:
             extra = _drain(it)
         if extra:
-            raise ValueError(f"publish: params yielded {extra} tensors beyond the {len(self.specs)} specs; "
-                             "build the publisher's specs from the same named_parameters() that publish() iterates")
+            raise ValueError(
+                f"publish: params yielded {extra} tensors beyond the {len(self.specs)} specs; "
+                "build the publisher's specs from the same named_parameters() that publish() iterates"
+            )
         return sent_metrics(sent, time.perf_counter() - t0)
 
-    def start(self, version: int, step: int, params: Iterable[tuple[str, torch.Tensor]], announce: Announce,
-              expected_receivers: int) -> dict[str, float]:
+    def start(
+        self,
+        version: int,
+        step: int,
+        params: Iterable[tuple[str, torch.Tensor]],
+        announce: Announce,
+        expected_receivers: int,
+    ) -> dict[str, float]:
         """An overlapped round (module docstring): returns once ``version`` is announced. Without
         ``overlap`` (or off rank 0) it is `publish`. The ``sync/*`` figures are those of the round before
         (none after the first); ``timing/sync_s`` is what this call took (waiting for that round, the copy,
@@ -97,18 +126,29 @@ class WeightPublisher:
         previous = self.wait()
         it = iter(params)
         try:
-            copy = [(spec, tensor.detach().clone()) for spec, tensor in _checked(it, self.specs)]  # before the next step
+            copy = [
+                (spec, tensor.detach().clone()) for spec, tensor in _checked(it, self.specs)
+            ]  # before the next step
         finally:
             extra = _drain(it)
         if extra:
-            raise ValueError(f"publish: params yielded {extra} tensors beyond the {len(self.specs)} specs; "
-                             "build the publisher's specs from the same named_parameters() that publish() iterates")
+            raise ValueError(
+                f"publish: params yielded {extra} tensors beyond the {len(self.specs)} specs; "
+                "build the publisher's specs from the same named_parameters() that publish() iterates"
+            )
         sender = self._sender
-        attributes = {"fleetrl.policy_version": version, "fleetrl.step": step, "fleetrl.transport": self.cfg.transport,
-                      "fleetrl.overlap": True}
-        with telemetry.span("learner.publish_weights", attributes=attributes):  # until announced: the rest overlaps
-            round_ = BackgroundRound(lambda say: sender.send(version, step, iter(copy), say, expected_receivers),
-                                     announce, f"fleetrl-publish-v{version}")
+        attributes = {
+            "fleetrl.policy_version": version,
+            "fleetrl.step": step,
+            "fleetrl.transport": self.cfg.transport,
+            "fleetrl.overlap": True,
+        }
+        with tracing.span("learner.publish_weights", attributes=attributes):  # until announced: the rest overlaps
+            round_ = BackgroundRound(
+                lambda say: sender.send(version, step, iter(copy), say, expected_receivers),
+                announce,
+                f"fleetrl-publish-v{version}",
+            )
             round_.announced()  # raises what the round raised before announcing (the broker is gone...): it is over
         self._background = round_
         out = sent_metrics(previous[0], previous[1]) if previous is not None else {}
@@ -199,8 +239,10 @@ def _checked(it: Iterator[tuple[str, torch.Tensor]], specs: list[messages.ParamS
             raise ValueError(f"publish: params ended before {spec.name!r}; it must yield every spec in order")
         name, tensor = item
         if name != spec.name or list(tensor.shape) != spec.shape:
-            raise ValueError(f"publish: expected {spec.name!r} {spec.shape}, got {name!r} {list(tensor.shape)}; "
-                             "params must yield exactly the specs, in the same order")
+            raise ValueError(
+                f"publish: expected {spec.name!r} {spec.shape}, got {name!r} {list(tensor.shape)}; "
+                "params must yield exactly the specs, in the same order"
+            )
         yield spec, tensor
 
 
