@@ -161,7 +161,7 @@ class ZmqBrokerClient:
         try:
             self._run(shutdown(), timeout=5)
         finally:
-            if self._own_loop:
+            if self._thread is not None:  # the loop is ours (a given loop belongs to its owner)
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 self._thread.join(timeout=5)
             self._ctx.term()
