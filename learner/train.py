@@ -150,7 +150,7 @@ class Learner:
                         self.step, self.completions.rows(self.step, leased.groups, sample_advantages(batch))
                     )
             if self.fleet and self.step % self.cfg.sync.interval == 0 and finite_update(stats):
-                main_only.update(self.publish())
+                main_only.update(self.publish(overlap=True))
             if self.evaluator is not None and self.step % self.cfg.run.eval_interval == 0:
                 main_only.update(self.evaluator(self.module))
             wall = time.perf_counter() - t0
@@ -193,22 +193,23 @@ class Learner:
         return {n: float(v) / (1 if n.startswith(summed) else self.dist.world) for n, v in zip(names, t.tolist())}
 
     # --------------------------------------------------------------- weights
-    def publish(self) -> dict[str, float]:
-        """Send the current weights to the rollout fleet as version ``version + 1`` (collective)."""
+    def publish(self, overlap: bool = False) -> dict[str, float]:
+        """Send the current weights to the rollout fleet as version ``version + 1`` (collective). ``overlap``
+        (a training step's publish, with ``sync.overlap``): return once it is announced, the round streams
+        beside the next step (common/weightsync/sender/publisher.py); otherwise the round is over on return."""
         self.version += 1
         self.pristine = True
         expected = self.fleet_size
-        with self.traces.publishing(self.version, self.step) as traces:  # spans in the trained groups' traces
+        version, step = self.version, self.step  # the round's thread may announce after these move on
+        with self.traces.publishing(version, step) as traces:  # spans in the trained groups' traces
             announce = lambda info: self.client.publish_version(  # noqa: E731
-                self.version, self.step, msgspec.structs.replace(info, traces=traces)
+                version, step, msgspec.structs.replace(info, traces=traces)
             )
-            return self.publisher.publish(
-                self.version,
-                self.step,
-                self.full_params(),
-                announce if self.dist.is_main else (lambda info: None),
-                expected,
-            )
+            args = (version, step, self.full_params(), announce if self.dist.is_main else (lambda info: None), expected)
+            if overlap:
+                return self.publisher.start(*args)
+            self.publisher.wait()  # a round still in flight goes first: versions reach the fleet in order
+            return self.publisher.publish(*args)
 
     def full_params(self):
         """(name, full tensor) under the base model's names; with model.lora the merged weights (collective)."""

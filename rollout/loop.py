@@ -291,12 +291,21 @@ class MetricsFile:
 # ---------------------------------------------------------------------------------- finisher
 
 
+@dataclass
+class GiveBack:
+    """Prompts of one lease that go back to the broker without a group (`Finisher.give_back`)."""
+
+    lease_id: str
+    prompt_ids: list[str]
+
+
 class Finisher:
     """The background thread that scores, pushes and records finished groups (see the module docstring).
 
     ``error`` holds the exception that stopped it (the broker became unreachable); the main loop
     raises it. ``close()`` finishes every submitted batch; ``abandon()`` stops without finishing.
-    ``on_done(batch)`` runs (on this thread) once a batch is pushed, dropped or refused.
+    ``on_done(batch)`` runs (on this thread) once a batch is pushed, dropped or refused (``None``: once per
+    prompt given back).
     """
 
     def __init__(
@@ -309,7 +318,7 @@ class Finisher:
         metrics: MetricsFile,
         push_deadline_s: float,
         extra_metrics: Callable[[], dict[str, float]],
-        on_done: Callable[[Batch], None] | None = None,
+        on_done: Callable[[Batch | None], None] | None = None,
     ):
         self.client, self.scorer, self.server_id = client, scorer, server_id
         self.leases, self.stats, self.metrics = leases, stats, metrics
@@ -320,7 +329,7 @@ class Finisher:
             metrics.path.with_name(metrics.path.name.replace(".metrics.", ".acked.")) if metrics.path else None
         )
         self.error: BaseException | None = None
-        self._queue: queue.Queue[Batch | None] = queue.Queue()
+        self._queue: queue.Queue[Batch | GiveBack | None] = queue.Queue()
         self._abandon = threading.Event()
         self._last_record = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"finisher-{server_id}", daemon=True)
@@ -332,6 +341,11 @@ class Finisher:
             raise self.error
         batch.rewards.add_done_callback(lambda _: setattr(batch, "rewards_done", time.monotonic()))
         self._queue.put(batch)
+
+    def give_back(self, lease_id: str, prompt_ids: list[str]) -> None:
+        """Return prompts that make no group (their generation failed, too few samples survived); ``on_done``
+        runs once per prompt, as for a pushed batch of one."""
+        self._queue.put(GiveBack(lease_id, list(prompt_ids)))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -354,10 +368,13 @@ class Finisher:
                     break
                 closing = more is None
                 batches.append(more)
-            batches = [b for b in batches if b is not None]
             if self._abandon.is_set():
                 return
+            backs = [b for b in batches if isinstance(b, GiveBack)]
+            batches = [b for b in batches if isinstance(b, Batch)]
             try:
+                for back in backs:
+                    self.return_prompts(back)
                 if batches:
                     self.finish_all(batches)
             except BaseException as e:  # noqa: BLE001 - reported to the main loop, which exits on it
@@ -365,6 +382,20 @@ class Finisher:
                 return
             if closing:
                 return
+
+    def return_prompts(self, back: GiveBack) -> None:
+        try:
+            self.client.return_prompts(back.lease_id, back.prompt_ids)
+            self.stats.add(prompts_returned=len(back.prompt_ids))
+        except (BrokerError, BrokerUnavailable) as e:
+            log.warning(
+                "could not return prompt(s) %s (%s); the broker re-issues them when their lease expires",
+                ", ".join(back.prompt_ids),
+                e,
+            )
+        self.leases.close(back.lease_id, back.prompt_ids)
+        for _ in back.prompt_ids:
+            self.on_done(None)
 
     def finish(self, batch: Batch) -> None:
         """One batch alone (see `finish_all`)."""

@@ -3,9 +3,14 @@
     start:  load the engine → register with the broker (heartbeats from then on) → subscribe to
             announcements → `<run-dir>/rollout-<i>.ready`
     loop:   announcements and new weights → lease prompts while fewer than `rollout.max_inflight`
-            are in flight → `group_size` requests each to the engine → the moment a prompt's
-            samples are all done: rewards (scorer threads) → one SampleGroup → pushed until acked
-            with whatever else is ready (the finisher thread, `loop.py`)
+            are in flight → the lease to the engine's event loop in one call, where each prompt runs
+            its `group_size` episodes and, the moment they are all done, its group is assembled and
+            its rewards started (inline or scorer threads) → one SampleGroup → pushed until acked with
+            whatever else is ready (the finisher thread, `loop.py`)
+
+Threads: this control loop (the main thread); the engine's event loop, which also carries the
+broker client and each prompt's pipeline (`_pipeline`); the hf decode thread; the finisher; reward
+workers for rewards with a time limit; the weight receiver (docs/rollout.md, "Threads and loops").
     stop:   SIGTERM / SIGINT / a `stop` or `done` announcement / data exhausted: admit nothing more,
             finish the groups in flight, push, return every prompt still leased, leave the fleet,
             exit 0 (`done`: unless rollout.stay_after_done). A second signal abandons the groups in
@@ -19,12 +24,11 @@ caught up by asking the broker for its current version every `CATCHUP_S` seconds
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import functools
 import json
 import logging
 import os
-import queue
 import signal
 import threading
 import time
@@ -115,8 +119,8 @@ class RolloutServer:
         self.metrics = MetricsFile(self.run_dir / f"rollout-{server_index}.metrics.jsonl" if self.run_dir else None)
         self.sub: SubscriptionLike | None = None
         self.finisher: Finisher | None = None
-        self.inflight: dict[int, InFlight] = {}  # admitted, not yet handed to the finisher
-        self._done: queue.SimpleQueue[tuple[int, int, Any]] = queue.SimpleQueue()
+        self.inflight: dict[int, InFlight] = {}  # admitted, not yet handed to the finisher (removed on the engine loop)
+        self.pipeline_error: BaseException | None = None  # what a prompt's pipeline raised (the server raises it)
         self._wake = threading.Event()
         self._next_id = 0
         self._next_catchup = 0.0
@@ -146,6 +150,8 @@ class RolloutServer:
             self.shutdown(finish, give_back)
         if self.finisher is not None and self.finisher.error is not None:
             raise self.finisher.error  # the last groups could not be pushed: not a clean exit
+        if self.pipeline_error is not None:
+            raise self.pipeline_error
         return 0
 
     def start(self) -> None:
@@ -196,7 +202,6 @@ class RolloutServer:
             lease = self.lease(min(self.room(), self.cfg.rollout.prompts_per_batch))
             if lease is not None:
                 self.generate(lease, LeaseTrace.start(lease, self.client_id, self.version, start_ns))
-        self.collect()
         if lease is None and not self.stopping:
             self.wait_progress(WAIT_SLICE_S)
         return lease
@@ -238,12 +243,10 @@ class RolloutServer:
         if self.inflight:
             log.info("finishing %d group(s) in flight before stopping", len(self.inflight))
         while self.inflight:
-            self.collect()
-            if self.inflight:
-                self._wake.wait(WAIT_SLICE_S)
-                self._wake.clear()
-            if self.finisher is not None and self.finisher.error is not None:
-                return
+            self._wake.wait(WAIT_SLICE_S)
+            self._wake.clear()
+            if self.pipeline_error is not None or (self.finisher is not None and self.finisher.error is not None):
+                return  # run() raises it once the server has shut down
 
     @property
     def stopping(self) -> bool:
@@ -289,7 +292,8 @@ class RolloutServer:
         return reply
 
     def generate(self, lease: m.PromptLease, trace: LeaseTrace | None = None) -> list[InFlight]:
-        """Admit the lease's prompts: ``group_size`` episodes each (rollout.env; single_turn: one request)."""
+        """Admit the lease's prompts: ``group_size`` episodes each (rollout.env; single_turn: one request),
+        handed to the engine's event loop in one call, where each prompt runs on to its push (`_pipeline`)."""
         g = self.cfg.rollout.group_size
         n = g + int(self.greedy_baseline)  # the last sample of a group is the greedy baseline (remax)
         admitted = []
@@ -300,39 +304,36 @@ class RolloutServer:
             item = InFlight(lease, prompt, task.prompt_ids, self.version, time.monotonic(), trace, [None] * n)
             self.inflight[key] = item
             self.budget.admitted()
+            episodes = []
             for j in range(n):
                 params = (
                     self.greedy_params if j == g else faults.at("rollout.sampling", self.params, version=self.version)
                 )
-                episode = self.env.episode(
-                    self.engine, task, params, f"{self.client_id}/{key}/{j}", trace_carrier(trace, prompt.prompt_id)
+                episodes.append(
+                    self.env.episode(
+                        self.engine, task, params, f"{self.client_id}/{key}/{j}", trace_carrier(trace, prompt.prompt_id)
+                    )
                 )
-                future = self.engine.loop.submit(episode)
-                future.add_done_callback(functools.partial(self._sample_done, key, j))
-            admitted.append(item)
-        return admitted
+            admitted.append((key, item, episodes))
+        self.engine.loop.submit(self._pipeline(admitted))
+        return [item for _, item, _ in admitted]
 
-    def _sample_done(self, key: int, j: int, future: Any) -> None:  # the engine loop's thread
-        self._done.put((key, j, future))
+    async def _pipeline(self, admitted: list[tuple[int, InFlight, list]]) -> None:
+        """On the engine's event loop: each prompt's episodes, then its group is assembled and its rewards
+        started (scorer), and it goes to the finisher for the push; no thread hand-off per sample."""
+        await asyncio.gather(*(self._prompt(key, item, episodes) for key, item, episodes in admitted))
+
+    async def _prompt(self, key: int, item: InFlight, episodes: list) -> None:
+        for j, sample in enumerate(await asyncio.gather(*episodes, return_exceptions=True)):
+            if isinstance(sample, BaseException):  # the engine failed this request: the prompt goes back
+                item.failed = item.failed or sample
+                sample = Generation([], [], "stop", "")
+            item.samples[j] = sample
+        try:
+            self._finished(key, item)
+        except BaseException as e:  # noqa: BLE001 - raised on the server's thread (poll)
+            self.pipeline_error = self.pipeline_error or e
         self._wake.set()
-
-    def collect(self) -> None:
-        """Samples the engine finished since the last call; each complete group goes to scoring."""
-        while True:
-            try:
-                key, j, future = self._done.get_nowait()
-            except queue.Empty:
-                return
-            item = self.inflight.get(key)
-            if item is None:
-                continue
-            try:
-                item.samples[j] = future.result()
-            except BaseException as e:  # noqa: BLE001 - the engine failed this request: the prompt goes back
-                item.failed = item.failed or e
-                item.samples[j] = Generation([], [], "stop", "")
-            if item.done:
-                self._finished(key, item)
 
     def _finished(self, key: int, item: InFlight) -> None:
         del self.inflight[key]
@@ -349,19 +350,12 @@ class RolloutServer:
             self.finisher.submit(batch)
 
     def _give_back(self, item: InFlight) -> None:
+        """The prompt goes back to the broker (on the finisher's thread: nothing here waits for the broker)."""
         if item.trace is not None:
             item.trace.dropped(item.prompt.prompt_id)
-        try:
-            self.client.return_prompts(item.lease.lease_id, [item.prompt.prompt_id])
-            self.stats.add(prompts_returned=1)
-        except (BrokerError, BrokerUnavailable) as e:
-            log.warning(
-                "could not return prompt %s (%s); the broker re-issues it when its lease expires",
-                item.prompt.prompt_id,
-                e,
-            )
-        self.leases.close(item.lease.lease_id, [item.prompt.prompt_id])
-        self._pushed(None)
+        if self.finisher is None:
+            return  # never started: shutdown returns every open lease
+        self.finisher.give_back(item.lease.lease_id, [item.prompt.prompt_id])
 
     def _pushed(self, batch: Batch | None) -> None:  # the finisher's thread
         self.budget.released(len(batch.samples) if batch is not None else 1)
@@ -381,12 +375,13 @@ class RolloutServer:
         deadline = time.monotonic() + seconds
         while not self.stopping and (left := deadline - time.monotonic()) > 0:
             self.poll(min(left, WAIT_SLICE_S))
-            self.collect()
 
     def poll(self, timeout_s: float) -> None:
         """Announcements (waiting up to ``timeout_s`` for one), the catch-up poll, new weights."""
         if self.finisher is not None and self.finisher.error is not None:
             raise self.finisher.error
+        if self.pipeline_error is not None:
+            raise self.pipeline_error
         ann = self.sub.next(timeout_s) if timeout_s > 0 else None
         for a in ([ann] if ann is not None else []) + self.sub.drain():
             self.on_announcement(a)
@@ -546,7 +541,8 @@ def main(args) -> int:
             timeout_s=cfg.broker.request_timeout_s,
             curve=cfg.broker.curve,
             info={"engine": cfg.rollout.engine, "device": device, "receivers": str(getattr(receiver, "receivers", 1))},
-        )
+            loop=engine.loop.loop,
+        )  # one event loop: the engine's, the pipeline's, the broker's
         endpoint = None
         if cfg.rollout.openai.enabled:
             from fleetrl.rollout.endpoint.server import Endpoint

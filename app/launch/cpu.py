@@ -1,6 +1,6 @@
 """How busy a job kept the machine: CPU seconds of every process `fleetrl run` started, over the RL phase.
 
-`fleetrl run` samples its children's process trees (torchrun's workers included) every poll and keeps
+`fleetrl run` samples its children's process trees (torchrun's workers included) once a second and keeps
 each process's last reading, so a process that exits before the summary still counts up to its last
 sample. The summary line and ``<run-dir>/cpu.json`` give cores busy (CPU seconds / wall seconds) in all
 and per child, and the share of the machine that other processes used meanwhile (a figure measured

@@ -420,5 +420,12 @@ class AsyncSubscription:
         except asyncio.TimeoutError:
             return None
 
+    async def drain(self) -> list[m.Announcement]:
+        """Every announcement already queued (none waited for)."""
+        out = []
+        while not self.queue.empty():
+            out.append(self.queue.get_nowait())
+        return out
+
     def close(self) -> None:
         self.sock.close()

@@ -27,7 +27,10 @@ T = TypeVar("T")
 
 
 class ZmqBrokerClient:
-    """Every role's calls (``roles.py``) over ZeroMQ: the async client runs on an event loop in a daemon thread."""
+    """Every role's calls (``roles.py``) over ZeroMQ: the async client runs on an event loop in a daemon thread
+    of its own, or on ``loop``, an event loop that already runs in another thread (a rollout server's engine
+    loop: one loop then carries the engine's and the broker's traffic). The synchronous methods must not be
+    called from that loop's own thread (they wait for it)."""
 
     def __init__(
         self,
@@ -39,10 +42,16 @@ class ZmqBrokerClient:
         timeout_s: float = 30.0,
         curve: CurveConfig | None = None,
         info: dict[str, str] | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ):
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"broker-client-{client_id}", daemon=True)
-        self._thread.start()
+        self._own_loop = loop is None
+        self._loop = loop or asyncio.new_event_loop()
+        self._thread: threading.Thread | None = None
+        if self._own_loop:
+            self._thread = threading.Thread(
+                target=self._loop.run_forever, name=f"broker-client-{client_id}", daemon=True
+            )
+            self._thread.start()
         self._ctx = zmq.Context()
         self.client = AsyncBrokerClient(
             address, client_id, role, rank, timeout_s=timeout_s, curve=curve, info=info, ctx=self._ctx
@@ -152,8 +161,9 @@ class ZmqBrokerClient:
         try:
             self._run(shutdown(), timeout=5)
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
+            if self._thread is not None:  # the loop is ours (a given loop belongs to its owner)
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=5)
             self._ctx.term()
 
     def __enter__(self) -> ZmqBrokerClient:
@@ -171,7 +181,7 @@ class Subscription:
         return self._owner._run(self._sub.next(timeout_s))
 
     def drain(self) -> list[m.Announcement]:
-        out = []
-        while (ann := self.next(0)) is not None:
-            out.append(ann)
-        return out
+        """Every announcement already there, in one visit to the client's loop (none when its queue is empty)."""
+        if self._sub.queue.empty():  # read across threads: one that lands meanwhile is taken by the next call
+            return []
+        return self._owner._run(self._sub.drain())

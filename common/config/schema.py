@@ -579,6 +579,13 @@ class SyncConfig(Section):
             "rollouts that missed a round; false = they wait for the next publish."
         ),
     ] = True
+    overlap: Annotated[
+        bool,
+        doc(
+            "gloo: announce the version, then stream it from a copy of the weights on a thread while the learner "
+            "trains its next step (one round in flight); false = the learner waits for each round to finish."
+        ),
+    ] = True
 
 
 # ---------------------------------------------------------------------------------- checkpoint

@@ -50,6 +50,7 @@ from fleetrl.rollout.engines.sampling import (  # noqa: F401 - draw and filter_t
     _Job,
     draw,
     filter_top_k_top_p,
+    resolve_all,
     resolve_device,
     resolve_dtype,
     sample_rows,
@@ -133,10 +134,15 @@ class HFEngine(Engine):
     # ------------------------------------------------------------------------- the interface
 
     async def generate(self, request: Request) -> Generation:
-        [generation] = await self.generate_many([request])
-        return generation
+        [job] = self._enqueue([request])
+        return await job.future  # one request: no gather around one future
 
     async def generate_many(self, requests: Sequence[Request]) -> list[Generation]:
+        return list(await asyncio.gather(*(job.future for job in self._enqueue(requests))))
+
+    def _enqueue(self, requests: Sequence[Request]) -> list[_Job]:
+        """Queue ``requests`` for the decode thread (started if none runs); their jobs, whose futures resolve
+        on the calling event loop."""
         self._check_prompts([r.prompt_ids for r in requests])
         loop = asyncio.get_running_loop()
         jobs = [_Job(r, loop.create_future(), loop) for r in requests]
@@ -151,7 +157,7 @@ class HFEngine(Engine):
                 self._thread = threading.Thread(target=self._serve, name="hf-engine-decode", daemon=True)
                 self._thread.start()
             self._cv.notify_all()
-        return list(await asyncio.gather(*(job.future for job in jobs)))
+        return jobs
 
     async def pause(self, mode: str) -> None:
         with self._cv:
@@ -191,11 +197,9 @@ class HFEngine(Engine):
                     rows = self._iterate(rows, jobs)
             except BaseException as e:  # noqa: BLE001 - reported to each request, the thread goes on
                 log.exception("hf engine: a decode step of %d rows failed", len(rows) + len(jobs))
-                for job in rows.jobs + jobs:
-                    job.resolve(e)  # a request already resolved keeps its result
+                resolve_all([(job, e) for job in rows.jobs + jobs])  # a request already resolved keeps its result
                 rows = Rows.empty(self.device)
-        for job in rows.jobs + list(self._pending):
-            job.resolve(RuntimeError("the hf engine was closed"))
+        resolve_all([(job, RuntimeError("the hf engine was closed")) for job in rows.jobs + list(self._pending)])
 
     def _take(self, running: int) -> list[_Job]:
         """The pending jobs that join now (called under the lock): none while paused; continuous: the
@@ -241,9 +245,9 @@ class HFEngine(Engine):
         if by_string_R is not None:
             done_R |= by_string_R
         if bool(done_R.any()):
-            for row in done_R.nonzero().squeeze(1).tolist():
-                by_string = by_string_R is not None and bool(by_string_R[row])
-                rows.jobs[row].resolve(self._assemble(rows, row, by_string))
+            finished = done_R.nonzero().squeeze(1).tolist()
+            by_string = [False] * len(finished) if by_string_R is None else by_string_R[finished].tolist()
+            resolve_all([(rows.jobs[row], self._assemble(rows, row, hit)) for row, hit in zip(finished, by_string)])
             token_R = token_R[~done_R]
             rows = rows.keep(~done_R)
         parked = self._park()

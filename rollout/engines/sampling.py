@@ -141,12 +141,29 @@ class _Job:
         return self.request.params.max_new_tokens - len(self.tokens)
 
     def resolve(self, generation: Generation | BaseException) -> None:
-        def set_result() -> None:
-            if self.future.done():
-                return
-            if isinstance(generation, BaseException):
-                self.future.set_exception(generation)
-            else:
-                self.future.set_result(generation)
+        resolve_all([(self, generation)])
 
-        self.loop.call_soon_threadsafe(set_result)
+
+def _settle(job: _Job, outcome: Generation | BaseException) -> None:
+    """On the job's event loop: its future gets ``outcome`` (a future already resolved keeps its result)."""
+    if job.future.done():
+        return
+    if isinstance(outcome, BaseException):
+        job.future.set_exception(outcome)
+    else:
+        job.future.set_result(outcome)
+
+
+def _settle_all(outcomes: list[tuple[_Job, Generation | BaseException]]) -> None:
+    for job, outcome in outcomes:
+        _settle(job, outcome)
+
+
+def resolve_all(outcomes: list[tuple[_Job, Generation | BaseException]]) -> None:
+    """Resolve jobs from the decode thread with one wake-up of each event loop they wait on, not one per
+    job: the rows that end in one decode step return together."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Job, Generation | BaseException]]] = {}
+    for job, outcome in outcomes:
+        by_loop.setdefault(job.loop, []).append((job, outcome))
+    for loop, items in by_loop.items():
+        loop.call_soon_threadsafe(_settle_all, items)

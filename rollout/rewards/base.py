@@ -97,6 +97,9 @@ class Reward:
     time_limited: ClassVar[bool] = (
         False  # a batch call runs under rollout.reward_timeout_s (per-sample calls always do)
     )
+    inline: bool = (
+        False  # a builtin whose score() is a bounded computation: scored on the caller's thread, no time limit
+    )
 
     def __init__(self, **args: Any):
         self.args = convert_args(self.name, self.Args, args)

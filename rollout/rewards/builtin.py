@@ -109,6 +109,9 @@ class ExactReward(SampleReward):
     def __init__(self, **args: Any):
         super().__init__(**args)
         self.regex = None if self.args.pattern is None else compile_pattern(self.args.pattern, self.args.flags)
+        self.inline = (
+            self.regex is None
+        )  # a string comparison; a user's pattern may backtrack: a worker and a time limit
 
     def extract(self, response: str) -> str | None:
         """The answer part of ``response`` (None when ``pattern`` does not match)."""
@@ -176,6 +179,8 @@ class LengthReward(SampleReward):
             Annotated[float, Meta(ge=0)] | None, doc("Cap of the per-token penalty (null = none).")
         ] = None
         truncation_penalty: Annotated[float, doc("Extra penalty when the response hit max_new_tokens.", ge=0)] = 0.0
+
+    inline = True  # arithmetic on two fields
 
     def score(self, x: RewardInput) -> float:
         a = self.args

@@ -141,6 +141,14 @@ def as_score(value: Any) -> float | Failure | None:
     return x if math.isfinite(x) else Failure("nonfinite", f"returned non-finite {x}")
 
 
+def score_inline(reward: Any, x: RewardInput) -> float | Failure | None:
+    """One sample of an ``inline`` reward, scored on this thread (what `outcome` makes of a worker's call)."""
+    try:
+        return as_score(reward.score(x))
+    except Exception as e:  # noqa: BLE001 - a failed sample, counted like a worker's
+        return Failure("error", f"{type(e).__name__}: {str(e)[:200]}")
+
+
 def outcome(fut: Future, n: int, batched: bool) -> list[float | Failure | None]:
     """The ``n`` scores a finished call produced: one for a per-sample call, ``n`` for a batch call."""
     if fut.cancelled():
@@ -177,7 +185,9 @@ class RewardScorer:
 
     ``workers`` threads run sync calls (each sample of each per-sample reward is its own call,
     limited to ``timeout_s`` seconds from when it starts); ``async def`` rewards run on one event
-    loop; batch rewards (``model``) run on a worker without a time limit.
+    loop; batch rewards (``model``) run on a worker without a time limit. ``inline`` builtins (``exact``
+    without a pattern, ``length``: bounded string or arithmetic work) are scored on the caller's thread at
+    once: a thread hand-off per sample costs more than the score.
     """
 
     def __init__(
@@ -195,6 +205,7 @@ class RewardScorer:
         self.parts = build_parts(specs)
         self.timeout_s, self.on_failure = timeout_s, on_failure
         self._runner = CallRunner(workers, name="reward")
+        self.closed = False
         self._lock = threading.Lock()
         self._totals: Counter[str] = Counter()
         self._window: Counter[str] = Counter()
@@ -208,9 +219,16 @@ class RewardScorer:
 
     def submit(self, batch: Sequence[RewardInput]) -> Future[list[RewardResult]]:
         """Start scoring ``batch``; the future holds one ``RewardResult`` per sample, in order."""
+        if self.closed:
+            raise RuntimeError("the reward scorer is closed")
         job = _Job(list(batch), [[None] * len(batch) for _ in self.parts])
         job.out.set_running_or_notify_cancel()
-        calls = [call for k, part in enumerate(self.parts) for call in self._calls(k, part.reward, job.batch)]
+        calls = []
+        for k, part in enumerate(self.parts):
+            if per_sample(part.reward) and part.reward.inline:  # no worker thread: the scores are known now
+                job.scores[k] = [score_inline(part.reward, x) for x in job.batch]
+            else:
+                calls += self._calls(k, part.reward, job.batch)
         job.remaining = len(calls)
         if not calls:
             self._finish(job)
@@ -365,6 +383,7 @@ class RewardScorer:
 
     def close(self) -> None:
         """Stop the worker threads and release the rewards (reward models)."""
+        self.closed = True
         self._runner.close()
         for part in self.parts:
             if hasattr(part.reward, "close"):

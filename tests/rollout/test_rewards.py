@@ -416,3 +416,25 @@ def test_a_batched_call_missing_a_column_lists_the_columns_the_rows_have():
     reward = PythonReward(function=f"{USER}:reward_func")
     with pytest.raises(ValueError, match=r"\['ground_truth'\].*\(columns: \['answer', 'level'\]\)"):
         reward([RewardInput(prompt="p", response="r", answer="1", metadata={"answer": "1", "level": 2})])
+
+
+# ------------------------------------------------------------------ inline builtins
+
+
+def test_inline_builtins_are_scored_before_submit_returns_and_fail_like_a_worker(scorer_of):
+    """`exact` (no pattern) and `length` are scored on the caller's thread: the future is done when submit
+    returns (a worker would still hold it); a sample they cannot score fails and is counted as a worker's would."""
+    scorer = scorer_of(spec("exact"), spec("length", weight=0.5, target=1, penalty_per_token=1.0))
+    fut = scorer.submit(
+        [sample("4", "4", num_tokens=1), sample("45", "4", num_tokens=2), sample("4", None, num_tokens=1)]
+    )
+    assert fut.done()
+    ok, wrong, no_answer = fut.result()
+    assert ok.reward == 1.0 and not ok.failed
+    assert wrong.reward == 0.0 - 0.5 * 1.0 and wrong.parts == {"exact": 0.0, "length": -1.0}  # 2 tokens, target 1
+    assert no_answer.failed and no_answer.failed_parts == ("exact",) and "ground-truth answer" in no_answer.error
+    assert scorer.stats()["reward/errors_total"] == 1
+    # with a user's pattern `exact` may backtrack: a worker runs it under the time limit
+    threaded = scorer_of(spec("exact", pattern=r"(\d+)"))
+    assert [r.reward for r in threaded.score([sample("= 4", "4"), sample("= 5", "4")])] == [1.0, 0.0]
+    assert not threaded.parts[0].reward.inline and scorer.parts[0].reward.inline and scorer.parts[1].reward.inline

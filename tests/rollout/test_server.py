@@ -173,6 +173,34 @@ def test_one_iteration_produces_valid_groups(engine, tiny_model_dir, tmp_path):
         fleet.stop()
 
 
+def test_a_failed_generation_sends_its_prompt_back_and_frees_its_budget(engine, tiny_model_dir, monkeypatch):
+    """A request the engine fails (on the event loop, mid-pipeline): its prompt goes back to the broker through
+    the finisher (nothing on the loop waits for the broker), the other prompts' groups are pushed, and the
+    failed prompt leaves the in-flight budget."""
+    fleet = Fleet(engine, tiny_model_dir)
+    real, calls = engine.generate, []
+
+    async def flaky(request):
+        calls.append(request.request_id)
+        if len(calls) == 2:
+            raise RuntimeError("decode step failed")
+        return await real(request)
+
+    monkeypatch.setattr(engine, "generate", flaky)
+    try:
+        fleet.server.start()
+        lease = fleet.server.step()
+        fleet.server.shutdown(finish=True, give_back=True)
+        pushed = {g.prompt_id for g in fleet.drain()}
+        back = [p.prompt_id for p in fleet.state.prompts.reissue]
+        assert len(calls) == B * G and len(back) == 1 and back[0] not in pushed
+        assert pushed | set(back) == {p.prompt_id for p in lease.prompts}
+        assert fleet.server.stats.totals["prompts_returned"] == 1 and fleet.server.budget.unpushed == 0
+        assert fleet.server.pipeline_error is None and fleet.state.prompts.leased == 0
+    finally:
+        fleet.stop()
+
+
 def test_encode_prompt_chat_template_and_left_truncation(engine):
     tok = engine.tokenizer
     raw = encode_prompt(tok, "07+58=", False, 100)

@@ -16,6 +16,13 @@ steps with the full (gathered) parameters; only rank 0 sends. The transport come
 
 Rank 0 always consumes every tensor of ``params``, even when nothing is sent, so that ranks that
 gather ZeRO-3 shards in lockstep with it never wait on it.
+
+**Overlapped rounds** (``sync.overlap``, gloo): :meth:`WeightPublisher.start` copies the weights, runs the
+round on a thread of its own and returns as soon as the version is announced, so the learner's next step
+runs while receivers join and the buckets stream. The announcement itself stays on the learner's path:
+the broker's staleness bound counts from the newest version announced, so no group is trained against a
+version the broker does not know yet. The next publish first waits for the round before it (one round
+in flight; it costs one copy of the weights in host memory) and reports that round's ``sync/*`` figures.
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +59,7 @@ METRIC_KEYS = (
     "sync/dropped",
     "sync/tampered",
 )
+OVERLAP_TRANSPORTS = ("gloo",)  # nccl would need a second copy of the weights on the GPU; files announce at the end
 
 SENDERS: Registry[type] = Registry("weight transport", config_key="sync.transport")
 
@@ -62,6 +71,8 @@ class WeightPublisher:
         self.specs = [ws.make_spec(s.name, s.shape, s.dtype) for s in specs]
         self.plan = ws.plan_buckets(self.specs, int(self.cfg.bucket_mb * ws.MB))
         self._sender = SENDERS[self.cfg.transport](self.cfg, Path(run_dir), self.plan) if rank == 0 else None
+        self.overlap = self.cfg.overlap and self.cfg.transport in OVERLAP_TRANSPORTS
+        self._background: BackgroundRound | None = None  # the overlapped round in flight (rank 0)
 
     def publish(
         self,
@@ -95,23 +106,129 @@ class WeightPublisher:
                 f"publish: params yielded {extra} tensors beyond the {len(self.specs)} specs; "
                 "build the publisher's specs from the same named_parameters() that publish() iterates"
             )
-        mb = sent.nbytes / ws.MB
-        return {
-            "timing/sync_s": time.perf_counter() - t0,
-            "sync/mb": mb,
-            "sync/mb_per_s": mb / sent.seconds if sent.seconds > 0 else 0.0,
-            "sync/receivers": float(sent.receivers),
-            "sync/failed": float(sent.failed),
-            "sync/unknown_joiners": float(sent.unknown_joiners),
-            "sync/reforms": float(sent.reforms),
-            "sync/dropped": float(sent.dropped),
-            "sync/tampered": float(sent.tampered),
+        return sent_metrics(sent, time.perf_counter() - t0)
+
+    def start(
+        self,
+        version: int,
+        step: int,
+        params: Iterable[tuple[str, torch.Tensor]],
+        announce: Announce,
+        expected_receivers: int,
+    ) -> dict[str, float]:
+        """An overlapped round (module docstring): returns once ``version`` is announced. Without
+        ``overlap`` (or off rank 0) it is `publish`. The ``sync/*`` figures are those of the round before
+        (none after the first); ``timing/sync_s`` is what this call took (waiting for that round, the copy,
+        the announcement) and ``sync/round_s`` how long that round ran beside training."""
+        if not self.overlap or self._sender is None:
+            return self.publish(version, step, params, announce, expected_receivers)
+        t0 = time.perf_counter()
+        previous = self.wait()
+        it = iter(params)
+        try:
+            copy = [
+                (spec, tensor.detach().clone()) for spec, tensor in _checked(it, self.specs)
+            ]  # before the next step
+        finally:
+            extra = _drain(it)
+        if extra:
+            raise ValueError(
+                f"publish: params yielded {extra} tensors beyond the {len(self.specs)} specs; "
+                "build the publisher's specs from the same named_parameters() that publish() iterates"
+            )
+        sender = self._sender
+        attributes = {
+            "fleetrl.policy_version": version,
+            "fleetrl.step": step,
+            "fleetrl.transport": self.cfg.transport,
+            "fleetrl.overlap": True,
         }
+        with tracing.span("learner.publish_weights", attributes=attributes):  # until announced: the rest overlaps
+            round_ = BackgroundRound(
+                lambda say: sender.send(version, step, iter(copy), say, expected_receivers),
+                announce,
+                f"fleetrl-publish-v{version}",
+            )
+            round_.announced()  # raises what the round raised before announcing (the broker is gone...): it is over
+        self._background = round_
+        out = sent_metrics(previous[0], previous[1]) if previous is not None else {}
+        if previous is not None:
+            out["sync/round_s"] = out.pop("timing/sync_s")
+        out["timing/sync_s"] = time.perf_counter() - t0
+        return out
+
+    def wait(self) -> tuple[Sent, float] | None:
+        """Wait for the overlapped round in flight, if any: (what it sent, its seconds); raises what it raised."""
+        bg, self._background = self._background, None
+        return bg.result() if bg is not None else None
 
     def close(self) -> None:
-        if self._sender is not None:
-            self._sender.close()
-            self._sender = None
+        try:
+            self.wait()  # the last version reaches the fleet before the sender goes
+        finally:
+            if self._sender is not None:
+                self._sender.close()
+                self._sender = None
+
+
+class BackgroundRound:
+    """One publish round on a thread of its own (`WeightPublisher.start`): ``run(announce)`` returns `Sent`.
+
+    `announced` blocks until the round has announced its version, or raises what the round raised before
+    it could; `result` joins the thread and returns (sent, seconds), or raises what the round raised."""
+
+    def __init__(self, run: Callable[[Announce], Sent], announce: Announce, name: str):
+        self._announce, self._said = announce, threading.Event()
+        self._told = False  # the announcement went out
+        self._sent: Sent | None = None
+        self._error: BaseException | None = None
+        self._seconds = 0.0
+        self._thread = threading.Thread(target=self._run, args=(run,), name=name, daemon=True)
+        self._thread.start()
+
+    def _say(self, info: messages.WeightsInfo) -> None:
+        self._announce(info)
+        self._told = True
+        self._said.set()
+
+    def _run(self, run: Callable[[Announce], Sent]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._sent = run(self._say)
+        except BaseException as e:  # noqa: BLE001 - handed to the learner's thread, which raises it
+            self._error = e
+        finally:
+            self._seconds = time.perf_counter() - t0
+            self._said.set()
+
+    def announced(self) -> None:
+        self._said.wait()
+        if not self._told:
+            self._thread.join()
+            raise self._error if self._error is not None else RuntimeError("the publish round never announced")
+
+    def result(self) -> tuple[Sent, float]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._sent is not None
+        return self._sent, self._seconds
+
+
+def sent_metrics(sent: Sent, seconds: float) -> dict[str, float]:
+    """The ``sync/*`` figures of one round (``timing/sync_s``: ``seconds``)."""
+    mb = sent.nbytes / ws.MB
+    return {
+        "timing/sync_s": seconds,
+        "sync/mb": mb,
+        "sync/mb_per_s": mb / sent.seconds if sent.seconds > 0 else 0.0,
+        "sync/receivers": float(sent.receivers),
+        "sync/failed": float(sent.failed),
+        "sync/unknown_joiners": float(sent.unknown_joiners),
+        "sync/reforms": float(sent.reforms),
+        "sync/dropped": float(sent.dropped),
+        "sync/tampered": float(sent.tampered),
+    }
 
 
 def _checked(it: Iterator[tuple[str, torch.Tensor]], specs: list[messages.ParamSpec]) -> Tensors:

@@ -197,6 +197,57 @@ def test_a_stalled_receiver_holds_the_learner_about_one_bucket_timeout(learner_m
         pub.close()
 
 
+def test_an_overlapped_round_returns_once_announced_and_sends_the_weights_as_they_were(learner_model, tmp_path):
+    """sync.overlap: `start` returns as soon as the version is announced, before any receiver joined (a
+    synchronous publish waits for the join, up to its window); the round goes on beside the caller, which
+    changes the weights at once, and the receiver still gets them as they were at `start`, in that round."""
+    cfg = JobConfig(sync=SyncConfig(transport="gloo", timeout_s=TIMEOUT_S, bucket_mb=0.1, overlap=True))
+    pub = WeightPublisher(cfg, tmp_path, 0, specs_of(learner_model))
+    specs = [(n, tuple(p.shape), p.dtype) for n, p in learner_model.named_parameters()]
+    engine = CaptureEngine(specs)
+    receiver = WeightReceiver(cfg, specs, "cpu", "rollout-0")
+    infos: list[WeightsInfo] = []
+    try:
+        perturb(learner_model, 1)
+        as_started = {n: p.detach().numpy().copy() for n, p in learner_model.named_parameters()}
+        first = pub.start(1, 1, learner_model.named_parameters(), infos.append, 1)
+        assert len(infos) == 1 and first["timing/sync_s"] < ws.JOIN_WINDOW_S / 2  # not held until a receiver joins
+        assert "sync/receivers" not in first  # no round before it to report
+        perturb(learner_model, 2)  # the next step changes the weights while the round waits for its receiver
+        receiver.on_version(1, infos[0])  # the announcement reaches the receiver only now
+        wait_pending(receiver, 1)
+        assert receiver.apply(engine) == 1
+        for name, value in as_started.items():
+            assert np.array_equal(engine.state[name].numpy(), value), name
+        assert receiver.stats()["weights/catchups"] == 0  # received in the round itself
+
+        # the next start reports the round before it; a synchronous publish waits for the one in flight
+        second = pub.start(2, 2, learner_model.named_parameters(), lambda info: receiver.on_version(2, info), 1)
+        assert second["sync/receivers"] == 1 and second["sync/failed"] == 0 and second["sync/round_s"] > 0
+        sent, seconds = pub.wait()
+        assert sent.receivers == 1 and seconds > 0 and pub.wait() is None
+        wait_pending(receiver, 2)
+        assert receiver.apply(engine) == 2
+        assert_same_weights(learner_model, engine.state)
+
+        # an announcement that fails (the broker is gone) is raised on the caller's thread
+        def unreachable(info: WeightsInfo) -> None:
+            raise ConnectionError("no broker")
+
+        with pytest.raises(ConnectionError, match="no broker"):
+            pub.start(3, 3, learner_model.named_parameters(), unreachable, 1)
+        third = pub.start(4, 4, learner_model.named_parameters(), lambda info: receiver.on_version(4, info), 1)
+        assert "sync/receivers" not in third  # the failed round left nothing to report
+        pub.close()  # waits for the round in flight: the last version reaches the fleet
+        assert not [t for t in threading.enumerate() if t.name.startswith("fleetrl-publish")]
+        wait_pending(receiver, 4)
+        assert receiver.apply(engine) == 4
+        assert_same_weights(learner_model, engine.state)
+    finally:
+        receiver.close()
+        pub.close()
+
+
 def wait_for(cond, timeout: float = TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
