@@ -7,7 +7,8 @@ spool write leaves no trace:
    (fails ``check_group``: tokens, log-probs, rewards, versions from the future, an unleased prompt; or
    its prompt already had ``rollout.group_size`` samples for each time it was handed out),
    ``throttled`` (the broker holds ``broker.max_held_groups``, or an unleased push over capacity),
-   else ``accepted`` — or ``stale`` when its version is too old or was discarded by a rollback;
+   else ``accepted`` — or ``stale`` when its version is too old or was discarded by a rollback, or its
+   server is quarantined (``broker/control.py``);
 2. **write** the records of every group that is kept (accepted, or stale: remembered for de-duplication)
    in one spool write; a group that cannot even be encoded is rejected on its own;
 3. **apply**: queue the accepted groups, drop the stale ones (re-issuing their prompts).
@@ -64,7 +65,7 @@ class Ingest:
 
     def push(self, groups: list[m.SampleGroup], client: ClientState, now: float) -> list[tuple[str, str]]:
         """(status, reason) for each group, in order (see the module docstring); raises SpoolUnavailable."""
-        verdicts = self._judge(groups)
+        verdicts = self._judge(groups, client.client_id)
         kept = [v for v in verdicts if v.status in ("accepted", "stale")]
         try:
             if self.s.spool is not None:
@@ -85,7 +86,7 @@ class Ingest:
                 self.s.counters["push_throttled"] += 1
         return [(v.status, v.reason) for v in verdicts]
 
-    def _judge(self, groups: list[m.SampleGroup]) -> list[Verdict]:
+    def _judge(self, groups: list[m.SampleGroup], sender: str = "") -> list[Verdict]:
         s, bcfg = self.s, self.s.bcfg
         max_version = s.version + bcfg.version_slack if s.controls.version_known else None
         oldest = min_fresh_version(s.version, bcfg.max_staleness)
@@ -117,7 +118,11 @@ class Ingest:
                                                    f"broker.max_held_groups={s.max_held}); push again later"))
                 continue
             seen.add(g.group_id)
-            if s.controls.discarded.touches(g):
+            quarantined = s.controls.quarantined
+            if quarantined and (sender in quarantined or g.server_id in quarantined):
+                out.append(Verdict(g, "stale", f"rollout server {sender or g.server_id} is quarantined",
+                                   "quarantined"))
+            elif s.controls.discarded.touches(g):
                 out.append(Verdict(g, "stale", f"policy versions of group {g.group_id} (oldest {g.policy_version}) "
                                                "were rolled back by the learner",
                                    "discarded"))
@@ -142,7 +147,7 @@ class Ingest:
         return recs
 
     def _requeued_prompt(self, v: Verdict) -> m.Prompt | None:
-        requeue = v.drop == "discarded" or self.s.bcfg.requeue_stale
+        requeue = v.drop in ("discarded", "quarantined") or self.s.bcfg.requeue_stale
         return self.s.prompts.lookup(v.group.prompt_id) if requeue else None
 
     def _apply(self, v: Verdict, client: ClientState, now: float) -> None:

@@ -142,9 +142,10 @@ class InprocBrokerClient:
         return self._call(lambda r: m.PublishVersion(req_id=r, client_id=self.client_id, version=version, step=step,
                                                      weights=weights))
 
-    def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1) -> m.Ack:
+    def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1,
+                target: str = "") -> m.Ack:
         return self._call(lambda r: m.Control(req_id=r, client_id=self.client_id, action=action, reason=reason,
-                                              min_version=min_version, max_version=max_version))
+                                              min_version=min_version, max_version=max_version, target=target))
 
     def heartbeat(self, policy_version: int, stats: dict[str, float] | None = None) -> m.Ack:
         return self._call(lambda r: m.Heartbeat(req_id=r, client_id=self.client_id, policy_version=policy_version,

@@ -108,13 +108,14 @@ class PublishVersion(Message, tag=10):  # Learner rank 0 -> Broker
     weights: WeightsInfo = msgspec.field(default_factory=WeightsInfo)
 
 
-class Control(Message, tag=11):  # Operator -> Broker (a learner: its rollback's pause, resume, discard)
+class Control(Message, tag=11):  # Operator -> Broker (a learner: its rollback's pause, resume, discard; quarantine)
     req_id: int
     client_id: Id
-    action: Literal["pause", "resume", "stop", "discard"]
+    action: Literal["pause", "resume", "stop", "discard", "quarantine", "release"]
     reason: str = ""
     min_version: int = 0  # discard: the closed range [min_version, max_version] of versions to drop
     max_version: int = -1  # discard: its upper end, at most the broker's current version (-1 is refused)
+    target: Id = ""  # quarantine / release: the rollout server's client id
 
 
 class GetStatus(Message, tag=12):  # anyone -> Broker
@@ -240,6 +241,7 @@ class Status(Message, tag=27):  # Broker -> anyone
     uncommitted: int = 0
     counters: dict[str, int] = {}  # refusals by cap and role, spool and timer errors, evictions, closed connections
     stats: dict[str, float] = {}  # the broker process's bytes/s in and out and resources (broker/metrics.py)
+    quarantined: dict[str, str] = {}  # rollout server client id -> why it is quarantined
 
 
 Reply = Union[Ack, Error, Throttle, Registered, PromptLease, BatchLease, CurrentVersion, Status, GroupAcks]
