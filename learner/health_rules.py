@@ -23,9 +23,11 @@ class HealthEvent:
     threshold: float
     message: str
     time: float
+    server: str = ""  # per-server rules: the rollout server (client id) the event is about
 
     def to_json(self) -> str:
-        row = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in asdict(self).items()}
+        row = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in asdict(self).items()
+               if k != "server" or v}  # `server` only on per-server rules' events
         return json.dumps(row)
 
     @classmethod
@@ -34,7 +36,7 @@ class HealthEvent:
 
     def short(self) -> str:
         """One phrase for the live status line, e.g. ``reward_drop -> rollback @ 130``."""
-        return f"{self.rule} -> {self.action} @ {self.step}"
+        return f"{self.rule} -> {self.action}{f' {self.server}' if self.server else ''} @ {self.step}"
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Rule:
     THRESHOLD: ClassVar[float | None] = None
     STATE: ClassVar[tuple[str, ...]] = ()
     AT_CHECKPOINT: ClassVar[bool] = False  # judged by on_checkpoint (observe only accumulates)
+    PER_SERVER: ClassVar[bool] = False  # judged per rollout server (learner/health_servers.py)
 
     def __init__(self, spec: HealthRule, key: str):
         self.spec, self.key, self.action = spec, key, spec.action
@@ -66,6 +69,9 @@ class Rule:
             self.bad("threshold", "must be a finite number")
         if self.window is not None and self.window < 1:
             self.bad("window", "must be >= 1")
+        if self.action == "quarantine" and not self.PER_SERVER:
+            self.bad("action", "quarantine isolates one rollout server: only per-server rules (server_poison) take it; "
+                     "use alert, rollback or stop")
         self.check()
         self.reset()
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from fleetrl.broker.client import BrokerClient, BrokerError, BrokerUnavailable
+from fleetrl.common import faults
 from fleetrl.common import messages as m
 from fleetrl.common.config import ConfigError
 from fleetrl.rollout.engines.base import Generation
@@ -331,6 +332,7 @@ class Finisher:
         for batch in batches:
             results = batch.rewards.result()
             groups, dropped, unscored = build_groups(batch, results, self.server_id, self.scorer.should_drop)
+            groups = faults.poison_groups(groups)  # FLEETRL_FAULT=poison_server (benchmarks); off by default
             results = results[: sum(len(row) for row in batch.samples)]  # the greedy baselines are not samples
             if dropped:
                 self.client.return_prompts(batch.lease.lease_id, dropped)

@@ -470,6 +470,7 @@ def main(args) -> int:
     stop = threading.Event()
     install_signals(stop)
     client_id = default_client_id("rollout", index, client_identity(cfg.broker.curve, "rollout"))
+    faults.note_server(index)
     telemetry.setup_tracing("rollout", cfg.telemetry, args.run_dir,
                             {"service.instance.id": f"rollout-{index}", "fleetrl.client_id": client_id,
                              "fleetrl.server_index": index})

@@ -39,9 +39,12 @@ def test_default_config_is_safe_and_builds():
     cfg = HealthConfig()
     m = HealthMonitor(cfg, None)
     actions = {r.name: r.action for r in cfg.rules}
-    # the breaker as tuned by benchmarks/health.py: collapses and NaNs roll back, the rest alerts
+    # the breaker as tuned by benchmarks/health.py: collapses and NaNs roll back, the rest alerts; one rollout
+    # server's poison quarantines that server (issue 27), never the run
     assert actions == {"non_finite": "rollback", "grad_spike": "alert", "reward_drop": "rollback",
-                       "length_collapse": "rollback", "entropy_floor": "alert", "mismatch_kl_ceiling": "rollback"}
+                       "length_collapse": "rollback", "entropy_floor": "alert", "mismatch_kl_ceiling": "rollback",
+                       "server_poison": "quarantine"}
+    assert cfg.screen.enabled
     assert len(m.rules) == len(cfg.rules)
     assert HealthMonitor(HealthConfig(enabled=False), None).rules == []
 
@@ -57,6 +60,7 @@ def test_default_config_is_safe_and_builds():
         ("length_collapse", "response/length_mean", 20, 0.5),
         ("grad_spike", "actor/grad_norm", 20, 10.0),
         ("non_finite", "", None, None),
+        ("server_poison", "server/screened", 20, 2.0),
     ],
 )
 def test_rule_defaults_match_the_docs(name, metric, window, threshold):
