@@ -85,8 +85,8 @@ class ScreenConfig(Section):
     enabled: Annotated[bool, doc("Leave out of each step the leased groups no honest rollout server could have sent "
                                  "(learner/screen.py), counted per server for the server_poison rule.")] = True
     reward_spread: Annotated[float, doc(
-        "A reward further than this x max(IQR, 1) from the median of the fleet's recent rewards is implausible; "
-        "raise it for rewards with heavy tails.", gt=0)] = 10.0
+        "A reward further than this x max(IQR, 1) from the median of the fleet's recent rewards is implausible "
+        "(100: a -10 format penalty among 0/1 rewards passes, -1e6 does not); raise it for heavier tails.", gt=0)] = 100.0
     history: Annotated[int, doc("Recent rewards (samples that passed) the median and IQR are taken over.", ge=8)] = 1024
     warmup: Annotated[int, doc("Samples that must pass before rewards are judged (log-probs are judged at once).",
                                ge=1)] = 64

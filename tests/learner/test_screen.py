@@ -47,28 +47,34 @@ def test_a_reward_far_outside_the_fleets_is_left_out_and_counted_against_its_ser
     assert verdict.per_server() == {"honest": {"groups": 2.0, "screened": 0.0}, "poison": {"groups": 1.0, "screened": 1.0}}
 
 
+def test_a_format_penalty_among_binary_rewards_passes():
+    screen = FleetScreen(ScreenConfig())
+    warm(screen)
+    assert screen.judge([group("penalised", [-10.0, 1.0, 0.0, -10.0], "s")]).dropped == []
+
+
 def test_rewards_are_judged_only_after_the_warmup():
     screen = FleetScreen(ScreenConfig(warmup=64))
     # 8 samples seen: no fleet to compare with yet, so a large reward passes (its log-probs are plausible)
     assert screen.judge([honest(0), group("big", [50.0] * 4, "s")]).dropped == []
     warm(screen, 20)
-    assert [g.group_id for g in screen.judge([group("big2", [500.0] * 4, "s")]).dropped] == ["big2"]
+    assert [g.group_id for g in screen.judge([group("big2", [5000.0] * 4, "s")]).dropped] == ["big2"]
 
 
 def test_the_reward_limit_scales_with_the_fleets_spread():
-    # a reward model on a wide scale: rewards ~ N(0, 30) pass, and so does one 5 IQRs out; 20 IQRs out does not
+    # a reward model on a wide scale: rewards ~ N(0, 30) pass, and so does one 50 IQRs out; 200 IQRs out does not
     screen = FleetScreen(ScreenConfig())
     wide = [group(f"w{i}", list(RNG.normal(0, 30, 4)), "rm") for i in range(64)]
     assert screen.judge(wide).dropped == []
     q1, med, q3 = np.percentile([r for g in wide for r in g.rewards], [25, 50, 75])
     iqr = q3 - q1  # ~40
-    assert screen.judge([group("far-ish", [med + 5 * iqr] * 4, "rm")]).dropped == []
-    assert len(screen.judge([group("far", [med + 20 * iqr] * 4, "rm")]).dropped) == 1
+    assert screen.judge([group("far-ish", [med + 50 * iqr] * 4, "rm")]).dropped == []
+    assert len(screen.judge([group("far", [med + 200 * iqr] * 4, "rm")]).dropped) == 1
 
 
 def test_honest_binary_rewards_never_trip_the_screen():
     # 5,000 groups of 0/1 rewards, the fleet's success rate drifting from 0% to 100% and back (a lopsided
-    # fleet): the limit is 10 x max(IQR, 1) from the median, which 0/1 rewards never reach
+    # fleet): the limit is 100 x max(IQR, 1) from the median, which 0/1 rewards never reach
     screen = FleetScreen(ScreenConfig())
     for i in range(5000):
         p = 0.5 + 0.5 * math.sin(i / 400)
