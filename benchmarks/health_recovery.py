@@ -69,6 +69,7 @@ def run_one(name: str, work: dict, args, seed: int, fault: str | None) -> dict:
     sets = [f"model.path={work['warm']}", f"data.train={work['train']}", f"data.eval={work['eval']}",
             f"learner.total_steps={args.steps}", "learner.max_minutes=0", "run.eval_interval=10",
             f"run.eval_n={args.eval_n}", "checkpoint.interval=10", "checkpoint.keep_last=3", "telemetry.log_level=WARNING",
+            "run.learner_threads=1", "run.rollout_threads=1",  # no OMP spinning on a shared box (counts, not speed)
             f"learner.seed={seed}", f"rollout.seed={seed}", f"data.seed={seed}"]
     if args.rules:
         sets.append(f"health.rules={args.rules}")

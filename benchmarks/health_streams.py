@@ -100,7 +100,7 @@ def overrides(name: str, work: dict[str, str], steps: int, seed: int, args) -> l
             f"learner.lr={lr}", f"learner.groups_per_step={groups}", f"rollout.prompts_per_batch={groups}",
             f"rollout.group_size={args.group_size}", f"run.eval_interval={args.eval_interval}",
             f"run.eval_n={args.eval_n}", f"health.rules={RECORD_RULES}", "checkpoint.interval=0",
-            "telemetry.log_level=WARNING",
+            "telemetry.log_level=WARNING", "run.learner_threads=1", "run.rollout_threads=1",  # no OMP spinning on a shared box
             f"learner.seed={seed}", f"rollout.seed={seed}", f"data.seed={seed}", "learner.device=cpu",
             "rollout.device=cpu"]
     return sets + (["rollout.max_new_tokens=5"] if task == "arithmetic" else [])
