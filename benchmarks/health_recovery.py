@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -82,8 +83,7 @@ def run_one(name: str, work: dict, args, seed: int, fault: str | None) -> dict:
         env.update(FLEETRL_FAULT=kind, FLEETRL_FAULT_AT=str(args.inject_at), FLEETRL_FAULT_FOR=str(duration),
                    **EXTRA.get(fault, ([], {}))[1])
     if run_dir.exists():  # an unfinished run: start it again from scratch
-        for p in sorted(run_dir.rglob("*"), reverse=True):
-            p.rmdir() if p.is_dir() and not p.is_symlink() else p.unlink()
+        shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     print(f"[{name}] seed {seed}" + (f", {fault} ({FAULTS[fault][0]}) from {args.inject_at}" if fault else ""), flush=True)
     code, cpu = run_child(name, argv, run_dir / "run.log", 60 * args.timeout_min, env=env)
