@@ -12,8 +12,8 @@ round-robin over the configurations (each gets ``--segment-steps`` steps a round
 time) until each has its ``--steps``: a sweep stopped half-way has covered every configuration.
 
 It is resumable: a finished segment leaves ``<workdir>/streams/<name>/seg-<k>/done.json`` and is never
-run again; a segment killed half-way is run again from its start (its partial stream is kept aside as
-``metrics.jsonl.partial``, not counted). After the rounds, the replay runs the rules (the shipped
+run again; a segment killed half-way is run again from its start (its directory is kept aside as
+``seg-<k>.partial-<time>``, not counted). After the rounds, the replay runs the rules (the shipped
 defaults, and the candidate set ``--candidate-rules``) over every finished segment and writes
 benchmarks/results/health_replay.json (per rule, per configuration) and
 benchmarks/results/health_streams.json (the segments: steps, exit code, held-out curve, others' CPU).
@@ -113,8 +113,8 @@ def recorded(name: str, workdir: Path) -> list[dict]:
 
 def run_segment(name: str, k: int, work: dict[str, str], steps: int, args) -> dict:
     seg = Path(args.workdir) / "streams" / name / f"seg-{k:02d}"
-    if (seg / "metrics.jsonl").exists():  # a segment killed half-way: kept aside, run again from its start
-        shutil.move(seg / "metrics.jsonl", seg / f"metrics.jsonl.partial-{int(time.time())}")
+    if seg.exists():  # a segment killed half-way: kept aside whole, run again from its start
+        shutil.move(seg, seg.with_name(f"{seg.name}.partial-{int(time.time())}"))
     seed = args.seed + 101 * k
     argv = [sys.executable, "-m", "fleetrl.common.cli", "run", "--config",
             str(ROOT / "configs" / f"{CONFIGS[name][0]}.yaml"), "--run-dir", str(seg), "--no-status",
