@@ -18,9 +18,10 @@ on ``--eval-n`` problems every 10 steps, a checkpoint every 10 steps, and the he
 
 Per run: the detection delay (first health event at or after the injection), the rule, the action, the
 last rollback step R; then, against the unfaulted run of the same seed, the worst held-out dip after
-the injection (accuracy lost) and the held-out accuracy at the first evaluation >= R + 50 (recovered:
-within 3 points of the unfaulted run there). A run the monitor stopped is compared at its last
-evaluation. Resumable: a finished run is not run again (``--again`` to force); results are merged into
+the injection (accuracy lost) and the held-out accuracy averaged over the evaluations from R + 50 to
+R + 70 (recovered: within 3 points of the unfaulted run's average over the same steps; one evaluation
+of 500 problems swings +-5 points between neighbours on a healthy run). A run the monitor stopped is
+compared at its last evaluation. Resumable: a finished run is not run again (``--again`` to force); results are merged into
 benchmarks/results/health_recovery.json.
 
     nice -n 10 python benchmarks/health_recovery.py [--faults divergence,reward_hack] [--seeds 1,2,3]
@@ -55,6 +56,7 @@ FAULTS = {  # name: (FLEETRL_FAULT, FLEETRL_FAULT_FOR)
 }
 EXTRA = {"poison_server": (["rollout.num_servers=2"], {"FLEETRL_FAULT_SERVER": "1"})}  # overrides, environment
 AFTER = 50  # judge the recovery this many steps after the last rollback
+SPAN = 20  # over the evaluations from AFTER to AFTER + SPAN steps after it
 POINTS = 0.03
 
 
@@ -102,10 +104,6 @@ def run_one(name: str, work: dict, args, seed: int, fault: str | None) -> dict:
     return result
 
 
-def at_or_after(curve: list, step: int) -> tuple[int, float] | None:
-    return next(((s, a) for s, a in curve if s >= step), None)
-
-
 def compare(run: dict, base: dict) -> dict:
     """One fault run against the unfaulted run of its seed (see the module docstring)."""
     at = run["inject_at"]
@@ -118,16 +116,19 @@ def compare(run: dict, base: dict) -> dict:
         recovered_from = at + det["delay_steps"]
     base_at = dict(base["curve"])
     dips = [base_at[s] - a for s, a in run["curve"] if s > at and s in base_at]
-    judge = at_or_after(run["curve"], (recovered_from or at) + AFTER) or (run["curve"][-1] if run["curve"] else None)
+    start = (recovered_from or at) + AFTER  # the evaluations in [start, start + SPAN], averaged (one swings +-5 points)
+    judged = [(s, a) for s, a in run["curve"] if start <= s <= start + SPAN and s in base_at]
+    if not judged and run["curve"] and run["curve"][-1][0] in base_at:  # stopped (or too short): its last evaluation
+        judged = [run["curve"][-1]]
     out = {"detected": det["detected"], "delay_steps": det["delay_steps"], "first_rule": det["first_rule"],
            "action": det["action"], "rollbacks": len(rollbacks), "recovered_from_step": recovered_from,
            "accuracy_lost_max": max(dips, default=None), "stopped": run["exit_code"] == 3}
-    if judge is not None and judge[0] in base_at:
-        out.update(judged_at=judge[0], accuracy=judge[1], unfaulted=base_at[judge[0]],
-                   gap=base_at[judge[0]] - judge[1], recovered=judge[1] >= base_at[judge[0]] - POINTS)
+    if judged:
+        acc, ref = statistics.mean(a for _, a in judged), statistics.mean(base_at[s] for s, _ in judged)
+        out.update(judged_at=[s for s, _ in judged], accuracy=acc, unfaulted=ref, gap=ref - acc,
+                   recovered=acc >= ref - POINTS)
     else:
-        out.update(judged_at=judge[0] if judge else None, accuracy=judge[1] if judge else None, unfaulted=None,
-                   gap=None, recovered=False)
+        out.update(judged_at=None, accuracy=None, unfaulted=None, gap=None, recovered=False)
     return out
 
 
@@ -159,7 +160,8 @@ def print_table(summary: dict) -> None:
     for fault, f in summary["faults"].items():
         for seed, r in f["seeds"].items():
             print(f"{fault:<18}{seed:>5}{str(r['delay_steps']):>7}  {str(r['first_rule']):<22}{r['action']:<9}"
-                  f"{r['rollbacks']:>3}{pct(r['accuracy_lost_max']):>7}{str(r['judged_at']):>5}{pct(r['accuracy']):>7}"
+                  f"{r['rollbacks']:>3}{pct(r['accuracy_lost_max']):>7}{str((r['judged_at'] or ['-'])[0]):>5}"
+                  f"{pct(r['accuracy']):>7}"
                   f"{pct(r['unfaulted']):>7}{pct(r['gap']):>7}")
         print(f"{'':<18}median gap {pct(f['median_gap'])} points; recovered: {f['recovered_median']}")
     for k, v in summary["targets"].items():
