@@ -12,8 +12,8 @@ on ``--eval-n`` problems every 10 steps, a checkpoint every 10 steps, and the he
 | non_finite | nan_grad,nan_reward | 15 versions | one NaN update; 25% of reward scores NaN |
 | entropy_collapse | entropy_collapse | 15 versions | the fleet samples at temperature 0.1 |
 | stale_fleet | stale_fleet | 15 versions | new weights announced, old weights kept (silent sync failure) |
-| reward_hack | reward_hack | 15 versions | the reward pays 1 for an empty or one-character answer |
-| persistent | stale_fleet | 400 versions | the sync failure outlives every rollback |
+| reward_hack | reward_hack | 40 versions | the reward pays 1 for an empty or one-character answer (15 versions were too few for the policy to find it: reward and length never moved) |
+| persistent | reward_hack | 400 versions | the same reward bug, never fixed: it outlives every rollback |
 | poison_server | poison_server | 400 versions | with 2 rollout servers, server 1 pays -1e6 and reports log-probs of 0.0 (not one of the six: the quarantine's check) |
 
 Per run: the detection delay (first health event at or after the injection), the rule, the action, the
@@ -50,8 +50,8 @@ FAULTS = {  # name: (FLEETRL_FAULT, FLEETRL_FAULT_FOR)
     "non_finite": ("nan_grad,nan_reward", 15),
     "entropy_collapse": ("entropy_collapse", 15),
     "stale_fleet": ("stale_fleet", 15),
-    "reward_hack": ("reward_hack", 15),
-    "persistent": ("stale_fleet", 400),
+    "reward_hack": ("reward_hack", 40),
+    "persistent": ("reward_hack", 400),
     "poison_server": ("poison_server", 400),
 }
 EXTRA = {"poison_server": (["rollout.num_servers=2"], {"FLEETRL_FAULT_SERVER": "1"})}  # overrides, environment
