@@ -55,6 +55,7 @@ FAULTS = {  # name: (FLEETRL_FAULT, FLEETRL_FAULT_FOR)
     "poison_server": ("poison_server", 400),
 }
 EXTRA = {"poison_server": (["rollout.num_servers=2"], {"FLEETRL_FAULT_SERVER": "1"})}  # overrides, environment
+BASELINE = {"poison_server": "unfaulted2"}  # compared with an unfaulted run of the same shape (2 rollout servers)
 AFTER = 50  # judge the recovery this many steps after the last rollback
 SPAN = 20  # over the evaluations from AFTER to AFTER + SPAN steps after it
 POINTS = 0.03
@@ -64,7 +65,7 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
-def run_one(name: str, work: dict, args, seed: int, fault: str | None) -> dict:
+def run_one(name: str, work: dict, args, seed: int, fault: str | None, extra: list[str] | None = None) -> dict:
     run_dir = Path(args.workdir) / "runs" / name
     done = run_dir / "done.json"
     if done.exists() and not args.again:
@@ -76,7 +77,7 @@ def run_one(name: str, work: dict, args, seed: int, fault: str | None) -> dict:
             f"learner.seed={seed}", f"rollout.seed={seed}", f"data.seed={seed}"]
     if args.rules:
         sets.append(f"health.rules={args.rules}")
-    sets += EXTRA.get(fault or "", ([], {}))[0]
+    sets += EXTRA.get(fault or "", ([], {}))[0] + (extra or [])
     argv = [sys.executable, "-m", "fleetrl.common.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
             "--run-dir", str(run_dir), "--no-status", *sets]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -135,8 +136,9 @@ def compare(run: dict, base: dict) -> dict:
 def summarize(runs: dict[str, dict], faults: list[str], seeds: list[int]) -> dict:
     table = {}
     for fault in faults:
-        per_seed = {s: compare(runs[f"{fault}-s{s}"], runs[f"unfaulted-s{s}"]) for s in seeds
-                    if f"{fault}-s{s}" in runs and f"unfaulted-s{s}" in runs}
+        base = BASELINE.get(fault, "unfaulted")
+        per_seed = {s: compare(runs[f"{fault}-s{s}"], runs[f"{base}-s{s}"]) for s in seeds
+                    if f"{fault}-s{s}" in runs and f"{base}-s{s}" in runs}
         if not per_seed:
             continue
         gaps = [r["gap"] for r in per_seed.values() if r["gap"] is not None]
@@ -188,11 +190,16 @@ def main() -> int:
         ap.error(f"--faults: unknown {unknown}; valid: {', '.join(FAULTS)}")
     previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     runs = {r["name"]: r for r in previous.get("runs", [])}
+    for done in sorted(Path(args.workdir, "runs").glob("*/done.json")):  # finished runs the JSON may lack
+        runs[done.parent.name] = {**json.loads(done.read_text()), "name": done.parent.name}
     if not args.analyze_only:
         work = prepare(Path(args.workdir), 0.25)
         for seed in seeds:  # seed by seed: a stopped sweep has whole comparisons
             runs[f"unfaulted-s{seed}"] = run_one(f"unfaulted-s{seed}", work, args, seed, None)
             for fault in faults:
+                if fault in BASELINE:
+                    name = f"{BASELINE[fault]}-s{seed}"
+                    runs[name] = run_one(name, work, args, seed, None, EXTRA[fault][0])
                 runs[f"{fault}-s{seed}"] = run_one(f"{fault}-s{seed}", work, args, seed, fault)
                 save(runs, args, faults, seeds)
     summary = save(runs, args, faults, seeds)
