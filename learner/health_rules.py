@@ -170,8 +170,36 @@ class MismatchKlCeiling(Limit):
 
 @HEALTH_RULES.register("entropy_floor")
 class EntropyFloor(Limit):
+    """The entropy MA under the floor **while the reward MA is more than ``REWARD_SLACK`` below its best** (since
+    start / rollback): the policy went deterministic and is getting worse. A policy that converged on a task it
+    solves (entropy near 0, the reward at its best) is success, not a collapse, and stays quiet. Without a
+    reward metric the floor alone decides."""
+
     METRIC, WINDOW, THRESHOLD, ABOVE = "actor/entropy", 10, 0.03, False
+    REWARD, REWARD_SLACK = "reward/mean", 0.1
+    STATE = ("points", "rewards", "best")
     MEANING = "the policy has become nearly deterministic (entropy collapse) and stops exploring"
+
+    def reset(self) -> None:
+        super().reset()
+        self.rewards: deque[tuple[int, float]] = deque(maxlen=self.window)
+        self.best = -math.inf
+
+    def observe(self, step: int, metrics: dict[str, float]) -> Fired | None:
+        reward = finite(metrics, self.REWARD)
+        if reward is not None:
+            self.rewards.append((step, reward))
+        reward_ma = sum(v for _, v in self.rewards) / self.window if len(self.rewards) == self.window else None
+        if reward_ma is not None:
+            self.best = max(self.best, reward_ma)
+        fired = super().observe(step, metrics)
+        if fired is None or reward_ma is None:
+            return fired
+        if reward_ma >= self.best - self.REWARD_SLACK:
+            return None  # deterministic at its best reward: converged, not collapsed
+        fired.message += (f"; and {self.REWARD} averaged {reward_ma:.4g}, {self.best - reward_ma:.3g} below its best "
+                          f"{self.best:.4g} (more than {self.REWARD_SLACK:g})")
+        return fired
 
 
 @HEALTH_RULES.register("reward_floor")

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -470,3 +471,21 @@ def test_health_imports_without_torch():
     code = "import sys, fleetrl.learner.health\nprint(','.join(m for m in ('torch', 'deepspeed', 'zmq') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_entropy_floor_is_quiet_on_a_converged_run_and_fires_on_a_collapse_that_costs_reward():
+    # the multi-turn demo (issue 23's quiet run, main's warm-up fix): held-out 19.5% -> 79%, the reward MA at
+    # ~0.86, entropy 0.3 -> 0.01 as the policy converges on a deterministic task. Recorded (step, entropy,
+    # reward) rows; the floor alone alerted 7 times from step 183 (before this rule looked at the reward)
+    rows = json.loads((Path(__file__).parent / "data" / "multiturn_converged.json").read_text())
+    m = monitor(HealthRule(name="entropy_floor"))
+    assert not [e for step, ent, rew in rows for e in m.observe(step, {"actor/entropy": ent, "reward/mean": rew})]
+    # the same entropy, with the reward sliding 0.15 below its best once the policy is deterministic: fires
+    m = monitor(HealthRule(name="entropy_floor"))
+    fired = [(step, e) for step, ent, rew in rows
+             for e in m.observe(step, {"actor/entropy": ent, "reward/mean": rew - (0.15 if step > 180 else 0.0)})]
+    assert fired and fired[0][0] > 180 and "below its best" in fired[0][1].message
+    # a policy deterministic from the start, its reward never at a best it fell from, with no reward metric: the
+    # floor alone (the rule's behaviour on objectives that report no reward)
+    m = monitor(HealthRule(name="entropy_floor", window=3))
+    assert list(feed(m, "actor/entropy", [0.01] * 4)) == [3]
