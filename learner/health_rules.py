@@ -161,11 +161,26 @@ class KlCeiling(Limit):
 
 @HEALTH_RULES.register("mismatch_kl_ceiling")
 class MismatchKlCeiling(Limit):
+    """The MA over ``window`` measured steps above the ceiling, or **one** measured step above ``SPIKE`` x the
+    ceiling: the metric exists only on steps that trained tokens of the version just published, which with
+    ``broker.max_staleness`` > 0 can be one step in fifteen, so a window of 5 measurements may take a hundred
+    steps to fill while a broken sync is already far off (a stale fleet measured 0.30 on its one step)."""
+
     METRIC, WINDOW, THRESHOLD = "off_policy/mismatch_kl", 5, 0.01
+    SPIKE = 10.0
     MEANING = ("on tokens sampled by the very version being trained, the engine's log-probs disagree with the "
                "learner's: a broken weight sync (stale or corrupted weights under a new version number) or engine "
                "numerics (dtype, temperature, kernels), so the importance ratios are unreliable; policy drift from "
                "staleness is off_policy/drift_kl and never fires this rule")
+
+    def observe(self, step: int, metrics: dict[str, float]) -> Fired | None:
+        fired = super().observe(step, metrics)
+        value = finite(metrics, self.metric)
+        if fired is not None or value is None or value <= self.SPIKE * self.threshold:
+            return fired
+        return Fired(value, self.SPIKE * self.threshold, f"{self.metric} measured {value:.4g} on this step, over "
+                     f"{self.SPIKE:g} x the ceiling {self.threshold:.4g} (no need to wait for {self.window} measured "
+                     f"steps): {self.MEANING}", step)
 
 
 @HEALTH_RULES.register("entropy_floor")
@@ -278,7 +293,7 @@ class LengthCollapse(Rule):
 class GradSpike(Rule):
     """Fires when the value > ``threshold`` x the median of the previous ``window`` (finite) values."""
 
-    METRIC, WINDOW, THRESHOLD = "actor/grad_norm", 20, 10.0
+    METRIC, WINDOW, THRESHOLD = "actor/grad_norm", 20, 20.0  # a converged multi-turn run reached 10.4 x, healthy
     STATE = ("history",)
 
     def check(self) -> None:

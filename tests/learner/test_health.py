@@ -59,7 +59,7 @@ def test_default_config_is_safe_and_builds():
         ("mismatch_kl_ceiling", "off_policy/mismatch_kl", 5, 0.01),
         ("entropy_floor", "actor/entropy", 10, 0.03),
         ("length_collapse", "response/length_mean", 20, 0.5),
-        ("grad_spike", "actor/grad_norm", 20, 10.0),
+        ("grad_spike", "actor/grad_norm", 20, 20.0),
         ("non_finite", "", None, None),
         ("server_poison", "server/screened", 20, 2.0),
     ],
@@ -147,6 +147,21 @@ def test_mismatch_kl_ceiling_watches_the_off_policy_metric():
     assert feed(m, "off_policy/drift_kl", [5.0]) == {}  # drift (staleness) is never a fault by itself
     fired = feed(m, "off_policy/mismatch_kl", [0.005, 0.2], start=2)
     assert list(fired) == [3] and fired[3][0].metric == "off_policy/mismatch_kl" and fired[3][0].threshold == 0.01
+
+
+def test_one_measured_mismatch_far_over_the_ceiling_fires_without_a_full_window():
+    # the demo at max_staleness 2 measures the mismatch on one step in ~15 (only the just-published version's
+    # tokens count): a stale fleet (benchmarks/health_recovery.py, seed 1) measured 0.298 on step 60, its only
+    # measurement in the fault's 15 versions, and the 5-measurement window never filled: no event at all
+    m = monitor(HealthRule(name="mismatch_kl_ceiling", action="rollback"))
+    steps = {s: ({"off_policy/mismatch_kl": 1e-12} if s % 15 == 0 else {}) for s in range(1, 60)}
+    steps[60] = {"off_policy/mismatch_kl": 0.298}
+    fired = [(s, e) for s, row in steps.items() for e in m.observe(s, row)]
+    assert [(s, e.rule, e.threshold) for s, e in fired] == [(60, "mismatch_kl_ceiling", pytest.approx(0.1))]
+    assert "measured 0.298 on this step" in fired[0][1].message
+    # 5 x the ceiling on one step: the window decides (an engine's bad step is smoothed, a broken sync is not)
+    m = monitor(HealthRule(name="mismatch_kl_ceiling", action="rollback"))
+    assert [e for s in range(1, 5) for e in m.observe(s, {"off_policy/mismatch_kl": 0.05 if s == 2 else 1e-12})] == []
 
 
 def _rollback_events(m: HealthMonitor, step: int, rule: str = "reward_drop") -> list[HealthEvent]:
@@ -363,7 +378,7 @@ def _scripted(m: HealthMonitor, steps: range) -> list[tuple]:
 
 @pytest.mark.parametrize("via_json", [False, True])
 def test_state_dict_round_trip_continues_identically(via_json):
-    rules = [HealthRule(name="reward_drop", window=5), HealthRule(name="grad_spike", window=5),
+    rules = [HealthRule(name="reward_drop", window=5), HealthRule(name="grad_spike", window=5, threshold=10),
              HealthRule(name="reward_checkpoint_decline", window=2, threshold=0.0),
              HealthRule(name="length_collapse", window=5, threshold=0.9)]
     reference, first = monitor(*rules), monitor(*rules)
@@ -479,13 +494,23 @@ def test_entropy_floor_is_quiet_on_a_converged_run_and_fires_on_a_collapse_that_
     # reward) rows; the floor alone alerted 7 times from step 183 (before this rule looked at the reward)
     rows = json.loads((Path(__file__).parent / "data" / "multiturn_converged.json").read_text())
     m = monitor(HealthRule(name="entropy_floor"))
-    assert not [e for step, ent, rew in rows for e in m.observe(step, {"actor/entropy": ent, "reward/mean": rew})]
+    assert not [e for step, ent, rew, _ in rows for e in m.observe(step, {"actor/entropy": ent, "reward/mean": rew})]
     # the same entropy, with the reward sliding 0.15 below its best once the policy is deterministic: fires
     m = monitor(HealthRule(name="entropy_floor"))
-    fired = [(step, e) for step, ent, rew in rows
+    fired = [(step, e) for step, ent, rew, _ in rows
              for e in m.observe(step, {"actor/entropy": ent, "reward/mean": rew - (0.15 if step > 180 else 0.0)})]
     assert fired and fired[0][0] > 180 and "below its best" in fired[0][1].message
     # a policy deterministic from the start, its reward never at a best it fell from, with no reward metric: the
     # floor alone (the rule's behaviour on objectives that report no reward)
     m = monitor(HealthRule(name="entropy_floor", window=3))
     assert list(feed(m, "actor/entropy", [0.01] * 4)) == [3]
+
+
+def test_the_default_rules_are_quiet_on_the_converged_multi_turn_run():
+    # issue 23's multi-turn quiet run (300 steps, default rules): entropy_floor alerted from step 183 and
+    # grad_spike at step 250 (grad norm 12.2 = 10.4 x its median: a few groups a step survive dynamic sampling)
+    rows = json.loads((Path(__file__).parent / "data" / "multiturn_converged.json").read_text())
+    assert len(rows) == 300
+    m = HealthMonitor(HealthConfig(), None)
+    keys = ("actor/entropy", "reward/mean", "actor/grad_norm")
+    assert [e for step, *values in rows for e in m.observe(step, dict(zip(keys, values)))] == []
