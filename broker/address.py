@@ -2,7 +2,9 @@
 
 The address comes from the command line (``--broker``), the config (``broker.address``), the
 ``broker.json`` the broker writes into its run directory with the port it actually bound (needed when
-``broker.port`` is 0), or ``broker.host`` and ``broker.port`` — in that order.
+``broker.port`` is 0), or ``broker.host`` and ``broker.port`` — in that order. `fleetrl run` starts the
+broker and its clients together (their imports and model loading overlap the broker's start): it sets
+``FLEETRL_BROKER_WAIT_S`` in their environment, and a client then waits that long for ``broker.json``.
 
 Client ids start with the client's *identity*: under CURVE the name its key is filed under in the
 broker's allowlist (``broker.curve.client_identity``, else the secret key file's name), without
@@ -13,6 +15,9 @@ from __future__ import annotations
 
 import os
 import socket
+import time
+
+WAIT_ENV = "FLEETRL_BROKER_WAIT_S"  # seconds a client waits for broker.json (set by `fleetrl run` for its children)
 
 
 def resolve_address(cfg_broker, run_dir: str | os.PathLike | None = None, override: str | None = None) -> str:
@@ -24,6 +29,8 @@ def resolve_address(cfg_broker, run_dir: str | os.PathLike | None = None, overri
     if cfg_broker.address:
         return cfg_broker.address
     endpoint = os.path.join(run_dir, "broker.json") if run_dir is not None else None
+    if endpoint is not None:
+        wait_for_file(endpoint, float(os.environ.get(WAIT_ENV) or 0))
     if endpoint is not None and os.path.isfile(endpoint):
         import json
 
@@ -35,6 +42,16 @@ def resolve_address(cfg_broker, run_dir: str | os.PathLike | None = None, overri
         raise ConfigError("broker.port is 0 (the broker picks a free port), so its address cannot be derived; "
                           "pass --broker ADDR, set broker.address, or --run-dir of the broker (its broker.json)")
     return f"tcp://{cfg_broker.host}:{cfg_broker.port}"
+
+
+def wait_for_file(path: str, timeout_s: float) -> bool:
+    """Whether ``path`` exists, looking every 20 ms for up to ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.isfile(path):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def client_identity(curve, role: str) -> str:

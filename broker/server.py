@@ -42,6 +42,7 @@ from fleetrl.common.config import load_config, save_resolved
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.common.data.tables import load_rows
 from fleetrl.common.log import setup_logging
+from fleetrl.common.startup import STARTUP
 
 log = logging.getLogger("fleetrl.broker")
 
@@ -425,6 +426,7 @@ def open_audit(cfg: JobConfig, run_dir: str | None) -> AuditLog | None:
 async def run_broker(cfg: JobConfig, run_dir: str | None) -> int:
     audit = open_audit(cfg, run_dir)
     state = build_state(cfg, audit)
+    STARTUP.mark("prompts")
     # The broker holds many long-lived groups: freeze what start-up built and collect the young
     # generation less often, so the cyclic GC does not rescan the queue on every burst of frames.
     gc.collect()
@@ -436,8 +438,10 @@ async def run_broker(cfg: JobConfig, run_dir: str | None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.stop)
     try:
+        STARTUP.mark("bind")
         if run_dir:
             write_endpoint_file(run_dir, server)
+        log.info("%s", STARTUP.line())
         await server.serve()
         server.announce_shutdown()
     finally:
@@ -451,6 +455,7 @@ async def run_broker(cfg: JobConfig, run_dir: str | None) -> int:
 
 
 def main(args) -> int:
+    STARTUP.mark("python+imports")
     cfg = load_config(args.config, args.overrides)
     run_dir = args.run_dir
     if run_dir:
@@ -459,6 +464,7 @@ def main(args) -> int:
             save_resolved(cfg, run_dir)
     setup_logging("broker", cfg.telemetry.log_level)
     telemetry.setup_tracing("broker", cfg.telemetry, run_dir, {"service.instance.id": "broker"})
+    STARTUP.mark("config")
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a Linux dependency

@@ -260,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if debug:
         os.environ["FLEETRL_DEBUG"] = "1"  # children of `fleetrl run` show tracebacks too
     os.umask(job_umask(args))  # 077 unless run.file_access says otherwise (keys, spool, weights: owner-only anyway)
+    job_python_path(args)  # the job's run.python_path on sys.path, where `pkg.module:function` user code is found
     target = getattr(args, "target", None) or COMMANDS[args.command][0]  # `launch ENGINE` sets its own
     module_name, func_name = target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
@@ -277,19 +278,35 @@ def main(argv: list[str] | None = None) -> int:
 UMASKS = {"owner": 0o077, "group": 0o027, "all": 0o022}  # run.file_access
 
 
-def job_umask(args: argparse.Namespace) -> int:
-    """The umask of the job this command runs, from its run.file_access (file and overrides, or a resumed run's
-    config.yaml); owner-only when it names none or cannot be read here (the command reports config errors)."""
+def job_setting_of(args: argparse.Namespace, key: str):
+    """One dotted key of the job this command runs (its file and overrides, or a resumed run's config.yaml), read
+    before the command starts; None when unset or unreadable here (the command itself reports config errors)."""
     config = getattr(args, "config", None)
     resume = getattr(args, "resume", None)
     if not config and resume and os.path.isfile(os.path.join(str(resume), "config.yaml")):
         config = os.path.join(str(resume), "config.yaml")
-    access = None
-    if config or getattr(args, "overrides", None):
-        from fleetrl.common.config.names import job_setting
+    if not config and not getattr(args, "overrides", None):
+        return None
+    from fleetrl.common.config.names import job_setting
 
-        access = job_setting(config, list(getattr(args, "overrides", None) or []), "run.file_access")
+    return job_setting(config, list(getattr(args, "overrides", None) or []), key)
+
+
+def job_umask(args: argparse.Namespace) -> int:
+    """The umask of the job this command runs, from its run.file_access; owner-only when it names none."""
+    access = job_setting_of(args, "run.file_access")
     return UMASKS.get(access, UMASKS["owner"]) if isinstance(access, str) else UMASKS["owner"]
+
+
+def job_python_path(args: argparse.Namespace) -> None:
+    """Append the job's run.python_path folders to sys.path (relative ones from the working directory)."""
+    folders = job_setting_of(args, "run.python_path")
+    if isinstance(folders, list) and folders:
+        from fleetrl.common.userfn import on_path
+
+        for folder in folders:
+            if isinstance(folder, str) and folder:
+                on_path(folder)
 
 
 def first_line(error: BaseException) -> str:

@@ -362,7 +362,7 @@ class Finisher:
             self.on_done(batch)
         self.stats.add(batches=len(batches), tokens=sum(b.num_tokens for b in batches), **counts)
         self.metrics.write(self.record(batches, [r for _, results, _ in built for r in results], push_s))
-        if (why := self.scorer.hopeless()) is not None:  # every sample failed or unscored: stop, naming the rewards
+        if (why := self.scorer.hopeless()) is not None:  # the last N samples failed or unscored: stop, naming the rewards
             raise RewardsHopeless(why)
 
     def push(self, groups: list[m.SampleGroup], refused: list[str]) -> dict[str, int]:

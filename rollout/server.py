@@ -40,6 +40,7 @@ from fleetrl.common import messages as m
 from fleetrl.common.config import load_config
 from fleetrl.common.config.checks import require_model_dir
 from fleetrl.common.log import setup_logging
+from fleetrl.common.startup import STARTUP
 from fleetrl.common.resources import ProcessResources
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.rollout.engines import Generation, SamplingParams, create_engine
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("fleetrl.rollout")
 
 EXIT_BROKER_UNAVAILABLE = 3
-EXIT_REWARDS_HOPELESS = 4  # no sample got a usable reward: restarting cannot help (`fleetrl run` does not)
+EXIT_REWARDS_HOPELESS = 4  # rollout.reward_stop_after samples in a row unusable: a restart cannot help (`fleetrl run` does not)
 CATCHUP_S = 5.0  # seconds between GetVersion polls (catch-up for dropped announcements and pause state)
 WAIT_SLICE_S = 0.25  # longest sleep without looking at announcements and the stop flag
 POLL_SLICE_S = 0.05  # while samples are generating: how often announcements are looked at
@@ -134,18 +135,22 @@ class RolloutServer:
         return 0
 
     def start(self) -> None:
+        STARTUP.mark("receiver")
         reg = self.client.connect()
         self.sub = self.client.subscribe()
         self.client.start_heartbeat(self.heartbeat_stats, reg.heartbeat_s or self.cfg.broker.heartbeat_s)
         push_deadline = max(self.cfg.broker.prompt_lease_s, 3 * self.cfg.broker.request_timeout_s)
         self.finisher = Finisher(self.client, self.scorer, self.client_id, self.leases, self.stats, self.metrics,
                                  push_deadline, self.batch_stats, on_done=self._pushed)
+        STARTUP.mark("broker")
         self.on_current(reg.policy_version, reg.weights, reg.paused)
+        STARTUP.mark("initial policy")
         self._next_catchup = time.monotonic() + CATCHUP_S
         if self.endpoint is not None:
             self.endpoint.start()
         if self.run_dir is not None:
             write_ready(self.run_dir, self.server_index, self.client_id, self.version)
+        log.info("%s", STARTUP.line())
         log.info("ready: %s registered with broker %s (broker at version %d%s), up to %d prompts x %d samples "
                  "in flight, in-flight updates: %s", self.client_id, reg.broker_id, reg.policy_version,
                  ", paused" if reg.paused else "", self.budget.most, self.cfg.rollout.group_size,
@@ -459,6 +464,7 @@ def install_signals(stop: threading.Event) -> None:
 
 
 def main(args) -> int:
+    STARTUP.mark("python+imports")
     overrides = list(args.overrides) + ([f"rollout.engine={args.engine}"] if args.engine else [])
     cfg = load_config(args.config, overrides)
     require_model_dir(cfg.model.path)  # one line naming the key, before from_pretrained would try the hub
@@ -475,11 +481,14 @@ def main(args) -> int:
                             {"service.instance.id": f"rollout-{index}", "fleetrl.client_id": client_id,
                              "fleetrl.server_index": index})
     device = resolve_device(cfg.rollout.device)
+    STARTUP.mark("config")
     engine = scorer = client = receiver = env = None
     try:
         engine = create_engine(cfg.rollout.engine, cfg.model, cfg.rollout, device, cfg.rollout.seed + index)
+        STARTUP.mark("engine")
         env = create_env(cfg, engine.tokenizer)
         scorer = RewardScorer.from_config(cfg.rollout)
+        STARTUP.mark("rewards")
         receiver = engine.weight_receiver(cfg, device, client_id)
         address = broker_address(cfg, args.broker, args.run_dir)
         client = ZmqBrokerClient(address, client_id, "rollout", rank=index, timeout_s=cfg.broker.request_timeout_s,

@@ -18,7 +18,10 @@ def main(args) -> int:
     if args.action == "docs":
         print(config_docs(), end="")
         return 0
-    cfg = load_config(args.config, args.overrides)
+    notes: list[str] = []
+    cfg = load_config(args.config, args.overrides, notes)
+    for note in notes:
+        print(f"fleetrl config: note: {note}", file=sys.stderr)
     if args.action == "show":
         print(dump_yaml(cfg), end="")
         return 0

@@ -64,6 +64,13 @@ def config_docs() -> str:
         "TRL's / verl's names are read at the top level with a one-line note naming fleetrl's key: "
         + ", ".join(f"`{a}` = `{t}`" for a, t in ALIASES.items())
         + " (`algorithm.beta` for `type: dpo`; a `beta` > 0 also sets `algorithm.kl.placement: loss` when unset).",
+        "TRL's batch sizes, counted in completions, are read the same way (not for `type: dpo`): "
+        "`per_device_train_batch_size` x `gradient_accumulation_steps` (default 1) completions per rank and optimizer "
+        "step (whole groups: a group trains on one rank), x `learner.num_ranks` per optimizer step; "
+        "`generation_batch_size` (default: one optimizer step's) per learner step. So `learner.groups_per_step` = "
+        "`generation_batch_size` / `rollout.group_size` and `learner.mini_batches` = `generation_batch_size` / the "
+        "optimizer step's completions; sizes that do not divide are refused. Memory is bounded by "
+        "`learner.max_tokens_per_microbatch`, not by a per-device count.",
         "",
     ]
 

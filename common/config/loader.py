@@ -306,10 +306,11 @@ def _rephrase(err: msgspec.ValidationError, raw: dict[str, Any]) -> ConfigError:
     return ConfigError(message)
 
 
-def validate(raw: dict[str, Any]) -> JobConfig:
-    """Decode a nested dict into a JobConfig, raising ConfigError that names the key at fault."""
+def validate(raw: dict[str, Any], notes: list[str] | None = None) -> JobConfig:
+    """Decode a nested dict into a JobConfig, raising ConfigError that names the key at fault. The notes on
+    TRL/verl names go to ``notes`` when given (the command prints them), else to the log."""
     _legacy_hints(raw)
-    apply_aliases(raw)
+    apply_aliases(raw, notes=notes)
     _fill_tags(raw)
     _check_keys(raw, JobConfig, "")
     try:
@@ -318,11 +319,12 @@ def validate(raw: dict[str, Any]) -> JobConfig:
         raise _rephrase(e, raw) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
-    """Read a YAML job (defaults when ``path`` is None), apply overrides, validate."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                notes: list[str] | None = None) -> JobConfig:
+    """Read a YAML job (defaults when ``path`` is None), apply overrides, validate. ``notes``: see validate."""
     raw = _read_yaml(path) if path is not None else {}
     apply_overrides(raw, list(overrides or []))
-    return validate(raw)
+    return validate(raw, notes)
 
 
 # ---------------------------------------------------------------------------------- output

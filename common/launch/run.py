@@ -3,9 +3,10 @@
 The launcher knows the components only as command lines (`fleetrl broker|rollout|learner`) and reads
 what they write into the run directory (ready files, metrics.jsonl). It
 
-- starts the broker, waits for ``broker.json``; starts ``rollout.num_servers`` rollout servers and the
-  learner (under torchrun when ``learner.num_ranks > 1``); waits for each ready file, with a timeout
-  that names the process and its log;
+- starts the broker, ``rollout.num_servers`` rollout servers and the learner (under torchrun when
+  ``learner.num_ranks > 1``) at once — the clients wait for the broker's ``broker.json`` themselves —
+  and waits for each ready file, with a timeout that names the process and its log; then prints when
+  each was ready (counted from the launcher's own start);
 - shows one live status line (step, version, reward, eval accuracy, KL, staleness, queue, samples/s,
   ETA) until the learner finishes;
 - on Ctrl-C / SIGTERM stops the learner first (it finishes its step and checkpoints while the broker
@@ -35,13 +36,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fleetrl.common.config import ConfigError, dump_yaml, load_config
+from fleetrl.common.config import ConfigError, load_config, save_resolved
 from fleetrl.common.config.checks import check_job, resume_problem
 from fleetrl.common.config.names import defaults_used
 from fleetrl.common.config.schema import JobConfig
+from fleetrl.common.startup import STARTUP
 
 POLL_S = 0.25
-EXIT_REWARDS_HOPELESS = 4  # a rollout server's exit code when no sample got a usable reward (rollout/server.py)
+READY_POLL_S = 0.02  # how often start-up looks for a ready file: a stat call, so the wait adds <= 20 ms
+EXIT_REWARDS_HOPELESS = 4  # a rollout server's exit code when its rewards stopped giving usable scores (rollout/server.py)
 DONE_GRACE_S = 20.0  # after the learner finished: how long rollouts get to exit on its `done` before SIGTERM
 # (a vLLM rollout finishes its groups, then shuts its engine core down: ~6 s on a loaded 2-core box)
 LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d \w \S+ \S+: (.*)$")  # common/log.py's format: time, level, process, logger
@@ -69,6 +72,7 @@ class Child:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = 0.0
+    ready_at: float | None = None  # time.time() when the launcher saw its ready file
     log_handle: object = field(default=None, repr=False)
 
     def start(self) -> None:
@@ -167,8 +171,12 @@ def thread_plan(cfg: JobConfig) -> tuple[int, int]:
     return cfg.run.learner_threads or per, cfg.run.rollout_threads or per
 
 
-def child_env(threads: int) -> dict[str, str]:
+def child_env(threads: int, broker_wait_s: float = 0.0) -> dict[str, str]:
+    """A child's environment; ``broker_wait_s``: how long a client waits for the broker's broker.json (it starts
+    alongside the broker, broker/address.py)."""
     env = dict(os.environ)
+    if broker_wait_s:
+        env["FLEETRL_BROKER_WAIT_S"] = f"{broker_wait_s:g}"
     env.update(FLEETRL_CHILD="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
                HF_DATASETS_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1",  # children write log files: no bars
@@ -182,18 +190,21 @@ def plan_children(cfg: JobConfig, run_dir: Path, config_path: Path) -> list[Chil
     job = ["--config", str(config_path), "--run-dir", str(run_dir)]
     logs = run_dir / "logs"
     learner_threads, rollout_threads = thread_plan(cfg)
+    wait = cfg.run.ready_timeout_s  # clients start with the broker and wait this long for its broker.json
     children = []
     if cfg.needs_fleet:
         children.append(Child("broker", [*py, "broker", *job], logs / "broker.log", child_env(1), run_dir / "broker.json"))
         for i in range(cfg.rollout.num_servers):
             children.append(Child(f"rollout-{i}", [*py, "rollout", *job, "--server-index", str(i)],
-                                  logs / f"rollout-{i}.log", child_env(rollout_threads), run_dir / f"rollout-{i}.ready"))
+                                  logs / f"rollout-{i}.log", child_env(rollout_threads, wait),
+                                  run_dir / f"rollout-{i}.ready"))
     if cfg.learner.num_ranks > 1:
         learner = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.learner.num_ranks),
                    "--master-port", str(_free_port()), "-m", "fleetrl.learner", *job]
     else:
         learner = [*py, "learner", *job]
-    children.append(Child("learner", learner, logs / "learner.log", child_env(learner_threads), run_dir / "learner.ready"))
+    children.append(Child("learner", learner, logs / "learner.log", child_env(learner_threads, wait),
+                          run_dir / "learner.ready"))
     return children
 
 
@@ -208,8 +219,7 @@ def _free_port() -> int:
 class Launcher:
     def __init__(self, cfg: JobConfig, run_dir: Path, status: bool = True, resumed: bool = False):
         self.cfg, self.run_dir, self.show_status, self.resumed = cfg, run_dir, status, resumed
-        self.config_path = run_dir / "config.yaml"
-        self.config_path.write_text(dump_yaml(cfg))
+        self.config_path = save_resolved(cfg, run_dir)  # local paths absolute: --resume works from any directory
         self.children = plan_children(cfg, run_dir, self.config_path)
         self.stop_requested = False
         self.force = False  # a second Ctrl-C while stopping: kill what is left now
@@ -232,17 +242,16 @@ class Launcher:
             if time.monotonic() > deadline:
                 raise LaunchError(f"{child.name} did not report ready within run.ready_timeout_s="
                                   f"{self.cfg.run.ready_timeout_s:g} s; see its log {child.log}:\n{child.tail()}")
-            time.sleep(POLL_S)
+            time.sleep(READY_POLL_S)
+        child.ready_at = time.time()
 
     def start_all(self) -> None:
-        broker = [c for c in self.children if c.name == "broker"]
-        for child in broker:
+        """Start every child at once, the broker first (its start removes a previous run's broker.json before a
+        client looks for it); the clients wait for the new one themselves (FLEETRL_BROKER_WAIT_S), so their imports
+        and model loading overlap the broker's start. Then wait for each to report ready."""
+        for child in self.children:
             child.start()
-            self.wait_ready(child)
-        rest = [c for c in self.children if c.name != "broker"]
-        for child in rest:
-            child.start()
-        for child in rest:
+        for child in self.children:
             self.wait_ready(child)
 
     def supervise(self, learner: Child) -> None:
@@ -252,13 +261,22 @@ class Launcher:
             if child.alive or code in (0, None) or (child is learner and code == 0):
                 continue
             if code == EXIT_REWARDS_HOPELESS:  # the rewards cannot score this data: a restart scores nothing again
-                raise LaunchError(f"{child.name} stopped: no sample got a usable reward; its log ({child.log}) says:\n"
-                                  f"{child.tail(6)}")
+                raise LaunchError(f"{child.name} stopped: its rewards gave no usable score for "
+                                  f"rollout.reward_stop_after={self.cfg.rollout.reward_stop_after} samples in a row; "
+                                  f"its log ({child.log}) says:\n{child.tail(6)}")
             if self.cfg.run.restart_policy == "on-failure" and child.restarts < self.cfg.run.max_restarts:
                 self.restart(child, code)
             else:
                 raise LaunchError(f"{child.name} died with exit code {code}; its log ({child.log}) ends with:\n"
                                   f"{child.tail()}")
+
+    def ready_line(self) -> str:
+        """``3 processes ready in 4.9 s (checks done at 1.0 s; broker ready at 1.6, ...)``, every time counted
+        from this launcher's exec (each child's log has its own phases on its ``start-up: ready`` line)."""
+        t0 = STARTUP.start
+        ready = ", ".join(f"{c.name} at {c.ready_at - t0:.1f}" for c in self.children if c.ready_at is not None)
+        return (f"{len(self.children)} processes ready in {time.time() - t0:.1f} s (checks done at "
+                f"{STARTUP.last - t0:.1f} s; ready: {ready} s)")
 
     def broker_address(self) -> str:
         """The address the broker bound (its ``broker.json``), or "?" when it wrote none."""
@@ -348,8 +366,7 @@ class Launcher:
             line.event_tail.skip_existing()
         try:
             self.start_all()
-            print(f"fleetrl run: {len(self.children)} processes ready in {time.monotonic() - self.started:.1f} s; "
-                  f"run directory {self.run_dir}", flush=True)
+            print(f"fleetrl run: {self.ready_line()}; run directory {self.run_dir}", flush=True)
             if any(c.name == "broker" for c in self.children):
                 print(f"fleetrl run: broker at {self.broker_address()}; watch it with `fleetrl status --broker "
                       f"{self.run_dir}`", flush=True)
@@ -393,8 +410,9 @@ class Launcher:
                 signal.signal(sig, handler)
 
 
-def resolve(args) -> tuple[JobConfig, Path | None, bool]:
-    """The job's config, its run directory when known (--resume, --run-dir) and whether it resumes."""
+def resolve(args, notes: list[str] | None = None) -> tuple[JobConfig, Path | None, bool]:
+    """The job's config, its run directory when known (--resume, --run-dir) and whether it resumes; the notes on
+    the names it read go to ``notes``."""
     if args.resume:
         run_dir = Path(args.resume)
         problem = resume_problem(run_dir, None)
@@ -402,26 +420,30 @@ def resolve(args) -> tuple[JobConfig, Path | None, bool]:
             raise ConfigError(problem)
         if args.config:
             raise ConfigError("--resume takes the run's own config.yaml; drop --config (overrides still apply)")
-        cfg = load_config(run_dir / "config.yaml", [*args.overrides, "checkpoint.resume=auto"])
+        cfg = load_config(run_dir / "config.yaml", [*args.overrides, "checkpoint.resume=auto"], notes)
         problem = resume_problem(run_dir, cfg)
         if problem:
             raise ConfigError(problem)
         return cfg, run_dir, True
     if not args.config:
         raise ConfigError("pass --config FILE (a job YAML, see configs/), or --resume RUN_DIR to continue a run")
-    return load_config(args.config, [*args.overrides]), None, False
+    return load_config(args.config, [*args.overrides], notes), None, False
 
 
 def main(args) -> int:
-    cfg, run_dir, resumed = resolve(args)
+    STARTUP.mark("python+imports")
+    notes: list[str] = []  # printed here, once: the children read the resolved config.yaml, which needs none
+    cfg, run_dir, resumed = resolve(args, notes)
     if cfg.broker.address is None and cfg.broker.host in ("127.0.0.1", "localhost"):
         cfg = _free_ports(cfg)  # one machine: free ports
+    STARTUP.mark("config")
     problems = check_job(cfg)
+    STARTUP.mark("checks")
     if problems:  # before the run directory exists: a job that cannot start leaves nothing behind
         for problem in problems:
             print(f"fleetrl run: {problem}", file=sys.stderr)
         return 2
-    for note in [] if resumed else defaults_used(cfg, args.config, args.overrides):
+    for note in notes + ([] if resumed else defaults_used(cfg, args.config, args.overrides)):
         print(f"fleetrl run: note: {note}", file=sys.stderr)
     run_dir = run_dir or make_run_dir(cfg, args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
