@@ -20,23 +20,29 @@ benchmarks/results/health_streams.json (the segments: steps, exit code, held-out
 
 | name | config | broker.max_staleness | learner.lr | task |
 | --- | --- | --- | --- | --- |
-| grpo-s0 | grpo | 0 | 2e-4 | arithmetic |
+| grpo-s0-lr1e-4 | grpo | 0 | 1e-4 | arithmetic |
 | grpo-s4-lr1e-4 | grpo | 4 | 1e-4 | arithmetic |
-| dapo-s2 | dapo | 2 | 2e-4 | arithmetic |
-| gspo-s8 | gspo | 8 | 2e-4 | arithmetic |
+| grpo-s2-lr5e-5 | grpo | 2 | 5e-5 | arithmetic |
+| dapo-s2-lr1e-4 | dapo | 2 | 1e-4 | arithmetic |
+| gspo-s8-lr1e-4 | gspo | 8 | 1e-4 | arithmetic |
 | rloo-s1-lr1e-4 | rloo | 1 | 1e-4 | arithmetic |
-| ppo-s2 | ppo (GAE, critic) | 2 | 2e-4 | arithmetic |
+| ppo-s2-lr1e-4 | ppo (GAE, critic) | 2 | 1e-4 | arithmetic |
 | dpo-online-s1 | dpo_online | 1 | 1e-4 | arithmetic |
 | multiturn-s2 | multiturn (calc tool, 3 turns) | 2 | 2e-4 | calc |
+
+LR 1e-4, not the demo's 2e-4: at 8 x 8 a step (the demo: 16 x 8 and dynamic sampling) GRPO and DAPO at 2e-4
+slid from 23% to 15-17% held-out in 250 steps, RLOO at 1e-4 rose to 36-46%.
 
 Arithmetic runs take ``--groups`` prompts x ``--group-size`` samples a step (8 x 8, the demo 16 x 8), 5 new
 tokens; the multi-turn one 4 x 8 episodes of up to 3 turns (``--mt-groups``); every run warms the LR up over
 20 steps (Adam's first full-LR steps wrecked the warm start: at 4 x 8 with no warm-up GRPO went 23% -> 1%
 held-out in 50 steps, and the rules, still in their warm-up, saw nothing). A segment whose held-out
-accuracy ends more than 5 points under its start is not healthy: it is reported apart, not counted. The issue asks for >= 30,000 steps:
+accuracy ends more than 5 points under its start is not healthy: it is reported apart, not counted.
 
-    nice -n 10 python benchmarks/health_streams.py --steps 3750 --workdir runs/health-streams
-    python benchmarks/health_streams.py --steps 20 --segment-steps 20 --only grpo-s0   # a smoke run
+The issue asks for >= 30,000 steps:
+
+    nice -n 15 python benchmarks/health_streams.py --workdir runs/health-streams     # 9 x 3350 steps
+    python benchmarks/health_streams.py --steps 20 --segment-steps 20 --only grpo-s0-lr1e-4   # a smoke run
     python benchmarks/health_streams.py --replay-only --workdir runs/health-streams    # figures from disk
 """
 
@@ -56,12 +62,13 @@ from health_replay import main as replay_main  # noqa: E402
 from vs_trl import ROOT, fleetrl_cli, prepare as prepare_demo, run_child, tail  # noqa: E402
 
 CONFIGS = {  # name: (config, max_staleness, lr, task)
-    "grpo-s0": ("grpo", 0, 2e-4, "arithmetic"),
+    "grpo-s0-lr1e-4": ("grpo", 0, 1e-4, "arithmetic"),
     "grpo-s4-lr1e-4": ("grpo", 4, 1e-4, "arithmetic"),
-    "dapo-s2": ("dapo", 2, 2e-4, "arithmetic"),
-    "gspo-s8": ("gspo", 8, 2e-4, "arithmetic"),
+    "grpo-s2-lr5e-5": ("grpo", 2, 5e-5, "arithmetic"),
+    "dapo-s2-lr1e-4": ("dapo", 2, 1e-4, "arithmetic"),
+    "gspo-s8-lr1e-4": ("gspo", 8, 1e-4, "arithmetic"),
     "rloo-s1-lr1e-4": ("rloo", 1, 1e-4, "arithmetic"),
-    "ppo-s2": ("ppo", 2, 2e-4, "arithmetic"),
+    "ppo-s2-lr1e-4": ("ppo", 2, 1e-4, "arithmetic"),
     "dpo-online-s1": ("dpo_online", 1, 1e-4, "arithmetic"),
     "multiturn-s2": ("multiturn", 2, 2e-4, "calc"),
 }
@@ -207,7 +214,7 @@ def replay(names: list[str], args) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=3750, help="learner steps per configuration (8 x 3750 = 30,000)")
+    p.add_argument("--steps", type=int, default=3350, help="learner steps per configuration (9 x 3350 > 30,000)")
     p.add_argument("--segment-steps", type=int, default=250, help="steps of one run (a round's share)")
     p.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configuration names")
     p.add_argument("--workdir", default="runs/health-streams")
