@@ -4,7 +4,7 @@ Every run is ``fleetrl run --config configs/demo.yaml`` (broker, one HF rollout 
 gloo sync, CPU) from the demo's warm start (~25% held-out), ``--steps`` steps, held-out greedy accuracy
 on ``--eval-n`` problems every 10 steps, a checkpoint every 10 steps, and the health rules given by
 ``--rules`` (default: the shipped defaults of this checkout). A fault run sets ``FLEETRL_FAULT*``
-(``common/faults.py``) from step / policy version ``--inject-at``:
+(``common/faults/plan.py``) from step / policy version ``--inject-at``:
 
 | fault | FLEETRL_FAULT | for | what goes wrong |
 | --- | --- | --- | --- |
@@ -78,7 +78,7 @@ def run_one(name: str, work: dict, args, seed: int, fault: str | None, extra: li
     if args.rules:
         sets.append(f"health.rules={args.rules}")
     sets += EXTRA.get(fault or "", ([], {}))[0] + (extra or [])
-    argv = [sys.executable, "-m", "fleetrl.common.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
+    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
             "--run-dir", str(run_dir), "--no-status", *sets]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if fault:

@@ -125,7 +125,7 @@ def run_segment(name: str, k: int, work: dict[str, str], steps: int, args) -> di
     if seg.exists():  # a segment killed half-way: kept aside whole, run again from its start
         shutil.move(seg, seg.with_name(f"{seg.name}.partial-{int(time.time())}"))
     seed = args.seed + 101 * k
-    argv = [sys.executable, "-m", "fleetrl.common.cli", "run", "--config",
+    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config",
             str(ROOT / "configs" / f"{CONFIGS[name][0]}.yaml"), "--run-dir", str(seg), "--no-status",
             *overrides(name, work, steps, seed, args)]
     seg.mkdir(parents=True, exist_ok=True)

@@ -27,13 +27,20 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 LIBS = ["torch", "transformers", "deepspeed", "datasets", "zmq", "opentelemetry.sdk.trace"]
-ENTRIES = ["fleetrl.common.cli", "fleetrl.common.launch.run", "fleetrl.broker.server", "fleetrl.rollout.server",
+ENTRIES = ["fleetrl.app.cli", "fleetrl.app.launch.run", "fleetrl.broker.server.service", "fleetrl.rollout.server",
            "fleetrl.learner.train"]
+# the same entry points in a tree from before the re-floor (issue 25), so that an A/B across it compares like with like
+BEFORE_REFLOOR = {"fleetrl.app.cli": "fleetrl.app.cli", "fleetrl.app.launch.run": "fleetrl.app.launch.run",
+                  "fleetrl.broker.server.service": "fleetrl.broker.server"}
+
+
+def module_in(tree: Path, module: str) -> str:
+    """``module``'s name in ``tree`` (a tree without app/ predates the re-floor)."""
+    return module if (tree / "app").is_dir() else BEFORE_REFLOOR.get(module, module)
 HEAVY = ["torch", "transformers", "deepspeed", "datasets", "pyarrow", "pandas", "matplotlib", "peft", "aiohttp",
          "math_verify", "opentelemetry.exporter.otlp.proto.http", "sympy", "rich"]
 READY_FILES = {"broker": "broker.json", "rollout-0": "rollout-0.ready", "learner": "learner.ready"}
@@ -48,8 +55,9 @@ class Load:
 
     @staticmethod
     def _busy() -> float:
-        t = psutil.cpu_times()._asdict()
-        return sum(t.get(k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+        from fleetrl.common.telemetry.cpu import machine_busy_s
+
+        return machine_busy_s()
 
     @staticmethod
     def _ours() -> float:  # every descendant we (and they) waited for, this process too
@@ -69,8 +77,9 @@ def tree_env(tree: Path, scratch: Path) -> dict[str, str]:
     if tree.resolve() != ROOT:
         pkg = scratch / "pkg" / "fleetrl"
         pkg.mkdir(parents=True)
-        for sub in ("common", "broker", "rollout", "learner"):
-            (pkg / sub).symlink_to(tree / sub)
+        for sub in ("common", "broker", "rollout", "learner", "app"):
+            if (tree / sub).is_dir():
+                (pkg / sub).symlink_to(tree / sub)
         env["PYTHONPATH"] = str(scratch / "pkg")
     code = "import os, fleetrl.common as c; print(os.path.realpath(os.path.dirname(c.__file__)))"
     where = subprocess.run([sys.executable, "-c", code], env=env, cwd=tree, capture_output=True, text=True)
@@ -116,7 +125,7 @@ def one_run(tree: Path, env: dict[str, str], model: str, data: str) -> dict:
     """One `fleetrl run` of the demo job for one step; every time in seconds after it was spawned."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "fleetrl.common.cli", "run", "--config", str(tree / "configs" / "demo.yaml"),
+        cmd = [sys.executable, "-m", module_in(tree, "fleetrl.app.cli"), "run", "--config", str(tree / "configs" / "demo.yaml"),
                "--run-dir", str(run_dir), "--no-status", f"model.path={model}", f"data.train={data}",
                "data.eval=null", "learner.total_steps=1", "run.eval_interval=0"]
         t0 = time.time()
@@ -199,7 +208,7 @@ def measure(trees: dict[str, Path], repeats: int, model: str, data: str) -> dict
         for _ in range(repeats):
             for label, tree in trees.items():
                 for mod in LIBS + ENTRIES:
-                    imports[label][mod].append(import_s(mod, envs[label], tree))
+                    imports[label][mod].append(import_s(module_in(tree, mod), envs[label], tree))
         for _ in range(repeats):
             for label, tree in trees.items():
                 runs[label].append(one_run(tree, envs[label], model, data))

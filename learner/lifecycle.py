@@ -18,9 +18,11 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from fleetrl.broker.client import BrokerClient, ZmqBrokerClient, client_identity, resolve_address
+from fleetrl.broker.client.address import client_identity, resolve_address
+from fleetrl.broker.client.roles import LearnerClient
+from fleetrl.broker.client.sync import ZmqBrokerClient
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.common.startup import STARTUP
+from fleetrl.common.telemetry.startup import STARTUP
 from fleetrl.learner.runtime import Dist
 
 log = logging.getLogger("fleetrl.learner")
@@ -51,7 +53,7 @@ class GracefulStop:
         return bool(flag.item())
 
 
-def connect_broker(cfg: JobConfig, run_dir: Path, rank: int) -> BrokerClient:
+def connect_broker(cfg: JobConfig, run_dir: Path, rank: int) -> LearnerClient:
     """A registered client with a stable id per rank (the broker keys commits by it): ``<identity>-<rank>``,
     ``learner-<rank>`` with the default key name. It heartbeats, so that the broker sees the rank alive
     through long steps (a dead learner's rollback pause lifts by itself)."""

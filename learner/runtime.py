@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,8 @@ from typing import Any
 import torch
 
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.common.startup import STARTUP
+from fleetrl.common.net import free_port
+from fleetrl.common.telemetry.startup import STARTUP
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +40,11 @@ class Dist:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(cfg: JobConfig) -> Dist:
     """Initialise torch.distributed (gloo on CPU, nccl on GPU) via DeepSpeed; works without a launcher."""
     STARTUP.mark("python+imports")
     if "RANK" not in os.environ:  # a plain `fleetrl learner`: one process, no launcher
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     use_cuda = cfg.learner.device == "cuda" or (cfg.learner.device == "auto" and torch.cuda.is_available())
     if not use_cuda:  # say so, rather than have DeepSpeed warn that it could not detect an accelerator
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from fleetrl.broker.client import BrokerClient, BrokerError, BrokerUnavailable
+from fleetrl.broker.client.errors import BrokerError, BrokerUnavailable
+from fleetrl.broker.client.roles import RolloutClient
 from fleetrl.common import faults
 from fleetrl.common import messages as m
 from fleetrl.common.config import ConfigError
-from fleetrl.rollout.engines.base import Generation
+from fleetrl.rollout.engines.records import Generation
 from fleetrl.rollout.envs.base import Episode
 from fleetrl.rollout.rewards import RewardInput, RewardResult
 from fleetrl.rollout.rewards.scorer import RewardsHopeless
@@ -264,7 +265,7 @@ class Finisher:
     ``on_done(batch)`` runs (on this thread) once a batch is pushed, dropped or refused.
     """
 
-    def __init__(self, client: BrokerClient, scorer: Any, server_id: str, leases: OpenLeases, stats: Stats,
+    def __init__(self, client: RolloutClient, scorer: Any, server_id: str, leases: OpenLeases, stats: Stats,
                  metrics: MetricsFile, push_deadline_s: float, extra_metrics: Callable[[], dict[str, float]],
                  on_done: Callable[[Batch], None] | None = None):
         self.client, self.scorer, self.server_id = client, scorer, server_id
@@ -332,7 +333,7 @@ class Finisher:
         for batch in batches:
             results = batch.rewards.result()
             groups, dropped, unscored = build_groups(batch, results, self.server_id, self.scorer.should_drop)
-            groups = faults.poison_groups(groups)  # FLEETRL_FAULT=poison_server (benchmarks); off by default
+            groups = faults.at("rollout.groups", groups)  # FLEETRL_FAULT=poison_server (benchmarks); off by default
             results = results[: sum(len(row) for row in batch.samples)]  # the greedy baselines are not samples
             if dropped:
                 self.client.return_prompts(batch.lease.lease_id, dropped)
@@ -437,7 +438,7 @@ class Finisher:
         }
 
 
-def return_leases(client: BrokerClient, leases: OpenLeases, stats: Stats) -> int:
+def return_leases(client: RolloutClient, leases: OpenLeases, stats: Stats) -> int:
     """Give every open prompt back to the broker (shutdown); returns how many it re-issues."""
     returned = 0
     for lease_id, prompt_ids in leases.take_all().items():

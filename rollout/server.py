@@ -31,17 +31,18 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fleetrl.broker.client import (
-    BrokerClient, BrokerError, BrokerUnavailable, SubscriptionLike, ZmqBrokerClient, client_identity, default_client_id,
-    resolve_address,
-)
-from fleetrl.common import chaos, faults, telemetry
+from fleetrl.broker.client.address import client_identity, default_client_id, resolve_address
+from fleetrl.broker.client.errors import BrokerError, BrokerUnavailable
+from fleetrl.broker.client.roles import RolloutClient, SubscriptionLike
+from fleetrl.broker.client.sync import ZmqBrokerClient
+from fleetrl.common import faults
+from fleetrl.common.telemetry import tracing
 from fleetrl.common import messages as m
 from fleetrl.common.config import load_config
-from fleetrl.common.config.checks import require_model_dir
-from fleetrl.common.log import setup_logging
-from fleetrl.common.startup import STARTUP
-from fleetrl.common.resources import ProcessResources
+from fleetrl.common.config.preflight import require_model_dir
+from fleetrl.common.telemetry.logs import setup_logging
+from fleetrl.common.telemetry.startup import STARTUP
+from fleetrl.common.telemetry.resources import ProcessResources
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.rollout.engines import Generation, SamplingParams, create_engine
 from fleetrl.rollout.envs import Environment, create_env
@@ -54,7 +55,7 @@ from fleetrl.rollout.rewards.scorer import RewardScorer, RewardsHopeless
 from fleetrl.rollout.tracing import LeaseTrace
 
 if TYPE_CHECKING:
-    from fleetrl.rollout.weights import WeightReceiver
+    from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
 
 log = logging.getLogger("fleetrl.rollout")
 
@@ -78,7 +79,7 @@ class RolloutServer:
     ``run()`` registers, loops until stopped and returns the exit code. It closes none of them.
     """
 
-    def __init__(self, cfg: JobConfig, client: BrokerClient, engine: Any, scorer: RewardScorer, *, server_index: int = 0,
+    def __init__(self, cfg: JobConfig, client: RolloutClient, engine: Any, scorer: RewardScorer, *, server_index: int = 0,
                  run_dir: str | Path | None = None, receiver: WeightReceiver | None = None,
                  stop_event: threading.Event | None = None, env: Environment | None = None, endpoint: Any = None):
         self.cfg, self.client, self.engine, self.scorer, self.receiver = cfg, client, engine, scorer, receiver
@@ -231,7 +232,7 @@ class RolloutServer:
         if self.paused:
             self.wait(PAUSED_POLL_S)
             return None
-        chaos.pin("rollout.idle")
+        faults.at("rollout.idle")
         try:
             reply = self.client.lease_prompts(n or self.cfg.rollout.prompts_per_batch, self.version)
         except BrokerError as e:
@@ -258,7 +259,7 @@ class RolloutServer:
         g = self.cfg.rollout.group_size
         n = g + int(self.greedy_baseline)  # the last sample of a group is the greedy baseline (remax)
         admitted = []
-        chaos.pin("rollout.generate")
+        faults.at("rollout.generate")
         for prompt in lease.prompts:
             task = self.env.task(prompt)
             key, self._next_id = self._next_id, self._next_id + 1
@@ -266,9 +267,7 @@ class RolloutServer:
             self.inflight[key] = item
             self.budget.admitted()
             for j in range(n):
-                params = self.greedy_params if j == g else self.params
-                if faults.PLAN and j != g:  # entropy_collapse (a testing aid, off by default)
-                    params = dataclasses.replace(params, temperature=faults.temperature(params.temperature, self.version))
+                params = self.greedy_params if j == g else faults.at("rollout.sampling", self.params, version=self.version)
                 episode = self.env.episode(self.engine, task, params, f"{self.client_id}/{key}/{j}",
                                            trace_carrier(trace, prompt.prompt_id))
                 future = self.engine.loop.submit(episode)
@@ -420,7 +419,7 @@ class RolloutServer:
 
 
 def broker_address(cfg: JobConfig, cli_address: str | None, run_dir: str | Path | None) -> str:
-    """See :func:`fleetrl.broker.address.resolve_address` (--broker > broker.address > broker.json > host:port)."""
+    """See :func:`fleetrl.broker.client.address.resolve_address` (--broker > broker.address > broker.json > host:port)."""
     return resolve_address(cfg.broker, run_dir, cli_address)
 
 
@@ -476,8 +475,8 @@ def main(args) -> int:
     stop = threading.Event()
     install_signals(stop)
     client_id = default_client_id("rollout", index, client_identity(cfg.broker.curve, "rollout"))
-    faults.note_server(index)
-    telemetry.setup_tracing("rollout", cfg.telemetry, args.run_dir,
+    faults.at("rollout.server_index", index)
+    tracing.setup_tracing("rollout", cfg.telemetry, args.run_dir,
                             {"service.instance.id": f"rollout-{index}", "fleetrl.client_id": client_id,
                              "fleetrl.server_index": index})
     device = resolve_device(cfg.rollout.device)

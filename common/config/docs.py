@@ -94,11 +94,12 @@ def config_docs() -> str:
         tp = field_types(JobConfig)[info.name]
         lines.extend([f"## `{info.name}`", "", _describe(tp)[0], ""])
         variants = variants_of(tp)
-        for tag, variant in (variants or {None: struct_of(tp)}).items():
-            if tag is not None:
-                field_ = tag_field_of(variants)  # type: ignore[arg-type]
+        pairs: list[tuple[str | None, Any]] = list(variants.items()) if variants else [(None, struct_of(tp))]
+        for tag, variant in pairs:
+            if variants is not None and tag is not None:
+                field_ = tag_field_of(variants)
                 lines.extend([f"### `{info.name}` with `{field_}: {tag}`", "", (variant.__doc__ or "").strip(), ""])
-            walk(variant, f"{info.name}.")  # type: ignore[arg-type]
+            walk(variant, f"{info.name}.")
     for section, key in (("rollout", "rewards"), ("health", "rules")):
         item = struct_of(field_types(struct_of(field_types(JobConfig)[section]))[key])  # type: ignore[arg-type]
         lines.extend([f"### Items of `{section}.{key}` ({item.__name__})", ""])  # type: ignore[union-attr]

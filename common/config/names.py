@@ -3,7 +3,7 @@ with a note), the defaults a job should not rely on silently, and local paths ma
 config a run saves (so it means the same from any directory).
 
 ``loader.py`` calls :func:`apply_aliases` while validating and :func:`with_absolute_paths` when saving;
-the functions that read a job file import the loader when called (it imports this module).
+the functions that read a job file use ``overrides.py`` (below the loader).
 """
 
 from __future__ import annotations
@@ -14,15 +14,11 @@ from typing import Any
 
 import msgspec
 
+from fleetrl.common.config.base import ConfigError
+from fleetrl.common.config.overrides import apply_overrides, read_yaml
 from fleetrl.common.config.schema import JobConfig
 
 log = logging.getLogger("fleetrl.config")
-
-
-def _config_error(message: str) -> Exception:
-    from fleetrl.common.config.loader import ConfigError
-
-    return ConfigError(message)
 
 
 ALIASES = {  # a top-level key as TRL / verl users write it -> fleetrl's key
@@ -48,7 +44,7 @@ def set_key(raw: dict[str, Any], dotted: str, value: Any) -> None:
         if node.get(part) is None:
             node[part] = {}
         if not isinstance(node[part], dict):
-            raise _config_error(f"{dotted}: {part} is a section; give it keys, not a value")
+            raise ConfigError(f"{dotted}: {part} is a section; give it keys, not a value")
         node = node[part]
     node[leaf] = value
 
@@ -65,7 +61,7 @@ def apply_aliases(raw: dict[str, Any], note: bool = True, notes: list[str] | Non
         if alias == "beta" and isinstance(raw.get("algorithm"), dict) and raw["algorithm"].get("type") == "dpo":
             target = "algorithm.beta"
         if get_key(raw, target) is not None:
-            raise _config_error(f"{alias} (the TRL/verl name of {target}) and {target} are both set; keep one")
+            raise ConfigError(f"{alias} (the TRL/verl name of {target}) and {target} are both set; keep one")
         set_key(raw, target, value)
         extra = ""
         if target == "algorithm.kl.coef" and isinstance(value, (int, float)) and value > 0 \
@@ -90,7 +86,7 @@ def _count(raw: dict[str, Any], key: str, default: int) -> int:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _config_error(f"{key}={value!r}: give a whole number >= 1")
+        raise ConfigError(f"{key}={value!r}: give a whole number >= 1")
     return value
 
 
@@ -110,14 +106,14 @@ def apply_batch_aliases(raw: dict[str, Any]) -> str:
         return ""
     alg = raw.get("algorithm")
     if isinstance(alg, dict) and alg.get("type") == "dpo":
-        raise _config_error(f"{', '.join(given)}: TRL's batch sizes count completions; a DPO step counts pairs: set "
+        raise ConfigError(f"{', '.join(given)}: TRL's batch sizes count completions; a DPO step counts pairs: set "
                             "learner.groups_per_step (pairs per step across all ranks) instead")
     for key in ("learner.groups_per_step", *(["learner.mini_batches"] if "per_device_train_batch_size" in raw else [])):
         if get_key(raw, key) is not None:
-            raise _config_error(f"{', '.join(given)} (TRL's batch sizes, in completions) and {key} are both set; "
+            raise ConfigError(f"{', '.join(given)} (TRL's batch sizes, in completions) and {key} are both set; "
                                 f"keep one (fleetrl's {key} counts groups of rollout.group_size)")
     if "gradient_accumulation_steps" in raw and "per_device_train_batch_size" not in raw:
-        raise _config_error("gradient_accumulation_steps counts with per_device_train_batch_size only (fleetrl "
+        raise ConfigError("gradient_accumulation_steps counts with per_device_train_batch_size only (fleetrl "
                             "splits micro-batches by tokens, learner.max_tokens_per_microbatch); set "
                             "per_device_train_batch_size too, or learner.groups_per_step and learner.mini_batches")
     defaults = JobConfig()
@@ -128,7 +124,7 @@ def apply_batch_aliases(raw: dict[str, Any]) -> str:
     how = (f"per_device_train_batch_size={per_device} x gradient_accumulation_steps={accum} = {per_rank} completions "
            f"per rank and optimizer step")
     if per_rank % group:
-        raise _config_error(f"{how} is not a whole number of groups of rollout.group_size={group} (a group is trained "
+        raise ConfigError(f"{how} is not a whole number of groups of rollout.group_size={group} (a group is trained "
                             f"on one rank); make it a multiple of {group}, or set learner.groups_per_step")
     step = per_rank * ranks  # completions per optimizer step
     generation = _count(raw, "generation_batch_size", step)
@@ -136,7 +132,7 @@ def apply_batch_aliases(raw: dict[str, Any]) -> str:
     if generation % unit:
         what = (f"optimizer steps of {step} completions ({how}, x learner.num_ranks={ranks})" if step else
                 f"groups per learner rank (rollout.group_size={group} x learner.num_ranks={ranks})")
-        raise _config_error(f"generation_batch_size={generation} is not a whole number of {what}; make it a multiple "
+        raise ConfigError(f"generation_batch_size={generation} is not a whole number of {what}; make it a multiple "
                             f"of {unit}")
     set_key(raw, "learner.groups_per_step", generation // group)
     said = f"learner.groups_per_step={generation // group}"
@@ -152,10 +148,8 @@ def apply_batch_aliases(raw: dict[str, Any]) -> str:
 def job_setting(path: str | Path | None, overrides: list[str], key: str) -> Any:
     """One dotted key as the job file and overrides set it (None when unset or unreadable), without validating
     the whole job: what a process needs before anything else (``run.file_access``)."""
-    from fleetrl.common.config.loader import ConfigError, _read_yaml, apply_overrides
-
     try:
-        raw = _read_yaml(path) if path is not None else {}
+        raw = read_yaml(path) if path is not None else {}
         apply_overrides(raw, overrides)
     except (ConfigError, OSError):
         return None
@@ -168,9 +162,7 @@ NAMED_DEFAULTS = ("model.path", "rollout.rewards")  # a job should not train som
 def defaults_used(cfg: JobConfig, path: str | Path | None, overrides: list[str] | None = None) -> list[str]:
     """One note per key of NAMED_DEFAULTS that neither the file nor an override sets, naming the default the
     job then uses (``rollout.rewards`` only for jobs with rollout servers)."""
-    from fleetrl.common.config.loader import _read_yaml, apply_overrides, to_dict
-
-    raw = _read_yaml(path) if path is not None else {}
+    raw = read_yaml(path) if path is not None else {}
     apply_overrides(raw, list(overrides or []))
     apply_aliases(raw, note=False)
     notes = []
@@ -178,7 +170,7 @@ def defaults_used(cfg: JobConfig, path: str | Path | None, overrides: list[str] 
         if key == "rollout.rewards" and not cfg.needs_fleet:
             continue
         if get_key(raw, key) is None:
-            value = [r.name for r in cfg.rollout.rewards] if key == "rollout.rewards" else get_key(to_dict(cfg), key)
+            value = [r.name for r in cfg.rollout.rewards] if key == "rollout.rewards" else get_key(msgspec.to_builtins(cfg), key)
             notes.append(f"{key} is not set, so the default {value} is used; set it in the job file to drop this note")
     return notes
 
@@ -241,13 +233,13 @@ def with_absolute_paths(cfg: JobConfig) -> JobConfig:
         node, leaf = _node(raw, key)
         if node is not None:
             node[leaf] = _absolute(node[leaf])
-    refs = user_code_refs(raw)
+    refs: list[tuple[Any, Any]] = user_code_refs(raw)  # (dict or list, key or index)
     for container, key in refs:
-        container[key] = _absolute(container[key], function=True)  # type: ignore[index]
+        container[key] = _absolute(container[key], function=True)
     run = raw.setdefault("run", {})
     folders = [str(Path(p).resolve()) for p in run.get("python_path") or []]
     here = str(Path.cwd().resolve())
-    if any(_found_here(container[key]) for container, key in refs) and here not in folders:  # type: ignore[index]
+    if any(_found_here(container[key]) for container, key in refs) and here not in folders:
         folders.append(here)
     run["python_path"] = folders
     return msgspec.convert(raw, JobConfig)

@@ -32,10 +32,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from fleetrl.rollout.engines.base import Generation, Request, SamplingParams
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation, Request
 from fleetrl.rollout.endpoint import stream
 from fleetrl.rollout.endpoint.sessions import AgentEnv, ApiError, Session, plain
-from fleetrl.rollout.envs.codec import ChatCodec
+from fleetrl.common.chat.codec import ChatCodec
 from fleetrl.rollout.envs.parsers import TOOL_PARSERS
 
 log = logging.getLogger("fleetrl.rollout.endpoint")

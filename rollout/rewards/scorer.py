@@ -30,8 +30,8 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 from fleetrl.common import faults
-from fleetrl.common.registry import RegistryError
-from fleetrl.rollout.rewards.base import REWARDS, Reward, RewardArgsError, RewardInput, RewardResult, SampleReward
+from fleetrl.common.plugins.registry import RegistryError
+from fleetrl.rollout.rewards.base import REWARDS, Reward, RewardArgsError, RewardInput, RewardResult
 from fleetrl.rollout.rewards.runner import CallRunner, CallTimeout
 from fleetrl.rollout.rewards.streak import UnusableStreak
 
@@ -251,7 +251,7 @@ class RewardScorer:
 
     def _finish(self, job: _Job) -> None:
         try:
-            faults.poison_scores(job.scores, [b.response for b in job.batch], as_score)  # off unless FLEETRL_FAULT
+            faults.at("rollout.scores", job.scores, responses=[b.response for b in job.batch], nan_score=as_score)
             results = [self._combine(job.scores, j) for j in range(len(job.batch))]
             self._record(job, results)
         except Exception as e:  # a bug here must reach the waiting server, not vanish in a callback

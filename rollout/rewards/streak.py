@@ -24,6 +24,7 @@ class UnusableStreak:
     failed: Counter[str] = field(default_factory=Counter)  # per label: samples of the streak it failed on
     unscored: Counter[str] = field(default_factory=Counter)  # per label: samples of the streak it returned None for
     first_error: dict[str, str] = field(default_factory=dict)  # per label: its first failure in the streak
+    stopped: str | None = None  # the reason, fixed when the streak first reached the limit
 
     def add(self, usable: bool, failed: dict[str, str], unscored: list[str]) -> bool:
         """Count one sample (``failed``: label -> reason of each part that failed on it; ``unscored``: labels
@@ -40,6 +41,8 @@ class UnusableStreak:
             self.failed[label] += 1
             self.first_error.setdefault(label, reason)
         self.unscored.update(unscored)
+        if self.limit and self.length == self.limit and self.stopped is None:
+            self.stopped = self._reason()  # samples scored before the server stops do not change what it says
         return bool(self.limit) and self.length == max(1, self.limit // 2) < self.limit
 
     def what_each_did(self) -> str:
@@ -54,8 +57,9 @@ class UnusableStreak:
 
     def why(self) -> str | None:
         """Why the server stops, once ``limit`` samples in a row were unusable; else None."""
-        if not self.limit or self.length < self.limit:
-            return None
+        return self.stopped
+
+    def _reason(self) -> str:
         n = self.length
         head = (f"no sample got a usable reward in the first {n}" if not self.usable else
                 f"the rewards stopped working: the last {n} samples got no usable reward (after {self.usable} "

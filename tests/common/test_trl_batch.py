@@ -78,7 +78,7 @@ def test_config_validate_prints_each_note_once_with_its_name(tmp_path, tiny_mode
     job = tmp_path / "job.yaml"
     job.write_text(f"model: {{path: {tiny_model_dir}}}\ndata: {{train: {arith_data}}}\nrollout: {{rewards: [{{name: "
                    "exact}]}\nnum_generations: 4\ngeneration_batch_size: 32\n")
-    out = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "config", "validate", "--config", str(job)],
+    out = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "config", "validate", "--config", str(job)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     notes = [line for line in out.stderr.splitlines() if line.startswith("fleetrl config: note: ")]

@@ -13,7 +13,7 @@ import yaml
 
 from tests.e2e.conftest import TINY, read_jsonl
 
-CLI = [sys.executable, "-m", "fleetrl.common.cli"]
+CLI = [sys.executable, "-m", "fleetrl.app.cli"]
 
 
 def run_cli(args: list[str], cwd, timeout: float = 300) -> subprocess.CompletedProcess:

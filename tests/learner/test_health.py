@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fleetrl.common.config import ConfigError, load_config
-from fleetrl.common.registry import RegistryError
+from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.common.config.learner import HealthConfig, HealthRule
 from fleetrl.learner.health import HEALTH_RULES, HealthEvent, HealthMonitor
 

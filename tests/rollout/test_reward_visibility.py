@@ -6,7 +6,7 @@ import json
 
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import RewardSpec
-from fleetrl.common.launch.status import StatusLine
+from fleetrl.app.launch.status import StatusLine
 from fleetrl.common.config import load_config
 from fleetrl.learner.completions import reward_part_metrics
 from fleetrl.learner.report import rollout_reward_note

@@ -86,7 +86,7 @@ def reward_func(completions, ground_truth, **kwargs):
 def multi_task_reward_func(prompts, completions, task, **kwargs):
     """TRL docs' multi-task example: None for the samples this function does not apply to."""
     rewards = []
-    for prompt, completion, t in zip(prompts, completions, task):
+    for _prompt, completion, t in zip(prompts, completions, task):
         if t == "math":
             rewards.append(1.0 if completion.strip().endswith("4") else 0.0)
         else:
