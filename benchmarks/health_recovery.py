@@ -70,34 +70,78 @@ def run_one(name: str, work: dict, args, seed: int, fault: str | None, extra: li
     done = run_dir / "done.json"
     if done.exists() and not args.again:
         return json.loads(done.read_text())
-    sets = [f"model.path={work['warm']}", f"data.train={work['train']}", f"data.eval={work['eval']}",
-            f"learner.total_steps={args.steps}", "learner.max_minutes=0", "run.eval_interval=10",
-            f"run.eval_n={args.eval_n}", "checkpoint.interval=10", "checkpoint.keep_last=3", "telemetry.log_level=WARNING",
-            "run.learner_threads=1", "run.rollout_threads=1",  # no OMP spinning on a shared box (counts, not speed)
-            f"learner.seed={seed}", f"rollout.seed={seed}", f"data.seed={seed}"]
+    sets = [
+        f"model.path={work['warm']}",
+        f"data.train={work['train']}",
+        f"data.eval={work['eval']}",
+        f"learner.total_steps={args.steps}",
+        "learner.max_minutes=0",
+        "run.eval_interval=10",
+        f"run.eval_n={args.eval_n}",
+        "checkpoint.interval=10",
+        "checkpoint.keep_last=3",
+        "telemetry.log_level=WARNING",
+        "run.learner_threads=1",
+        "run.rollout_threads=1",  # no OMP spinning on a shared box (counts, not speed)
+        f"learner.seed={seed}",
+        f"rollout.seed={seed}",
+        f"data.seed={seed}",
+    ]
     if args.rules:
         sets.append(f"health.rules={args.rules}")
     sets += EXTRA.get(fault or "", ([], {}))[0] + (extra or [])
-    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
-            "--run-dir", str(run_dir), "--no-status", *sets]
+    argv = [
+        sys.executable,
+        "-m",
+        "fleetrl.app.cli",
+        "run",
+        "--config",
+        str(ROOT / "configs" / "demo.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--no-status",
+        *sets,
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if fault:
         kind, duration = FAULTS[fault]
-        env.update(FLEETRL_FAULT=kind, FLEETRL_FAULT_AT=str(args.inject_at), FLEETRL_FAULT_FOR=str(duration),
-                   **EXTRA.get(fault, ([], {}))[1])
+        env.update(
+            FLEETRL_FAULT=kind,
+            FLEETRL_FAULT_AT=str(args.inject_at),
+            FLEETRL_FAULT_FOR=str(duration),
+            **EXTRA.get(fault, ([], {}))[1],
+        )
     if run_dir.exists():  # an unfinished run: start it again from scratch
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    print(f"[{name}] seed {seed}" + (f", {fault} ({FAULTS[fault][0]}) from {args.inject_at}" if fault else ""), flush=True)
+    print(
+        f"[{name}] seed {seed}" + (f", {fault} ({FAULTS[fault][0]}) from {args.inject_at}" if fault else ""), flush=True
+    )
     code, cpu = run_child(name, argv, run_dir / "run.log", 60 * args.timeout_min, env=env)
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    result = {"name": name, "fault": fault, "seed": seed, "exit_code": code, "cpu": cpu, "inject_at": args.inject_at,
-              "steps": max((int(r["step"]) for r in rows), default=0), "curve": eval_curve(rows),
-              "events": read_jsonl(run_dir / "events.jsonl"),
-              "command": (f"FLEETRL_FAULT={FAULTS[fault][0]} FLEETRL_FAULT_AT={args.inject_at} "
-                          f"FLEETRL_FAULT_FOR={FAULTS[fault][1]} " if fault else "") + "fleetrl " + " ".join(argv[3:])}
-    print(f"  exit {code}, {result['steps']} steps, {len(result['events'])} events, others' CPU "
-          f"{cpu['others_cpu_share']:.0%}", flush=True)
+    result = {
+        "name": name,
+        "fault": fault,
+        "seed": seed,
+        "exit_code": code,
+        "cpu": cpu,
+        "inject_at": args.inject_at,
+        "steps": max((int(r["step"]) for r in rows), default=0),
+        "curve": eval_curve(rows),
+        "events": read_jsonl(run_dir / "events.jsonl"),
+        "command": (
+            f"FLEETRL_FAULT={FAULTS[fault][0]} FLEETRL_FAULT_AT={args.inject_at} FLEETRL_FAULT_FOR={FAULTS[fault][1]} "
+            if fault
+            else ""
+        )
+        + "fleetrl "
+        + " ".join(argv[3:]),
+    }
+    print(
+        f"  exit {code}, {result['steps']} steps, {len(result['events'])} events, others' CPU "
+        f"{cpu['others_cpu_share']:.0%}",
+        flush=True,
+    )
     if code in (0, 3) and result["steps"]:
         done.write_text(json.dumps(result, indent=1))
     else:
@@ -121,13 +165,21 @@ def compare(run: dict, base: dict) -> dict:
     judged = [(s, a) for s, a in run["curve"] if start <= s <= start + SPAN and s in base_at]
     if not judged and run["curve"] and run["curve"][-1][0] in base_at:  # stopped (or too short): its last evaluation
         judged = [run["curve"][-1]]
-    out = {"detected": det["detected"], "delay_steps": det["delay_steps"], "first_rule": det["first_rule"],
-           "action": det["action"], "rollbacks": len(rollbacks), "recovered_from_step": recovered_from,
-           "accuracy_lost_max": max(dips, default=None), "stopped": run["exit_code"] == 3}
+    out = {
+        "detected": det["detected"],
+        "delay_steps": det["delay_steps"],
+        "first_rule": det["first_rule"],
+        "action": det["action"],
+        "rollbacks": len(rollbacks),
+        "recovered_from_step": recovered_from,
+        "accuracy_lost_max": max(dips, default=None),
+        "stopped": run["exit_code"] == 3,
+    }
     if judged:
         acc, ref = statistics.mean(a for _, a in judged), statistics.mean(base_at[s] for s, _ in judged)
-        out.update(judged_at=[s for s, _ in judged], accuracy=acc, unfaulted=ref, gap=ref - acc,
-                   recovered=acc >= ref - POINTS)
+        out.update(
+            judged_at=[s for s, _ in judged], accuracy=acc, unfaulted=ref, gap=ref - acc, recovered=acc >= ref - POINTS
+        )
     else:
         out.update(judged_at=None, accuracy=None, unfaulted=None, gap=None, recovered=False)
     return out
@@ -137,34 +189,52 @@ def summarize(runs: dict[str, dict], faults: list[str], seeds: list[int]) -> dic
     table = {}
     for fault in faults:
         base = BASELINE.get(fault, "unfaulted")
-        per_seed = {s: compare(runs[f"{fault}-s{s}"], runs[f"{base}-s{s}"]) for s in seeds
-                    if f"{fault}-s{s}" in runs and f"{base}-s{s}" in runs}
+        per_seed = {
+            s: compare(runs[f"{fault}-s{s}"], runs[f"{base}-s{s}"])
+            for s in seeds
+            if f"{fault}-s{s}" in runs and f"{base}-s{s}" in runs
+        }
         if not per_seed:
             continue
         gaps = [r["gap"] for r in per_seed.values() if r["gap"] is not None]
         delays = [r["delay_steps"] for r in per_seed.values() if r["delay_steps"] is not None]
-        table[fault] = {"seeds": per_seed, "detected": sum(r["detected"] for r in per_seed.values()),
-                        "max_delay": max(delays, default=None), "median_gap": statistics.median(gaps) if gaps else None,
-                        "recovered_median": bool(gaps) and statistics.median(gaps) <= POINTS}
+        table[fault] = {
+            "seeds": per_seed,
+            "detected": sum(r["detected"] for r in per_seed.values()),
+            "max_delay": max(delays, default=None),
+            "median_gap": statistics.median(gaps) if gaps else None,
+            "recovered_median": bool(gaps) and statistics.median(gaps) <= POINTS,
+        }
     six = {k: f for k, f in table.items() if k != "poison_server"}  # the issue's six; the quarantine apart
-    detected_fast = sum(1 for f in six.values() if f["detected"] == len(f["seeds"]) and f["max_delay"] is not None
-                        and f["max_delay"] <= 20)
-    return {"faults": table, "targets": {
-        "detected_within_20_steps": f"{detected_fast} of {len(six)} (target 6 of 6)",
-        "recovered_within_3_points_median": f"{sum(f['recovered_median'] for f in six.values())} of {len(six)} "
-                                            "(target >= 5 of 6)"}}
+    detected_fast = sum(
+        1
+        for f in six.values()
+        if f["detected"] == len(f["seeds"]) and f["max_delay"] is not None and f["max_delay"] <= 20
+    )
+    return {
+        "faults": table,
+        "targets": {
+            "detected_within_20_steps": f"{detected_fast} of {len(six)} (target 6 of 6)",
+            "recovered_within_3_points_median": f"{sum(f['recovered_median'] for f in six.values())} of {len(six)} "
+            "(target >= 5 of 6)",
+        },
+    }
 
 
 def print_table(summary: dict) -> None:
-    print(f"\n{'fault':<18}{'seed':>5}{'delay':>7}  {'rule':<22}{'action':<9}{'rb':>3}{'lost':>7}{'at':>5}"
-          f"{'acc':>7}{'base':>7}{'gap':>7}")
+    print(
+        f"\n{'fault':<18}{'seed':>5}{'delay':>7}  {'rule':<22}{'action':<9}{'rb':>3}{'lost':>7}{'at':>5}"
+        f"{'acc':>7}{'base':>7}{'gap':>7}"
+    )
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
     for fault, f in summary["faults"].items():
         for seed, r in f["seeds"].items():
-            print(f"{fault:<18}{seed:>5}{str(r['delay_steps']):>7}  {str(r['first_rule']):<22}{r['action']:<9}"
-                  f"{r['rollbacks']:>3}{pct(r['accuracy_lost_max']):>7}{str((r['judged_at'] or ['-'])[0]):>5}"
-                  f"{pct(r['accuracy']):>7}"
-                  f"{pct(r['unfaulted']):>7}{pct(r['gap']):>7}")
+            print(
+                f"{fault:<18}{seed:>5}{str(r['delay_steps']):>7}  {str(r['first_rule']):<22}{r['action']:<9}"
+                f"{r['rollbacks']:>3}{pct(r['accuracy_lost_max']):>7}{str((r['judged_at'] or ['-'])[0]):>5}"
+                f"{pct(r['accuracy']):>7}"
+                f"{pct(r['unfaulted']):>7}{pct(r['gap']):>7}"
+            )
         print(f"{'':<18}median gap {pct(f['median_gap'])} points; recovered: {f['recovered_median']}")
     for k, v in summary["targets"].items():
         print(f"  {k}: {v}")
@@ -173,8 +243,11 @@ def print_table(summary: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", default="runs/health-recovery")
-    ap.add_argument("--faults", default=",".join(f for f in FAULTS if f != "poison_server"),
-                    help="comma list of " + ", ".join(FAULTS))
+    ap.add_argument(
+        "--faults",
+        default=",".join(f for f in FAULTS if f != "poison_server"),
+        help="comma list of " + ", ".join(FAULTS),
+    )
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--inject-at", type=int, default=45)
@@ -210,10 +283,14 @@ def main() -> int:
 
 def save(runs: dict, args, faults: list[str], seeds: list[int]) -> dict:
     summary = summarize(runs, faults, seeds)
-    report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-              "command": "python benchmarks/health_recovery.py " + " ".join(sys.argv[1:]),
-              "time": time.strftime("%Y-%m-%d %H:%M"), "rules": args.rules or "the shipped defaults",
-              "summary": summary, "runs": sorted(runs.values(), key=lambda r: r["name"])}
+    report = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "command": "python benchmarks/health_recovery.py " + " ".join(sys.argv[1:]),
+        "time": time.strftime("%Y-%m-%d %H:%M"),
+        "rules": args.rules or "the shipped defaults",
+        "summary": summary,
+        "runs": sorted(runs.values(), key=lambda r: r["name"]),
+    }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=1, default=str))
     return summary

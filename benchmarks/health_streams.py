@@ -59,7 +59,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from health_replay import main as replay_main  # noqa: E402
-from vs_trl import ROOT, fleetrl_cli, prepare as prepare_demo, run_child, tail  # noqa: E402
+from vs_trl import ROOT, fleetrl_cli, run_child, tail  # noqa: E402
+from vs_trl import prepare as prepare_demo
 
 CONFIGS = {  # name: (config, max_staleness, lr, task)
     "grpo-s0-lr1e-4": ("grpo", 0, 1e-4, "arithmetic"),
@@ -73,14 +74,18 @@ CONFIGS = {  # name: (config, max_staleness, lr, task)
     "multiturn-s2": ("multiturn", 2, 2e-4, "calc"),
 }
 RESULTS = ROOT / "benchmarks" / "results"
-RECORD_RULES = ('[{name: non_finite}, {name: grad_spike}, {name: reward_drop, window: 10, threshold: 0.2}, '
-                '{name: length_collapse, window: 10, threshold: 0.6}, {name: entropy_floor}, {name: mismatch_kl_ceiling}, '
-                '{name: reward_hacking}, {name: server_poison}]')  # all alerts: the recorded stream is the run's own
-CANDIDATE = ('[{"name": "non_finite", "action": "rollback"}, {"name": "grad_spike", "action": "alert"}, '
-             '{"name": "reward_drop", "action": "rollback", "window": 10, "threshold": 0.2}, '
-             '{"name": "length_collapse", "action": "rollback", "window": 10, "threshold": 0.6}, '
-             '{"name": "entropy_floor", "action": "alert"}, {"name": "mismatch_kl_ceiling", "action": "rollback"}, '
-             '{"name": "reward_hacking", "action": "rollback"}]')
+RECORD_RULES = (
+    "[{name: non_finite}, {name: grad_spike}, {name: reward_drop, window: 10, threshold: 0.2}, "
+    "{name: length_collapse, window: 10, threshold: 0.6}, {name: entropy_floor}, {name: mismatch_kl_ceiling}, "
+    "{name: reward_hacking}, {name: server_poison}]"
+)  # all alerts: the recorded stream is the run's own
+CANDIDATE = (
+    '[{"name": "non_finite", "action": "rollback"}, {"name": "grad_spike", "action": "alert"}, '
+    '{"name": "reward_drop", "action": "rollback", "window": 10, "threshold": 0.2}, '
+    '{"name": "length_collapse", "action": "rollback", "window": 10, "threshold": 0.6}, '
+    '{"name": "entropy_floor", "action": "alert"}, {"name": "mismatch_kl_ceiling", "action": "rollback"}, '
+    '{"name": "reward_hacking", "action": "rollback"}]'
+)
 
 
 def prepare(workdir: Path) -> dict[str, dict[str, str]]:
@@ -93,25 +98,64 @@ def prepare(workdir: Path) -> dict[str, dict[str, str]]:
     if not (train.exists() and held_out.exists()):
         fleetrl_cli("init-data", "--task", "calc", "--out", str(train), "--n", "20000", "--eval-n", "500")
     if not (warm / "config.json").exists():  # scripts/multiturn_demo.sh's warm start
-        fleetrl_cli("sft", "--model", str(model), "--data", str(train), "--eval-data", str(held_out), "--out", str(warm),
-                    "--target-acc", "0.2", "--lr", "2e-4", "--eval-every", "10", "--eval-n", "100",
-                    "--max-minutes", "30", "--config", str(ROOT / "configs" / "multiturn.yaml"),
-                    log=workdir / "logs" / "sft-multiturn.log")
-    return {"arithmetic": {"model": demo["warm"], "train": demo["train"], "eval": demo["eval"]},
-            "calc": {"model": str(warm), "train": str(train), "eval": str(held_out)}}
+        fleetrl_cli(
+            "sft",
+            "--model",
+            str(model),
+            "--data",
+            str(train),
+            "--eval-data",
+            str(held_out),
+            "--out",
+            str(warm),
+            "--target-acc",
+            "0.2",
+            "--lr",
+            "2e-4",
+            "--eval-every",
+            "10",
+            "--eval-n",
+            "100",
+            "--max-minutes",
+            "30",
+            "--config",
+            str(ROOT / "configs" / "multiturn.yaml"),
+            log=workdir / "logs" / "sft-multiturn.log",
+        )
+    return {
+        "arithmetic": {"model": demo["warm"], "train": demo["train"], "eval": demo["eval"]},
+        "calc": {"model": str(warm), "train": str(train), "eval": str(held_out)},
+    }
 
 
 def overrides(name: str, work: dict[str, str], steps: int, seed: int, args) -> list[str]:
     config, staleness, lr, task = CONFIGS[name]
     groups = args.mt_groups if task == "calc" else args.groups
-    sets = [f"model.path={work['model']}", f"data.train={work['train']}", f"data.eval={work['eval']}",
-            f"learner.total_steps={steps}", "learner.max_minutes=0", f"broker.max_staleness={staleness}",
-            f"learner.lr={lr}", "learner.warmup_steps=20", f"learner.groups_per_step={groups}", f"rollout.prompts_per_batch={groups}",
-            f"rollout.group_size={args.group_size}", f"run.eval_interval={args.eval_interval}",
-            f"run.eval_n={args.eval_n}", f"health.rules={RECORD_RULES}", "checkpoint.interval=0",
-            "telemetry.log_level=WARNING", "run.learner_threads=1", "run.rollout_threads=1",  # no OMP spinning on a shared box
-            f"learner.seed={seed}", f"rollout.seed={seed}", f"data.seed={seed}", "learner.device=cpu",
-            "rollout.device=cpu"]
+    sets = [
+        f"model.path={work['model']}",
+        f"data.train={work['train']}",
+        f"data.eval={work['eval']}",
+        f"learner.total_steps={steps}",
+        "learner.max_minutes=0",
+        f"broker.max_staleness={staleness}",
+        f"learner.lr={lr}",
+        "learner.warmup_steps=20",
+        f"learner.groups_per_step={groups}",
+        f"rollout.prompts_per_batch={groups}",
+        f"rollout.group_size={args.group_size}",
+        f"run.eval_interval={args.eval_interval}",
+        f"run.eval_n={args.eval_n}",
+        f"health.rules={RECORD_RULES}",
+        "checkpoint.interval=0",
+        "telemetry.log_level=WARNING",
+        "run.learner_threads=1",
+        "run.rollout_threads=1",  # no OMP spinning on a shared box
+        f"learner.seed={seed}",
+        f"rollout.seed={seed}",
+        f"data.seed={seed}",
+        "learner.device=cpu",
+        "rollout.device=cpu",
+    ]
     return sets + (["rollout.max_new_tokens=5"] if task == "arithmetic" else [])
 
 
@@ -125,26 +169,51 @@ def run_segment(name: str, k: int, work: dict[str, str], steps: int, args) -> di
     if seg.exists():  # a segment killed half-way: kept aside whole, run again from its start
         shutil.move(seg, seg.with_name(f"{seg.name}.partial-{int(time.time())}"))
     seed = args.seed + 101 * k
-    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config",
-            str(ROOT / "configs" / f"{CONFIGS[name][0]}.yaml"), "--run-dir", str(seg), "--no-status",
-            *overrides(name, work, steps, seed, args)]
+    argv = [
+        sys.executable,
+        "-m",
+        "fleetrl.app.cli",
+        "run",
+        "--config",
+        str(ROOT / "configs" / f"{CONFIGS[name][0]}.yaml"),
+        "--run-dir",
+        str(seg),
+        "--no-status",
+        *overrides(name, work, steps, seed, args),
+    ]
     seg.mkdir(parents=True, exist_ok=True)
     log = seg / "run.log"
     print(f"[{name} seg {k}] {steps} steps, seed {seed}", flush=True)
-    code, cpu = run_child(f"{name}-{k}", argv, log, args.timeout_min * 60,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"))
+    code, cpu = run_child(
+        f"{name}-{k}",
+        argv,
+        log,
+        args.timeout_min * 60,
+        env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"),
+    )
     rows = read_rows(seg / "metrics.jsonl")
     done = max((int(r["step"]) for r in rows), default=0)
     curve = [(int(r["step"]), r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     live = read_rows(seg / "events.jsonl")
-    result = {"name": name, "segment": k, "seed": seed, "steps": done, "exit_code": code, "cpu": cpu,
-              "eval_curve": curve, "groups": sum(r.get("batch/groups", 0) for r in rows),
-              "screened_groups": sum(r.get("fleet/screened_groups", 0) for r in rows),
-              "live_alerts": [{k: e[k] for k in ("step", "rule", "message")} for e in live],
-              "command": "fleetrl " + " ".join(argv[3:])}
-    print(f"  exit {code}, {done} steps in {cpu['wall_s']:.0f} s ({cpu['own_cpu_s'] / max(done, 1):.3f} CPU-s a step), "
-          f"others' CPU share {cpu['others_cpu_share']:.0%}, held-out {curve[0][1] if curve else '-'} -> "
-          f"{curve[-1][1] if curve else '-'}", flush=True)
+    result = {
+        "name": name,
+        "segment": k,
+        "seed": seed,
+        "steps": done,
+        "exit_code": code,
+        "cpu": cpu,
+        "eval_curve": curve,
+        "groups": sum(r.get("batch/groups", 0) for r in rows),
+        "screened_groups": sum(r.get("fleet/screened_groups", 0) for r in rows),
+        "live_alerts": [{k: e[k] for k in ("step", "rule", "message")} for e in live],
+        "command": "fleetrl " + " ".join(argv[3:]),
+    }
+    print(
+        f"  exit {code}, {done} steps in {cpu['wall_s']:.0f} s ({cpu['own_cpu_s'] / max(done, 1):.3f} CPU-s a step), "
+        f"others' CPU share {cpu['others_cpu_share']:.0%}, held-out {curve[0][1] if curve else '-'} -> "
+        f"{curve[-1][1] if curve else '-'}",
+        flush=True,
+    )
     if code == 0 and done >= steps:
         (seg / "done.json").write_text(json.dumps(result, indent=1))
     else:
@@ -162,8 +231,11 @@ def sweep(names: list[str], data: dict, args) -> None:
     """Round-robin segments until every configuration has its steps (or a segment fails twice)."""
     failures: dict[str, int] = {}
     while True:
-        todo = [n for n in names if sum(s["steps"] for s in recorded(n, Path(args.workdir))) < args.steps
-                and failures.get(n, 0) < 2]
+        todo = [
+            n
+            for n in names
+            if sum(s["steps"] for s in recorded(n, Path(args.workdir))) < args.steps and failures.get(n, 0) < 2
+        ]
         if not todo:
             return
         for name in todo:
@@ -183,33 +255,52 @@ def healthy(seg: dict) -> bool:
 def replay(names: list[str], args) -> int:
     every = {n: recorded(n, Path(args.workdir)) for n in names}
     segments = {n: [s for s in segs if healthy(s)] for n, segs in every.items()}
-    declined = {n: [(s["segment"], s["eval_curve"][0][1], s["eval_curve"][-1][1]) for s in segs if not healthy(s)]
-                for n, segs in every.items()}
+    declined = {
+        n: [(s["segment"], s["eval_curve"][0][1], s["eval_curve"][-1][1]) for s in segs if not healthy(s)]
+        for n, segs in every.items()
+    }
     if any(declined.values()):
         print(f"segments left out, held-out fell > 5 points (not healthy runs): {declined}")
     dirs = [str(Path(args.workdir) / "streams" / n / f"seg-{s['segment']:02d}") for n in names for s in segments[n]]
     if not dirs:
         print("no finished segment to replay", file=sys.stderr)
         return 1
-    report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-              "command": "python benchmarks/health_streams.py " + " ".join(sys.argv[1:]), "time": time.strftime("%Y-%m-%d %H:%M"),
-              "configurations": {n: {"config": CONFIGS[n][0], "max_staleness": CONFIGS[n][1], "lr": CONFIGS[n][2],
-                                     "task": CONFIGS[n][3], "steps": sum(s["steps"] for s in segs), "segments": segs}
-                                 for n, segs in segments.items()},
-              "declined": declined}
+    report = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "command": "python benchmarks/health_streams.py " + " ".join(sys.argv[1:]),
+        "time": time.strftime("%Y-%m-%d %H:%M"),
+        "configurations": {
+            n: {
+                "config": CONFIGS[n][0],
+                "max_staleness": CONFIGS[n][1],
+                "lr": CONFIGS[n][2],
+                "task": CONFIGS[n][3],
+                "steps": sum(s["steps"] for s in segs),
+                "segments": segs,
+            }
+            for n, segs in segments.items()
+        },
+        "declined": declined,
+    }
     groups = sum(s.get("groups", 0) for segs in segments.values() for s in segs)
     screened = sum(s.get("screened_groups", 0) for segs in segments.values() for s in segs)
-    report["screen"] = {"groups_trained": groups, "screened_groups": screened,
-                        "note": "healthy groups the fleet screen left out: its false positives"}
+    report["screen"] = {
+        "groups_trained": groups,
+        "screened_groups": screened,
+        "note": "healthy groups the fleet screen left out: its false positives",
+    }
     report["live_alerts"] = sum(len(s.get("live_alerts", [])) for segs in segments.values() for s in segs)
     (RESULTS / "health_streams.json").write_text(json.dumps(report, indent=1))
-    print(f"fleet screen on the healthy runs: {screened:g} groups left out, {groups:g} trained; "
-          f"live alerts (every rule an alert): {report['live_alerts']}")
+    print(
+        f"fleet screen on the healthy runs: {screened:g} groups left out, {groups:g} trained; "
+        f"live alerts (every rule an alert): {report['live_alerts']}"
+    )
     print("\n== the shipped defaults")
     code = replay_main([*dirs, "--json", str(RESULTS / "health_replay.json")])
     print("\n== the candidate set (defaults + reward_hacking -> rollback)")
-    return code or replay_main([*dirs, "--rules", args.candidate_rules,
-                                "--json", str(RESULTS / "health_replay_candidate.json")])
+    return code or replay_main(
+        [*dirs, "--rules", args.candidate_rules, "--json", str(RESULTS / "health_replay_candidate.json")]
+    )
 
 
 def main() -> int:

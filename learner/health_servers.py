@@ -62,10 +62,16 @@ class ServerPoison(ServerRule):
         total = sum(n for _, n in recent)
         if total <= self.threshold:
             return None
-        return Fired(total, self.threshold, f"rollout server {server} sent {total:g} groups in the last {self.window} "
-                     f"steps that no honest server could have sent (more than {self.threshold:g}; the fleet screen left "
-                     "them out of training): its rewards or log-probs are poison, so that server is isolated and the "
-                     "run goes on with the others", recent[0][0], metric=f"server/{server}/screened")
+        return Fired(
+            total,
+            self.threshold,
+            f"rollout server {server} sent {total:g} groups in the last {self.window} "
+            f"steps that no honest server could have sent (more than {self.threshold:g}; the fleet screen left "
+            "them out of training): its rewards or log-probs are poison, so that server is isolated and the "
+            "run goes on with the others",
+            recent[0][0],
+            metric=f"server/{server}/screened",
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"counts": {s: list(d) for s, d in self.counts.items()}}

@@ -42,8 +42,10 @@ class FleetGuard:
                 self.source.quarantine(event.server)
                 if self.dist.is_main and self.client is not None:
                     self.ask_broker(event.server, event.message)
-        return {"fleet/screened_groups": sum(s.get("screened", 0.0) for s in servers.values()),
-                "fleet/quarantined_servers": float(len(self.health.quarantined))}
+        return {
+            "fleet/screened_groups": sum(s.get("screened", 0.0) for s in servers.values()),
+            "fleet/quarantined_servers": float(len(self.health.quarantined)),
+        }
 
     def gather(self, servers: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
         """Per-server counts summed over the ranks (one all_gather_object when there are several)."""
@@ -66,8 +68,12 @@ class FleetGuard:
             self.client.control("quarantine", reason=reason[:500], target=server)
             log.error("health: rollout server %s quarantined at the broker: %s", server, reason)
         except Exception as e:  # noqa: BLE001 - a policy: the learner leaves the server's groups out anyway
-            log.warning("health: the broker did not quarantine rollout server %s (%s); the learner leaves its "
-                        "groups out of training all the same", server, e)
+            log.warning(
+                "health: the broker did not quarantine rollout server %s (%s); the learner leaves its "
+                "groups out of training all the same",
+                server,
+                e,
+            )
 
     def restore(self) -> None:
         """After a resume: the servers the checkpoint's monitor had quarantined stay left out, and the broker

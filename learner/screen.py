@@ -83,8 +83,10 @@ class FleetScreen:
             med, allowed = span
             far = max(g.rewards, key=lambda r: abs(r - med))
             if abs(far - med) > allowed:
-                return (f"group {g.group_id}: reward {far:.6g} lies {abs(far - med):.3g} from the fleet's median "
-                        f"{med:.4g}, more than {allowed:.3g} (health.screen.reward_spread x max(IQR, 1))")
+                return (
+                    f"group {g.group_id}: reward {far:.6g} lies {abs(far - med):.3g} from the fleet's median "
+                    f"{med:.4g}, more than {allowed:.3g} (health.screen.reward_spread x max(IQR, 1))"
+                )
         return impossible_logprobs(g)
 
 
@@ -98,6 +100,8 @@ def impossible_logprobs(g: m.SampleGroup) -> str | None:
     tokens, offsets = g.token_array(), g.offsets()
     firsts = {int(tokens[a]) for a, b in zip(offsets[:-1], offsets[1:]) if b > a}
     if len(firsts) > 1 and not np.any(sampled != 0.0):
-        return (f"group {g.group_id}: every sampled token has behaviour log-prob exactly 0.0 (probability 1), yet "
-                f"its responses start with {len(firsts)} different tokens")
+        return (
+            f"group {g.group_id}: every sampled token has behaviour log-prob exactly 0.0 (probability 1), yet "
+            f"its responses start with {len(firsts)} different tokens"
+        )
     return None

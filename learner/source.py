@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -77,8 +77,10 @@ class BrokerBatchSource:
                 raise Interrupted()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise FleetIdle(f"no groups arrived within learner.batch_wait_s={self.cfg.learner.batch_wait_s:g} s; "
-                                "check that rollout servers run (`fleetrl status --broker ADDR`) or raise that setting")
+                raise FleetIdle(
+                    f"no groups arrived within learner.batch_wait_s={self.cfg.learner.batch_wait_s:g} s; "
+                    "check that rollout servers run (`fleetrl status --broker ADDR`) or raise that setting"
+                )
             reply = self.client.lease_batch(n, wait_s=min(2.0, left), min_groups=n)
             if isinstance(reply, m.BatchLease):
                 return reply
@@ -111,7 +113,9 @@ class BrokerBatchSource:
             if len(out.groups) >= self.want:
                 break
         if not out.groups:  # every group was filtered: train on what came rather than not at all
-            log.warning("dynamic sampling filtered every group of %d leases; training on the last lease", len(out.leases))
+            log.warning(
+                "dynamic sampling filtered every group of %d leases; training on the last lease", len(out.leases)
+            )
             out.groups = list(last)
         self.filtered_total += out.filtered
         out.wait_s = time.monotonic() - t0
@@ -131,8 +135,12 @@ class BrokerBatchSource:
             out.screen_reasons.extend(reasons[: max(0, 5 - len(out.screen_reasons))])
         fresh = [rs[0] for server, rs in verdict.reasons.items() if server not in self.quarantined]
         if fresh:
-            log.warning("fleet screen left %d of %d leased groups out of the step: %s", len(verdict.dropped), len(groups),
-                        "; ".join(fresh))
+            log.warning(
+                "fleet screen left %d of %d leased groups out of the step: %s",
+                len(verdict.dropped),
+                len(groups),
+                "; ".join(fresh),
+            )
         return verdict.kept
 
     def quarantine(self, server: str) -> None:

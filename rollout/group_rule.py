@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, Sequence
+from typing import Any
 
 from fleetrl.rollout.engines.records import Generation
 from fleetrl.rollout.envs.base import EnvStats, Episode
@@ -41,8 +42,7 @@ def untaken(sample: Generation) -> bool:
     return isinstance(sample, Episode) and sample.error.startswith("no agent opened a session")
 
 
-def survivors(samples: Sequence[Generation], env_cfg: Any, group_size: int,
-              stats: EnvStats) -> list[Generation] | None:
+def survivors(samples: Sequence[Generation], env_cfg: Any, group_size: int, stats: EnvStats) -> list[Generation] | None:
     """The samples the group keeps, or None when too few survive (the group rule above)."""
     kept = [s for s in samples if not is_dropped(s, env_cfg.on_truncation)]
     lost = len(samples) - len(kept)
@@ -82,8 +82,9 @@ def fits(sample: Generation, prompt: list[int]) -> bool:
     return not isinstance(sample, Episode) or sample.prompt_ids[: len(prompt)] == list(prompt)
 
 
-def fitting(samples: Sequence[Generation], prompt: list[int], env_cfg: Any, group_size: int,
-            stats: EnvStats) -> list[Generation] | None:
+def fitting(
+    samples: Sequence[Generation], prompt: list[int], env_cfg: Any, group_size: int, stats: EnvStats
+) -> list[Generation] | None:
     """The samples that fit ``prompt`` (``fits``), or None when too few remain (the group rule). A sample whose
     prompt differs is dropped and counted (``env/samples_dropped_total``, ``env/prompt_mismatch_total``), as
     training it under another prompt would train a context the model never saw."""
@@ -108,7 +109,7 @@ def rebase(sample: Generation, prompt: list[int]) -> Generation:
         return sample
     if not fits(sample, prompt):
         raise ValueError(f"rebase: the episode's prompt does not start with the group's {len(prompt)}-token prompt")
-    extra = sample.prompt_ids[len(prompt):]
+    extra = sample.prompt_ids[len(prompt) :]
     version = min(sample.versions, default=0)
     sample.prompt_ids = list(prompt)
     sample.token_ids = extra + sample.token_ids
@@ -125,8 +126,11 @@ def score(scorer: Any, inputs: Sequence[RewardInput], samples: Sequence[Generati
         return scorer.submit(list(inputs))
     out: Future = Future()
     out.set_running_or_notify_cancel()
-    given = {i: RewardResult(reward=s.reward, parts={"env": s.reward}, failed=False)
-             for i, s in enumerate(samples) if i not in set(todo)}
+    given = {
+        i: RewardResult(reward=s.reward, parts={"env": s.reward}, failed=False)
+        for i, s in enumerate(samples)
+        if i not in set(todo)
+    }
 
     def merge(fut: Future) -> None:
         try:

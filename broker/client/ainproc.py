@@ -35,8 +35,7 @@ class AsyncInprocBrokerClient:
     async def push_groups(self, groups: list[m.SampleGroup], deadline_s: float = 600.0) -> list[m.GroupAck]:
         return await asyncio.to_thread(self.sync.push_groups, groups, deadline_s)
 
-    async def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None,
-                             unscored: bool = False) -> m.Ack:
+    async def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False) -> m.Ack:
         return await asyncio.to_thread(self.sync.return_prompts, lease_id, prompt_ids, unscored)
 
     async def leave(self, reason: str = "", done: bool = False, timeout_s: float = 5.0) -> m.Ack:
@@ -57,8 +56,9 @@ class AsyncInprocBrokerClient:
     async def publish_version(self, version: int, step: int, weights: m.WeightsInfo) -> m.Ack:
         return await asyncio.to_thread(self.sync.publish_version, version, step, weights)
 
-    async def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1,
-                      target: str = "") -> m.Ack:
+    async def control(
+        self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1, target: str = ""
+    ) -> m.Ack:
         return await asyncio.to_thread(self.sync.control, action, reason, min_version, max_version, target)
 
     async def heartbeat(self, policy_version: int, stats: dict[str, float] | None = None) -> m.Ack:

@@ -18,7 +18,8 @@ implementation method by method.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 from fleetrl.common import messages as m
 
@@ -86,8 +87,9 @@ class LearnerClient(Session, Protocol):
 
     def publish_version(self, version: int, step: int, weights: m.WeightsInfo) -> m.Ack: ...
 
-    def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1,
-                target: str = "") -> m.Ack: ...
+    def control(
+        self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1, target: str = ""
+    ) -> m.Ack: ...
 
     def leave(self, reason: str = "", done: bool = False) -> m.Ack: ...
 
@@ -96,8 +98,9 @@ class LearnerClient(Session, Protocol):
 class OperatorClient(Session, Protocol):
     """An operator: pauses, resumes and stops the fleet, discards versions, quarantines and releases servers."""
 
-    def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1,
-                target: str = "") -> m.Ack: ...
+    def control(
+        self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1, target: str = ""
+    ) -> m.Ack: ...
 
 
 @runtime_checkable
@@ -131,8 +134,9 @@ class AsyncRolloutClient(AsyncSession, Protocol):
 
     async def push_groups(self, groups: list[m.SampleGroup], deadline_s: float = 600.0) -> list[m.GroupAck]: ...
 
-    async def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None,
-                             unscored: bool = False) -> m.Ack: ...
+    async def return_prompts(
+        self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False
+    ) -> m.Ack: ...
 
     async def leave(self, reason: str = "", done: bool = False, timeout_s: float = 5.0) -> m.Ack: ...
 
@@ -149,13 +153,15 @@ class AsyncLearnerClient(AsyncSession, Protocol):
 
     async def publish_version(self, version: int, step: int, weights: m.WeightsInfo) -> m.Ack: ...
 
-    async def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1,
-                      target: str = "") -> m.Ack: ...
+    async def control(
+        self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1, target: str = ""
+    ) -> m.Ack: ...
 
     async def leave(self, reason: str = "", done: bool = False, timeout_s: float = 5.0) -> m.Ack: ...
 
 
 @runtime_checkable
 class AsyncOperatorClient(AsyncSession, Protocol):
-    async def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1,
-                      target: str = "") -> m.Ack: ...
+    async def control(
+        self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1, target: str = ""
+    ) -> m.Ack: ...

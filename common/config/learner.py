@@ -13,9 +13,19 @@ from msgspec import Meta, field
 
 from fleetrl.common.config.base import Section, doc
 
-HealthRuleName = Literal["reward_drop", "reward_floor", "reward_checkpoint_decline", "kl_ceiling", "mismatch_kl_ceiling",
-                         "entropy_floor", "length_collapse", "grad_spike", "non_finite",
-                         "reward_hacking", "server_poison"]
+HealthRuleName = Literal[
+    "reward_drop",
+    "reward_floor",
+    "reward_checkpoint_decline",
+    "kl_ceiling",
+    "mismatch_kl_ceiling",
+    "entropy_floor",
+    "length_collapse",
+    "grad_spike",
+    "non_finite",
+    "reward_hacking",
+    "server_poison",
+]
 """The names of ``learner/health_rules.py``'s registry; a test keeps the two equal."""
 
 
@@ -25,9 +35,9 @@ HealthRuleName = Literal["reward_drop", "reward_floor", "reward_checkpoint_decli
 class LearnerConfig(Section):
     num_ranks: Annotated[int, doc("Learner processes `fleetrl run` starts (torchrun when > 1).", ge=1)] = 1
     device: Annotated[Literal["auto", "cpu", "cuda"], doc("Training device; auto picks cuda when available.")] = "auto"
-    precision: Annotated[Literal["auto", "fp32", "bf16"], doc("Training precision; auto = bf16 on GPU, fp32 on CPU.")] = (
-        "auto"
-    )
+    precision: Annotated[
+        Literal["auto", "fp32", "bf16"], doc("Training precision; auto = bf16 on GPU, fp32 on CPU.")
+    ] = "auto"
     zero_stage: Annotated[int, doc("DeepSpeed ZeRO stage (0-3).", ge=0, le=3)] = 0
     total_steps: Annotated[int, doc("Optimizer steps of the run.", ge=1)] = 100
     max_minutes: Annotated[
@@ -64,32 +74,49 @@ class HealthRule(Section):
     name: Annotated[HealthRuleName, doc("Rule from the health registry (docs/monitoring.md).")]
     action: Annotated[
         Literal["alert", "stop", "rollback", "quarantine"],
-        doc("When the rule fires: alert (log and record), stop (checkpoint and end the run), rollback "
+        doc(
+            "When the rule fires: alert (log and record), stop (checkpoint and end the run), rollback "
             "(restore the newest healthy checkpoint with a lower learning rate), or quarantine (per-server rules "
-            "only: the broker stops leasing to that rollout server and drops its groups)."),
+            "only: the broker stops leasing to that rollout server and drops its groups)."
+        ),
     ] = "alert"
     metric: Annotated[str | None, doc("Metric the rule watches (null = the rule's default, e.g. reward/mean).")] = None
     window: Annotated[
         Annotated[int, Meta(ge=1)] | None,
-        doc("Steps the rule averages or looks back over, >= 1 (checkpoints for reward_checkpoint_decline; "
-            "null = the rule's default)."),
+        doc(
+            "Steps the rule averages or looks back over, >= 1 (checkpoints for reward_checkpoint_decline; "
+            "null = the rule's default)."
+        ),
     ] = None
     threshold: Annotated[
         float | None,
-        doc("The rule's limit: a drop, floor, ceiling, fraction or factor depending on the rule "
-            "(null = the rule's default; reward_floor needs one)."),
+        doc(
+            "The rule's limit: a drop, floor, ceiling, fraction or factor depending on the rule "
+            "(null = the rule's default; reward_floor needs one)."
+        ),
     ] = None
 
 
 class ScreenConfig(Section):
-    enabled: Annotated[bool, doc("Leave out of each step the leased groups no honest rollout server could have sent "
-                                 "(learner/screen.py), counted per server for the server_poison rule.")] = True
-    reward_spread: Annotated[float, doc(
-        "A reward further than this x max(IQR, 1) from the median of the fleet's recent rewards is implausible "
-        "(100: a -10 format penalty among 0/1 rewards passes, -1e6 does not); raise it for heavier tails.", gt=0)] = 100.0
+    enabled: Annotated[
+        bool,
+        doc(
+            "Leave out of each step the leased groups no honest rollout server could have sent "
+            "(learner/screen.py), counted per server for the server_poison rule."
+        ),
+    ] = True
+    reward_spread: Annotated[
+        float,
+        doc(
+            "A reward further than this x max(IQR, 1) from the median of the fleet's recent rewards is implausible "
+            "(100: a -10 format penalty among 0/1 rewards passes, -1e6 does not); raise it for heavier tails.",
+            gt=0,
+        ),
+    ] = 100.0
     history: Annotated[int, doc("Recent rewards (samples that passed) the median and IQR are taken over.", ge=8)] = 1024
-    warmup: Annotated[int, doc("Samples that must pass before rewards are judged (log-probs are judged at once).",
-                               ge=1)] = 64
+    warmup: Annotated[
+        int, doc("Samples that must pass before rewards are judged (log-probs are judged at once).", ge=1)
+    ] = 64
 
 
 class HealthConfig(Section):
@@ -109,7 +136,8 @@ class HealthConfig(Section):
         ]
     )
     screen: Annotated[ScreenConfig, doc("The per-group screen in front of every step (docs/monitoring.md).")] = field(
-        default_factory=ScreenConfig)
+        default_factory=ScreenConfig
+    )
     healthy_window: Annotated[
         int, doc("A checkpoint is healthy when no rule fired at its step or in this many steps before it.", ge=0)
     ] = 10

@@ -32,11 +32,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from fleetrl.rollout.engines.params import SamplingParams
-from fleetrl.rollout.engines.records import Generation, Request
+from fleetrl.common.chat.codec import ChatCodec
 from fleetrl.rollout.endpoint import stream
 from fleetrl.rollout.endpoint.sessions import AgentEnv, ApiError, Session, plain
-from fleetrl.common.chat.codec import ChatCodec
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation, Request
 from fleetrl.rollout.envs.parsers import TOOL_PARSERS
 
 log = logging.getLogger("fleetrl.rollout.endpoint")
@@ -47,8 +47,9 @@ def _number(body: dict[str, Any], key: str, default: Any, kind: type, lo: float,
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise ApiError(400, f"{key} must be a{'n integer' if kind is int else ' number'}, got {value!r}",
-                       "invalid_type", param=key)
+        raise ApiError(
+            400, f"{key} must be a{'n integer' if kind is int else ' number'}, got {value!r}", "invalid_type", param=key
+        )
     if not lo <= value <= hi:
         raise ApiError(400, f"{key}={value} is out of range [{lo:g}, {hi:g}]", "invalid_value", param=key)
     return kind(value)
@@ -65,7 +66,9 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
 class Endpoint:
     """The aiohttp app over one engine (see the module docstring); ``start()`` / ``close()`` from any thread."""
 
-    def __init__(self, cfg: Any, engine: Any, env: Any = None, server_index: int = 0, run_dir: str | Path | None = None):
+    def __init__(
+        self, cfg: Any, engine: Any, env: Any = None, server_index: int = 0, run_dir: str | Path | None = None
+    ):
         self.cfg, self.engine, self.index, self.run_dir = cfg, engine, server_index, run_dir
         self.opts = cfg.rollout.openai
         self.sessions = env.sessions if isinstance(env, AgentEnv) else None
@@ -83,8 +86,11 @@ class Endpoint:
         if self.run_dir is not None:
             path = Path(self.run_dir) / f"rollout-{self.index}.openai.json"
             path.write_text(json.dumps({"base_url": self.base_url, "host": self.opts.host, "port": self.port}))
-        log.info("OpenAI-compatible endpoint at %s (%s)", self.base_url,
-                 "training sessions: POST /fleetrl/sessions" if self.sessions else "inference only: not trained")
+        log.info(
+            "OpenAI-compatible endpoint at %s (%s)",
+            self.base_url,
+            "training sessions: POST /fleetrl/sessions" if self.sessions else "inference only: not trained",
+        )
         return self.base_url
 
     @property
@@ -139,8 +145,12 @@ class Endpoint:
                 self.counts[f"errors/{e.code}"] += 1
                 return web.json_response(e.body(), status=e.status)
             except web.HTTPException as e:  # unknown route, wrong method
-                err = ApiError(e.status, f"{request.method} {request.path}: {e.reason}", "not_found" if e.status == 404
-                               else "method_not_allowed", "not_found_error" if e.status == 404 else "invalid_request_error")
+                err = ApiError(
+                    e.status,
+                    f"{request.method} {request.path}: {e.reason}",
+                    "not_found" if e.status == 404 else "method_not_allowed",
+                    "not_found_error" if e.status == 404 else "invalid_request_error",
+                )
                 return web.json_response(err.body(), status=e.status)
             except Exception as e:  # noqa: BLE001 - a bug or an engine failure: reported, the server goes on
                 log.exception("endpoint: %s %s failed", request.method, request.path)
@@ -157,8 +167,12 @@ class Endpoint:
         @web.middleware
         async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
             if self.opts.api_key and request.headers.get("Authorization", "") != f"Bearer {self.opts.api_key}":
-                raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer <rollout.openai.api_key>)",
-                               "invalid_api_key", "authentication_error")
+                raise ApiError(
+                    401,
+                    "missing or wrong bearer token (Authorization: Bearer <rollout.openai.api_key>)",
+                    "invalid_api_key",
+                    "authentication_error",
+                )
             return await handler(request)
 
         return auth
@@ -175,22 +189,34 @@ class Endpoint:
         if body.get("stream") not in (None, False, True):
             raise ApiError(400, "stream must be true or false", "invalid_value", param="stream")
         if body.get("model") is not None and not isinstance(body["model"], str):
-            raise ApiError(400, f"model must be a string (the served model is {self.opts.model_name!r}), got "
-                           f"{body['model']!r}", "invalid_type", param="model")
+            raise ApiError(
+                400,
+                f"model must be a string (the served model is {self.opts.model_name!r}), got {body['model']!r}",
+                "invalid_type",
+                param="model",
+            )
         return body
 
     def _session(self, request: Any, body: dict[str, Any]) -> Session | None:
         sid = request.match_info.get("sid") or request.headers.get(self.opts.session_header)
         user = body.get("user")
-        if not sid and isinstance(user, str) and self.sessions is not None and (
-                user in self.sessions.open or user in self.sessions.ended):
+        if (
+            not sid
+            and isinstance(user, str)
+            and self.sessions is not None
+            and (user in self.sessions.open or user in self.sessions.ended)
+        ):
             sid = user  # the `user` field is a fallback, only when it names one of this server's sessions
         if not sid:
             return None
         if self.sessions is None:  # inference only: a session header is routing affinity, nothing to train
             if request.match_info.get("sid"):
-                raise ApiError(400, "this server has no training sessions (rollout.env.type is "
-                               f"{self.cfg.rollout.env.type!r}; sessions need rollout.env.type=openai)", "no_sessions")
+                raise ApiError(
+                    400,
+                    "this server has no training sessions (rollout.env.type is "
+                    f"{self.cfg.rollout.env.type!r}; sessions need rollout.env.type=openai)",
+                    "no_sessions",
+                )
             return None
         return self.sessions.get(sid)
 
@@ -205,37 +231,55 @@ class Endpoint:
     def _params(self, body: dict[str, Any], session: Session | None) -> SamplingParams:
         default = self.opts.max_tokens or self.cfg.rollout.max_new_tokens
         requested = _number(body, "max_completion_tokens", None, int, 1, 1 << 20) or _number(
-            body, "max_tokens", default, int, 1, 1 << 20)
+            body, "max_tokens", default, int, 1, 1 << 20
+        )
         stops = _stops(body)
         if session is not None:  # the rollout's sampling: the learner's log-probs assume it
             base = session.slot.params
             return dataclasses.replace(base, max_new_tokens=session.room(requested), stop=base.stop + stops)
-        return SamplingParams(temperature=_number(body, "temperature", 1.0, float, 0, 2),
-                              top_p=_number(body, "top_p", 1.0, float, 1e-9, 1), max_new_tokens=requested,
-                              stop=stops, seed=_number(body, "seed", None, int, -(1 << 63), (1 << 63) - 1))
+        return SamplingParams(
+            temperature=_number(body, "temperature", 1.0, float, 0, 2),
+            top_p=_number(body, "top_p", 1.0, float, 1e-9, 1),
+            max_new_tokens=requested,
+            stop=stops,
+            seed=_number(body, "seed", None, int, -(1 << 63), (1 << 63) - 1),
+        )
 
     async def _generate(self, ids: list[int], params: SamplingParams, n: int) -> list[Generation]:
         limit = getattr(self.engine, "max_positions", None)
         if limit is not None and len(ids) + 1 >= limit:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens; the model's context is {limit}",
-                           "context_length_exceeded", param="messages")
+            raise ApiError(
+                400,
+                f"the prompt has {len(ids)} tokens; the model's context is {limit}",
+                "context_length_exceeded",
+                param="messages",
+            )
         if limit is not None:
             params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, limit - 1 - len(ids)))
-        requests = [Request(ids, params if params.seed is None else dataclasses.replace(params, seed=params.seed + j))
-                    for j in range(n)]
+        requests = [
+            Request(ids, params if params.seed is None else dataclasses.replace(params, seed=params.seed + j))
+            for j in range(n)
+        ]
         return await self.engine.generate_many(requests) if n > 1 else [await self.engine.generate(requests[0])]
 
     def _logprobs(self, gen: Generation) -> dict[str, Any]:
         tok = self.engine.tokenizer
-        return {"content": [{"token": tok.decode([t]), "logprob": lp, "bytes": list(tok.decode([t]).encode()),
-                             "top_logprobs": []} for t, lp in zip(gen.token_ids, gen.logprobs)]}
+        return {
+            "content": [
+                {"token": tok.decode([t]), "logprob": lp, "bytes": list(tok.decode([t]).encode()), "top_logprobs": []}
+                for t, lp in zip(gen.token_ids, gen.logprobs)
+            ]
+        }
 
     def _reply(self, gen: Generation, tools: Any) -> tuple[dict[str, Any], str]:
         """The assistant message of a generation (tool calls parsed when the call has tools) and its finish reason."""
         finish = gen.finish_reason
         if tools:
-            params = {t["function"]["name"]: list(t["function"].get("parameters", {}).get("properties", {}))
-                      for t in tools if isinstance(t.get("function"), dict) and "name" in t["function"]}
+            params = {
+                t["function"]["name"]: list(t["function"].get("parameters", {}).get("properties", {}))
+                for t in tools
+                if isinstance(t.get("function"), dict) and "name" in t["function"]
+            }
             parsed = self.parser(gen.text, params)
             if parsed.malformed:
                 self.counts["malformed_tool_calls"] += len(parsed.malformed)
@@ -243,7 +287,8 @@ class Endpoint:
                 self.counts["tool_calls"] += len(parsed.calls)
                 calls = [c.openai() for c in parsed.calls]
                 return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}, (
-                    "tool_calls" if finish == "stop" else finish)
+                    "tool_calls" if finish == "stop" else finish
+                )
         return {"role": "assistant", "content": gen.text}, finish
 
     @staticmethod
@@ -256,16 +301,24 @@ class Endpoint:
     async def models(self, request: Any) -> Any:
         from aiohttp import web
 
-        return web.json_response({"object": "list", "data": [
-            {"id": self.opts.model_name, "object": "model", "created": 0, "owned_by": "fleetrl"}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": self.opts.model_name, "object": "model", "created": 0, "owned_by": "fleetrl"}],
+            }
+        )
 
     async def chat(self, request: Any) -> Any:
         body = await self._body(request)
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(x, dict) and isinstance(x.get("role"), str) for x in messages):
-            raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "invalid_value",
-                           param="messages")
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(isinstance(x, dict) and isinstance(x.get("role"), str) for x in messages)
+        ):
+            raise ApiError(
+                400, "messages must be a non-empty list of {role, content} objects", "invalid_value", param="messages"
+            )
         tools, n = body.get("tools"), _number(body, "n", 1, int, 1, 16)
         session = self._session(request, body)
         codec = self.codec(tools)
@@ -288,13 +341,26 @@ class Endpoint:
             return await stream.send(request, body, await self._session_call(request, body, session, turn))
         return await stream.send(request, body, self._chat_response(body, ids, gens, replies))
 
-    def _chat_response(self, body: dict[str, Any], ids: list[int], gens: list[Generation],
-                       replies: list[tuple[dict[str, Any], str]]) -> dict[str, Any]:
-        choices = [{"index": j, "message": message, "finish_reason": finish,
-                    "logprobs": self._logprobs(gen) if body.get("logprobs") else None}
-                   for j, (gen, (message, finish)) in enumerate(zip(gens, replies))]
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": body.get("model") or self.opts.model_name, "choices": choices, "usage": self._usage(ids, gens)}
+    def _chat_response(
+        self, body: dict[str, Any], ids: list[int], gens: list[Generation], replies: list[tuple[dict[str, Any], str]]
+    ) -> dict[str, Any]:
+        choices = [
+            {
+                "index": j,
+                "message": message,
+                "finish_reason": finish,
+                "logprobs": self._logprobs(gen) if body.get("logprobs") else None,
+            }
+            for j, (gen, (message, finish)) in enumerate(zip(gens, replies))
+        ]
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model") or self.opts.model_name,
+            "choices": choices,
+            "usage": self._usage(ids, gens),
+        }
 
     async def completions(self, request: Any) -> Any:
         body = await self._body(request)
@@ -302,16 +368,25 @@ class Endpoint:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if not (isinstance(prompt, str) and prompt) and not (
-                isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
-            raise ApiError(400, "prompt must be a non-empty string or a list of token ids (one prompt per call)",
-                           "invalid_value", param="prompt")
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            raise ApiError(
+                400,
+                "prompt must be a non-empty string or a list of token ids (one prompt per call)",
+                "invalid_value",
+                param="prompt",
+            )
         n = _number(body, "n", 1, int, 1, 16)
         tok = self.engine.tokenizer
         vocab = len(tok)
         if isinstance(prompt, list) and not all(0 <= t < vocab for t in prompt):
             bad = next(t for t in prompt if not 0 <= t < vocab)
-            raise ApiError(400, f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})",
-                           "invalid_value", param="prompt")
+            raise ApiError(
+                400,
+                f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})",
+                "invalid_value",
+                param="prompt",
+            )
         session = self._session(request, body)
         if session is None:
             ids = list(prompt) if isinstance(prompt, list) else tok(prompt, add_special_tokens=False)["input_ids"]
@@ -319,7 +394,9 @@ class Endpoint:
             self.counts["calls_plain"] += 1
         else:
             if n != 1:
-                raise ApiError(400, "a training session takes n=1 (one completion per call)", "invalid_value", param="n")
+                raise ApiError(
+                    400, "a training session takes n=1 (one completion per call)", "invalid_value", param="n"
+                )
 
             async def turn() -> dict[str, Any]:
                 ids = session.text_context(prompt, tok)
@@ -331,10 +408,17 @@ class Endpoint:
         return await stream.send(request, body, self._text_response(body, ids, gens))
 
     def _text_response(self, body: dict[str, Any], ids: list[int], gens: list[Generation]) -> dict[str, Any]:
-        choices = [{"index": j, "text": g.text, "finish_reason": g.finish_reason, "logprobs": None}
-                   for j, g in enumerate(gens)]
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": body.get("model") or self.opts.model_name, "choices": choices, "usage": self._usage(ids, gens)}
+        choices = [
+            {"index": j, "text": g.text, "finish_reason": g.finish_reason, "logprobs": None} for j, g in enumerate(gens)
+        ]
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model") or self.opts.model_name,
+            "choices": choices,
+            "usage": self._usage(ids, gens),
+        }
 
     @staticmethod
     def _call_key(request: Any, body: dict[str, Any]) -> str:
@@ -352,8 +436,9 @@ class Endpoint:
         or ``Idempotency-Key``; e.g. a client's retry after a timeout) gets the recorded response again."""
         key = self._call_key(request, body)
         if session.lock.locked() and key != session.pending:
-            raise ApiError(409, f"session {session.id} has a call in progress; one call at a time per session",
-                           "session_busy")
+            raise ApiError(
+                409, f"session {session.id} has a call in progress; one call at a time per session", "session_busy"
+            )
         async with session.lock:  # a retry of the call in progress waits for it, then replays it
             if session.replay is not None and session.replay[0] == key:
                 self.counts["calls_replayed"] += 1
@@ -374,17 +459,30 @@ class Endpoint:
 
     def _manager(self) -> Any:
         if self.sessions is None:
-            raise ApiError(404, f"this server's rollout.env.type is {self.cfg.rollout.env.type!r}: it has no training "
-                           "sessions (set rollout.env.type=openai)", "no_sessions", "not_found_error")
+            raise ApiError(
+                404,
+                f"this server's rollout.env.type is {self.cfg.rollout.env.type!r}: it has no training "
+                "sessions (set rollout.env.type=openai)",
+                "no_sessions",
+                "not_found_error",
+            )
         return self.sessions
 
     def _state(self, session: Session) -> dict[str, Any]:
         task, ep = session.slot.task, session.builder.ep if session.builder else None
-        return {"session_id": session.id, "base_url": f"{self.root}/sessions/{session.id}/v1",
-                "task": {"prompt_id": task.prompt.prompt_id, "prompt": task.prompt.prompt, "answer": task.prompt.answer,
-                         "metadata": dict(task.prompt.metadata)},
-                "group": session.slot.request_id.rpartition("/")[0], "turns": ep.turns if ep else 0,
-                "tokens": len(ep.token_ids) if ep else 0}
+        return {
+            "session_id": session.id,
+            "base_url": f"{self.root}/sessions/{session.id}/v1",
+            "task": {
+                "prompt_id": task.prompt.prompt_id,
+                "prompt": task.prompt.prompt,
+                "answer": task.prompt.answer,
+                "metadata": dict(task.prompt.metadata),
+            },
+            "group": session.slot.request_id.rpartition("/")[0],
+            "turns": ep.turns if ep else 0,
+            "tokens": len(ep.token_ids) if ep else 0,
+        }
 
     async def open_session(self, request: Any) -> Any:
         from aiohttp import web
@@ -399,8 +497,14 @@ class Endpoint:
         manager, sid = self._manager(), request.match_info["sid"]
         if sid in manager.ended and sid not in manager.open:  # an ended session: what happens to its tokens
             fate = manager.fate(sid)
-            return web.json_response({"session_id": sid, "ended": manager.ended[sid], **fate,
-                                      "trained": {"trained": True, "dropped": False}.get(fate["status"])})
+            return web.json_response(
+                {
+                    "session_id": sid,
+                    "ended": manager.ended[sid],
+                    **fate,
+                    "trained": {"trained": True, "dropped": False}.get(fate["status"]),
+                }
+            )
         return web.json_response(self._state(manager.get(sid)))
 
     async def close_session(self, request: Any) -> Any:
@@ -408,18 +512,33 @@ class Endpoint:
 
         body = await self._body(request) if request.can_read_body else {}
         reward = body.get("reward")
-        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
-                                   or reward != reward or abs(reward) == float("inf")):
-            raise ApiError(400, f"reward must be a finite number or null, got {reward!r}", "invalid_value",
-                           param="reward")
+        if reward is not None and (
+            isinstance(reward, bool)
+            or not isinstance(reward, (int, float))
+            or reward != reward
+            or abs(reward) == float("inf")
+        ):
+            raise ApiError(
+                400, f"reward must be a finite number or null, got {reward!r}", "invalid_value", param="reward"
+            )
         manager, sid = self._manager(), request.match_info["sid"]
         session = manager.get(sid)
         if session.lock.locked():
-            raise ApiError(409, f"session {sid} has a call in progress; close it after the call returns", "session_busy")
+            raise ApiError(
+                409, f"session {sid} has a call in progress; close it after the call returns", "session_busy"
+            )
         ep = manager.end(sid, None if reward is None else float(reward))
         fate = manager.fate(sid, ep)
-        return web.json_response({"session_id": sid, "reward": ep.reward, "turns": ep.turns, "tokens": len(ep.token_ids),
-                                  **fate, "trained": {"trained": True, "dropped": False}.get(fate["status"])})
+        return web.json_response(
+            {
+                "session_id": sid,
+                "reward": ep.reward,
+                "turns": ep.turns,
+                "tokens": len(ep.token_ids),
+                **fate,
+                "trained": {"trained": True, "dropped": False}.get(fate["status"]),
+            }
+        )
 
     async def abandon_session(self, request: Any) -> Any:
         from aiohttp import web
@@ -433,8 +552,14 @@ class Endpoint:
     async def health(self, request: Any) -> Any:
         from aiohttp import web
 
-        return web.json_response({"ok": True, "model": self.opts.model_name, "version": self.engine.version,
-                                  **({} if self.sessions is None else self.sessions.metrics())})
+        return web.json_response(
+            {
+                "ok": True,
+                "model": self.opts.model_name,
+                "version": self.engine.version,
+                **({} if self.sessions is None else self.sessions.metrics()),
+            }
+        )
 
     def metrics(self) -> dict[str, float]:
         return {f"openai/{k}_total": float(v) for k, v in self.counts.items()}

@@ -23,10 +23,22 @@ def chat_chunks(resp: dict[str, Any], include_usage: bool) -> list[dict[str, Any
         delta: dict[str, Any] = {"role": "assistant", "content": msg.get("content")}
         if msg.get("tool_calls"):
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(msg["tool_calls"])]
-        chunks.append({**head, "choices": [{"index": choice["index"], "delta": delta, "finish_reason": None,
-                                            "logprobs": choice.get("logprobs")}]})
-        chunks.append({**head, "choices": [{"index": choice["index"], "delta": {},
-                                            "finish_reason": choice["finish_reason"]}]})
+        chunks.append(
+            {
+                **head,
+                "choices": [
+                    {
+                        "index": choice["index"],
+                        "delta": delta,
+                        "finish_reason": None,
+                        "logprobs": choice.get("logprobs"),
+                    }
+                ],
+            }
+        )
+        chunks.append(
+            {**head, "choices": [{"index": choice["index"], "delta": {}, "finish_reason": choice["finish_reason"]}]}
+        )
     if include_usage:
         chunks.append({**head, "choices": [], "usage": resp["usage"]})
     return chunks

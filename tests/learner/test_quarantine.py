@@ -27,8 +27,17 @@ def fleet_groups(steps: int, poison_from: int, zeros_from: int) -> list[m.Sample
             if server == "bad" and step >= poison_from:
                 rewards = [-1e6] * 4
             responses = [(rng.integers(7, 263, 3), np.zeros(3) if zeros else np.full(3, -1.5)) for _ in rewards]
-            out.append(m.build_group(f"{server}-{step}-{k}", f"0:{4 * step + k}", 0, rng.integers(7, 263, 4), responses,
-                                     rewards, server_id=server))
+            out.append(
+                m.build_group(
+                    f"{server}-{step}-{k}",
+                    f"0:{4 * step + k}",
+                    0,
+                    rng.integers(7, 263, 4),
+                    responses,
+                    rewards,
+                    server_id=server,
+                )
+            )
     return out
 
 
@@ -37,15 +46,30 @@ def rows_of(path):
 
 
 @pytest.mark.parametrize("poison_from, zeros_from", [(6, 100), (100, 0)], ids=["reward-1e6", "logprobs-0.0"])
-def test_one_poisoning_server_is_quarantined_and_the_run_goes_on(dist, tiny_model_dir, tmp_path,  # noqa: F811
-                                                                 poison_from, zeros_from):
+def test_one_poisoning_server_is_quarantined_and_the_run_goes_on(
+    dist,
+    tiny_model_dir,
+    tmp_path,  # noqa: F811
+    poison_from,
+    zeros_from,
+):
     # a reward_drop this sensitive (2-step window, 0.3) rolls back at once if the -1e6 rewards reach the metrics
-    cfg = load_config(None, [
-        f"model.path={tiny_model_dir}", "learner.groups_per_step=4", "learner.lr=1e-4", "sync.transport=filesystem",
-        f"run.dir={tmp_path}", "checkpoint.interval=2", "sync.keep_versions=100", "learner.total_steps=14",
-        "broker.max_staleness=100",
-        "health.rules=[{name: reward_drop, action: rollback, window: 2, threshold: 0.3}, {name: non_finite, action: stop},"
-        " {name: server_poison, action: quarantine}]"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "learner.groups_per_step=4",
+            "learner.lr=1e-4",
+            "sync.transport=filesystem",
+            f"run.dir={tmp_path}",
+            "checkpoint.interval=2",
+            "sync.keep_versions=100",
+            "learner.total_steps=14",
+            "broker.max_staleness=100",
+            "health.rules=[{name: reward_drop, action: rollback, window: 2, threshold: 0.3}, {name: non_finite, action: stop},"
+            " {name: server_poison, action: quarantine}]",
+        ],
+    )
     client, broker = inproc_client(fleet_groups(30, poison_from, zeros_from), "broker.max_staleness=100")
     first = min(poison_from, zeros_from)
     assert train(cfg, tmp_path, client=client) == 0

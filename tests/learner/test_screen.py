@@ -16,8 +16,14 @@ from fleetrl.learner.screen import FleetScreen, impossible_logprobs
 RNG = np.random.default_rng(0)
 
 
-def group(gid: str, rewards: list[float], server: str = "honest", logp: float | None = None, first: list[int] | None = None,
-          masks: list[list[int]] | None = None) -> m.SampleGroup:
+def group(
+    gid: str,
+    rewards: list[float],
+    server: str = "honest",
+    logp: float | None = None,
+    first: list[int] | None = None,
+    masks: list[list[int]] | None = None,
+) -> m.SampleGroup:
     """A group of len(rewards) 3-token responses; log-probs drawn in (-3, -0.01) unless ``logp`` is given."""
     responses = []
     for i in range(len(rewards)):
@@ -43,8 +49,14 @@ def test_a_reward_far_outside_the_fleets_is_left_out_and_counted_against_its_ser
     verdict = screen.judge([honest(100), group("bad", [0.0, -1e6, 1.0, 0.0], "poison"), honest(101)])
     assert [g.group_id for g in verdict.kept] == ["honest-100", "honest-101"]
     assert [g.group_id for g in verdict.dropped] == ["bad"]
-    assert "reward -1e+06" in verdict.reasons["poison"][0] and "health.screen.reward_spread" in verdict.reasons["poison"][0]
-    assert verdict.per_server() == {"honest": {"groups": 2.0, "screened": 0.0}, "poison": {"groups": 1.0, "screened": 1.0}}
+    assert (
+        "reward -1e+06" in verdict.reasons["poison"][0]
+        and "health.screen.reward_spread" in verdict.reasons["poison"][0]
+    )
+    assert verdict.per_server() == {
+        "honest": {"groups": 2.0, "screened": 0.0},
+        "poison": {"groups": 1.0, "screened": 1.0},
+    }
 
 
 def test_a_format_penalty_among_binary_rewards_passes():
@@ -98,8 +110,15 @@ def test_a_positive_log_prob_is_impossible_but_only_on_sampled_tokens():
     bad = group("pos", [1.0, 0.0], "s", logp=0.3)
     assert "> 0" in impossible_logprobs(bad)
     # a multi-turn episode: the observation tokens (mask 0) carry no behaviour log-probs; whatever sits there
-    obs = m.build_group("obs", "0:3", 0, [5], [([10, 40, 41], [-0.5, 7.0, 7.0]), ([11, 40, 41], [-0.9, 7.0, 7.0])],
-                        [1.0, 0.0], loss_masks=[[1, 0, 0], [1, 0, 0]])
+    obs = m.build_group(
+        "obs",
+        "0:3",
+        0,
+        [5],
+        [([10, 40, 41], [-0.5, 7.0, 7.0]), ([11, 40, 41], [-0.9, 7.0, 7.0])],
+        [1.0, 0.0],
+        loss_masks=[[1, 0, 0], [1, 0, 0]],
+    )
     assert impossible_logprobs(obs) is None
 
 
@@ -122,14 +141,21 @@ def monitor(*rules: HealthRule) -> HealthMonitor:
 
 
 def test_server_poison_quarantines_after_more_than_threshold_groups_in_the_window(tmp_path):
-    mon = HealthMonitor(HealthConfig(rules=[HealthRule(name="server_poison", action="quarantine")]), tmp_path / "ev.jsonl")
+    mon = HealthMonitor(
+        HealthConfig(rules=[HealthRule(name="server_poison", action="quarantine")]), tmp_path / "ev.jsonl"
+    )
     honest_seen = {"groups": 4.0, "screened": 0.0}
     # two screened groups in 20 steps: tolerated (a stray group is left out, not a reason to isolate a server)
     assert mon.observe_servers(1, {"a": honest_seen, "bad": {"groups": 1.0, "screened": 1.0}}) == []
     assert mon.observe_servers(2, {"a": honest_seen, "bad": {"groups": 1.0, "screened": 1.0}}) == []
     (event,) = mon.observe_servers(3, {"a": honest_seen, "bad": {"groups": 2.0, "screened": 1.0}})
-    assert (event.rule, event.action, event.server, event.value, event.threshold) == ("server_poison", "quarantine",
-                                                                                      "bad", 3.0, 2.0)
+    assert (event.rule, event.action, event.server, event.value, event.threshold) == (
+        "server_poison",
+        "quarantine",
+        "bad",
+        3.0,
+        2.0,
+    )
     assert "rollout server bad" in event.message and event.short() == "server_poison -> quarantine bad @ 3"
     assert mon.quarantined == {"bad": 3}
     assert mon.observe_servers(4, {"bad": {"groups": 2.0, "screened": 2.0}}) == []  # once
@@ -146,7 +172,9 @@ def test_server_poison_forgets_groups_older_than_its_window():
 
 
 def test_server_poison_takes_only_server_actions_and_quarantine_only_server_rules():
-    with pytest.raises(ValueError, match="health.rules\\[0\\].action='rollback' \\(server_poison\\).*alert, quarantine"):
+    with pytest.raises(
+        ValueError, match="health.rules\\[0\\].action='rollback' \\(server_poison\\).*alert, quarantine"
+    ):
         monitor(HealthRule(name="server_poison", action="rollback"))
     with pytest.raises(ValueError, match="action='quarantine' \\(reward_drop\\).*only per-server rules"):
         monitor(HealthRule(name="reward_drop", action="quarantine"))

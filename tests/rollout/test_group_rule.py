@@ -14,8 +14,15 @@ SYS, USER, ASSIST = 1, 2, 3  # stand-ins for <|system|>, <|user|>, <|assistant|>
 
 
 def episode(prompt):
-    return Episode(token_ids=[7, 8], logprobs=[-0.5, -0.25], finish_reason="stop", text="", prompt_ids=list(prompt),
-                   loss_mask=[1, 1], versions=[0, 0])
+    return Episode(
+        token_ids=[7, 8],
+        logprobs=[-0.5, -0.25],
+        finish_reason="stop",
+        text="",
+        prompt_ids=list(prompt),
+        loss_mask=[1, 1],
+        versions=[0, 0],
+    )
 
 
 def test_prompts_sharing_no_token_are_never_cut_to_fit():

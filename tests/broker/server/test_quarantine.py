@@ -14,15 +14,26 @@ from tests.broker.conftest import make_state
 
 def group(gid: str, prompt: str, server: str) -> m.SampleGroup:
     rng = np.random.default_rng(len(gid))
-    return m.build_group(gid, prompt, 0, rng.integers(7, 90, 4), [(rng.integers(7, 90, 2), np.full(2, -1.0))] * 2,
-                         [1.0, 0.0], server_id=server)
+    return m.build_group(
+        gid,
+        prompt,
+        0,
+        rng.integers(7, 90, 4),
+        [(rng.integers(7, 90, 2), np.full(2, -1.0))] * 2,
+        [1.0, 0.0],
+        server_id=server,
+    )
 
 
 @pytest.fixture
 def fleet():
     state = make_state("broker.max_staleness=100", n_prompts=50, vocab_size=100)
     broker = InprocBroker(state)
-    good, bad, learner = broker.client("good", "rollout"), broker.client("bad", "rollout"), broker.client("learner-0", "learner")
+    good, bad, learner = (
+        broker.client("good", "rollout"),
+        broker.client("bad", "rollout"),
+        broker.client("learner-0", "learner"),
+    )
     for c in (good, bad, learner):
         c.connect()
     return state, good, bad, learner, broker

@@ -156,8 +156,12 @@ def test_poison_server_hits_one_server_inside_its_window(plan):
         faults.note_version(3)
         faults.note_server(0)  # another server
         assert faults.poison_groups([g]) == [g]
-        assert FaultPlan.from_env({"FLEETRL_FAULT": "poison_server", "FLEETRL_FAULT_AT": "1",
-                                   "FLEETRL_FAULT_SERVER": "2"}).server == 2
+        assert (
+            FaultPlan.from_env(
+                {"FLEETRL_FAULT": "poison_server", "FLEETRL_FAULT_AT": "1", "FLEETRL_FAULT_SERVER": "2"}
+            ).server
+            == 2
+        )
         assert np.isfinite(g.logprob_array()).all() and g.rewards == [1.0, 0.0]  # the original is untouched
     finally:
         faults.note_server(0)
