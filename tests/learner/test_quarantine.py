@@ -47,9 +47,9 @@ def rows_of(path):
 
 @pytest.mark.parametrize("poison_from, zeros_from", [(6, 100), (100, 0)], ids=["reward-1e6", "logprobs-0.0"])
 def test_one_poisoning_server_is_quarantined_and_the_run_goes_on(
-    dist,
+    dist,  # noqa: F811 - the fixture imported above
     tiny_model_dir,
-    tmp_path,  # noqa: F811
+    tmp_path,
     poison_from,
     zeros_from,
 ):
