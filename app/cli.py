@@ -158,6 +158,7 @@ def _status_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
     p.add_argument("--json", action="store_true", help="print the status and its metrics as one JSON line")
     p.add_argument("--watch", type=float, default=0.0, metavar="S", help="refresh every S seconds (0 = once)")
+    p.add_argument("--target", default="", metavar="CLIENT_ID", help="quarantine / release: the rollout server")
     p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds to wait for the broker")
 
 
@@ -178,8 +179,9 @@ def _keys_args(p: argparse.ArgumentParser) -> None:
 def _control_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "action",
-        choices=["pause", "resume", "stop", "discard"],
-        help="pause/resume leasing, stop the fleet (resume undoes it), discard a closed range of versions",
+        choices=["pause", "resume", "stop", "discard", "quarantine", "release"],
+        help="pause/resume leasing, stop the fleet (resume undoes it), discard a closed range of versions, "
+        "quarantine a rollout server (--target) or release it",
     )
     p.add_argument(
         "--broker",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-ACTION_RANK = {"none": 0, "alert": 1, "rollback": 2, "stop": 3}
+ACTION_RANK = {"none": 0, "alert": 1, "quarantine": 1, "rollback": 2, "stop": 3}  # quarantine: one server, not the run
 RECOVERY_POINTS = 0.03  # "back within 3 points of the pre-fault best"
 
 

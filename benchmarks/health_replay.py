@@ -27,7 +27,7 @@ from pathlib import Path
 import msgspec
 
 from fleetrl.common.config.learner import HealthConfig, HealthRule
-from fleetrl.learner.health import HealthMonitor
+from fleetrl.learner.health import HEALTH_RULES, HealthMonitor
 
 PER = 10_000
 
@@ -93,6 +93,7 @@ def summarize(results: dict[str, dict], cfg: HealthConfig) -> dict:
     for r in results.values():
         alerts.update(r["alerts"])
         rollbacks.update(r["rollbacks"])
+    per_server = [spec.name for spec in cfg.rules if HEALTH_RULES[spec.name].PER_SERVER]  # judge groups, not streams
     per_rule = {
         spec.name: {
             "action": spec.action,
@@ -100,14 +101,30 @@ def summarize(results: dict[str, dict], cfg: HealthConfig) -> dict:
             "rollbacks": rates(rollbacks[spec.name], steps),
         }
         for spec in cfg.rules
+        if spec.name not in per_server
     }
     streams = {name: {"steps": r["steps"], "events": r["events"]} for name, r in results.items()}
+    configurations: dict[str, dict] = {}
+    for name, r in results.items():
+        c = configurations.setdefault(config_of(name), {"steps": 0, "alerts": Counter(), "rollbacks": Counter()})
+        c["steps"] += r["steps"]
+        c["alerts"].update(r["alerts"])
+        c["rollbacks"].update(r["rollbacks"])
     return {
         "steps": steps,
         "streams": streams,
+        "configurations": configurations,
+        "not_replayed": per_server,
         "rules": per_rule,
         "all": {"alerts": rates(sum(alerts.values()), steps), "rollbacks": rates(sum(rollbacks.values()), steps)},
     }
+
+
+def config_of(stream: str) -> str:
+    """The configuration a stream belongs to: ``.../<configuration>/seg-<k>`` (health_streams.py) or the run dir."""
+    path = Path(stream)
+    path = path.parent if path.name == "metrics.jsonl" else path
+    return path.parent.name if path.name.startswith("seg-") else path.name
 
 
 def print_table(summary: dict) -> None:
@@ -118,6 +135,12 @@ def print_table(summary: dict) -> None:
         print(
             f"{name:<28}{r['action']:<10}{a['count']:>8}{a['per_10k']:>8.2f}{a['upper95_per_10k']:>8.2f}"
             f"{b['count']:>11}{b['per_10k']:>8.2f}{b['upper95_per_10k']:>8.2f}"
+        )
+    if summary["not_replayed"]:
+        print(f"  per-server rules judge the groups, not the metric streams; not replayed: {summary['not_replayed']}")
+    for name, c in summary["configurations"].items():
+        print(
+            f"  {name:<26}{c['steps']:>7} steps  alerts {dict(c['alerts']) or 0}  rollbacks {dict(c['rollbacks']) or 0}"
         )
 
 

@@ -1,37 +1,58 @@
 """Healthy metric streams across configurations, for the false-alarm figure (benchmarks/health_replay.py).
 
-Each configuration is one ``fleetrl run`` of a shipped config (``configs/<algorithm>.yaml``) on the
-tiny preset model (``fleetrl init-model --preset tiny``) and synthetic arithmetic (calc for the
-multi-turn one), for ``--steps`` learner steps, with the health monitor **off** (so that no rollback
-changes the stream; the rules are judged afterwards by replaying it), a held-out evaluation every
-``--eval-interval`` steps, and the configuration's staleness and learning rate. The streams land in
-``--workdir``/streams/<name>/metrics.jsonl; then the replay runs the default rules over all of them
-and writes benchmarks/results/health_replay.json.
+Each configuration is recorded as **segments**: one ``fleetrl run`` each, from a warm start that learns
+(the demo's ~1.2M-parameter model, SFT to ~25% held-out on two-number addition; for the multi-turn
+configuration a warm start of the same size on ``calc`` tool episodes, SFT to ~20% episode success),
+with the shipped algorithm config (``configs/<algorithm>.yaml``), the configuration's staleness and
+learning rate, a held-out evaluation every ``--eval-interval`` steps, and the health monitor on with
+**every rule as an alert** (``RECORD_RULES``: no rollback changes the stream; the rules are judged
+afterwards by replaying it, the live alerts are a cross-check) and the fleet screen on (so a healthy
+group it would leave out shows in ``fleet/screened_groups``: the screen's false positives). Segments go
+round-robin over the configurations (each gets ``--segment-steps`` steps a round, a new seed each
+time) until each has its ``--steps``: a sweep stopped half-way has covered every configuration.
 
-The configurations (``--only`` picks some by name):
+It is resumable: a finished segment leaves ``<workdir>/streams/<name>/seg-<k>/done.json`` and is never
+run again; a segment killed half-way is run again from its start (its directory is kept aside as
+``seg-<k>.partial-<time>``, not counted). After the rounds, the replay runs the rules (the shipped
+defaults, and the candidate set ``--candidate-rules``) over every finished segment and writes
+benchmarks/results/health_replay.json (per rule, per configuration) and
+benchmarks/results/health_streams.json (the segments: steps, exit code, held-out curve, others' CPU).
 
-| name | config | broker.max_staleness | learner.lr |
-| --- | --- | --- | --- |
-| grpo-s0 | grpo | 0 | 1e-4 |
-| grpo-s4-lr3e-4 | grpo | 4 | 3e-4 |
-| dapo-s2 | dapo | 2 | 1e-4 |
-| gspo-s8 | gspo | 8 | 1e-4 |
-| rloo-s1-lr3e-4 | rloo | 1 | 3e-4 |
-| ppo-s2 | ppo (GAE, critic) | 2 | 1e-4 |
-| dpo-online-s1 | dpo_online | 1 | 1e-4 |
-| multiturn-s2 | multiturn (tool calls, 3 turns) | 2 | 1e-4 |
+| name | config | broker.max_staleness | learner.lr | task |
+| --- | --- | --- | --- | --- |
+| grpo-s0-lr1e-4 | grpo | 0 | 1e-4 | arithmetic |
+| grpo-s4-lr1e-4 | grpo | 4 | 1e-4 | arithmetic |
+| grpo-s2-lr5e-5 | grpo | 2 | 5e-5 | arithmetic |
+| dapo-s2-lr1e-4 | dapo | 2 | 1e-4 | arithmetic |
+| gspo-s8-lr1e-4 | gspo | 8 | 1e-4 | arithmetic |
+| rloo-s1-lr1e-4 | rloo | 1 | 1e-4 | arithmetic |
+| ppo-s2-lr1e-4 | ppo (GAE, critic) | 2 | 1e-4 | arithmetic |
+| dpo-online-s1 | dpo_online | 1 | 1e-4 | arithmetic |
+| multiturn-s2 | multiturn (calc tool, 3 turns) | 2 | 2e-4 | calc |
 
-The issue asks for >= 30,000 steps: ``--steps 4000`` gives 32,000. Run it on a quiet box (each run is
-a broker, a rollout server and a learner on CPU):
+LR 1e-4, not the demo's 2e-4: at 8 x 8 a step (the demo: 16 x 8 and dynamic sampling) GRPO and DAPO at 2e-4
+slid from 23% to 15-17% held-out in 250 steps, RLOO at 1e-4 rose to 36-46%.
 
-    python benchmarks/health_streams.py --steps 4000 --workdir /tmp/health-streams
-    python benchmarks/health_streams.py --steps 20 --only grpo-s0          # a smoke run (~1 min)
+Arithmetic runs take ``--groups`` prompts x ``--group-size`` samples a step (8 x 8, the demo 16 x 8), 5 new
+tokens; the multi-turn one 4 x 8 episodes of up to 3 turns (``--mt-groups``); every run warms the LR up over
+20 steps (Adam's first full-LR steps wrecked the warm start: at 4 x 8 with no warm-up GRPO went 23% -> 1%
+held-out in 50 steps, and the rules, still in their warm-up, saw nothing). A segment whose held-out
+accuracy ends more than 5 points under its start is not healthy: it is reported apart, not counted.
+
+The issue asks for >= 30,000 steps:
+
+    nice -n 15 python benchmarks/health_streams.py --workdir runs/health-streams     # 9 x 3350 steps
+    python benchmarks/health_streams.py --steps 20 --segment-steps 20 --only grpo-s0-lr1e-4   # a smoke run
+    python benchmarks/health_streams.py --replay-only --workdir runs/health-streams    # figures from disk
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -39,98 +60,272 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from health_replay import main as replay_main  # noqa: E402
 from vs_trl import ROOT, fleetrl_cli, run_child, tail  # noqa: E402
+from vs_trl import prepare as prepare_demo
 
 CONFIGS = {  # name: (config, max_staleness, lr, task)
-    "grpo-s0": ("grpo", 0, 1e-4, "arithmetic"),
-    "grpo-s4-lr3e-4": ("grpo", 4, 3e-4, "arithmetic"),
-    "dapo-s2": ("dapo", 2, 1e-4, "arithmetic"),
-    "gspo-s8": ("gspo", 8, 1e-4, "arithmetic"),
-    "rloo-s1-lr3e-4": ("rloo", 1, 3e-4, "arithmetic"),
-    "ppo-s2": ("ppo", 2, 1e-4, "arithmetic"),
+    "grpo-s0-lr1e-4": ("grpo", 0, 1e-4, "arithmetic"),
+    "grpo-s4-lr1e-4": ("grpo", 4, 1e-4, "arithmetic"),
+    "grpo-s2-lr5e-5": ("grpo", 2, 5e-5, "arithmetic"),
+    "dapo-s2-lr1e-4": ("dapo", 2, 1e-4, "arithmetic"),
+    "gspo-s8-lr1e-4": ("gspo", 8, 1e-4, "arithmetic"),
+    "rloo-s1-lr1e-4": ("rloo", 1, 1e-4, "arithmetic"),
+    "ppo-s2-lr1e-4": ("ppo", 2, 1e-4, "arithmetic"),
     "dpo-online-s1": ("dpo_online", 1, 1e-4, "arithmetic"),
-    "multiturn-s2": ("multiturn", 2, 1e-4, "calc"),
+    "multiturn-s2": ("multiturn", 2, 2e-4, "calc"),
 }
-RESULTS = ROOT / "benchmarks" / "results" / "health_replay.json"
+RESULTS = ROOT / "benchmarks" / "results"
+RECORD_RULES = (
+    "[{name: non_finite}, {name: grad_spike}, {name: reward_drop, window: 10, threshold: 0.2}, "
+    "{name: length_collapse, window: 10, threshold: 0.6}, {name: entropy_floor}, {name: mismatch_kl_ceiling}, "
+    "{name: reward_hacking}, {name: server_poison}]"
+)  # all alerts: the recorded stream is the run's own
+CANDIDATE = (
+    '[{"name": "non_finite", "action": "rollback"}, {"name": "grad_spike", "action": "alert"}, '
+    '{"name": "reward_drop", "action": "rollback", "window": 10, "threshold": 0.2}, '
+    '{"name": "length_collapse", "action": "rollback", "window": 10, "threshold": 0.6}, '
+    '{"name": "entropy_floor", "action": "alert"}, {"name": "mismatch_kl_ceiling", "action": "rollback"}, '
+    '{"name": "reward_hacking", "action": "rollback"}]'
+)
 
 
 def prepare(workdir: Path) -> dict[str, dict[str, str]]:
-    """The tiny model and both tasks' data, built once into ``workdir``."""
-    model = workdir / "models" / "tiny"
+    """Both tasks' warm starts and data, built once into ``workdir`` (the demo's recipe for arithmetic)."""
+    demo = prepare_demo(workdir, 0.25)
+    model, warm = workdir / "models" / "multiturn", workdir / "models" / "multiturn-warm"
+    train, held_out = workdir / "data" / "calc.jsonl", workdir / "data" / "calc.eval.jsonl"
     if not (model / "config.json").exists():
-        fleetrl_cli("init-model", "--out", str(model), "--preset", "tiny")
-    data = {}
-    for task, stem in (("arithmetic", "arith"), ("calc", "calc")):
-        train, held_out = workdir / "data" / f"{stem}.jsonl", workdir / "data" / f"{stem}.eval.jsonl"
-        if not (train.exists() and held_out.exists()):
-            fleetrl_cli("init-data", "--task", task, "--out", str(train), "--n", "20000", "--eval-n", "200")
-        data[task] = {"model": str(model), "train": str(train), "eval": str(held_out)}
-    return data
+        fleetrl_cli("init-model", "--out", str(model), "--preset", "small")
+    if not (train.exists() and held_out.exists()):
+        fleetrl_cli("init-data", "--task", "calc", "--out", str(train), "--n", "20000", "--eval-n", "500")
+    if not (warm / "config.json").exists():  # scripts/multiturn_demo.sh's warm start
+        fleetrl_cli(
+            "sft",
+            "--model",
+            str(model),
+            "--data",
+            str(train),
+            "--eval-data",
+            str(held_out),
+            "--out",
+            str(warm),
+            "--target-acc",
+            "0.2",
+            "--lr",
+            "2e-4",
+            "--eval-every",
+            "10",
+            "--eval-n",
+            "100",
+            "--max-minutes",
+            "30",
+            "--config",
+            str(ROOT / "configs" / "multiturn.yaml"),
+            log=workdir / "logs" / "sft-multiturn.log",
+        )
+    return {
+        "arithmetic": {"model": demo["warm"], "train": demo["train"], "eval": demo["eval"]},
+        "calc": {"model": str(warm), "train": str(train), "eval": str(held_out)},
+    }
 
 
-def record(name: str, work: dict[str, str], args) -> Path:
-    config, staleness, lr, _ = CONFIGS[name]
-    run_dir = Path(args.workdir) / "streams" / name
-    if (run_dir / "metrics.jsonl").exists():
-        (run_dir / "metrics.jsonl").rename(run_dir / f"metrics.{int(time.time())}.jsonl.old")
+def overrides(name: str, work: dict[str, str], steps: int, seed: int, args) -> list[str]:
+    config, staleness, lr, task = CONFIGS[name]
+    groups = args.mt_groups if task == "calc" else args.groups
     sets = [
         f"model.path={work['model']}",
         f"data.train={work['train']}",
         f"data.eval={work['eval']}",
-        f"learner.total_steps={args.steps}",
+        f"learner.total_steps={steps}",
+        "learner.max_minutes=0",
         f"broker.max_staleness={staleness}",
         f"learner.lr={lr}",
+        "learner.warmup_steps=20",
+        f"learner.groups_per_step={groups}",
+        f"rollout.prompts_per_batch={groups}",
+        f"rollout.group_size={args.group_size}",
         f"run.eval_interval={args.eval_interval}",
-        "run.eval_n=100",
-        "health.enabled=false",
+        f"run.eval_n={args.eval_n}",
+        f"health.rules={RECORD_RULES}",
         "checkpoint.interval=0",
-        f"learner.seed={args.seed}",
-        f"rollout.seed={args.seed}",
+        "telemetry.log_level=WARNING",
+        "run.learner_threads=1",
+        "run.rollout_threads=1",  # no OMP spinning on a shared box
+        f"learner.seed={seed}",
+        f"rollout.seed={seed}",
+        f"data.seed={seed}",
         "learner.device=cpu",
         "rollout.device=cpu",
     ]
+    return sets + (["rollout.max_new_tokens=5"] if task == "arithmetic" else [])
+
+
+def recorded(name: str, workdir: Path) -> list[dict]:
+    """The finished segments of one configuration (their done.json), in order."""
+    return [json.loads(p.read_text()) for p in sorted((workdir / "streams" / name).glob("seg-*/done.json"))]
+
+
+def run_segment(name: str, k: int, work: dict[str, str], steps: int, args) -> dict:
+    seg = Path(args.workdir) / "streams" / name / f"seg-{k:02d}"
+    if seg.exists():  # a segment killed half-way: kept aside whole, run again from its start
+        shutil.move(seg, seg.with_name(f"{seg.name}.partial-{int(time.time())}"))
+    seed = args.seed + 101 * k
     argv = [
         sys.executable,
         "-m",
         "fleetrl.app.cli",
         "run",
         "--config",
-        str(ROOT / "configs" / f"{config}.yaml"),
+        str(ROOT / "configs" / f"{CONFIGS[name][0]}.yaml"),
         "--run-dir",
-        str(run_dir),
+        str(seg),
         "--no-status",
-        *sets,
+        *overrides(name, work, steps, seed, args),
     ]
-    log = run_dir.with_suffix(".log")
-    log.parent.mkdir(parents=True, exist_ok=True)
-    print(f"[{name}] {args.steps} steps: fleetrl {' '.join(argv[3:])}", flush=True)
-    code, cpu = run_child(name, argv, log, args.timeout_min * 60, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    print(f"  exit {code}, others' CPU share {cpu.get('others_cpu_share', float('nan')):.0%}", flush=True)
-    if code or not (run_dir / "metrics.jsonl").exists():
-        print(f"  [{name}] failed; its log ends with:\n{tail(log)}", flush=True)
-    return run_dir
+    seg.mkdir(parents=True, exist_ok=True)
+    log = seg / "run.log"
+    print(f"[{name} seg {k}] {steps} steps, seed {seed}", flush=True)
+    code, cpu = run_child(
+        f"{name}-{k}",
+        argv,
+        log,
+        args.timeout_min * 60,
+        env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"),
+    )
+    rows = read_rows(seg / "metrics.jsonl")
+    done = max((int(r["step"]) for r in rows), default=0)
+    curve = [(int(r["step"]), r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    live = read_rows(seg / "events.jsonl")
+    result = {
+        "name": name,
+        "segment": k,
+        "seed": seed,
+        "steps": done,
+        "exit_code": code,
+        "cpu": cpu,
+        "eval_curve": curve,
+        "groups": sum(r.get("batch/groups", 0) for r in rows),
+        "screened_groups": sum(r.get("fleet/screened_groups", 0) for r in rows),
+        "live_alerts": [{k: e[k] for k in ("step", "rule", "message")} for e in live],
+        "command": "fleetrl " + " ".join(argv[3:]),
+    }
+    print(
+        f"  exit {code}, {done} steps in {cpu['wall_s']:.0f} s ({cpu['own_cpu_s'] / max(done, 1):.3f} CPU-s a step), "
+        f"others' CPU share {cpu['others_cpu_share']:.0%}, held-out {curve[0][1] if curve else '-'} -> "
+        f"{curve[-1][1] if curve else '-'}",
+        flush=True,
+    )
+    if code == 0 and done >= steps:
+        (seg / "done.json").write_text(json.dumps(result, indent=1))
+    else:
+        print(f"  [{name} seg {k}] did not finish; its log ends with:\n{tail(log)}", flush=True)
+    return result
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def sweep(names: list[str], data: dict, args) -> None:
+    """Round-robin segments until every configuration has its steps (or a segment fails twice)."""
+    failures: dict[str, int] = {}
+    while True:
+        todo = [
+            n
+            for n in names
+            if sum(s["steps"] for s in recorded(n, Path(args.workdir))) < args.steps and failures.get(n, 0) < 2
+        ]
+        if not todo:
+            return
+        for name in todo:
+            segs = recorded(name, Path(args.workdir))
+            left = args.steps - sum(s["steps"] for s in segs)
+            result = run_segment(name, len(segs), data[CONFIGS[name][3]], min(left, args.segment_steps), args)
+            if result["exit_code"] != 0 or result["steps"] < min(left, args.segment_steps):
+                failures[name] = failures.get(name, 0) + 1
+
+
+def healthy(seg: dict) -> bool:
+    """A segment whose held-out accuracy ends (best of its last 2 evaluations) within 5 points of its start."""
+    curve = [a for _, a in seg.get("eval_curve", [])]
+    return len(curve) >= 2 and max(curve[-2:]) >= curve[0] - 0.05
+
+
+def replay(names: list[str], args) -> int:
+    every = {n: recorded(n, Path(args.workdir)) for n in names}
+    segments = {n: [s for s in segs if healthy(s)] for n, segs in every.items()}
+    declined = {
+        n: [(s["segment"], s["eval_curve"][0][1], s["eval_curve"][-1][1]) for s in segs if not healthy(s)]
+        for n, segs in every.items()
+    }
+    if any(declined.values()):
+        print(f"segments left out, held-out fell > 5 points (not healthy runs): {declined}")
+    dirs = [str(Path(args.workdir) / "streams" / n / f"seg-{s['segment']:02d}") for n in names for s in segments[n]]
+    if not dirs:
+        print("no finished segment to replay", file=sys.stderr)
+        return 1
+    report = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "command": "python benchmarks/health_streams.py " + " ".join(sys.argv[1:]),
+        "time": time.strftime("%Y-%m-%d %H:%M"),
+        "configurations": {
+            n: {
+                "config": CONFIGS[n][0],
+                "max_staleness": CONFIGS[n][1],
+                "lr": CONFIGS[n][2],
+                "task": CONFIGS[n][3],
+                "steps": sum(s["steps"] for s in segs),
+                "segments": segs,
+            }
+            for n, segs in segments.items()
+        },
+        "declined": declined,
+    }
+    groups = sum(s.get("groups", 0) for segs in segments.values() for s in segs)
+    screened = sum(s.get("screened_groups", 0) for segs in segments.values() for s in segs)
+    report["screen"] = {
+        "groups_trained": groups,
+        "screened_groups": screened,
+        "note": "healthy groups the fleet screen left out: its false positives",
+    }
+    report["live_alerts"] = sum(len(s.get("live_alerts", [])) for segs in segments.values() for s in segs)
+    (RESULTS / "health_streams.json").write_text(json.dumps(report, indent=1))
+    print(
+        f"fleet screen on the healthy runs: {screened:g} groups left out, {groups:g} trained; "
+        f"live alerts (every rule an alert): {report['live_alerts']}"
+    )
+    print("\n== the shipped defaults")
+    code = replay_main([*dirs, "--json", str(RESULTS / "health_replay.json")])
+    print("\n== the candidate set (defaults + reward_hacking -> rollback)")
+    return code or replay_main(
+        [*dirs, "--rules", args.candidate_rules, "--json", str(RESULTS / "health_replay_candidate.json")]
+    )
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=4000, help="learner steps per configuration")
+    p.add_argument("--steps", type=int, default=3350, help="learner steps per configuration (9 x 3350 > 30,000)")
+    p.add_argument("--segment-steps", type=int, default=250, help="steps of one run (a round's share)")
     p.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configuration names")
-    p.add_argument("--workdir", default="/tmp/fleetrl-health-streams")
-    p.add_argument("--eval-interval", type=int, default=25)
+    p.add_argument("--workdir", default="runs/health-streams")
+    p.add_argument("--eval-interval", type=int, default=50)
+    p.add_argument("--eval-n", type=int, default=100)
+    p.add_argument("--groups", type=int, default=8, help="prompts a step (arithmetic)")
+    p.add_argument("--mt-groups", type=int, default=4, help="prompts a step (multi-turn)")
+    p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout-min", type=float, default=240.0, help="per configuration")
-    p.add_argument("--json", type=Path, default=RESULTS)
+    p.add_argument("--timeout-min", type=float, default=180.0, help="per segment")
+    p.add_argument("--candidate-rules", default=CANDIDATE, help="JSON rule list replayed besides the defaults")
+    p.add_argument("--replay-only", action="store_true")
     args = p.parse_args()
     names = [n for n in args.only.split(",") if n]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         p.error(f"--only: unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
-    data = prepare(Path(args.workdir))
-    runs = [record(n, data[CONFIGS[n][3]], args) for n in names]
-    done = [str(r) for r in runs if (r / "metrics.jsonl").exists()]
-    if not done:
-        print("no stream was recorded", file=sys.stderr)
-        return 1
-    return replay_main([*done, "--json", str(args.json)])
+    if not args.replay_only:
+        sweep(names, prepare(Path(args.workdir)), args)
+    return replay(names, args)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from typing import Any
 from fleetrl.common.config.learner import HealthConfig
 from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.learner.health_rules import HEALTH_RULES, Fired, HealthEvent, Rule
+from fleetrl.learner.health_servers import ServerRule  # registers the per-server rules
 
 __all__ = ["HEALTH_RULES", "HealthEvent", "HealthMonitor"]
 
@@ -55,6 +56,7 @@ class HealthMonitor:
         self._revoked: list[int] = []
         self.why_unhealthy: dict[int, str] = {}  # checkpoint step -> the evidence that took its healthy tag
         self.target_evidence = ""  # why the last rollback_target is not simply the newest checkpoint
+        self.quarantined: dict[str, int] = {}  # rollout server -> the step a per-server rule quarantined it
         self._reset_tracking()
 
     def _reset_tracking(self) -> None:
@@ -70,10 +72,46 @@ class HealthMonitor:
         """Run every rule on this step's metrics; returns the events emitted now (plus checkpoint-rule ones)."""
         events, self.pending = self.pending, []
         for i, rule in enumerate(self.rules):
+            if rule.PER_SERVER:
+                continue  # observe_servers
             self._watch_presence(i, rule, metrics)
             fired = rule.observe(step, metrics)
             event = None if rule.AT_CHECKPOINT else self._judge(i, rule, step, fired)
             if event is not None:
+                events.append(event)
+        return events
+
+    def observe_servers(self, step: int, servers: dict[str, dict[str, float]]) -> list[HealthEvent]:
+        """Run the per-server rules on what the fleet screen saw of each rollout server this step (summed over
+        ranks, the same on every rank). Returns the events emitted now; a ``quarantine`` event names a server
+        that is not quarantined yet (it is then, in ``quarantined``). Per-server events never touch the
+        checkpoints' healthy tags: the groups they judge were kept out of training."""
+        events = []
+        for rule in (r for r in self.rules if r.PER_SERVER):
+            assert isinstance(rule, ServerRule)
+            for server, seen in sorted(servers.items()):
+                fired = rule.observe_server(step, server, seen)
+                if fired is None or server in self.quarantined:
+                    continue
+                if rule.action == "quarantine":
+                    self.quarantined[server] = step
+                elif self.events and any(
+                    e.server == server and e.rule == rule.spec.name and e.step > step - rule.window
+                    for e in self.events[-50:]
+                ):
+                    continue  # an alert about this server at most once a window
+                event = HealthEvent(
+                    step,
+                    rule.spec.name,
+                    rule.action,
+                    fired.metric or rule.metric,
+                    fired.value,
+                    fired.threshold,
+                    fired.message,
+                    time.time(),
+                    server=server,
+                )
+                self._emit(event)
                 events.append(event)
         return events
 
@@ -291,9 +329,16 @@ class HealthMonitor:
         if state is None:
             self.reset_after_rollback(step)
             return
-        kept = (self.events, self.rollbacks_done, self.stop_reason, self.checkpoints, self.why_unhealthy)
+        kept = (
+            self.events,
+            self.rollbacks_done,
+            self.stop_reason,
+            self.checkpoints,
+            self.why_unhealthy,
+            self.quarantined,
+        )
         self.load_state_dict(state)
-        self.events, self.rollbacks_done, self.stop_reason, checkpoints, self.why_unhealthy = kept
+        self.events, self.rollbacks_done, self.stop_reason, checkpoints, self.why_unhealthy, self.quarantined = kept
         self.pending, self.onsets = [], {}
         self.checkpoints = {c: h for c, h in checkpoints.items() if c <= step}
 
@@ -340,6 +385,7 @@ class HealthMonitor:
             "pending": [asdict(e) for e in self.pending],
             "onsets": {k: list(v) for k, v in self.onsets.items()},
             "why_unhealthy": dict(self.why_unhealthy),
+            "quarantined": dict(self.quarantined),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -363,3 +409,4 @@ class HealthMonitor:
         self.last_bad = state["last_bad"]
         self.onsets = {k: (int(v[0]), int(v[1])) for k, v in state.get("onsets", {}).items()}
         self.why_unhealthy = {int(k): v for k, v in state.get("why_unhealthy", {}).items()}
+        self.quarantined = {k: int(v) for k, v in state.get("quarantined", {}).items()}

@@ -24,9 +24,14 @@ class HealthEvent:
     threshold: float
     message: str
     time: float
+    server: str = ""  # per-server rules: the rollout server (client id) the event is about
 
     def to_json(self) -> str:
-        row = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in asdict(self).items()}
+        row = {
+            k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
+            for k, v in asdict(self).items()
+            if k != "server" or v
+        }  # `server` only on per-server rules' events
         return json.dumps(row)
 
     @classmethod
@@ -35,7 +40,7 @@ class HealthEvent:
 
     def short(self) -> str:
         """One phrase for the live status line, e.g. ``reward_drop -> rollback @ 130``."""
-        return f"{self.rule} -> {self.action} @ {self.step}"
+        return f"{self.rule} -> {self.action}{f' {self.server}' if self.server else ''} @ {self.step}"
 
 
 @dataclass
@@ -57,6 +62,7 @@ class Rule:
     THRESHOLD: ClassVar[float | None] = None
     STATE: ClassVar[tuple[str, ...]] = ()
     AT_CHECKPOINT: ClassVar[bool] = False  # judged by on_checkpoint (observe only accumulates)
+    PER_SERVER: ClassVar[bool] = False  # judged per rollout server (learner/health_servers.py)
 
     def __init__(self, spec: HealthRule, key: str):
         self.spec, self.key, self.action = spec, key, spec.action
@@ -67,6 +73,12 @@ class Rule:
             self.bad("threshold", "must be a finite number")
         if self.window is not None and self.window < 1:
             self.bad("window", "must be >= 1")
+        if self.action == "quarantine" and not self.PER_SERVER:
+            self.bad(
+                "action",
+                "quarantine isolates one rollout server: only per-server rules (server_poison) take it; "
+                "use alert, rollback or stop",
+            )
         self.check()
         self.reset()
 
@@ -161,7 +173,13 @@ class KlCeiling(Limit):
 
 @HEALTH_RULES.register("mismatch_kl_ceiling")
 class MismatchKlCeiling(Limit):
+    """The MA over ``window`` measured steps above the ceiling, or **one** measured step above ``SPIKE`` x the
+    ceiling: the metric exists only on steps that trained tokens of the version just published, which with
+    ``broker.max_staleness`` > 0 can be one step in fifteen, so a window of 5 measurements may take a hundred
+    steps to fill while a broken sync is already far off (a stale fleet measured 0.30 on its one step)."""
+
     METRIC, WINDOW, THRESHOLD = "off_policy/mismatch_kl", 5, 0.01
+    SPIKE = 10.0
     MEANING = (
         "on tokens sampled by the very version being trained, the engine's log-probs disagree with the "
         "learner's: a broken weight sync (stale or corrupted weights under a new version number) or engine "
@@ -169,11 +187,55 @@ class MismatchKlCeiling(Limit):
         "staleness is off_policy/drift_kl and never fires this rule"
     )
 
+    def observe(self, step: int, metrics: dict[str, float]) -> Fired | None:
+        fired = super().observe(step, metrics)
+        value = finite(metrics, self.metric)
+        if fired is not None or value is None or value <= self.SPIKE * self.threshold:
+            return fired
+        return Fired(
+            value,
+            self.SPIKE * self.threshold,
+            f"{self.metric} measured {value:.4g} on this step, over "
+            f"{self.SPIKE:g} x the ceiling {self.threshold:.4g} (no need to wait for {self.window} measured "
+            f"steps): {self.MEANING}",
+            step,
+        )
+
 
 @HEALTH_RULES.register("entropy_floor")
 class EntropyFloor(Limit):
+    """The entropy MA under the floor **while the reward MA is more than ``REWARD_SLACK`` below its best** (since
+    start / rollback): the policy went deterministic and is getting worse. A policy that converged on a task it
+    solves (entropy near 0, the reward at its best) is success, not a collapse, and stays quiet. Without a
+    reward metric the floor alone decides."""
+
     METRIC, WINDOW, THRESHOLD, ABOVE = "actor/entropy", 10, 0.03, False
+    REWARD, REWARD_SLACK = "reward/mean", 0.1
+    STATE = ("points", "rewards", "best")
     MEANING = "the policy has become nearly deterministic (entropy collapse) and stops exploring"
+
+    def reset(self) -> None:
+        super().reset()
+        self.rewards: deque[tuple[int, float]] = deque(maxlen=self.window)
+        self.best = -math.inf
+
+    def observe(self, step: int, metrics: dict[str, float]) -> Fired | None:
+        reward = finite(metrics, self.REWARD)
+        if reward is not None:
+            self.rewards.append((step, reward))
+        reward_ma = sum(v for _, v in self.rewards) / self.window if len(self.rewards) == self.window else None
+        if reward_ma is not None:
+            self.best = max(self.best, reward_ma)
+        fired = super().observe(step, metrics)
+        if fired is None or reward_ma is None:
+            return fired
+        if reward_ma >= self.best - self.REWARD_SLACK:
+            return None  # deterministic at its best reward: converged, not collapsed
+        fired.message += (
+            f"; and {self.REWARD} averaged {reward_ma:.4g}, {self.best - reward_ma:.3g} below its best "
+            f"{self.best:.4g} (more than {self.REWARD_SLACK:g})"
+        )
+        return fired
 
 
 @HEALTH_RULES.register("reward_floor")
@@ -260,7 +322,7 @@ class LengthCollapse(Rule):
 class GradSpike(Rule):
     """Fires when the value > ``threshold`` x the median of the previous ``window`` (finite) values."""
 
-    METRIC, WINDOW, THRESHOLD = "actor/grad_norm", 20, 10.0
+    METRIC, WINDOW, THRESHOLD = "actor/grad_norm", 20, 20.0  # a converged multi-turn run reached 10.4 x, healthy
     STATE = ("history",)
 
     def check(self) -> None:

@@ -36,15 +36,17 @@ START, END = -1, -2  # marks around each response for distinct_2 (no token id is
 def diversity_metrics(responses: Sequence[tuple[int, ...]], groups: Sequence[int]) -> dict[str, float]:
     """``response/distinct_2`` and ``response/identical_frac`` of one step's sampled responses (token ids).
 
-    ``distinct_2``: distinct token bigrams over all bigrams of the step, each response framed by a start
-    and an end mark (so one-token and empty responses count too, and every rank reports the figure:
-    the learner averages the same keys over ranks). ``identical_frac``: the fraction of the step's prompt
-    groups that contain the step's most common response. Answers that agree within a group (one prompt) are expected; one response spread
-    over many different prompts is the sign of a policy that answers every prompt alike (reward hacking).
+    ``distinct_2``: distinct token bigrams over all bigrams of the step's responses, each group's responses
+    counted once each (a group's repeats removed first), each response framed by a start and an end mark
+    (so one-token and empty responses count too, and every rank reports the figure: the learner averages
+    the same keys over ranks). ``identical_frac``: the fraction of the step's prompt groups that contain
+    the step's most common response. Answers that agree within a group (one prompt) are what a policy
+    that learns gives, and neither figure moves for them; one response spread over many different
+    prompts is the sign of a policy that answers every prompt alike (reward hacking), and both do.
     """
     out: dict[str, float] = {}
     if responses:
-        framed = [(START, *r, END) for r in responses]
+        framed = [(START, *r, END) for r, _ in dict.fromkeys(zip(responses, groups))]  # once per group
         bigrams = [f[i : i + 2] for f in framed for i in range(len(f) - 1)]
         out["response/distinct_2"] = len(set(bigrams)) / len(bigrams)
         top, _ = Counter(responses).most_common(1)[0]

@@ -1,9 +1,11 @@
 """Where a learner rank's batches come from: batch leases from the broker (or its in-process twin).
 
-Each rank leases its share of ``learner.groups_per_step``. With DAPO's dynamic sampling, groups whose
+Each rank leases its share of ``learner.groups_per_step``. The fleet screen (learner/screen.py) first
+leaves out every group no honest rollout server could have sent, and every group of a quarantined
+server; a lease left with nothing is leased again. With DAPO's dynamic sampling, groups whose
 rewards are all equal carry no gradient: they are filtered out and the rank keeps leasing — at most
-``learner.max_lease_rounds`` leases per step — until its share is full. Every leased group (kept or
-filtered) is acknowledged after the optimizer step, so the broker neither redelivers nor loses it.
+``learner.max_lease_rounds`` leases per step — until its share is full. Every leased group (kept,
+screened or filtered) is acknowledged, so the broker neither redelivers nor loses it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from fleetrl.common import faults
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.learner.algorithms import dynamic_sampling_filter
+from fleetrl.learner.screen import FleetScreen
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,9 @@ class Leased:
     filtered: int = 0  # groups dropped by dynamic sampling
     filtered_ids: list[str] = field(default_factory=list)  # their ids (acked, not trained: trained-<rank>.jsonl)
     dropped_stale: int = 0
+    screened_ids: list[str] = field(default_factory=list)  # left out by the fleet screen (acked, not trained)
+    servers: dict[str, dict[str, float]] = field(default_factory=dict)  # server -> {"groups", "screened"}
+    screen_reasons: list[str] = field(default_factory=list)  # why, for the first few screened groups
     wait_s: float = 0.0
     pairs: list[tuple[list[int], list[int], list[int]]] | None = None  # offline DPO: (prompt, chosen, rejected) ids
     pair_ids: list[str] = field(default_factory=list)
@@ -62,6 +68,8 @@ class BrokerBatchSource:
         self.want = max(1, share_of(cfg.learner.groups_per_step, rank, world))
         self.dynamic = cfg.algorithm.dynamic_sampling
         self.filtered_total = 0
+        self.screen = FleetScreen(cfg.health.screen) if cfg.health.enabled and cfg.health.screen.enabled else None
+        self.quarantined: set[str] = set()  # servers whose groups are left out (HealthMonitor.quarantined)
 
     def _lease(self, n: int, deadline: float, should_stop: Callable[[], bool]) -> m.BatchLease:
         while True:
@@ -83,32 +91,61 @@ class BrokerBatchSource:
         t0 = time.monotonic()
         deadline = t0 + self.cfg.learner.batch_wait_s
         out = Leased(groups=[])
-        for _ in range(self.cfg.learner.max_lease_rounds if self.dynamic else 1):
-            need = self.want - len(out.groups)
-            lease = self._lease(need, deadline, should_stop)
+        rounds, last = 0, []
+        while rounds < (self.cfg.learner.max_lease_rounds if self.dynamic else 1):
+            lease = self._lease(self.want - len(out.groups), deadline, should_stop)
             out.dropped_stale += lease.dropped_stale
-            kept = self._filter(lease.groups) if self.dynamic else lease.groups
+            plausible = self._screen(lease.groups, out)
+            kept = self._filter(plausible) if self.dynamic and plausible else plausible
             kept_ids = {g.group_id for g in kept}
-            filtered = [g.group_id for g in lease.groups if g.group_id not in kept_ids]
-            if filtered:
+            done_now = [g.group_id for g in lease.groups if g.group_id not in kept_ids]
+            if done_now:
                 # done with them now: they would otherwise hold admission capacity while the rank keeps leasing
-                self.client.ack_batch(lease.lease_id, filtered, step, keep_rest=bool(kept))
+                self.client.ack_batch(lease.lease_id, done_now, step, keep_rest=bool(kept))
             if kept:
                 out.leases.append((lease.lease_id, [g.group_id for g in kept]))
+            filtered = [g.group_id for g in plausible if g.group_id not in kept_ids]
             out.filtered += len(filtered)
             out.filtered_ids.extend(filtered)
             out.groups.extend(kept)
-            last = lease
+            if plausible:  # a lease the screen emptied does not count as a round: lease again
+                rounds, last = rounds + 1, plausible
             if len(out.groups) >= self.want:
                 break
         if not out.groups:  # every group was filtered: train on what came rather than not at all
             log.warning(
                 "dynamic sampling filtered every group of %d leases; training on the last lease", len(out.leases)
             )
-            out.groups = list(last.groups)
+            out.groups = list(last)
         self.filtered_total += out.filtered
         out.wait_s = time.monotonic() - t0
         return out
+
+    def _screen(self, groups: list[m.SampleGroup], out: Leased) -> list[m.SampleGroup]:
+        """The groups that pass the fleet screen; the others are recorded in ``out`` (per server, with reasons)."""
+        if self.screen is None:
+            return groups
+        verdict = self.screen.judge(groups, self.quarantined)
+        for server, seen in verdict.per_server().items():
+            mine = out.servers.setdefault(server, {"groups": 0.0, "screened": 0.0})
+            mine["groups"] += seen["groups"]
+            mine["screened"] += seen["screened"]
+        out.screened_ids.extend(g.group_id for g in verdict.dropped)
+        for reasons in verdict.reasons.values():
+            out.screen_reasons.extend(reasons[: max(0, 5 - len(out.screen_reasons))])
+        fresh = [rs[0] for server, rs in verdict.reasons.items() if server not in self.quarantined]
+        if fresh:
+            log.warning(
+                "fleet screen left %d of %d leased groups out of the step: %s",
+                len(verdict.dropped),
+                len(groups),
+                "; ".join(fresh),
+            )
+        return verdict.kept
+
+    def quarantine(self, server: str) -> None:
+        """Leave every later group of ``server`` out (a per-server rule quarantined it)."""
+        self.quarantined.add(server)
 
     @staticmethod
     def _filter(groups: list[m.SampleGroup]) -> list[m.SampleGroup]:

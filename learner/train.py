@@ -91,6 +91,9 @@ class Learner:
         specs = lora_param_specs(self.module) if self.lora else param_specs(self.module)  # the base model's names
         self.publisher = WeightPublisher(cfg, run_dir, dist.rank, specs) if self.fleet else None
         self.step = self.version = 0
+        self.saved_step: int | None = (
+            None  # the step of the newest checkpoint saved or resumed (the same on every rank)
+        )
         self.pristine = True  # the weights are exactly those published as `version` (no update since)
         self.samples_seen = 0
         self.fleet_size = 0
@@ -113,6 +116,9 @@ class Learner:
                 ", ".join(idle),
             )
         self.lr_scale = 1.0  # health.lr_factor ** rollbacks
+        from fleetrl.learner.quarantine import FleetGuard
+
+        self.guard = FleetGuard(self.health, self.source, client if self.fleet else None, dist)
         self.traces = StepTraces()
         self.completions = CompletionLog(cfg) if dist.is_main else None
 
@@ -124,6 +130,7 @@ class Learner:
     def train_step(self) -> dict[str, float]:
         t0, start_ns = time.perf_counter(), time.time_ns()
         leased = self.source.next(self.step + 1, self.stop_requested)
+        fleet = self.guard.judge(self.step + 1, leased)  # per-server health: a poisoning server is quarantined
         with tracing.span(
             "learner.step", tracing.ROOT, {"fleetrl.step": self.step + 1}, tracing.group_links(leased.groups), start_ns
         ) as step_span:  # linked to every group
@@ -140,9 +147,11 @@ class Learner:
                     "version": self.version,
                     "group_ids": leased.ids,
                     **({"filtered_ids": leased.filtered_ids} if leased.filtered_ids else {}),
+                    **({"screened_ids": leased.screened_ids} if leased.screened_ids else {}),
                 }
             )
             main_only = self.broker_metrics() if self.dist.is_main and self.fleet else {}  # sizes the broadcast
+            main_only.update(fleet)
             if self.dist.is_main:  # per reward function (rank 0's groups: keys may differ between ranks)
                 main_only.update(reward_part_metrics(leased.groups))
                 if self.completions is not None and self.completions.due(self.step) and leased.groups:
@@ -244,6 +253,7 @@ class Learner:
         path = self.ckpt.save(
             self.engine, self.step, state, {"version": self.version, "healthy": healthy}, export, extra
         )
+        self.saved_step = self.step
         if self.cfg.broker.commit_on_checkpoint and self.fleet:
             self.client.commit(self.step)
         return path
@@ -251,6 +261,7 @@ class Learner:
     def resume(self, path: Path) -> None:
         state = self.ckpt.load(self.engine, path)
         self.step, self.version, self.samples_seen = state["step"], state["version"], state.get("samples_seen", 0)
+        self.saved_step = self.step
         set_rng_state(state["rng"])
         self.generator.set_state(state["generator"])
         self.actor.load_state_dict(state["actor"])
@@ -258,6 +269,7 @@ class Learner:
         self.lr_scale = state.get("lr_scale", 1.0)
         if self.health is not None and state.get("health") is not None:
             self.health.load_state_dict(state["health"])
+            self.guard.restore()
         if self.critic is not None:
             self.critic.load(path)
         self.source.load_state_dict(state.get("source", {}))
@@ -328,7 +340,7 @@ class Learner:
         if self.health is None:
             return "none"
         events = self.last_events = self.health.observe(self.step, stats)
-        stats.update(self.health.metrics(events))
+        stats.update(self.health.metrics([*events, *self.guard.pop_events()]))
         for step in self.health.pop_revoked():
             self.ckpt.mark_healthy(self.ckpt.dir / tag_of(step), False)
         return self.health.decide(events)
@@ -407,8 +419,10 @@ def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None,
                 return 3
             if learner.checkpoint_due():
                 learner.save()
-        newest = learner.ckpt.complete()
-        final = learner.save() if not newest or newest[-1].name != tag_of(learner.step) else newest[-1]
+        # whether this step is saved already, from the learner's own record: the files on disk are not the same
+        # on every rank at this moment (rank 0 writes meta.json after the others have left the save), and a rank
+        # that saved alone would wait in DeepSpeed's save barrier for ranks that have left
+        final = learner.save() if learner.saved_step != learner.step else learner.ckpt.dir / tag_of(learner.step)
         if stop.requested:
             ending = (f"stopped by {stop.signal_name} at step {learner.step}", False)
             log.info(

@@ -27,6 +27,7 @@ from typing import Any
 
 from fleetrl.broker.client.errors import BrokerError, BrokerUnavailable
 from fleetrl.broker.client.roles import RolloutClient
+from fleetrl.common import faults
 from fleetrl.common import messages as m
 from fleetrl.common.config import ConfigError
 from fleetrl.rollout.engines.records import Generation
@@ -408,6 +409,7 @@ class Finisher:
         for batch in batches:
             results = batch.rewards.result()
             groups, dropped, unscored = build_groups(batch, results, self.server_id, self.scorer.should_drop)
+            groups = faults.at("rollout.groups", groups)  # FLEETRL_FAULT=poison_server (benchmarks); off by default
             results = results[: sum(len(row) for row in batch.samples)]  # the greedy baselines are not samples
             if dropped:
                 self.client.return_prompts(batch.lease.lease_id, dropped)

@@ -516,6 +516,7 @@ def main(args) -> int:
     stop = threading.Event()
     install_signals(stop)
     client_id = default_client_id("rollout", index, client_identity(cfg.broker.curve, "rollout"))
+    faults.at("rollout.server_index", index)
     tracing.setup_tracing(
         "rollout",
         cfg.telemetry,

@@ -56,8 +56,10 @@ class AsyncInprocBrokerClient:
     async def publish_version(self, version: int, step: int, weights: m.WeightsInfo) -> m.Ack:
         return await asyncio.to_thread(self.sync.publish_version, version, step, weights)
 
-    async def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1) -> m.Ack:
-        return await asyncio.to_thread(self.sync.control, action, reason, min_version, max_version)
+    async def control(
+        self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1, target: str = ""
+    ) -> m.Ack:
+        return await asyncio.to_thread(self.sync.control, action, reason, min_version, max_version, target)
 
     async def heartbeat(self, policy_version: int, stats: dict[str, float] | None = None) -> m.Ack:
         return await asyncio.to_thread(self.sync.heartbeat, policy_version, stats)

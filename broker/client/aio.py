@@ -29,7 +29,7 @@ from fleetrl.common.config.schema import CurveConfig
 
 log = logging.getLogger("fleetrl.broker.client.sync")
 T = TypeVar("T")
-ControlAction = Literal["pause", "resume", "stop", "discard"]
+ControlAction = Literal["pause", "resume", "stop", "discard", "quarantine", "release"]
 HEARTBEAT_MS = 5000  # ZMTP heartbeats: a half-open connection to a vanished broker is noticed and redialled
 RETRY_LATER = ("unavailable",)
 
@@ -355,7 +355,9 @@ class AsyncBrokerClient:
             lambda r: m.PublishVersion(req_id=r, client_id=self.client_id, version=version, step=step, weights=weights)
         )
 
-    async def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1) -> m.Ack:
+    async def control(
+        self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1, target: str = ""
+    ) -> m.Ack:
         return await self.request(
             lambda r: m.Control(  # the broker refuses an unknown action (a typed error)
                 req_id=r,
@@ -364,6 +366,7 @@ class AsyncBrokerClient:
                 reason=reason,
                 min_version=min_version,
                 max_version=max_version,
+                target=target,
             )
         )
 

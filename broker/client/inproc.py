@@ -168,7 +168,9 @@ class InprocBrokerClient:
             lambda r: m.PublishVersion(req_id=r, client_id=self.client_id, version=version, step=step, weights=weights)
         )
 
-    def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1) -> m.Ack:
+    def control(
+        self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1, target: str = ""
+    ) -> m.Ack:
         return self._call(
             lambda r: m.Control(
                 req_id=r,
@@ -177,6 +179,7 @@ class InprocBrokerClient:
                 reason=reason,
                 min_version=min_version,
                 max_version=max_version,
+                target=target,
             )
         )
 

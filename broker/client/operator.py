@@ -4,6 +4,7 @@
         broker.curve.client_secret_key=keys/operator.key_secret
     fleetrl control discard --min-version 12 --max-version 15 ...
     fleetrl control resume  ...          # also undoes `stop` and lifts every learner's rollback hold
+    fleetrl control release --target rollout-3-ab12cd ...   # lifts a server's quarantine
 
 Only an operator key may send these (a learner may only pause, resume and discard within its own
 rollback, docs/broker.md#permissions); the broker writes each to its audit log.
@@ -26,16 +27,24 @@ def main(args) -> int:
     if args.action == "discard" and (args.min_version is None or args.max_version is None):
         print("fleetrl control discard: give the closed range with --min-version and --max-version", file=sys.stderr)
         return 2
+    if args.action in ("quarantine", "release") and not args.target:
+        print(f"fleetrl control {args.action}: name the rollout server with --target CLIENT_ID", file=sys.stderr)
+        return 2
     try:
         with ZmqBrokerClient(
             args.broker, default_client_id("operator", 0, identity), "operator", timeout_s=args.timeout, curve=curve
         ) as client:
             client.connect()
             ack = client.control(
-                args.action, args.reason, args.min_version or 0, -1 if args.max_version is None else args.max_version
+                args.action,
+                args.reason,
+                args.min_version or 0,
+                -1 if args.max_version is None else args.max_version,
+                args.target,
             )
     except (BrokerUnavailable, BrokerError) as e:
         print(f"fleetrl control {args.action}: {e}", file=sys.stderr)
         return 1
-    print(f"{args.action}: done" + (f", {ack.count} queued groups discarded" if args.action == "discard" else ""))
+    dropped = f", {ack.count} queued groups dropped" if args.action in ("discard", "quarantine") else ""
+    print(f"{args.action}: done{dropped}")
     return 0

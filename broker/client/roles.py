@@ -75,7 +75,7 @@ class RolloutClient(Session, Protocol):
 @runtime_checkable
 class LearnerClient(Session, Protocol):
     """A learner rank: leases and acknowledges batches, commits and rewinds, publishes versions, and pauses,
-    discards and resumes during its rollback."""
+    discards and resumes during its rollback, and quarantines a rollout server."""
 
     def lease_batch(self, n: int, wait_s: float = 0.0, min_groups: int = 1) -> m.BatchLease | m.Throttle: ...
 
@@ -87,16 +87,20 @@ class LearnerClient(Session, Protocol):
 
     def publish_version(self, version: int, step: int, weights: m.WeightsInfo) -> m.Ack: ...
 
-    def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1) -> m.Ack: ...
+    def control(
+        self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1, target: str = ""
+    ) -> m.Ack: ...
 
     def leave(self, reason: str = "", done: bool = False) -> m.Ack: ...
 
 
 @runtime_checkable
 class OperatorClient(Session, Protocol):
-    """An operator: pauses, resumes and stops the fleet, discards versions."""
+    """An operator: pauses, resumes and stops the fleet, discards versions, quarantines and releases servers."""
 
-    def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1) -> m.Ack: ...
+    def control(
+        self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1, target: str = ""
+    ) -> m.Ack: ...
 
 
 @runtime_checkable
@@ -149,11 +153,15 @@ class AsyncLearnerClient(AsyncSession, Protocol):
 
     async def publish_version(self, version: int, step: int, weights: m.WeightsInfo) -> m.Ack: ...
 
-    async def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1) -> m.Ack: ...
+    async def control(
+        self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1, target: str = ""
+    ) -> m.Ack: ...
 
     async def leave(self, reason: str = "", done: bool = False, timeout_s: float = 5.0) -> m.Ack: ...
 
 
 @runtime_checkable
 class AsyncOperatorClient(AsyncSession, Protocol):
-    async def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1) -> m.Ack: ...
+    async def control(
+        self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1, target: str = ""
+    ) -> m.Ack: ...

@@ -123,8 +123,10 @@ class ZmqBrokerClient:
     def publish_version(self, version: int, step: int, weights: m.WeightsInfo) -> m.Ack:
         return self._run(self.client.publish_version(version, step, weights))
 
-    def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1) -> m.Ack:
-        return self._run(self.client.control(action, reason, min_version, max_version))
+    def control(
+        self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1, target: str = ""
+    ) -> m.Ack:
+        return self._run(self.client.control(action, reason, min_version, max_version, target))
 
     def heartbeat(self, policy_version: int, stats: dict[str, float] | None = None) -> m.Ack:
         return self._run(self.client.heartbeat(policy_version, stats))

@@ -8,7 +8,7 @@ which the broker's state machine calls before any handler (docs/broker.md#permis
 | LeasePrompts, PushGroup, PushGroups, ReturnPrompts | rollout | ReturnPrompts: only its own leases |
 | LeaseBatch, AckBatch, Commit, Rewind, PublishVersion | learner | AckBatch: only its own leases; Commit and Rewind act on its own client id |
 | Leave | rollout, learner | acts on its own client id; `done` counts from a learner only |
-| Control | operator; learner for its rollback | a learner may `pause` (a hold only it can lift), `resume` (its own hold) and `discard` a closed range of versions it published; never `stop` |
+| Control | operator; learner for its rollback and its health rules | a learner may `pause` (a hold only it can lift), `resume` (its own hold), `discard` a closed range of versions it published and `quarantine` a rollout server; never `stop` or `release` |
 
 Under CURVE the role is the key's (``auth.Principal``) and the request's ``client_id`` must lie in the
 key's namespace; without CURVE the role is the one the client registered with.
@@ -65,8 +65,11 @@ def authorize(principal: Principal, role: str, req: m.Request, version: int) -> 
 
 def learner_control(req: m.Control, version: int) -> str | None:
     """A learner's Control is its rollback: pause/resume its own hold, discard versions it published."""
-    if req.action == "stop":
-        return "Control(stop) needs role operator; a learner may only pause, resume and discard during a rollback"
+    if req.action in ("stop", "release"):
+        return (
+            f"Control({req.action}) needs role operator; a learner may only pause, resume and discard during a "
+            "rollback, and quarantine a rollout server"
+        )
     if req.action == "discard" and not (0 <= req.min_version and 0 <= req.max_version <= version):
         return (
             f"a learner may discard only a closed range of versions it published, [min, max] with "

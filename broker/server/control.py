@@ -14,6 +14,11 @@
   it never makes every later group stale); queued groups with any token sampled by those versions (not
   only their oldest, ``policy_version``) are dropped and their prompts re-issued, and the range is kept
   (merged with the others, spooled) so late arrivals that touch it are dropped too.
+- **Quarantine** (a learner's per-server health rule, or an operator): one rollout server gets no
+  prompts (its lease requests are throttled with the reason), its queued groups are dropped and every
+  group it pushes from then on is dropped (counter ``quarantined``); their prompts go to the other
+  servers. ``release`` (operator) lifts it. Kept in memory: a broker restart lifts it (the learner's
+  screen keeps leaving the server's groups out, and its rule quarantines it again).
 - **Pause with discard** (operator): a range an operator discards while its pause stands is lifted by
   the operator's ``resume`` (the dropped groups stay dropped; later arrivals from those versions are
   taken again). A range discarded outside an operator pause, and a learner's rollback discard, stay.
@@ -66,6 +71,7 @@ class Controls:
         self.discarded = VersionRanges()
         self.kept_discards = VersionRanges()  # the ranges an operator's resume does not lift (all but `provisional`)
         self.provisional = 0  # ranges an operator discarded during its pause: lifted by its resume
+        self.quarantined: dict[str, str] = {}  # rollout server client id -> why
 
     @property
     def paused(self) -> bool:
@@ -132,6 +138,8 @@ class Controls:
     def control(self, req: m.Control, role: str | None) -> m.Message:
         """Apply one Control (``role`` None: a trusted caller, treated as an operator)."""
         count = 0
+        if req.action == "quarantine" or req.action == "release":  # (== narrows the Literal for mypy)
+            return self._quarantine(req)
         if req.action == "discard":
             if req.min_version < 0 or req.max_version < 0:
                 return m.Error(
@@ -180,6 +188,32 @@ class Controls:
             req.client_id,
             req.reason,
             f": {count} groups discarded" if count else "",
+        )
+        return m.Ack(req_id=req.req_id, ref=req.action, count=count)
+
+    def _quarantine(self, req: m.Control) -> m.Message:
+        """Quarantine or release one rollout server (not announced: the server learns it from its throttled leases)."""
+        if not req.target:
+            return m.Error(
+                req_id=req.req_id, code="bad_request", reason=f"{req.action} names the rollout server in target"
+            )
+        count = 0
+        if req.action == "release":
+            self.quarantined.pop(req.target, None)
+        else:
+            self.quarantined[req.target] = req.reason or f"quarantined by {req.client_id}"
+            doomed = [
+                gid for gid in self.q.queue if gid in self.q.queued and self.q.groups[gid].server_id == req.target
+            ]
+            self.drop(doomed, "quarantined", True, [])
+            count = len(doomed)
+        log.warning(
+            "control %s %s from %s (%s)%s",
+            req.action,
+            req.target,
+            req.client_id,
+            req.reason,
+            f": {count} queued groups dropped" if count else "",
         )
         return m.Ack(req_id=req.req_id, ref=req.action, count=count)
 

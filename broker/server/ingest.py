@@ -9,7 +9,8 @@ spool write leaves no trace:
    against the client; or its prompt already had ``rollout.group_size`` samples for each time it was
    handed out), ``throttled`` (the broker holds ``broker.max_held_groups`` groups or
    ``broker.max_held_bytes`` bytes, or an unleased push over capacity), else ``accepted`` — or
-   ``stale`` when its version is too old or was discarded by a rollback;
+   ``stale`` when its version is too old or was discarded by a rollback, or its server is quarantined
+   (``broker/server/control.py``);
 2. **write** the records of every group that is kept (accepted, or stale: remembered for de-duplication)
    in one spool write; a group that cannot even be encoded is rejected on its own;
 3. **apply**: queue the accepted groups, drop the stale ones (re-issuing their prompts). Accepted groups
@@ -71,7 +72,7 @@ class Ingest:
 
     def push(self, groups: list[m.SampleGroup], client: ClientState, now: float) -> list[tuple[str, str, str]]:
         """(status, reason, code) for each group, in order (see the module docstring); raises SpoolUnavailable."""
-        verdicts = self._judge(groups)
+        verdicts = self._judge(groups, client.client_id)
         self._detach_if_sparse(verdicts)
         kept = [v for v in verdicts if v.status in ("accepted", "stale")]
         try:
@@ -107,7 +108,7 @@ class Ingest:
             for v in kept:
                 v.group = m.detached(v.group)
 
-    def _judge(self, groups: list[m.SampleGroup]) -> list[Verdict]:
+    def _judge(self, groups: list[m.SampleGroup], sender: str = "") -> list[Verdict]:
         bcfg, version, adm = self.bcfg, self.controls.version, self.admission
         max_version = version + bcfg.version_slack if self.controls.version_known else None
         oldest = min_fresh_version(version, bcfg.max_staleness)
@@ -168,7 +169,10 @@ class Ingest:
                 )
                 continue
             seen.add(g.group_id)
-            if self.controls.discarded.touches(g):
+            quarantined = self.controls.quarantined
+            if quarantined and (sender in quarantined or g.server_id in quarantined):
+                out.append(Verdict(g, "stale", f"rollout server {sender or g.server_id} is quarantined", "quarantined"))
+            elif self.controls.discarded.touches(g):
                 out.append(
                     Verdict(
                         g,
@@ -200,7 +204,7 @@ class Ingest:
         return recs
 
     def _requeued_prompt(self, v: Verdict) -> m.Prompt | None:
-        requeue = v.drop == "discarded" or self.bcfg.requeue_stale
+        requeue = v.drop in ("discarded", "quarantined") or self.bcfg.requeue_stale
         return self.prompts.lookup(v.group.prompt_id) if requeue else None
 
     def _apply(self, v: Verdict, client: ClientState, now: float) -> None:

@@ -395,6 +395,11 @@ class BrokerState:
         ctl = self.controls
         if self.paused or ctl.stopping:
             return 1.0, "stopping" if ctl.stopping else "paused"
+        if c.client_id in ctl.quarantined:
+            return 5.0, (
+                f"quarantined: {ctl.quarantined[c.client_id]}; an operator lifts it with `fleetrl control release "
+                f"--target {c.client_id}`"
+            )
         if self.learner_done:  # nobody trains on new groups: say so (a server that missed `done` learns it here)
             return 2.0, f"done: {self.learner_done}"
         if ctl.version_known and req.policy_version > self.version + self.bcfg.version_slack:
@@ -655,6 +660,7 @@ class BrokerState:
             uncommitted=sum(len(e) for e in self.uncommitted.values()),
             counters={k: v for k, v in self.counters.items() if k not in STATUS_FIELDS and v},
             stats={**self.status_stats(now), "broker/capacity": float(self.capacity)},
+            quarantined=dict(self.controls.quarantined),
         )
 
 

@@ -24,6 +24,7 @@ HealthRuleName = Literal[
     "grad_spike",
     "non_finite",
     "reward_hacking",
+    "server_poison",
 ]
 """The names of ``learner/health_rules.py``'s registry; a test keeps the two equal."""
 
@@ -81,10 +82,11 @@ class LearnerConfig(Section):
 class HealthRule(Section):
     name: Annotated[HealthRuleName, doc("Rule from the health registry (docs/monitoring.md).")]
     action: Annotated[
-        Literal["alert", "stop", "rollback"],
+        Literal["alert", "stop", "rollback", "quarantine"],
         doc(
-            "When the rule fires: alert (log and record), stop (checkpoint and end the run), or rollback "
-            "(restore the newest healthy checkpoint with a lower learning rate)."
+            "When the rule fires: alert (log and record), stop (checkpoint and end the run), rollback "
+            "(restore the newest healthy checkpoint with a lower learning rate), or quarantine (per-server rules "
+            "only: the broker stops leasing to that rollout server and drops its groups)."
         ),
     ] = "alert"
     metric: Annotated[str | None, doc("Metric the rule watches (null = the rule's default, e.g. reward/mean).")] = None
@@ -104,6 +106,28 @@ class HealthRule(Section):
     ] = None
 
 
+class ScreenConfig(Section):
+    enabled: Annotated[
+        bool,
+        doc(
+            "Leave out of each step the leased groups no honest rollout server could have sent "
+            "(learner/screen.py), counted per server for the server_poison rule."
+        ),
+    ] = True
+    reward_spread: Annotated[
+        float,
+        doc(
+            "A reward further than this x max(IQR, 1) from the median of the fleet's recent rewards is implausible "
+            "(100: a -10 format penalty among 0/1 rewards passes, -1e6 does not); raise it for heavier tails.",
+            gt=0,
+        ),
+    ] = 100.0
+    history: Annotated[int, doc("Recent rewards (samples that passed) the median and IQR are taken over.", ge=8)] = 1024
+    warmup: Annotated[
+        int, doc("Samples that must pass before rewards are judged (log-probs are judged at once).", ge=1)
+    ] = 64
+
+
 class HealthConfig(Section):
     enabled: Annotated[bool, doc("Run the health monitor in the learner.")] = True
     rules: Annotated[
@@ -117,7 +141,11 @@ class HealthConfig(Section):
             HealthRule(name="length_collapse", action="rollback", window=10, threshold=0.6),
             HealthRule(name="entropy_floor", action="alert"),
             HealthRule(name="mismatch_kl_ceiling", action="rollback"),  # ceiling 0.01: see the rule
+            HealthRule(name="server_poison", action="quarantine"),  # one server's poison: that server, not the run
         ]
+    )
+    screen: Annotated[ScreenConfig, doc("The per-group screen in front of every step (docs/monitoring.md).")] = field(
+        default_factory=ScreenConfig
     )
     healthy_window: Annotated[
         int, doc("A checkpoint is healthy when no rule fired at its step or in this many steps before it.", ge=0)

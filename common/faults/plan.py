@@ -28,7 +28,10 @@ Rollout faults:
 - ``corrupt_weights``: each weight load adds noise (``FLEETRL_FAULT_NOISE`` (0.05) x each tensor's std)
   while the server reports the new version: a corrupted sync (HF engine);
 - ``engine_dtype``: each weight load rounds the engine's weights through ``FLEETRL_FAULT_DTYPE``
-  (float8_e5m2) while the learner trains full precision: engine numerics (HF engine).
+  (float8_e5m2) while the learner trains full precision: engine numerics (HF engine);
+- ``poison_server``: only on rollout server ``FLEETRL_FAULT_SERVER`` (index, 0): every group it pushes pays
+  -1e6 to every sample and reports every behaviour log-prob as exactly 0.0 (a broken reward deployment and
+  engine on one machine).
 
 Production code reaches these through the seam of ``points.py`` (``faults.at`` / ``faults.around``), never
 directly. With ``FLEETRL_FAULT`` unset each point costs one truthiness test. Nothing here runs in a normal job.
@@ -46,7 +49,15 @@ from typing import Any
 log = logging.getLogger("fleetrl.faults")
 
 LEARNER_FAULTS = ("lr_spike", "nan_grad")
-ROLLOUT_FAULTS = ("nan_reward", "reward_hack", "stale_fleet", "entropy_collapse", "corrupt_weights", "engine_dtype")
+ROLLOUT_FAULTS = (
+    "nan_reward",
+    "reward_hack",
+    "stale_fleet",
+    "entropy_collapse",
+    "corrupt_weights",
+    "engine_dtype",
+    "poison_server",
+)
 WEIGHT_FAULTS = ("stale_fleet", "corrupt_weights", "engine_dtype")  # applied by WeightFaults.wrap
 KINDS = LEARNER_FAULTS + ROLLOUT_FAULTS
 
@@ -61,6 +72,7 @@ class FaultPlan:
     temperature: float = 0.1
     noise: float = 0.05
     dtype: str = "float8_e5m2"
+    server: int = 0  # poison_server: the rollout server index it hits
 
     def __post_init__(self):
         unknown = sorted(self.kinds - set(KINDS))
@@ -98,6 +110,7 @@ class FaultPlan:
             float(env.get("FLEETRL_FAULT_TEMPERATURE", "0.1")),
             float(env.get("FLEETRL_FAULT_NOISE", "0.05")),
             env.get("FLEETRL_FAULT_DTYPE", "float8_e5m2"),
+            int(env.get("FLEETRL_FAULT_SERVER", "0")),
         )
 
 
@@ -113,11 +126,18 @@ if PLAN:
 
 ROLLOUT_VERSION = 0
 """The policy version this rollout process samples with (``note_version``), the clock of rollout faults."""
+ROLLOUT_INDEX = 0
+"""This rollout process's server index (``note_server``): ``poison_server`` hits one server only."""
 
 
 def note_version(version: int) -> None:
     global ROLLOUT_VERSION
     ROLLOUT_VERSION = version
+
+
+def note_server(index: int) -> None:
+    global ROLLOUT_INDEX
+    ROLLOUT_INDEX = index
 
 
 def set_plan(plan: FaultPlan) -> None:
@@ -177,6 +197,22 @@ def poison_scores(
         for row in scores:
             for j in range(0, len(row), every):
                 row[j] = nan_score(math.nan)
+
+
+def poison_groups(groups: list[Any]) -> list[Any]:
+    """``poison_server``: on the chosen server, while active, each group pays -1e6 to every sample and reports
+    every behaviour log-prob as 0.0 (``SampleGroup``s rebuilt; the others returned as they are)."""
+    if not (PLAN and PLAN.active("poison_server", ROLLOUT_VERSION) and ROLLOUT_INDEX == PLAN.server):
+        return groups
+    import msgspec
+    import numpy as np
+
+    return [
+        msgspec.structs.replace(
+            g, rewards=[-1e6] * len(g.rewards), logprobs=np.zeros(len(g.logprobs) // 4, np.float32).tobytes()
+        )
+        for g in groups
+    ]
 
 
 class WeightFaults:

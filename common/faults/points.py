@@ -19,6 +19,8 @@ here, registered under the point it acts at (docs/architecture.md).
 | ``rollout.scores`` | scores[part][sample] | ``nan_reward``, ``reward_hack`` |
 | ``rollout.weight_load`` | the load function | ``stale_fleet``, ``corrupt_weights``, ``engine_dtype`` |
 | ``rollout.version_loaded`` | the version | the clock of rollout faults |
+| ``rollout.server_index`` | the server's index | which server ``poison_server`` hits |
+| ``rollout.groups`` | the groups a server is about to push | ``poison_server`` |
 | ``learner.update`` (``around``) | — | ``lr_spike``, ``nan_grad`` |
 """
 
@@ -111,6 +113,17 @@ def _weight_load(load: Callable[[Any], int | None], pending: Callable[[], int | 
 def _version_loaded(version: int) -> int:
     plan.note_version(version)
     return version
+
+
+@POINTS.register("rollout.server_index")
+def _server_index(index: int) -> int:
+    plan.note_server(index)
+    return index
+
+
+@POINTS.register("rollout.groups")
+def _groups(groups: list[Any]) -> list[Any]:
+    return plan.poison_groups(groups)
 
 
 # ---------------------------------------------------------------------------------- learner

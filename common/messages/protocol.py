@@ -110,13 +110,14 @@ class PublishVersion(Message, tag=10):  # Learner rank 0 -> Broker
     weights: WeightsInfo = msgspec.field(default_factory=WeightsInfo)
 
 
-class Control(Message, tag=11):  # Operator -> Broker (a learner: its rollback's pause, resume, discard)
+class Control(Message, tag=11):  # Operator -> Broker (a learner: its rollback's pause, resume, discard; quarantine)
     req_id: int
     client_id: Id
-    action: Literal["pause", "resume", "stop", "discard"]
+    action: Literal["pause", "resume", "stop", "discard", "quarantine", "release"]
     reason: str = ""
     min_version: int = 0  # discard: the closed range [min_version, max_version] of versions to drop
     max_version: int = -1  # discard: its upper end, at most the broker's current version (-1 is refused)
+    target: Id = ""  # quarantine / release: the rollout server's client id
 
 
 class GetStatus(Message, tag=12):  # anyone -> Broker
@@ -258,6 +259,7 @@ class Status(Message, tag=27):  # Broker -> anyone
     stats: dict[str, float] = {}  # the broker process's bytes/s in and out and resources (broker/client/metrics.py)
     clients_omitted: int = 0  # client rows left out to keep the reply under broker.max_status_bytes (monitors first)
     stats_omitted: int = 0  # rows listed without their heartbeat stats, for the same reason
+    quarantined: dict[str, str] = {}  # rollout server client id -> why it is quarantined
 
 
 Reply = Ack | Error | Throttle | Registered | PromptLease | BatchLease | CurrentVersion | Status | GroupAcks

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -39,7 +40,8 @@ def test_default_config_is_safe_and_builds():
     cfg = HealthConfig()
     m = HealthMonitor(cfg, None)
     actions = {r.name: r.action for r in cfg.rules}
-    # the breaker as tuned by benchmarks/health.py: collapses and NaNs roll back, the rest alerts
+    # the breaker as tuned by benchmarks/health.py: collapses and NaNs roll back, the rest alerts; one rollout
+    # server's poison quarantines that server (issue 27), never the run
     assert actions == {
         "non_finite": "rollback",
         "grad_spike": "alert",
@@ -47,7 +49,9 @@ def test_default_config_is_safe_and_builds():
         "length_collapse": "rollback",
         "entropy_floor": "alert",
         "mismatch_kl_ceiling": "rollback",
+        "server_poison": "quarantine",
     }
+    assert cfg.screen.enabled
     assert len(m.rules) == len(cfg.rules)
     assert HealthMonitor(HealthConfig(enabled=False), None).rules == []
 
@@ -61,8 +65,9 @@ def test_default_config_is_safe_and_builds():
         ("mismatch_kl_ceiling", "off_policy/mismatch_kl", 5, 0.01),
         ("entropy_floor", "actor/entropy", 10, 0.03),
         ("length_collapse", "response/length_mean", 20, 0.5),
-        ("grad_spike", "actor/grad_norm", 20, 10.0),
+        ("grad_spike", "actor/grad_norm", 20, 20.0),
         ("non_finite", "", None, None),
+        ("server_poison", "server/screened", 20, 2.0),
     ],
 )
 def test_rule_defaults_match_the_docs(name, metric, window, threshold):
@@ -148,6 +153,21 @@ def test_mismatch_kl_ceiling_watches_the_off_policy_metric():
     assert feed(m, "off_policy/drift_kl", [5.0]) == {}  # drift (staleness) is never a fault by itself
     fired = feed(m, "off_policy/mismatch_kl", [0.005, 0.2], start=2)
     assert list(fired) == [3] and fired[3][0].metric == "off_policy/mismatch_kl" and fired[3][0].threshold == 0.01
+
+
+def test_one_measured_mismatch_far_over_the_ceiling_fires_without_a_full_window():
+    # the demo at max_staleness 2 measures the mismatch on one step in ~15 (only the just-published version's
+    # tokens count): a stale fleet (benchmarks/health_recovery.py, seed 1) measured 0.298 on step 60, its only
+    # measurement in the fault's 15 versions, and the 5-measurement window never filled: no event at all
+    m = monitor(HealthRule(name="mismatch_kl_ceiling", action="rollback"))
+    steps = {s: ({"off_policy/mismatch_kl": 1e-12} if s % 15 == 0 else {}) for s in range(1, 60)}
+    steps[60] = {"off_policy/mismatch_kl": 0.298}
+    fired = [(s, e) for s, row in steps.items() for e in m.observe(s, row)]
+    assert [(s, e.rule, e.threshold) for s, e in fired] == [(60, "mismatch_kl_ceiling", pytest.approx(0.1))]
+    assert "measured 0.298 on this step" in fired[0][1].message
+    # 5 x the ceiling on one step: the window decides (an engine's bad step is smoothed, a broken sync is not)
+    m = monitor(HealthRule(name="mismatch_kl_ceiling", action="rollback"))
+    assert [e for s in range(1, 5) for e in m.observe(s, {"off_policy/mismatch_kl": 0.05 if s == 2 else 1e-12})] == []
 
 
 def _rollback_events(m: HealthMonitor, step: int, rule: str = "reward_drop") -> list[HealthEvent]:
@@ -383,7 +403,7 @@ def _scripted(m: HealthMonitor, steps: range) -> list[tuple]:
 def test_state_dict_round_trip_continues_identically(via_json):
     rules = [
         HealthRule(name="reward_drop", window=5),
-        HealthRule(name="grad_spike", window=5),
+        HealthRule(name="grad_spike", window=5, threshold=10),
         HealthRule(name="reward_checkpoint_decline", window=2, threshold=0.0),
         HealthRule(name="length_collapse", window=5, threshold=0.9),
     ]
@@ -502,3 +522,55 @@ def test_health_imports_without_torch():
     code = "import sys, fleetrl.learner.health\nprint(','.join(m for m in ('torch', 'deepspeed', 'zmq') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+MULTITURN_HEALTHY = Path(__file__).parent / "data" / "multiturn_healthy_300.metrics.jsonl"
+"""Issue 23's multi-turn quiet run (configs/multiturn.yaml, main's warm-up fix, default rules, 300 steps):
+held-out 19.5% -> 79% at steps 100/200/300, mismatch_kl <= 1.3e-13. Its metrics.jsonl with only the fields the
+health rules read (every rule's metric; the full file is 983 KB)."""
+
+
+def multiturn_healthy() -> list[dict]:
+    rows = [json.loads(line) for line in MULTITURN_HEALTHY.read_text().splitlines()]
+    return [r for r in rows if r["step"] > 0]  # step 0: the evaluation before training
+
+
+def test_entropy_floor_is_quiet_on_a_converged_run_and_fires_on_a_collapse_that_costs_reward():
+    # the multi-turn quiet run: the reward MA at ~0.86, entropy 0.3 -> 0.01 as the policy converges on a
+    # deterministic task; the floor alone alerted 7 times from step 183 (before this rule looked at the reward)
+    rows = [(r["step"], r["actor/entropy"], r["reward/mean"]) for r in multiturn_healthy()]
+    m = monitor(HealthRule(name="entropy_floor"))
+    assert not [e for step, ent, rew in rows for e in m.observe(step, {"actor/entropy": ent, "reward/mean": rew})]
+    # the same entropy, with the reward sliding 0.15 below its best once the policy is deterministic: fires
+    m = monitor(HealthRule(name="entropy_floor"))
+    fired = [
+        (step, e)
+        for step, ent, rew in rows
+        for e in m.observe(step, {"actor/entropy": ent, "reward/mean": rew - (0.15 if step > 180 else 0.0)})
+    ]
+    assert fired and fired[0][0] > 180 and "below its best" in fired[0][1].message
+    # a policy deterministic from the start, its reward never at a best it fell from, with no reward metric: the
+    # floor alone (the rule's behaviour on objectives that report no reward)
+    m = monitor(HealthRule(name="entropy_floor", window=3))
+    assert list(feed(m, "actor/entropy", [0.01] * 4)) == [3]
+
+
+def test_the_default_rules_are_quiet_on_the_converged_multi_turn_run():
+    # main's default rules gave 8 events on this run: entropy_floor x7 from step 183 and grad_spike at step 250
+    # (grad norm 12.2 = 10.4 x its 20-step median 1.17: once converged, dynamic sampling leaves a few groups a
+    # step and their pre-clip norms are heavy-tailed; learner.max_grad_norm clips the update anyway)
+    rows = multiturn_healthy()
+    assert [r["step"] for r in rows] == list(range(1, 301))
+    m = HealthMonitor(HealthConfig(), None)
+    watched = {k for rule in m.rules for k in rule.watches()} - {"actor/kl"}  # the run reports no actor/kl
+    assert watched <= {k for r in rows for k in r}, "the copy must keep every metric the default rules watch"
+    events, verdicts = [], []
+    for r in rows:  # as the learner feeds them, with its checkpoints (configs/multiturn.yaml: every 200 steps)
+        events += m.observe(r["step"], {k: v for k, v in r.items() if k != "step"})
+        if r["step"] % 200 == 0:
+            verdicts.append(m.on_checkpoint(r["step"]))
+    assert [e.short() for e in events] == [] and m.events == [] and verdicts == [True]
+    # not a vacuous replay: main's grad_spike (k 10) fires on this stream's step 250
+    m = monitor(HealthRule(name="grad_spike", threshold=10.0))
+    fired = [(r["step"], e.rule) for r in rows for e in m.observe(r["step"], {"actor/grad_norm": r["actor/grad_norm"]})]
+    assert fired == [(250, "grad_spike")]

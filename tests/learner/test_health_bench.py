@@ -85,3 +85,32 @@ def test_targets():
     assert t["every_fault_detected"] and not t["divergence_and_non_finite_within_20_steps"]
     assert t["fault_kinds_recovered_by_rollback"].startswith("1 of 2")
     assert t["false_alarms_at_most_1_rollback_per_10000_steps"].startswith("not shown: 0 rollbacks in 300")
+
+
+def test_recovery_is_judged_50_steps_after_the_last_rollback_against_the_unfaulted_run():
+    from health_recovery import compare, summarize
+
+    base = {"inject_at": 45, "exit_code": 0, "events": [], "curve": [(s, 0.25 + s / 1000) for s in range(0, 151, 10)]}
+    # detected at 50 (delay 5), rolled back at 50 and 60; judged over the evaluations at 110, 120, 130
+    run = {
+        **base,
+        "events": [
+            ev(50, "reward_hacking", "rollback"),
+            ev(50, "rollback", "rollback"),
+            ev(60, "reward_hacking", "rollback"),
+            ev(60, "rollback", "rollback"),
+        ],
+        "curve": [(s, a - (0.2 if 50 <= s <= 80 else 0.02)) for s, a in base["curve"]],
+    }
+    r = compare(run, base)
+    assert (r["detected"], r["delay_steps"], r["rollbacks"], r["recovered_from_step"]) == (True, 5, 2, 60)
+    assert r["judged_at"] == [110, 120, 130] and r["gap"] == pytest.approx(0.02) and r["recovered"]  # within 3
+    assert r["accuracy_lost_max"] == pytest.approx(0.2)
+    # 4 points short is not recovered; a run the monitor stopped is judged at its last evaluation
+    worse = compare({**run, "curve": [(s, a - 0.04) for s, a in base["curve"]]}, base)
+    assert worse["gap"] == pytest.approx(0.04) and not worse["recovered"]
+    stopped = compare({**run, "exit_code": 3, "curve": base["curve"][:8]}, base)
+    assert stopped["stopped"] and stopped["judged_at"] == [70] and stopped["action"] == "stop"
+    table = summarize({"reward_hack-s1": run, "unfaulted-s1": base}, ["reward_hack"], [1])
+    assert table["faults"]["reward_hack"]["recovered_median"]
+    assert table["targets"]["detected_within_20_steps"].startswith("1 of 1")

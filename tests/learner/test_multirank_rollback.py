@@ -23,9 +23,7 @@ def rows_of(path):
 
 @pytest.mark.slow
 def test_two_ranks_roll_back_together(tmp_path, tiny_model_dir, arith_data):
-    # 4 good steps (2 groups a step: one per rank), a collapse for 3 steps, then good again. 9 steps, not
-    # 10: with total_steps a multiple of checkpoint.interval the two ranks can disagree on whether the
-    # final checkpoint already exists and one leaves the other in a barrier (a separate bug, in the note)
+    # 4 good steps (2 groups a step: one per rank), a collapse for 3 steps, then good again
     script = [0.75] * 4 + [0.0] * 3 + [0.75] * 16
     job = write_job(
         tmp_path,
@@ -106,6 +104,65 @@ def test_two_ranks_roll_back_together(tmp_path, tiny_model_dir, arith_data):
         log = (tmp_path / "broker" / "broker.log").read_text()
         assert log.count("control discard from learner-0") == len(rolled), log[-3000:]
         assert "control discard from learner-1" not in log
+    finally:
+        if learner is not None and learner.poll() is None:
+            learner.kill()
+            learner.wait()
+        broker.stop()
+
+
+@pytest.mark.slow
+def test_two_ranks_end_on_a_checkpoint_step(tmp_path, tiny_model_dir, arith_data):
+    # total_steps a multiple of checkpoint.interval: the last interval checkpoint is the final one. Rank 0
+    # writes meta.json after the other rank has left the save, so a rank that judged "saved already?" from the
+    # files on disk saved again on its own and waited in DeepSpeed's save barrier for a rank that had gone
+    # (before the fix: rank 1 died with "Connection closed by peer", or the run hung)
+    job = write_job(
+        tmp_path,
+        arith_data,
+        model={"path": tiny_model_dir},
+        broker={"max_staleness": 100, "queue_capacity": 10000, "vocab_size": 263, "accept_unleased": True},
+        learner={"groups_per_step": 2, "total_steps": 4, "lr": 1e-4, "device": "cpu"},
+        sync={"transport": "filesystem", "keep_versions": 100},
+        checkpoint={"interval": 2, "keep_last": 10},
+        health={"enabled": False},
+    )
+    broker = BrokerProcess(job, tmp_path / "broker").start()
+    learner = None
+    try:
+        rollout = ZmqBrokerClient(broker.address, "filler", "rollout")
+        rollout.connect()
+        assert all(a.status == "accepted" for a in rollout.push_groups(scripted_groups([0.75] * 8)))
+        rollout.close()
+        run_dir = tmp_path / "run"
+        learner = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                "--master-port",
+                str(free_port()),
+                "-m",
+                "fleetrl.app.learner",
+                "--config",
+                str(job),
+                "--broker",
+                broker.address,
+                "--run-dir",
+                str(run_dir),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        out, _ = learner.communicate(timeout=240)
+        assert learner.returncode == 0, out[-4000:]
+        saved = sorted(p.parent.name for p in (run_dir / "checkpoints").glob("step-*/meta.json"))
+        assert saved == ["step-00000002", "step-00000004"]
+        assert "final checkpoint step-00000004" in out, out[-4000:]
     finally:
         if learner is not None and learner.poll() is None:
             learner.kill()

@@ -164,12 +164,19 @@ def test_bad_settings_name_the_field(field, value, match):
 
 
 def test_diversity_metrics_by_hand():
-    # 2 prompt groups; framed by start S and end E the bigrams are S1 12 23 3E | S1 12 23 3E | S4 45 5E |
-    # S1 12 2E: 14 bigrams, 8 distinct (S1 12 23 3E S4 45 5E 2E)
+    # 2 prompt groups; group 0's repeat counts once; framed by start S and end E the bigrams are
+    # S1 12 23 3E | S4 45 5E | S1 12 2E: 10 bigrams, 8 distinct (S1 12 23 3E S4 45 5E 2E)
     out = diversity_metrics([(1, 2, 3), (1, 2, 3), (4, 5), (1, 2)], [0, 0, 1, 1])
-    assert out["response/distinct_2"] == pytest.approx(8 / 14)
+    assert out["response/distinct_2"] == pytest.approx(8 / 10)
     assert out["response/identical_frac"] == pytest.approx(0.5)  # (1, 2, 3) only in group 0 of 2
     # one-token answers, the same for 4 prompts: S9 9E x 4 -> 2 of 8 distinct; every group holds it
     same = diversity_metrics([(9,), (9,), (9,), (9,)], [0, 1, 2, 3])
     assert same["response/distinct_2"] == pytest.approx(0.25) and same["response/identical_frac"] == 1.0
     assert diversity_metrics([(), ()], [0, 1])["response/distinct_2"] == pytest.approx(0.5)  # empty answers count
+
+
+def test_distinct_2_does_not_fall_when_each_prompt_converges_to_its_own_answer():
+    # a policy that learns: every group of 8 agrees on its own answer. S1 12 2E | S3 34 4E: 6 of 6 distinct
+    # (counting all 16 responses, 6 of 48: the rule would read learning as a collapse)
+    learned = diversity_metrics([(1, 2)] * 8 + [(3, 4)] * 8, [0] * 8 + [1] * 8)
+    assert learned["response/distinct_2"] == pytest.approx(1.0) and learned["response/identical_frac"] == 0.5

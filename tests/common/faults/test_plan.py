@@ -136,3 +136,33 @@ def test_an_unknown_fault_dtype_is_named(plan):
 
     with pytest.raises(ValueError, match="FLEETRL_FAULT_DTYPE='float7'"):
         faults.WeightFaults().wrap(lambda e: 1, lambda: None)(Engine())
+
+
+def test_poison_server_hits_one_server_inside_its_window(plan):
+    import numpy as np
+
+    from fleetrl.common import messages as m
+
+    plan(kinds=frozenset({"poison_server"}), at=3, duration=2, server=1)
+    g = m.build_group("g", "0:1", 3, [5], [([10, 11], [-0.5, -1.0]), ([12], [-2.0])], [1.0, 0.0], server_id="r1")
+    try:
+        faults.note_server(1)
+        faults.note_version(3)
+        (bad,) = faults.poison_groups([g])
+        assert bad.rewards == [-1e6, -1e6] and bad.logprob_array().tolist() == [0.0, 0.0, 0.0]
+        assert bad.token_array().tolist() == [10, 11, 12] and bad.group_id == "g"  # the rest as sent
+        faults.note_version(5)  # after its window
+        assert faults.poison_groups([g]) == [g]
+        faults.note_version(3)
+        faults.note_server(0)  # another server
+        assert faults.poison_groups([g]) == [g]
+        assert (
+            FaultPlan.from_env(
+                {"FLEETRL_FAULT": "poison_server", "FLEETRL_FAULT_AT": "1", "FLEETRL_FAULT_SERVER": "2"}
+            ).server
+            == 2
+        )
+        assert np.isfinite(g.logprob_array()).all() and g.rewards == [1.0, 0.0]  # the original is untouched
+    finally:
+        faults.note_server(0)
+        faults.note_version(0)

@@ -29,6 +29,8 @@ SEAM_POINTS = {
     "rollout.scores",
     "rollout.weight_load",
     "rollout.version_loaded",
+    "rollout.server_index",
+    "rollout.groups",
     "learner.update",
 }
 
@@ -70,6 +72,22 @@ def test_a_planned_fault_acts_at_its_point(planned):
     faults.at("rollout.version_loaded", 5)  # the rollout's fault clock
     faults.at("rollout.scores", scores, responses=["", "42"], nan_score=float)
     assert scores == [[1.0, 0.0]]  # the degenerate answer is paid
+
+
+def test_poison_server_acts_at_the_groups_point_of_its_server_only(planned):
+    from fleetrl.common import messages as m
+
+    planned(kinds=frozenset({"poison_server"}), at=2, duration=3, server=1)
+    g = m.build_group("g", "0:1", 2, [5], [([10, 11], [-0.5, -1.0])], [1.0], server_id="r1")
+    try:
+        faults.at("rollout.version_loaded", 2)
+        assert faults.at("rollout.groups", [g]) == [g]  # server 0 (the default index): untouched
+        faults.at("rollout.server_index", 1)
+        (bad,) = faults.at("rollout.groups", [g])
+        assert bad.rewards == [-1e6] and bad.logprob_array().tolist() == [0.0, 0.0]
+    finally:
+        faults.at("rollout.server_index", 0)
+        faults.at("rollout.version_loaded", 0)
 
 
 def test_the_learner_update_point_spikes_the_lr_at_its_step(planned):

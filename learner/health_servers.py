@@ -1,0 +1,82 @@
+"""Per-server health rules: they judge one rollout server at a time, so one server's poison costs that
+server (an alert, or its quarantine at the broker) and never a rollback of the whole run.
+
+Their input is not the step's averaged metrics but, per server, what the fleet screen (learner/screen.py)
+saw of it this step, summed over the learner ranks: ``{"groups": n, "screened": k}``. The monitor calls
+``observe_server`` for every server that sent groups (``HealthMonitor.observe_servers``). Actions:
+``alert`` or ``quarantine``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, ClassVar
+
+from fleetrl.learner.health_rules import HEALTH_RULES, Fired, Rule
+
+SERVER_ACTIONS = ("alert", "quarantine")
+
+
+class ServerRule(Rule):
+    """A rule judged per rollout server; ``observe`` (the step's averaged metrics) never fires it."""
+
+    PER_SERVER: ClassVar[bool] = True
+
+    def check(self) -> None:
+        if self.action not in SERVER_ACTIONS:
+            self.bad("action", f"a per-server rule acts on that server only: one of {', '.join(SERVER_ACTIONS)}")
+        self.check_server()
+
+    def check_server(self) -> None:
+        """Rule-specific validation (raise with ``self.bad``)."""
+
+    def observe_server(self, step: int, server: str, seen: dict[str, float]) -> Fired | None:
+        return None
+
+    def watches(self) -> tuple[str, ...]:
+        return ()  # nothing in the step's metrics: no missing-metric warning
+
+
+@HEALTH_RULES.register("server_poison")
+class ServerPoison(ServerRule):
+    """Fires for a server when the screen left out more than ``threshold`` of its groups over the last
+    ``window`` steps: groups no honest server could have sent (impossible log-probs, a reward far outside
+    the fleet's). One stray group is left out and counted; a server that keeps sending them is poison."""
+
+    METRIC, WINDOW, THRESHOLD = "server/screened", 20, 2.0
+    STATE = ("counts",)
+
+    def check_server(self) -> None:
+        if self.threshold < 0:
+            self.bad("threshold", "the number of screened groups to tolerate, >= 0 (fires above it), e.g. 2")
+
+    def reset(self) -> None:
+        self.counts: dict[str, deque[tuple[int, float]]] = {}
+
+    def observe_server(self, step: int, server: str, seen: dict[str, float]) -> Fired | None:
+        recent = self.counts.setdefault(server, deque())
+        if seen.get("screened", 0.0) > 0:
+            recent.append((step, seen["screened"]))
+        while recent and recent[0][0] <= step - self.window:
+            recent.popleft()
+        total = sum(n for _, n in recent)
+        if total <= self.threshold:
+            return None
+        return Fired(
+            total,
+            self.threshold,
+            f"rollout server {server} sent {total:g} groups in the last {self.window} "
+            f"steps that no honest server could have sent (more than {self.threshold:g}; the fleet screen left "
+            "them out of training): its rewards or log-probs are poison, so that server is isolated and the "
+            "run goes on with the others",
+            recent[0][0],
+            metric=f"server/{server}/screened",
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"counts": {s: list(d) for s, d in self.counts.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reset()
+        for server, points in state.get("counts", {}).items():
+            self.counts[server] = deque(tuple(p) for p in points)
