@@ -28,6 +28,7 @@ from fleetrl.broker.client import BrokerClient, BrokerError, BrokerUnavailable
 from fleetrl.common import messages as m
 from fleetrl.common.config import ConfigError
 from fleetrl.rollout.engines.base import Generation
+from fleetrl.rollout.envs import groups as env_groups
 from fleetrl.rollout.envs.base import Episode
 from fleetrl.rollout.rewards import RewardInput, RewardResult
 from fleetrl.rollout.rewards.scorer import RewardsHopeless
@@ -128,10 +129,13 @@ def build_groups(batch: Batch, results: Sequence[RewardResult], server_id: str,
         gid = uuid.uuid4().hex
         oldest, versions = group_versions(samples, batch.version)
         episodes = [s for s in samples if isinstance(s, Episode)]
+        own = env_groups.own_prompts(samples, ids)
+        shared = env_groups.shared_prompt(own)  # None: the samples' prompts differ, each keeps its own
         groups.append(m.build_group(
-            gid, prompt.prompt_id, oldest, ids,
+            gid, prompt.prompt_id, oldest, own if shared is None else shared,
             [(s.token_ids, s.logprobs) for s in samples], [r.reward for r in res],
             [s.finish_reason for s in samples], token_versions=versions, loss_masks=loss_masks(samples),
+            per_sample_prompts=shared is None,
             reward_parts=[dict(r.parts) for r in res], failed=[r.failed for r in res],
             failed_parts=[list(r.failed_parts) for r in res] if any(r.failed_parts for r in res) else [],
             lease_id=batch.lease.lease_id, server_id=server_id, trace=trace_context(batch, prompt, gid),

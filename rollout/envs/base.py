@@ -143,7 +143,7 @@ class EnvStats:
 
     TOTALS = ("episodes", "errors", "timeouts", "template_errors", "malformed_tool_calls", "tool_calls",
               "tool_errors", "turns_cut", "truncated", "samples_dropped", "groups_dropped", "groups_partial",
-              "prompt_mismatch")
+              "groups_per_sample_prompts")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
