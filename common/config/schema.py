@@ -396,10 +396,10 @@ class RunConfig(Section):
         Literal["never", "on-failure"], doc("Restart children that die (`fleetrl run`).")
     ] = "never"
     max_restarts: Annotated[int, doc("Restarts per child before the job fails.", ge=0)] = 3
-    learner_threads: Annotated[int | None, doc("Torch threads per learner rank `fleetrl run` sets (null = the cores / ranks with the hf engine, an even split otherwise).")] = (
+    learner_threads: Annotated[int | None, doc("Torch threads per learner rank `fleetrl run` sets (null = an even split: cores / (ranks + servers)).")] = (
         None
     )
-    rollout_threads: Annotated[int | None, doc("Torch threads per rollout server `fleetrl run` sets (null = every core with the hf engine, an even split otherwise).")] = (
+    rollout_threads: Annotated[int | None, doc("Torch threads per rollout server `fleetrl run` sets (null = an even split: cores / (ranks + servers)).")] = (
         None
     )
     eval_interval: Annotated[int, doc("Evaluate on data.eval every this many steps (0 = off).", ge=0)] = 0

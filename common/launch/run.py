@@ -153,23 +153,18 @@ def make_run_dir(cfg: JobConfig, override: str | None) -> Path:
 
 
 def thread_plan(cfg: JobConfig) -> tuple[int, int]:
-    """(threads per learner rank, threads per rollout server): run.*_threads, else what keeps every core busy.
+    """(threads per learner rank, threads per rollout server): run.*_threads, else an even split of the cores.
 
-    The learner and the rollouts take turns more than they run side by side: while one waits (for a
-    batch, for the admission window) its cores would sit idle under an even split. So by default each
-    rollout server gets every core and each learner rank its share of them (several ranks on one host
-    split the cores among themselves). Measured on the demo, 2 cores (docs/benchmarks.md, "Overlap"):
-    1 + 1 threads kept 1.08 cores busy at 168 trained samples/s; 2 + 2 kept 1.63 busy at 191, and the
-    learner's wait fell from 12% to 8% of a step. That was the `hf` engine; other engines (vLLM binds its
-    CPU threads to cores) keep the even split, unmeasured either way.
+    Each learner rank and each rollout server gets cores / (ranks + servers) threads, at least one, so the
+    job's busy threads never outnumber the cores. Measured on a quiet 2-core box (docs/benchmarks.md,
+    "Overlap", 2026-12-05): the demo at 1 + 1 threads trained 487 samples/s with 1.55 cores busy; at 2 + 2
+    (every core to each side, the default for a day) it kept 1.78 cores busy but trained only 372 samples/s,
+    the two sides' threads contending for the same cores. An earlier measurement that favoured 2 + 2 was
+    taken on a VM short of CPU (others' share 11-34%).
     """
     cores = os.cpu_count() or 1
-    if cfg.rollout.engine != "hf":  # vLLM's CPU backend binds its threads to cores: split them, as before
-        per = max(1, cores // max(1, cfg.learner.num_ranks + cfg.rollout.num_servers))
-        return cfg.run.learner_threads or per, cfg.run.rollout_threads or per
-    learner = max(1, cores // max(1, cfg.learner.num_ranks))
-    rollout = max(1, cores // max(1, cfg.rollout.num_servers))
-    return cfg.run.learner_threads or learner, cfg.run.rollout_threads or rollout
+    per = max(1, cores // max(1, cfg.learner.num_ranks + cfg.rollout.num_servers))
+    return cfg.run.learner_threads or per, cfg.run.rollout_threads or per
 
 
 def child_env(threads: int) -> dict[str, str]:
