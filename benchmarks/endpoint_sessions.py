@@ -15,6 +15,8 @@ Each mode warms up ``--warmup`` seconds, then counts the samples of the groups d
 ``--seconds``. Reported per mode: samples/s (median of the rounds), the ratio endpoint/tool (target >=
 0.5), and for the endpoint where a call's time went: the handler's wall time per call, of it the wait for
 the engine and the session context (template + tokens), and the agent process's CPU seconds per session.
+CPU seconds per sample (server + agent) are reported too: on a busy box they are the steadier measure, and
+on a CPU-bound quiet box the throughput ratio tends to ``cpu_ratio_tool_to_endpoint``.
 The CPU other processes used while it ran is recorded (``others_cpu_share``); the box is shared, so a
 figure with a share above 0.1 is not a quiet figure. Writes benchmarks/results/endpoint_sessions.json.
 ``--model`` defaults to a fresh ``small`` preset (untrained: mostly one-turn episodes); the demo's warm
@@ -128,7 +130,8 @@ def run_mode(mode: str, model: str, a: argparse.Namespace) -> dict[str, float]:
         own, agent_cpu = tree_cpu(procs[:1]) - own0, tree_cpu(procs[1:]) - agent0
         others = max(0.0, (machine_busy() - busy0) - own - agent_cpu) / (wall * (os.cpu_count() or 1))
         out = {"samples_per_s": samples / wall, "samples": samples, "wall_s": round(wall, 1),
-               "others_cpu_share": round(others, 3), "server_cpu_s": round(own, 1)}
+               "others_cpu_share": round(others, 3), "server_cpu_s": round(own, 1),
+               "cpu_s_per_sample": round((own + agent_cpu) / max(samples, 1), 4)}
         if mode == "endpoint":
             ep1 = server.endpoint.metrics()
             d = {k: ep1.get(k, 0.0) - ep0.get(k, 0.0) for k in ep1}
@@ -174,13 +177,15 @@ def main() -> int:
         for mode in runs:
             runs[mode].append(run_mode(mode, model, a))
             print(mode, json.dumps(runs[mode][-1]), flush=True)
+    cpu = {mode: statistics.median(r["cpu_s_per_sample"] for r in rs) for mode, rs in runs.items()}
     med = {mode: statistics.median(r["samples_per_s"] for r in rs) for mode, rs in runs.items()}
     med.setdefault("tool", 0.0)
     med.setdefault("endpoint", 0.0)
     out = {"command": " ".join(sys.argv), "model": model, "agent": a.agent, "rounds": runs,
            "samples_per_s": {k: round(v, 2) for k, v in med.items()},
            "ratio_endpoint_to_tool": round(med["endpoint"] / med["tool"], 3) if med["tool"] else None,
-           "target_ratio": 0.5, "others_cpu_share_max": max(r["others_cpu_share"] for rs in runs.values() for r in rs),
+           "target_ratio": 0.5, "cpu_s_per_sample": cpu,
+           "cpu_ratio_tool_to_endpoint": round(cpu["tool"] / cpu["endpoint"], 3) if len(cpu) == 2 else None, "others_cpu_share_max": max(r["others_cpu_share"] for rs in runs.values() for r in rs),
            "quiet": all(r["others_cpu_share"] <= 0.1 for rs in runs.values() for r in rs), "time": time.time()}
     print(json.dumps({k: v for k, v in out.items() if k != "rounds"}, indent=1))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
