@@ -34,8 +34,9 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fleetrl.broker.client import ZmqBrokerClient  # noqa: E402
+from fleetrl.broker.client.sync import ZmqBrokerClient  # noqa: E402
 from fleetrl.common import messages as m  # noqa: E402
+from fleetrl.common.telemetry.cpu import machine_busy_s  # noqa: E402
 from tests.broker import zmtp  # noqa: E402
 from tests.helpers import BrokerProcess, make_group, write_job  # noqa: E402
 
@@ -52,7 +53,7 @@ class Watch:
         self.rss, self.lat, self.failures = [], [], 0
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=f, daemon=True) for f in (self._sample, self._canary)]
-        self.cpu0 = psutil.cpu_times()
+        self.cpu0 = machine_busy_s()
         self.load0 = os.getloadavg()[0]
         for t in self._threads:
             t.start()
@@ -79,8 +80,7 @@ class Watch:
         status = self.client.status()
         self.client.close()
         lat = sorted(self.lat) or [float("nan")]
-        cpu1 = psutil.cpu_times()
-        busy = sum(getattr(cpu1, k) - getattr(self.cpu0, k) for k in ("user", "system", "nice"))
+        busy = machine_busy_s() - self.cpu0
         return {"rss_peak_mib": round(max(self.rss), 1), "rss_start_mib": round(self.rss[0], 1),
                 "canary_worst_s": round(lat[-1], 3), "canary_p99_s": round(lat[int(0.99 * (len(lat) - 1))], 3),
                 "canary_requests": len(self.lat), "canary_failures": self.failures,

@@ -56,7 +56,7 @@ def run_algorithm(name: str, work: dict, args) -> dict:
     sets = [f"model.path={work['warm']}", f"data.train={work['train']}", f"data.eval={work['eval']}",
             f"learner.max_minutes={args.minutes}", f"run.eval_interval={args.eval_interval}", f"run.eval_n={EVAL_N}",
             "checkpoint.interval=0", f"learner.seed={args.seed}", *overrides(name, args)]
-    argv = [sys.executable, "-m", "fleetrl.common.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
+    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
             "--run-dir", str(run_dir), "--no-status", *sets]
     log = run_dir.with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,8 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fleetrl.common import net as _net  # noqa: E402 - after the path is set
+
 
 def payload_group(prompt_id: str, gid: str, tokens: bytes, logprobs: bytes):
     from fleetrl.common import messages as m
@@ -103,7 +105,7 @@ def bare_relay_pull(address: str, n: int) -> None:
 
 
 async def broker_produce(address: str, n: int, window: int, per_push: int) -> None:
-    from fleetrl.broker.client import AsyncBrokerClient
+    from fleetrl.broker.client.aio import AsyncBrokerClient
     from fleetrl.common import messages as m
 
     tokens, logprobs = arrays()
@@ -139,7 +141,7 @@ async def broker_produce(address: str, n: int, window: int, per_push: int) -> No
 
 
 async def broker_consume(address: str, n: int, batch: int) -> None:
-    from fleetrl.broker.client import AsyncBrokerClient
+    from fleetrl.broker.client.aio import AsyncBrokerClient
     from fleetrl.common import messages as m
 
     client = AsyncBrokerClient(address, "bench-learner", "learner", timeout_s=60)
@@ -174,16 +176,8 @@ def result_of(proc: subprocess.Popen) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bare_trial(n: int) -> dict:
-    address = f"tcp://127.0.0.1:{free_port()}"
+    address = f"tcp://127.0.0.1:{_net.free_port()}"
     pull = run_child("--role", "bare-pull", "--address", address, "--groups", str(n))
     time.sleep(0.5)
     push = run_child("--role", "bare-push", "--address", address, "--groups", str(n))
@@ -192,7 +186,7 @@ def bare_trial(n: int) -> dict:
 
 
 def relay_trial(n: int) -> dict:
-    a, b = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    a, b = f"tcp://127.0.0.1:{_net.free_port()}", f"tcp://127.0.0.1:{_net.free_port()}"
     relay = run_child("--role", "relay", "--address", a, "--address2", b, "--groups", str(n))
     time.sleep(0.5)
     pull = run_child("--role", "relay-pull", "--address", b, "--groups", str(n))
@@ -215,7 +209,7 @@ def broker_trial(n: int, workdir: Path, window: int, batch: int, per_push: int) 
     job = workdir / "job.yaml"
     job.write_text("{}\n")
     broker = subprocess.Popen(
-        [sys.executable, "-m", "fleetrl.common.cli", "broker", "--run-dir", str(run_dir), "--config", str(job),
+        [sys.executable, "-m", "fleetrl.app.cli", "broker", "--run-dir", str(run_dir), "--config", str(job),
          f"data.train={data}", "broker.port=0", "broker.pub_port=0", f"broker.queue_capacity={n * 2}",
          "broker.max_staleness=1000", "telemetry.log_level=WARNING"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -121,7 +121,7 @@ def surviving_trained(run_dir: Path) -> list[str]:
 
 
 def check(run_dir: Path, spool_dir: Path, total_steps: int) -> dict:
-    from fleetrl.broker.spool import Spool
+    from fleetrl.broker.server.spool import Spool
 
     acked = {gid for path in run_dir.glob("rollout-*.acked.jsonl") for row in read_jsonl(path) for gid in row["group_ids"]}
     trained = surviving_trained(run_dir)
@@ -145,7 +145,7 @@ def check(run_dir: Path, spool_dir: Path, total_steps: int) -> dict:
 
 
 def prepare(workdir: Path) -> None:
-    py = [sys.executable, "-m", "fleetrl.common.cli"]
+    py = [sys.executable, "-m", "fleetrl.app.cli"]
     if not (workdir / "tiny" / "config.json").exists():
         subprocess.run([*py, "init-model", "--out", str(workdir / "tiny"), "--preset", "tiny"], check=True,
                        stdout=subprocess.DEVNULL)
@@ -160,7 +160,7 @@ def run_chaos(workdir: Path, steps: int, kills: list[tuple[str, int]], timeout_s
     job = workdir / "job.yaml"
     job.write_text("{}\n")
     log = (workdir / f"{run_dir.name}.out").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.common.cli", "run", "--config", str(job), "--run-dir",
+    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(job), "--run-dir",
                              str(run_dir), "--no-status", *job_overrides(workdir, steps)],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     t0 = time.monotonic()

@@ -5,7 +5,7 @@ spool that it was survived — or that it failed fast, naming the cause.
 
 Each scenario is a `fleetrl run` (tiny model, 2 rollout servers, gloo weight sync, spool and commits on,
 checkpoints every 4 steps, `run.restart_policy: on-failure`). The targeted process is stopped at its
-point with ``FLEETRL_PIN`` (``common/chaos.py``) and SIGKILLed there:
+point with ``FLEETRL_PIN`` (``common/faults/pins.py``) and SIGKILLed there:
 
 | scenario | pinned at | survival means |
 | --- | --- | --- |
@@ -87,7 +87,7 @@ def start(workdir: Path, name: str, steps: int, env: dict[str, str]) -> tuple[su
     job = workdir / "job.yaml"
     job.write_text("{}\n")
     log = (workdir / f"{run_dir.name}.out").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.common.cli", "run", "--config", str(job), "--run-dir",
+    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(job), "--run-dir",
                              str(run_dir), "--no-status", *overrides(workdir, run_dir, steps)],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **env})
     return proc, run_dir
@@ -246,7 +246,7 @@ def run_join(workdir: Path, steps: int = 600, timeout_s: float = 900) -> dict:
     deadline = time.monotonic() + timeout_s
     out: dict = {"scenario": "join", "caught_up_s": None}
     if wait_for(lambda: last_step(run_dir)[0] >= 8, deadline, proc):
-        new = subprocess.Popen([sys.executable, "-m", "fleetrl.common.cli", "rollout", "--config", str(workdir / "job.yaml"),
+        new = subprocess.Popen([sys.executable, "-m", "fleetrl.app.cli", "rollout", "--config", str(workdir / "job.yaml"),
                                 "--run-dir", str(run_dir), "--server-index", "7",
                                 *overrides(workdir, run_dir, steps)], stdout=(run_dir / "rollout-7.out").open("w"),
                                stderr=subprocess.STDOUT)

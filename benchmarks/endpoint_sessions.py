@@ -70,9 +70,9 @@ def calc_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
 
 
 def run_mode(mode: str, model: str, a: argparse.Namespace) -> dict[str, float]:
-    from fleetrl.broker.inproc import InprocBroker
-    from fleetrl.broker.prompts import PromptSource, rows_to_prompts
-    from fleetrl.broker.state import BrokerState
+    from fleetrl.broker.client.inproc import InprocBroker
+    from fleetrl.broker.server.prompts import PromptSource, rows_to_prompts
+    from fleetrl.broker.server.state import BrokerState
     from fleetrl.common import messages as m
     from fleetrl.common.config import load_config
     from fleetrl.rollout.endpoint.server import Endpoint

@@ -95,7 +95,7 @@ def payload():
 
 async def rollout_server(client, rec: Recorder, schedule: list[dict], per_push: int, seed: int) -> None:
     """One simulated server: lease 8 prompts, wait the time 8 groups take at the step's rate, push them."""
-    from fleetrl.broker.client import BrokerError, BrokerUnavailable
+    from fleetrl.broker.client.errors import BrokerError, BrokerUnavailable
     from fleetrl.common import messages as m
 
     tokens, logprobs, prompt = payload()
@@ -180,7 +180,7 @@ async def rollout_server(client, rec: Recorder, schedule: list[dict], per_push: 
 async def run_rollouts(address: str, first: int, count: int, schedule: list[dict], per_push: int, out: str) -> None:
     import zmq
 
-    from fleetrl.broker.client import AsyncBrokerClient
+    from fleetrl.broker.client.aio import AsyncBrokerClient
 
     ctx = zmq.Context()
     ctx.setsockopt(zmq.MAX_SOCKETS, 4 * count + 64)
@@ -200,7 +200,7 @@ async def run_rollouts(address: str, first: int, count: int, schedule: list[dict
 
 
 async def run_learner(address: str, rank: int, schedule: list[dict], out: str) -> None:
-    from fleetrl.broker.client import AsyncBrokerClient
+    from fleetrl.broker.client.aio import AsyncBrokerClient
     from fleetrl.common import messages as m
 
     edges = [x for s in schedule for x in (s["measure"], s["end"])]
@@ -237,7 +237,7 @@ def start_broker(workdir: Path, spool: bool) -> tuple[subprocess.Popen, str]:
     if spool:
         overrides += [f"broker.spool_dir={run_dir / 'spool'}", "broker.fsync=interval"]
     log = open(run_dir / "broker.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.common.cli", "broker", "--run-dir", str(run_dir), "--config",
+    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.app.cli", "broker", "--run-dir", str(run_dir), "--config",
                              str(job), *overrides], stdout=log, stderr=subprocess.STDOUT)
     ep = run_dir / "broker.json"
     deadline = time.monotonic() + 60
@@ -276,7 +276,9 @@ def cpu_s(procs) -> float:
 def run_fleet(servers: int, rates: list[float], args, workdir: Path) -> dict:
     import psutil
 
-    from fleetrl.broker.client import ZmqBrokerClient
+    from fleetrl.common.telemetry.cpu import machine_busy_s
+
+    from fleetrl.broker.client.sync import ZmqBrokerClient
 
     broker, address = start_broker(workdir, args.spool)
     bproc = psutil.Process(broker.pid)
@@ -312,11 +314,10 @@ def run_fleet(servers: int, rates: list[float], args, workdir: Path) -> dict:
             for edge in ("measure", "end"):
                 time.sleep(max(0.0, s[edge] - time.time()))
                 st = monitor.status()
-                sys_cpu = psutil.cpu_times()
                 samples.append({"t": time.time(), "groups_in": st.groups_in, "groups_out": st.groups_out,
                                 "throttled": st.throttled, "clients": sum(c.alive for c in st.clients) - 1,
                                 "broker_cpu_s": cpu_s([bproc]), "gen_cpu_s": cpu_s(gen_procs),
-                                "sys_busy_s": sum(sys_cpu) - sys_cpu.idle - getattr(sys_cpu, "iowait", 0.0),
+                                "sys_busy_s": machine_busy_s(),
                                 "rss": bproc.memory_info().rss, "load": os.getloadavg()[0]})
         for c in children:
             c.wait(timeout=120)

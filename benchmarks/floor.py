@@ -31,7 +31,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from vs_trl import BUSY_SHARE, EVAL_N, GROUP_SIZE, LR, MAX_NEW_TOKENS, PROMPTS_PER_STEP, CpuWatch, demo_accuracy, prepare  # noqa: E402
+from vs_trl import (  # noqa: E402 - after the path is set
+    BUSY_SHARE,
+    EVAL_N,
+    GROUP_SIZE,
+    LR,
+    MAX_NEW_TOKENS,
+    PROMPTS_PER_STEP,
+    CpuWatch,
+    demo_accuracy,
+    prepare,
+)
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@ learner, gloo weight sync) from the demo's warm start (the ~1.2M-parameter ``sma
 `fleetrl sft --target-acc 0.25`, built once into ``--workdir`` and reused by every run), for ``--steps``
 learner steps, held-out greedy accuracy on ``--eval-n`` problems every ``--eval-interval`` steps, a
 checkpoint every ``--checkpoint-interval`` steps, and **no** ``health.*`` override: the defaults as
-shipped. A fault run sets ``FLEETRL_FAULT*`` (``common/faults.py``) so that the fault is active from
+shipped. A fault run sets ``FLEETRL_FAULT*`` (``common/faults/plan.py``) so that the fault is active from
 learner step / policy version ``--inject-at`` for ``--duration`` steps:
 
 | kind | FLEETRL_FAULT | what goes wrong |
@@ -69,7 +69,7 @@ def run_one(name: str, work: dict, args, seed: int, fault: str | None) -> dict:
             f"run.eval_interval={args.eval_interval}", f"run.eval_n={args.eval_n}",
             f"checkpoint.interval={args.checkpoint_interval}", "checkpoint.keep_last=3",
             f"learner.seed={seed}", f"rollout.seed={seed}", f"data.seed={seed}"]
-    argv = [sys.executable, "-m", "fleetrl.common.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
+    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
             "--run-dir", str(run_dir), "--no-status", *sets]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if fault:
@@ -84,8 +84,8 @@ def run_one(name: str, work: dict, args, seed: int, fault: str | None) -> dict:
     result = {"name": name, "fault": fault, "seed": seed, "exit_code": code, "cpu": cpu, "wall_s": time.time() - t0,
               "run_dir": str(run_dir), "inject_at": args.inject_at if fault else None,
               "duration": args.duration if fault else None, "recover_within": args.recover_within,
-              "command": ("FLEETRL_FAULT=%s FLEETRL_FAULT_AT=%d FLEETRL_FAULT_FOR=%d " % (
-                  FAULTS[fault], args.inject_at, args.duration) if fault else "") + " ".join(["fleetrl", *argv[3:]])}
+              "command": (f"FLEETRL_FAULT={FAULTS[fault]} FLEETRL_FAULT_AT={args.inject_at:d} "
+                          f"FLEETRL_FAULT_FOR={args.duration:d} " if fault else "") + " ".join(["fleetrl", *argv[3:]])}
     if not (run_dir / "metrics.jsonl").exists():
         result["error"] = f"no metrics.jsonl; log ends with:\n{tail(log)}"
     return {**result, **analyze_run(result)}

@@ -77,7 +77,7 @@ def record(name: str, work: dict[str, str], args) -> Path:
             f"run.eval_interval={args.eval_interval}", "run.eval_n=100", "health.enabled=false",
             "checkpoint.interval=0", f"learner.seed={args.seed}", f"rollout.seed={args.seed}",
             "learner.device=cpu", "rollout.device=cpu"]
-    argv = [sys.executable, "-m", "fleetrl.common.cli", "run", "--config", str(ROOT / "configs" / f"{config}.yaml"),
+    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(ROOT / "configs" / f"{config}.yaml"),
             "--run-dir", str(run_dir), "--no-status", *sets]
     log = run_dir.with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)

@@ -47,8 +47,9 @@ class Load:
 
     @staticmethod
     def busy() -> float:
-        t = psutil.cpu_times()._asdict()
-        return sum(t.get(k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+        from fleetrl.common.telemetry.cpu import machine_busy_s
+
+        return machine_busy_s()
 
     @staticmethod
     def own() -> float:

@@ -81,8 +81,9 @@ class Load:
 
     @staticmethod
     def _busy() -> float:
-        t = psutil.cpu_times()._asdict()
-        return sum(t.get(k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+        from fleetrl.common.telemetry.cpu import machine_busy_s
+
+        return machine_busy_s()
 
     def sample(self) -> None:
         """The job's processes (its run dir in the command line), the Slurm daemons and Ray's own."""
@@ -96,7 +97,9 @@ class Load:
         wall = time.monotonic() - self.t0
         busy = self._busy() - self.busy0
         ours = sum(t - self.base.get(pid, 0.0) for pid, t in self.ours.items())
-        return round(max(0.0, busy - ours) / max(1e-9, wall * (os.cpu_count() or 1)), 3)
+        from fleetrl.common.telemetry.cpu import others_cpu_share
+
+        return round(others_cpu_share(busy, ours, wall), 3)
 
 
 def measure(run: Path, kill_rollout, load: Load) -> dict:
@@ -114,7 +117,7 @@ def measure(run: Path, kill_rollout, load: Load) -> dict:
 
 
 def slurm_trial(cluster: LocalSlurm, run: Path, overrides: list[str]) -> dict:
-    out = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "launch", "slurm", "--config", str(JOB),
+    out = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "launch", "slurm", "--config", str(JOB),
                           "--run-dir", str(run), *overrides], capture_output=True, text=True, env=cluster.env)
     job = re.search(r"submitted job (\d+)", out.stdout).group(1)
     load = Load(run)
@@ -132,7 +135,7 @@ def slurm_trial(cluster: LocalSlurm, run: Path, overrides: list[str]) -> dict:
 def ray_trial(address: str, run: Path, overrides: list[str]) -> dict:
     run.mkdir(parents=True, exist_ok=True)
     log = (run.parent / f"{run.name}.out").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.common.cli", "launch", "ray", "--config", str(JOB),
+    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.app.cli", "launch", "ray", "--config", str(JOB),
                              "--run-dir", str(run), "--address", address, *overrides], stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     load = Load(run)
@@ -171,7 +174,7 @@ def start_ray_head(work: Path) -> tuple[subprocess.Popen, str]:
 def assets(work: Path) -> list[str]:
     model, data = work / "small", work / "arith.jsonl"
     if not (model / "config.json").exists():
-        cli = [sys.executable, "-m", "fleetrl.common.cli"]
+        cli = [sys.executable, "-m", "fleetrl.app.cli"]
         subprocess.run([*cli, "init-model", "--out", str(model), "--preset", "small"], check=True, capture_output=True)
         subprocess.run([*cli, "init-data", "--out", str(data), "--n", "5000", "--eval-n", "100"], check=True,
                        capture_output=True)

@@ -35,7 +35,7 @@ from tests.e2e.test_lifecycle import TerminalRun  # noqa: E402
 def build(workdir: Path) -> tuple[str, str]:
     """A tiny model and the arithmetic task, built locally (no hub)."""
     model, data = workdir / "tiny", workdir / "arith.jsonl"
-    cli = [sys.executable, "-m", "fleetrl.common.cli"]
+    cli = [sys.executable, "-m", "fleetrl.app.cli"]
     if not (model / "config.json").exists():
         subprocess.run([*cli, "init-model", "--out", str(model), "--preset", "tiny"], check=True)
     if not data.exists():
@@ -46,7 +46,7 @@ def build(workdir: Path) -> tuple[str, str]:
 
 def ctrl_c(workdir: Path, cfg: Path, model: str, data: str) -> dict:
     run_dir = workdir / "ctrlc"
-    argv = [sys.executable, "-m", "fleetrl.common.cli", "run", "--config", str(cfg), "--run-dir", str(run_dir),
+    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(cfg), "--run-dir", str(run_dir),
             *job_args(model, data, "learner.total_steps=100000", "checkpoint.interval=0", "sync.transport=gloo")]
     run = TerminalRun(argv)
     try:

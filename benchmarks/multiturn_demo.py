@@ -47,8 +47,9 @@ class TreeLoad:
 
     @staticmethod
     def busy() -> float:
-        t = psutil.cpu_times()._asdict()
-        return sum(t.get(k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+        from fleetrl.common.telemetry.cpu import machine_busy_s
+
+        return machine_busy_s()
 
     @staticmethod
     def own() -> float:
@@ -68,8 +69,9 @@ class TreeLoad:
     def result(self) -> dict:
         self.stop.set()
         wall = time.monotonic() - self.t0
-        others = max(0.0, (self.busy() - self.busy0) - (self.own() - self.own0))
-        share = round(others / max(wall * (os.cpu_count() or 1), 1e-9), 3)
+        from fleetrl.common.telemetry.cpu import others_cpu_share
+
+        share = round(others_cpu_share(self.busy() - self.busy0, self.own() - self.own0, wall), 3)
         return {"wall_s": round(wall, 1), "cpus": os.cpu_count(), "others_cpu_share": share,
                 "loadavg_1m_max": max(self.loadavg, default=None), "loadavg_1m_samples": self.loadavg,
                 "busy_flag": share > BUSY_SHARE}

@@ -45,7 +45,7 @@ def role_of(proc: psutil.Process) -> str:
         return "rollout-" + (argv[argv.index("--server-index") + 1] if "--server-index" in argv else "0")
     if "broker" in argv:
         return "broker"
-    if "learner" in argv or "fleetrl.learner" in argv:
+    if "learner" in argv or "fleetrl.app.learner" in argv:  # `fleetrl learner`, or a rank under torchrun
         return "learner"
     if "run" in argv:
         return "launcher"
@@ -117,7 +117,7 @@ def main() -> int:
     overrides = [f"model.path={work['warm']}", f"data.train={work['train']}", f"data.eval={work['eval']}",
                  f"learner.max_minutes={args.minutes}", f"run.eval_interval={args.eval_interval}", "checkpoint.interval=0",
                  *args.set]
-    argv = [sys.executable, "-m", "fleetrl.common.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
+    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
             "--run-dir", str(run_dir), "--no-status", *overrides]
     env = dict(os.environ)
     if args.pythonpath:

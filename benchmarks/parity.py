@@ -58,7 +58,7 @@ def make_groups(step: int, n: int, group_size: int, version: int, vocab: int):
 def run_job(name: str, model_dir: str, pref: str, pref_eval: str, steps: int, tmp: Path) -> dict[str, list[float]]:
     import torch
 
-    from fleetrl.broker.inproc import InprocBroker
+    from fleetrl.broker.client.inproc import InprocBroker
     from fleetrl.common.config import load_config
     from fleetrl.learner.runtime import init_distributed
     from fleetrl.learner.train import Learner

@@ -102,7 +102,7 @@ def run_one(name: str, work: dict, multi: dict | None, args) -> dict:
     overrides = [*paths, *extra, f"learner.total_steps={args.steps}", "learner.max_minutes=null",
                  f"run.eval_interval={args.eval_interval}", f"run.eval_n={args.eval_n}", "checkpoint.export_hf=false",
                  f"learner.seed={args.seed}", *args.set]
-    argv = [sys.executable, "-m", "fleetrl.common.cli", "run", "--config", f"configs/{config}.yaml", "--run-dir",
+    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", f"configs/{config}.yaml", "--run-dir",
             str(run_dir), "--no-status", *overrides]
     print(f"  {name}: fleetrl run {config} {' '.join(extra)} for {args.steps} steps -> {run_dir}", flush=True)
     code, cpu = run_child(name, argv, Path(args.workdir) / "logs" / f"{name}.log", timeout_s=args.timeout)

@@ -113,7 +113,7 @@ def inflight_updates(model_dir: str, tmp: Path, args, cfg_rollout: RolloutConfig
     """Updates broadcast over gloo into the vLLM worker while ``width`` requests stream."""
     from transformers import AutoModelForCausalLM
 
-    from fleetrl.learner.weights import WeightPublisher
+    from fleetrl.common.weightsync.sender.publisher import WeightPublisher
 
     engine = create_engine("vllm", ModelConfig(path=model_dir, dtype=args.dtype), cfg_rollout, args.device, 0)
     cfg = JobConfig(sync=SyncConfig(transport=args.transport, timeout_s=60))

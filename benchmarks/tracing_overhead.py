@@ -89,10 +89,10 @@ def traced_groups(version: int, seed: int):
 def run_block(learner, rollout, exporter: str, endpoint: str, steps: int, run_dir: Path,
               seed: int) -> tuple[list[float], float]:
     """(samples/s of each step, samples per CPU second of this process over the block)."""
-    from fleetrl.common import telemetry
+    from fleetrl.common.telemetry import tracing
     from fleetrl.common.config.schema import TelemetryConfig
 
-    telemetry.setup_tracing("learner", TelemetryConfig(exporter=exporter, otlp_endpoint=endpoint), run_dir)
+    tracing.setup_tracing("learner", TelemetryConfig(exporter=exporter, otlp_endpoint=endpoint), run_dir)
     rates, cpu, samples = [], 0.0, 0.0
     try:
         for i in range(steps):
@@ -106,7 +106,7 @@ def run_block(learner, rollout, exporter: str, endpoint: str, steps: int, run_di
             samples += stats["batch/samples"]
     finally:
         c0 = time.process_time()
-        telemetry.shutdown_tracing()  # the block's last spans are exported (their CPU counts)
+        tracing.shutdown_tracing()  # the block's last spans are exported (their CPU counts)
         cpu += time.process_time() - c0
     return rates, samples / cpu
 
@@ -116,30 +116,30 @@ def span_cost(endpoint: str, steps: int = 300) -> float:
     a ``learner.train`` and a ``learner.publish_weights`` per group (StepTraces), the real publish span,
     then the flush of everything to the receiver. Divided by a step's CPU time it bounds the overhead,
     and unlike wall time it hardly moves on a busy machine."""
-    from fleetrl.common import telemetry
+    from fleetrl.common.telemetry import tracing
     from fleetrl.common.config.schema import TelemetryConfig
     from fleetrl.learner.tracing import StepTraces
 
     groups = traced_groups(0, 99)
     traces = StepTraces()
-    telemetry.setup_tracing("learner", TelemetryConfig(exporter="otlp", otlp_endpoint=endpoint))
+    tracing.setup_tracing("learner", TelemetryConfig(exporter="otlp", otlp_endpoint=endpoint))
     try:
         c0 = time.process_time()
         for k in range(steps):
-            with telemetry.span("learner.step", telemetry.ROOT, {"fleetrl.step": k}, telemetry.group_links(groups),
+            with tracing.span("learner.step", tracing.ROOT, {"fleetrl.step": k}, tracing.group_links(groups),
                                 time.time_ns()) as step_span:
                 traces.trained(step_span, groups, k, 0, time.time_ns())
                 with traces.publishing(k + 1, k):
-                    with telemetry.span("learner.publish_weights", attributes={"fleetrl.policy_version": k + 1}):
+                    with tracing.span("learner.publish_weights", attributes={"fleetrl.policy_version": k + 1}):
                         pass
-        assert telemetry.flush_tracing()
+        assert tracing.flush_tracing()
         return 1000 * (time.process_time() - c0) / steps
     finally:
-        telemetry.shutdown_tracing()
+        tracing.shutdown_tracing()
 
 
 def build(tmp: Path, preset: str):
-    from fleetrl.broker.inproc import InprocBroker
+    from fleetrl.broker.client.inproc import InprocBroker
     from fleetrl.common.config import load_config
     from fleetrl.learner.init_model import init_model
     from fleetrl.learner.runtime import init_distributed

@@ -43,7 +43,6 @@ import time
 import traceback
 from pathlib import Path
 
-import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -76,7 +75,7 @@ BUSY_SHARE = 0.10  # others_cpu_share above which a run's timings are flagged as
 
 def fleetrl_cli(*args: str, log: Path | None = None, timeout: float | None = None) -> None:
     """Run one `fleetrl` sub-command to completion; raise with its output's tail when it fails."""
-    argv = [sys.executable, "-m", "fleetrl.common.cli", *args]
+    argv = [sys.executable, "-m", "fleetrl.app.cli", *args]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     if log is not None:
         log.write_text(proc.stdout + proc.stderr)
@@ -133,8 +132,9 @@ class CpuWatch:
 
     @staticmethod
     def _busy() -> float:
-        t = psutil.cpu_times()._asdict()  # guest time is already inside user on Linux
-        return sum(t.get(k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+        from fleetrl.common.telemetry.cpu import machine_busy_s
+
+        return machine_busy_s()
 
     @staticmethod
     def _children_cpu() -> float:
@@ -142,9 +142,11 @@ class CpuWatch:
         return r.ru_utime + r.ru_stime
 
     def result(self) -> dict:
+        from fleetrl.common.telemetry.cpu import others_cpu_share
+
         wall, busy, own = time.monotonic() - self.t0, self._busy() - self.busy0, self._children_cpu() - self.own0
         return {"wall_s": wall, "own_cpu_s": own, "machine_busy_cpu_s": busy,
-                "others_cpu_share": max(0.0, busy - own) / max(wall * (os.cpu_count() or 1), 1e-9)}
+                "others_cpu_share": others_cpu_share(busy, own, wall)}
 
 
 def run_child(name: str, argv: list[str], log: Path, timeout_s: float, env: dict | None = None) -> tuple[int, dict]:
@@ -196,7 +198,7 @@ def run_fleetrl(system: str, work: dict, args) -> dict:
         "checkpoint.interval=0",  # TRL saves nothing either; the final checkpoint is written after the clock stops
         f"learner.seed={args.seed}",
     ] + (SYNC_OVERRIDES if system == "fleetrl-sync" else []) + list(args.fleetrl_set)
-    argv = [sys.executable, "-m", "fleetrl.common.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
+    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
             "--run-dir", str(run_dir), "--no-status", *overrides]
     log = run_dir.with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)

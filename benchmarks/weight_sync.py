@@ -49,7 +49,7 @@ def receiver(cfg, specs, client_id: str, cmd_q, out_q) -> None:
     import torch
 
     from fleetrl.common.messages import decode_announcement
-    from fleetrl.rollout.weights import WeightReceiver
+    from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
 
     torch.set_num_threads(1)
     recv = WeightReceiver(cfg, specs, "cpu", client_id)
@@ -82,7 +82,7 @@ def run_config(bucket_mb: float, params, kids, rounds: int, first_version: int, 
     from fleetrl.common import messages as m
     from fleetrl.common import weightsync as ws
     from fleetrl.common.config.schema import JobConfig, SyncConfig
-    from fleetrl.learner.weights import WeightPublisher
+    from fleetrl.common.weightsync.sender.publisher import WeightPublisher
 
     cfg = JobConfig(sync=SyncConfig(transport="gloo", bucket_mb=bucket_mb, timeout_s=60))
     pub = WeightPublisher(cfg, run_dir, 0, [ws.make_spec(n, t.shape, t.dtype) for n, t in params])
@@ -150,7 +150,7 @@ def main() -> None:
                       f"{args.receivers} receivers: broadcast {row['mb_per_s']:7.1f} MB/s, whole round "
                       f"{row['round_mb_per_s']:7.1f} MB/s", flush=True)
     finally:
-        for (cmd_q, _), proc in zip(kids, procs):
+        for (cmd_q, _), _proc in zip(kids, procs):
             cmd_q.put("stop")
         for proc in procs:
             proc.join(timeout=10)

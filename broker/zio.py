@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Callable
+from typing import Callable, cast
 
 import zmq
 
@@ -30,7 +30,7 @@ class LoopSocket:
         self.outbox: deque[list[bytes]] = deque()
         self._check_scheduled = False
         self._closed = False
-        self.loop.add_reader(sock.getsockopt(zmq.FD), self._on_fd)
+        self.loop.add_reader(cast(int, sock.getsockopt(zmq.FD)), self._on_fd)
         self._schedule_check()  # frames may already be waiting
 
     def _schedule_check(self) -> None:
@@ -41,7 +41,7 @@ class LoopSocket:
     def _on_fd(self) -> None:
         self._check_scheduled = False
         while not self._closed:
-            events = self.sock.get(zmq.EVENTS)
+            events = cast(int, self.sock.get(zmq.EVENTS))
             progressed = False
             if self.outbox and events & zmq.POLLOUT:
                 progressed = self._flush()
@@ -89,7 +89,7 @@ class LoopSocket:
             return
         self._closed = True
         try:
-            self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
+            self.loop.remove_reader(cast(int, self.sock.getsockopt(zmq.FD)))
         except (zmq.ZMQError, ValueError, RuntimeError):
             pass
         self.sock.close(linger=0)

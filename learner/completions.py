@@ -72,7 +72,7 @@ class CompletionLog:
     def __init__(self, cfg: JobConfig):
         self.every = cfg.telemetry.log_completions_every
         self.prompts = cfg.telemetry.log_completions_prompts
-        self.tokenizer_dir = cfg.model.tokenizer or cfg.model.path
+        self.model_cfg = cfg.model
         self._tokenizer = None
 
     def due(self, step: int) -> bool:
@@ -81,9 +81,9 @@ class CompletionLog:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from fleetrl.common.chat.tokenizer import job_tokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+            self._tokenizer = job_tokenizer(self.model_cfg)
         return self._tokenizer
 
     def rows(self, step: int, groups: list[m.SampleGroup], advantages: list[float] | None) -> list[dict[str, Any]]:

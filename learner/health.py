@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable
 
-from fleetrl.common.registry import RegistryError
+from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.common.config.learner import HealthConfig
 from fleetrl.learner.health_rules import HEALTH_RULES, Fired, HealthEvent, Rule
 

@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
-from fleetrl.common.registry import Registry
+from fleetrl.common.plugins.registry import Registry
 from fleetrl.common.config.learner import HealthRule
 
 @dataclass

@@ -18,8 +18,11 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from fleetrl.broker.client import BrokerClient, ZmqBrokerClient, client_identity, resolve_address
+from fleetrl.broker.client.address import client_identity, resolve_address
+from fleetrl.broker.client.roles import LearnerClient
+from fleetrl.broker.client.sync import ZmqBrokerClient
 from fleetrl.common.config.schema import JobConfig
+from fleetrl.common.telemetry.startup import STARTUP
 from fleetrl.learner.runtime import Dist
 
 log = logging.getLogger("fleetrl.learner")
@@ -50,7 +53,7 @@ class GracefulStop:
         return bool(flag.item())
 
 
-def connect_broker(cfg: JobConfig, run_dir: Path, rank: int) -> BrokerClient:
+def connect_broker(cfg: JobConfig, run_dir: Path, rank: int) -> LearnerClient:
     """A registered client with a stable id per rank (the broker keys commits by it): ``<identity>-<rank>``,
     ``learner-<rank>`` with the default key name. It heartbeats, so that the broker sees the rank alive
     through long steps (a dead learner's rollback pause lifts by itself)."""
@@ -60,6 +63,7 @@ def connect_broker(cfg: JobConfig, run_dir: Path, rank: int) -> BrokerClient:
                              info={"host": socket.gethostname(), "pid": str(os.getpid())})
     reg = client.connect()
     client.start_heartbeat(lambda: (0, {}), reg.heartbeat_s or cfg.broker.heartbeat_s)
+    STARTUP.mark("broker")
     return client
 
 
@@ -73,5 +77,7 @@ def leave_broker(client, reason: str, done: bool, is_main: bool) -> None:
 
 def write_ready(run_dir: Path, dist: Dist, step: int) -> None:
     """Rank 0 writes ``<run dir>/learner.ready`` (pid and the step it starts from) for `fleetrl run`."""
+    STARTUP.mark("setup")  # the objective, checkpoints, sinks, the weight publisher, a resume
     if dist.is_main:
         (Path(run_dir) / "learner.ready").write_text(f'{{"pid": {os.getpid()}, "step": {step}}}')
+    log.info("%s", STARTUP.line())

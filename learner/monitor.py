@@ -4,7 +4,7 @@
 and ``time``); the console, TensorBoard, wandb and Prometheus sinks (``learner/sinks.py``, turned on
 in the ``telemetry`` section) plug in through the same ``Sink`` interface. Sample completions
 (``log_completions``) go to ``completions.jsonl`` and to the sinks that show tables. Each row also
-gets this process's resource metrics (``resource/learner/*``, ``common/resources.py``).
+gets this process's resource metrics (``resource/learner/*``, ``common/telemetry/resources.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.common.resources import ProcessResources
+from fleetrl.common.telemetry.resources import ProcessResources
 from fleetrl.learner.sinks import ConsoleSink, JsonlSink, Sink, make_sinks
 
 __all__ = ["ConsoleSink", "JsonlSink", "Monitor", "Sink"]

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.common.registry import Registry
+from fleetrl.common.plugins.registry import Registry
 from fleetrl.learner.runtime import Dist
 
 
@@ -35,6 +35,7 @@ class Setup:
     dtype: torch.dtype
     generator: torch.Generator
     load_reference: Callable[[], Any]  # the frozen reference model (LoRA: the base with adapters off)
+    evaluate_model: Any = None  # learner/evaluate.py's EvaluateModel, handed in by the application (None: no evaluator)
 
 
 @dataclass
@@ -65,7 +66,7 @@ def rl(s: Setup) -> Objective:
     ref = s.load_reference() if cfg.algorithm.needs_reference else None
     critic = Critic(cfg, s.dtype, s.dist.device) if cfg.algorithm.adv_estimator == "gae" else None
     actor = PolicyActor(s.engine, ref, cfg, s.dist.device, s.generator, critic)
-    evaluator = Evaluator(cfg, s.dist.device) if _eval_due(cfg, s.dist) and cfg.data.eval else None
+    evaluator = Evaluator(cfg, s.dist.device, s.evaluate_model) if _eval_due(cfg, s.dist) and cfg.data.eval else None
     return Objective(actor, BrokerBatchSource(s.client, cfg, s.dist.rank, s.dist.world), evaluator, critic)
 
 
@@ -83,7 +84,7 @@ def dpo(s: Setup) -> Objective:
     actor = DpoActor(s.engine, ref, cfg, s.dist.device, offline=offline)
     source = PreferenceSource(cfg, s.dist.rank, s.dist.world) if offline else \
         BrokerBatchSource(s.client, cfg, s.dist.rank, s.dist.world)
-    evaluator = Evaluator(cfg, s.dist.device) if _eval_due(cfg, s.dist) and cfg.data.eval else None
+    evaluator = Evaluator(cfg, s.dist.device, s.evaluate_model) if _eval_due(cfg, s.dist) and cfg.data.eval else None
     if _eval_due(cfg, s.dist) and cfg.data.preference_eval:
         evaluator = PreferenceEvaluator(cfg, ref, s.dist.device, then=evaluator)
     return Objective(actor, source, evaluator)

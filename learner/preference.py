@@ -79,9 +79,9 @@ def encode_pairs(rows: list[dict[str, Any]], tokenizer, cfg: JobConfig, source: 
 
 
 def load_tokenizer(cfg: JobConfig):
-    from transformers import AutoTokenizer
+    from fleetrl.common.chat.tokenizer import job_tokenizer
 
-    return AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+    return job_tokenizer(cfg.model)
 
 
 class PreferenceSource:

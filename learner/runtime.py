@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,8 @@ from typing import Any
 import torch
 
 from fleetrl.common.config.schema import JobConfig
+from fleetrl.common.net import free_port
+from fleetrl.common.telemetry.startup import STARTUP
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +40,11 @@ class Dist:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(cfg: JobConfig) -> Dist:
     """Initialise torch.distributed (gloo on CPU, nccl on GPU) via DeepSpeed; works without a launcher."""
+    STARTUP.mark("python+imports")
     if "RANK" not in os.environ:  # a plain `fleetrl learner`: one process, no launcher
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     use_cuda = cfg.learner.device == "cuda" or (cfg.learner.device == "auto" and torch.cuda.is_available())
     if not use_cuda:  # say so, rather than have DeepSpeed warn that it could not detect an accelerator
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -62,6 +58,7 @@ def init_distributed(cfg: JobConfig) -> Dist:
     if use_cuda:
         torch.cuda.set_device(local_rank)
     deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", verbose=False)
+    STARTUP.mark("torch.distributed")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     return Dist(rank, world, local_rank, device)
@@ -80,6 +77,7 @@ def load_causal_lm(path: str, cfg: JobConfig, dtype: torch.dtype) -> torch.nn.Mo
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
+    STARTUP.mark("model")
     return model
 
 
@@ -140,6 +138,7 @@ def build_engine(model: torch.nn.Module, cfg: JobConfig, dtype: torch.dtype, lr:
         model_parameters=trainable)
     if cfg.learner.zero_stage == 0 and engine.dp_world_size == 1:
         engine.enable_backward_allreduce = False  # one rank: the gradient "all-reduce" only flattens and copies
+    STARTUP.mark("deepspeed")
     return engine, optimizer, scheduler
 
 

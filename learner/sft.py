@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from fleetrl.common.log import setup_logging
+from fleetrl.common.telemetry.logs import setup_logging
+from fleetrl.learner.evaluate import EvaluateModel, require_evaluator
 
 log = logging.getLogger("fleetrl.sft")
 
@@ -29,14 +30,14 @@ def encode_pairs(tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int]
     """(prompt ids, response ids, loss mask) per row, tokenized exactly as the rollout server does.
 
     A row with ``messages`` (a whole conversation: a multi-turn warm start) is built turn by turn as an
-    episode is (``rollout/envs/codec.py``): assistant turns trained, observations and tool results not.
+    episode is (``common/chat/codec.py``): assistant turns trained, observations and tool results not.
     Other rows: the raw prompt, then the answer and eos, all trained."""
     out = []
     codec = None
     for row in rows:
         if "messages" in row:
             if codec is None:
-                from fleetrl.rollout.envs.codec import ChatCodec
+                from fleetrl.common.chat.codec import ChatCodec
 
                 codec = ChatCodec(tokenizer)
             out.append(codec.encode_conversation(row["messages"]))
@@ -61,12 +62,10 @@ def collate(pairs: list[tuple[list[int], list[int], list[int]]], pad_id: int) ->
     return ids, attn, labels
 
 
-def held_out_accuracy(cfg, model, tokenizer, rows: list[dict], model_dir: str) -> float:
-    """Greedy held-out accuracy with the in-run evaluator (`rollout/eval.py: evaluate_model`): ``cfg``'s
-    rewards, stops and environment (whole episodes when it is multi-turn). Without a job config: the
-    arithmetic task's exact answer within 6 new tokens."""
-    from fleetrl.rollout.eval import evaluate_model
-
+def held_out_accuracy(cfg, model, tokenizer, rows: list[dict], model_dir: str, evaluate_model: EvaluateModel) -> float:
+    """Greedy held-out accuracy with the in-run evaluator (`rollout/eval.py: evaluate_model`, handed in by the
+    application): ``cfg``'s rewards, stops and environment (whole episodes when it is multi-turn). Without a
+    job config: the arithmetic task's exact answer within 6 new tokens."""
     if cfg is None:
         from fleetrl.common.config import load_config
         from fleetrl.common.config.schema import RewardSpec
@@ -77,15 +76,20 @@ def held_out_accuracy(cfg, model, tokenizer, rows: list[dict], model_dir: str) -
 
 
 def sft(model_dir: str, data: str, eval_data: str, out: str, target_acc: float, lr: float, batch_size: int,
-        max_steps: int, eval_every: int, eval_n: int, seed: int, max_minutes: float, cfg=None) -> dict:
-    """``cfg``: a job whose ``rollout.env`` is multi-turn makes the early stop measure whole episodes."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+        max_steps: int, eval_every: int, eval_n: int, seed: int, max_minutes: float, cfg=None,
+        evaluate_model: EvaluateModel | None = None) -> dict:
+    """``cfg``: a job whose ``rollout.env`` is multi-turn makes the early stop measure whole episodes.
+    ``evaluate_model``: the held-out evaluator (``learner/evaluate.py``), handed in by the application."""
+    evaluate_model = require_evaluator(evaluate_model, "the warm start's early stop")
+    from transformers import AutoModelForCausalLM
+
+    from fleetrl.common.chat.tokenizer import load_tokenizer
 
     t0 = time.monotonic()  # the budget counts loading and evaluation too: `--max-minutes 4` means 4 minutes
     deadline = t0 + max_minutes * 60
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code if cfg is not None else False)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     pairs = encode_pairs(tokenizer, read_rows(data))
     held_out = read_rows(eval_data)[:eval_n]
@@ -106,7 +110,7 @@ def sft(model_dir: str, data: str, eval_data: str, out: str, target_acc: float, 
         # evaluate every eval_every steps, five times as often once half-way to the target
         every = max(1, eval_every // 5) if acc >= target_acc / 2 else eval_every
         if step % every == 0:
-            acc = held_out_accuracy(cfg, model, tokenizer, held_out, model_dir)
+            acc = held_out_accuracy(cfg, model, tokenizer, held_out, model_dir, evaluate_model)
             history.append({"step": step, "loss": loss.item(), "accuracy": acc, "time_s": time.monotonic() - t0})
             log.info("sft step %d  loss %.3f  held-out greedy accuracy %.1f%%", step, loss.item(), 100 * acc)
             if acc >= target_acc:
@@ -119,7 +123,8 @@ def sft(model_dir: str, data: str, eval_data: str, out: str, target_acc: float, 
     return result
 
 
-def main(args) -> int:
+def main(args, evaluate_model: EvaluateModel | None = None) -> int:
+    """`fleetrl sft` (``app/entries.py`` calls it with rollout's evaluator)."""
     setup_logging("sft", "INFO")
     torch.set_num_threads(args.threads) if args.threads else None
     cfg = None
@@ -128,7 +133,7 @@ def main(args) -> int:
 
         cfg = load_config(args.config, args.overrides)
     result = sft(args.model, args.data, args.eval_data, args.out, args.target_acc, args.lr, args.batch_size,
-                 args.max_steps, args.eval_every, args.eval_n, args.seed, args.max_minutes, cfg)
+                 args.max_steps, args.eval_every, args.eval_n, args.seed, args.max_minutes, cfg, evaluate_model)
     print(f"warm start: {result['steps']} steps in {result['seconds']:.0f} s, held-out greedy accuracy "
           f"{100 * result['accuracy']:.1f}% -> {args.out}")
     return 0

@@ -205,7 +205,7 @@ class PrometheusSink:
     Gauges: ``fleetrl_<key>`` (``/`` and other characters as ``_``) and ``fleetrl_step``. Beside them
     ``fleetrl_learner_steps_total`` and ``fleetrl_learner_samples_total`` (counters) and
     ``fleetrl_learner_step_seconds`` (a histogram of ``timing/step_total_s``) carry an OpenMetrics
-    exemplar per step, ``{trace_id, group_id}`` of a group that step trained (``telemetry.exemplar()``,
+    exemplar per step, ``{trace_id, group_id}`` of a group that step trained (``tracing.exemplar()``,
     set by ``learner/tracing.py``), shown to scrapers that ask for ``application/openmetrics-text``
     (Prometheus with exemplar storage on, Grafana): a point on a dashboard links to the trace.
     Served by ``prometheus_client``'s HTTP server on a registry of its own.
@@ -233,12 +233,12 @@ class PrometheusSink:
         log.info("serving Prometheus metrics on http://%s:%d/metrics", addr, self.port)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        from fleetrl.common import telemetry
+        from fleetrl.common.telemetry import tracing
 
         values = {prometheus_name(k): (k, float(v)) for k, v in {"step": float(step), **metrics}.items()
                   if math.isfinite(v)}
         self.gauges.values = {**self.gauges.values, **values}
-        exemplar = telemetry.exemplar() or None
+        exemplar = tracing.exemplar() or None
         if "batch/samples" not in metrics and "timing/step_total_s" not in metrics:
             return  # not a training step (e.g. the step-0 evaluation)
         self.steps.inc(1, exemplar=exemplar)

@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
-from fleetrl.broker.client import BrokerClient
-from fleetrl.common import chaos
+from fleetrl.broker.client.roles import LearnerClient
+from fleetrl.common import faults
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.learner.algorithms import dynamic_sampling_filter
@@ -57,7 +57,7 @@ def share_of(total: int, rank: int, world: int) -> int:
 
 
 class BrokerBatchSource:
-    def __init__(self, client: BrokerClient, cfg: JobConfig, rank: int, world: int):
+    def __init__(self, client: LearnerClient, cfg: JobConfig, rank: int, world: int):
         self.client, self.cfg = client, cfg
         self.want = max(1, share_of(cfg.learner.groups_per_step, rank, world))
         self.dynamic = cfg.algorithm.dynamic_sampling
@@ -115,7 +115,7 @@ class BrokerBatchSource:
         return [g for i, g in enumerate(groups) if i in kept_groups]
 
     def ack(self, leased: Leased, step: int) -> None:
-        chaos.pin("learner.step")  # a chaos run: trained, not acknowledged yet
+        faults.at("learner.step")  # a chaos run pins here: trained, not acknowledged yet
         for lease_id, group_ids in leased.leases:
             self.client.ack_batch(lease_id, group_ids, step)
 

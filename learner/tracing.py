@@ -27,7 +27,7 @@ from typing import Iterator, Sequence
 from opentelemetry import trace
 
 from fleetrl.common import messages as m
-from fleetrl.common import telemetry
+from fleetrl.common.telemetry import tracing
 
 ANNOUNCED_TRACES = 16  # group traces a version announcement carries (each rollout load adds a span to each)
 
@@ -40,36 +40,36 @@ class StepTraces:
                 start_ns: int) -> None:
         """A ``learner.train`` span in each sampled group's trace, from ``start_ns`` to now; the first
         becomes the metric exemplar of this step."""
-        if not telemetry.enabled():
+        if not tracing.enabled():
             return
         link = [trace.Link(step_span.get_span_context())] if step_span.get_span_context().is_valid else []
         end_ns = time.time_ns()
         for g in groups:
-            if not telemetry.sampled(g.trace):
+            if not tracing.sampled(g.trace):
                 continue
-            span = telemetry.record_span("learner.train", start_ns, end_ns, parent=g.trace, links=link, attributes={
+            span = tracing.record_span("learner.train", start_ns, end_ns, parent=g.trace, links=link, attributes={
                 "fleetrl.group_id": g.group_id, "fleetrl.step": step, "fleetrl.policy_version": version})
             if span is not None:
                 self.pending.append(span)
         if groups:
-            sampled = [g for g in groups if telemetry.sampled(g.trace)]
+            sampled = [g for g in groups if tracing.sampled(g.trace)]
             if sampled:
-                telemetry.note_exemplar(sampled[0].trace, sampled[0].group_id)
+                tracing.note_exemplar(sampled[0].trace, sampled[0].group_id)
 
     @contextmanager
     def publishing(self, version: int, step: int) -> Iterator[list[dict[str, str]]]:
         """Around one weight publish: a ``learner.publish_weights`` span under each pending
         ``learner.train``; yields the contexts the announcement carries (``[]`` when tracing is off)."""
-        if not telemetry.enabled() or not self.pending:
+        if not tracing.enabled() or not self.pending:
             self.pending.clear()
             yield []
             return
-        tracer, attrs = telemetry.get_tracer(), {"fleetrl.policy_version": version, "fleetrl.step": step}
+        tracer, attrs = tracing.get_tracer(), {"fleetrl.policy_version": version, "fleetrl.step": step}
         spans = [tracer.start_span("learner.publish_weights", context=trace.set_span_in_context(parent), attributes=attrs)
                  for parent in self.pending]
         self.pending = []
         try:
-            yield [telemetry.inject(s) for s in spans[:ANNOUNCED_TRACES]]
+            yield [tracing.inject(s) for s in spans[:ANNOUNCED_TRACES]]
         finally:
             for s in spans:
                 s.end()

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -28,11 +27,12 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
-from fleetrl.broker.client import expected_receivers, status_metrics
-from fleetrl.common import faults, telemetry
+from fleetrl.broker.client.metrics import expected_receivers, status_metrics
+from fleetrl.common import faults
+from fleetrl.common.telemetry import tracing
 from fleetrl.common.config import load_config, save_resolved
-from fleetrl.common.config.checks import require_model_dir
-from fleetrl.common.log import setup_logging
+from fleetrl.common.config.preflight import require_model_dir
+from fleetrl.common.telemetry.logs import setup_logging
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.learner.checkpoint import Checkpointer, export_hf, rng_state, set_rng_state, tag_of
 from fleetrl.learner.completions import CompletionLog, reward_part_metrics, sample_advantages
@@ -40,6 +40,7 @@ from fleetrl.learner.lifecycle import GracefulStop, connect_broker, leave_broker
 from fleetrl.learner.lora import AdapterFreeReference, apply_lora, export_merged, lora_param_specs, merged_params
 from fleetrl.learner.monitor import Monitor
 from fleetrl.learner.objectives import OBJECTIVES, Setup
+from fleetrl.learner.rollback import RollbackParts, roll_back
 from fleetrl.learner.runtime import (
     Dist,
     build_engine,
@@ -58,7 +59,7 @@ log = logging.getLogger("fleetrl.learner")
 
 
 class Learner:
-    def __init__(self, cfg: JobConfig, run_dir: Path, client, dist: Dist):
+    def __init__(self, cfg: JobConfig, run_dir: Path, client, dist: Dist, evaluate_model=None):
         self.cfg, self.run_dir, self.client, self.dist = cfg, Path(run_dir), client, dist
         seed = cfg.learner.seed + dist.rank
         random.seed(seed)
@@ -78,12 +79,12 @@ class Learner:
             return build_frozen(load_causal_lm(cfg.model.path, cfg, dtype), cfg, dtype, dist.device)
 
         objective = OBJECTIVES[cfg.algorithm.type](Setup(cfg, self.run_dir, client, dist, self.engine, dtype,
-                                                         self.generator, load_reference))
+                                                         self.generator, load_reference, evaluate_model))
         self.actor, self.source, self.critic = objective.actor, objective.source, objective.critic
         self.evaluator = objective.evaluator
         self.ckpt = Checkpointer(cfg, run_dir, dist.rank)
         self.monitor = Monitor.for_run(run_dir, dist.rank, cfg=cfg)
-        from fleetrl.learner.weights import WeightPublisher
+        from fleetrl.common.weightsync.sender.publisher import WeightPublisher
 
         specs = lora_param_specs(self.module) if self.lora else param_specs(self.module)  # the base model's names
         self.publisher = WeightPublisher(cfg, run_dir, dist.rank, specs) if self.fleet else None
@@ -115,10 +116,10 @@ class Learner:
     def train_step(self) -> dict[str, float]:
         t0, start_ns = time.perf_counter(), time.time_ns()
         leased = self.source.next(self.step + 1, self.stop_requested)
-        with telemetry.span("learner.step", telemetry.ROOT, {"fleetrl.step": self.step + 1},
-                            telemetry.group_links(leased.groups), start_ns) as step_span:  # linked to every group
+        with tracing.span("learner.step", tracing.ROOT, {"fleetrl.step": self.step + 1},
+                            tracing.group_links(leased.groups), start_ns) as step_span:  # linked to every group
             batch = self.actor.plan(leased)
-            with injected_faults(self, self.step + 1):  # FLEETRL_FAULT (benchmarks/health.py); off by default
+            with faults.around("learner.update", learner=self, step=self.step + 1):
                 stats = self.actor.step(batch, self.version, self.pristine)
             self.pristine = False
             self.step += 1
@@ -242,12 +243,19 @@ class Learner:
     def rollback(self, reason: str) -> bool:
         """Restore the newest healthy checkpoint with a lower LR; False if there is none (then alert or stop).
         The steps, in order, are in ``learner/rollback.py``."""
-        from fleetrl.learner.rollback import roll_back
+        parts = RollbackParts(self.cfg, self.ckpt, self.engine, self.actor, self.critic, self.generator, self.source,
+                              self.health, self.client, self.dist, self.trained_log, self.fleet, self.step, self.version,
+                              publish=self.publish_new_version, set_lr_scale=self.set_lr_scale)
+        return roll_back(parts, reason)
 
-        return roll_back(self, reason)
+    def publish_new_version(self) -> int:
+        """``publish``, returning the policy version it published."""
+        self.publish()
+        return self.version
 
-    def _apply_lr_scale(self) -> None:
-        """Scale the schedule's base LR (kept by the scheduler's state) and the current LR."""
+    def set_lr_scale(self, scale: float) -> None:
+        """Scale the schedule's base LR (kept by the scheduler's state) and the current LR by ``scale``."""
+        self.lr_scale = scale
         peak = self.cfg.learner.lr * self.lr_scale
         self.scheduler.base_lrs = [peak for _ in self.scheduler.base_lrs]
         factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch) if hasattr(self.scheduler, "lr_lambdas") else 1.0
@@ -279,27 +287,6 @@ def finite_update(stats: dict[str, float]) -> bool:
     return ok
 
 
-@contextlib.contextmanager
-def injected_faults(learner: "Learner", step: int):
-    """The learner's fault hooks (common/faults.py) around one update: ``lr_spike`` multiplies the LR state
-    (the scheduler's base LR too, so it stays until a checkpoint is restored), ``nan_grad`` makes every
-    gradient of the step NaN."""
-    if not faults.PLAN:
-        yield
-        return
-    factor = faults.lr_multiplier(step)
-    if factor != 1.0:
-        learner.scheduler.base_lrs = [lr * factor for lr in learner.scheduler.base_lrs]
-        for group in learner.optimizer.param_groups:
-            group["lr"] *= factor
-    hooks = faults.poison_grads(learner.module, step)
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
-
-
 class JsonlLog:
     """Append-only JSON lines, flushed per line (survives a SIGKILL of this process)."""
 
@@ -313,15 +300,17 @@ class JsonlLog:
         self.file.close()
 
 
-def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None) -> int:
-    """Run one learner rank until learner.total_steps (or a stop signal). Returns the exit code."""
+def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None, evaluate_model=None) -> int:
+    """Run one learner rank until learner.total_steps (or a stop signal). Returns the exit code.
+
+    ``evaluate_model``: the held-out evaluator (``learner/evaluate.py``), handed in by the application."""
     dist = init_distributed(cfg)
-    telemetry.setup_tracing("learner", cfg.telemetry, run_dir, {"service.instance.id": f"learner-{dist.rank}",
+    tracing.setup_tracing("learner", cfg.telemetry, run_dir, {"service.instance.id": f"learner-{dist.rank}",
                                                                 "fleetrl.rank": dist.rank})
     own_client = client is None and cfg.needs_fleet  # offline DPO runs without a broker
     if own_client:
         client = connect_broker(cfg, run_dir, dist.rank)
-    learner = Learner(cfg, run_dir, client, dist)
+    learner = Learner(cfg, run_dir, client, dist, evaluate_model)
     stop = GracefulStop()
     ending = ("error", False)  # (why this rank leaves the broker, whether training is done)
     try:
@@ -371,7 +360,8 @@ def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None)
             client.close()
 
 
-def main(args) -> int:
+def main(args, evaluate_model=None) -> int:
+    """`fleetrl learner` (``app/entries.py`` calls it with rollout's evaluator)."""
     cfg = load_config(args.config, args.overrides)
     require_model_dir(cfg.model.path)
     run_dir = Path(args.run_dir or cfg.run.dir or Path(cfg.run.root) / f"{cfg.run.name}-learner")
@@ -383,4 +373,4 @@ def main(args) -> int:
         [f"checkpoint.resume={args.resume}"] if args.resume else [])
     if extra:
         cfg = load_config(args.config, [*args.overrides, *extra])
-    return train(cfg, run_dir)
+    return train(cfg, run_dir, evaluate_model=evaluate_model)

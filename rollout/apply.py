@@ -14,13 +14,14 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from fleetrl.common import faults, telemetry
+from fleetrl.common import faults
+from fleetrl.common.telemetry import tracing
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.rollout.tracing import trace_load
 
 if TYPE_CHECKING:
-    from fleetrl.rollout.weights import WeightReceiver
+    from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
 
 log = logging.getLogger("fleetrl.rollout")
 
@@ -31,13 +32,12 @@ class WeightApplier:
         self.cfg, self.engine, self.receiver, self.on_loaded = cfg, engine, receiver, on_loaded
         self.version = 0  # the weights the engine holds: model.path until a new version is applied
         self.stats = {"weights/pause_ms": 0.0, "weights/updates_inflight": 0.0}
-        self._faults = faults.WeightFaults()  # stale_fleet / corrupt_weights / engine_dtype: off unless injected
         self._announced: dict[int, list[dict[str, str]]] = {}  # version -> the publish spans it was announced with
         self._warned_no_receiver = False
 
     def offer(self, version: int, weights: m.WeightsInfo) -> None:
         """An announced (or caught-up) version, for the receiver to fetch."""
-        if weights.traces and telemetry.enabled():  # the group traces this version's load joins (rollout/tracing.py)
+        if weights.traces and tracing.enabled():  # the group traces this version's load joins (rollout/tracing.py)
             self._announced = {v: t for v, t in self._announced.items() if v > version - 8}
             self._announced[version] = weights.traces
         if self.receiver is None:
@@ -53,7 +53,8 @@ class WeightApplier:
         if self.receiver is None or self.receiver.pending_version() is None:
             return None
         start_ns, t0 = time.time_ns(), time.perf_counter()
-        load = functools.partial(self._faults.wrap(self.receiver.apply, self.receiver.pending_version), self.engine)
+        load = functools.partial(faults.at("rollout.weight_load", self.receiver.apply,
+                                           pending=self.receiver.pending_version, owner=self), self.engine)
         try:
             version = self.engine.loop.call(self.engine.swap_weights(load, self.cfg.rollout.inflight_update))
         except ValueError as e:  # names, shapes or dtypes that do not fit: the engine changed nothing
@@ -68,7 +69,7 @@ class WeightApplier:
         log.info("policy version %d -> %d: new weights loaded in flight (%s, %d groups in flight, paused %.0f ms)",
                  self.version, version, self.cfg.rollout.inflight_update, in_flight, pause_ms)
         self.version = version
-        faults.note_version(version)
+        faults.at("rollout.version_loaded", version)
         self.stats["weights/pause_ms"] = pause_ms
         self.stats["weights/updates_inflight"] += 1
         self.on_loaded(version)

@@ -1,7 +1,7 @@
 """Group assembly for one rollout server: a prompt's finished samples become one scored `Batch`.
 
 A prompt's ``group_size`` samples (plus, for ReMax, one greedy baseline) are done: keep the samples the
-environment's group rules let through (`rollout/envs/groups.py`), settle the group's sessions, start the
+environment's group rules let through (`rollout/group_rule.py`), settle the group's sessions, start the
 rewards (scorer threads) and hand back the `Batch` the finisher pushes (each sample keeps the prompt it
 followed: `build_groups`). ``None`` means the prompt goes back to the broker (too few samples survived, no
 agent took the tasks); the reason is logged here and told to the environment.
@@ -17,7 +17,7 @@ from fleetrl.common import messages as m
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.rollout.engines import SamplingParams
 from fleetrl.rollout.envs import Environment
-from fleetrl.rollout.envs import groups as env_groups
+from fleetrl.rollout import group_rule as env_groups
 from fleetrl.rollout.inflight import InFlight
 from fleetrl.rollout.loop import Batch, reward_inputs
 from fleetrl.rollout.tracing import genai_attributes

@@ -35,14 +35,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fleetrl.common.config import ConfigError, load_config
-from fleetrl.common.config.checks import default_success_threshold, require_model_dir
-from fleetrl.common.log import setup_logging
+from fleetrl.common.config.preflight import default_success_threshold, require_model_dir
+from fleetrl.common.telemetry.logs import setup_logging
 from fleetrl.common.config.schema import JobConfig, ModelConfig, RewardSpec
 from fleetrl.common.data.tables import DataError, load_rows
 from fleetrl.rollout.engines import SamplingParams, create_engine
 from fleetrl.rollout.loop import check_chat_template, encode_prompt
 from fleetrl.rollout.envs import Episode, create_env
-from fleetrl.rollout.envs import groups as env_groups
+from fleetrl.rollout import group_rule as env_groups
 from fleetrl.rollout.rewards import RewardInput, RewardScorer
 
 log = logging.getLogger("fleetrl.eval")

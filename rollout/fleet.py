@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fleetrl.broker.client import BrokerError, BrokerUnavailable
+from fleetrl.broker.client.errors import BrokerError, BrokerUnavailable
 
 log = logging.getLogger("fleetrl.rollout")
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.rollout.engines.base import Generation
+from fleetrl.rollout.engines.records import Generation
 from fleetrl.rollout.tracing import LeaseTrace
 
 
@@ -31,7 +31,7 @@ class InFlight:
 
 def max_inflight(cfg: JobConfig) -> int:
     """``rollout.max_inflight``, by default the broker's admission window in groups (the formula of
-    ``broker/staleness.py: admission_capacity``: groups trained per version x the versions a group may
+    ``broker/server/staleness.py: admission_capacity``: groups trained per version x the versions a group may
     lag, plus the current one). More would only wait for the broker's throttle."""
     if cfg.rollout.max_inflight is not None:
         return cfg.rollout.max_inflight

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from fleetrl.broker.client import BrokerClient, BrokerError, BrokerUnavailable
+from fleetrl.broker.client.errors import BrokerError, BrokerUnavailable
+from fleetrl.broker.client.roles import RolloutClient
 from fleetrl.common import messages as m
 from fleetrl.common.config import ConfigError
-from fleetrl.rollout.engines.base import Generation
-from fleetrl.rollout.envs import groups as env_groups
+from fleetrl.rollout import group_rule as env_groups
+from fleetrl.rollout.engines.records import Generation
 from fleetrl.rollout.envs.base import Episode
 from fleetrl.rollout.rewards import RewardInput, RewardResult
 from fleetrl.rollout.rewards.scorer import RewardsHopeless
@@ -267,7 +268,7 @@ class Finisher:
     ``on_done(batch)`` runs (on this thread) once a batch is pushed, dropped or refused.
     """
 
-    def __init__(self, client: BrokerClient, scorer: Any, server_id: str, leases: OpenLeases, stats: Stats,
+    def __init__(self, client: RolloutClient, scorer: Any, server_id: str, leases: OpenLeases, stats: Stats,
                  metrics: MetricsFile, push_deadline_s: float, extra_metrics: Callable[[], dict[str, float]],
                  on_done: Callable[[Batch], None] | None = None):
         self.client, self.scorer, self.server_id = client, scorer, server_id
@@ -364,7 +365,7 @@ class Finisher:
             self.on_done(batch)
         self.stats.add(batches=len(batches), tokens=sum(b.num_tokens for b in batches), **counts)
         self.metrics.write(self.record(batches, [r for _, results, _ in built for r in results], push_s))
-        if (why := self.scorer.hopeless()) is not None:  # every sample failed or unscored: stop, naming the rewards
+        if (why := self.scorer.hopeless()) is not None:  # the last N samples failed or unscored: stop, naming the rewards
             raise RewardsHopeless(why)
 
     def push(self, groups: list[m.SampleGroup], refused: list[str]) -> dict[str, int]:
@@ -439,7 +440,7 @@ class Finisher:
         }
 
 
-def return_leases(client: BrokerClient, leases: OpenLeases, stats: Stats) -> int:
+def return_leases(client: RolloutClient, leases: OpenLeases, stats: Stats) -> int:
     """Give every open prompt back to the broker (shutdown); returns how many it re-issues."""
     returned = 0
     for lease_id, prompt_ids in leases.take_all().items():

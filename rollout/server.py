@@ -31,16 +31,18 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fleetrl.broker.client import (
-    BrokerClient, BrokerError, BrokerUnavailable, SubscriptionLike, ZmqBrokerClient, client_identity, default_client_id,
-    resolve_address,
-)
-from fleetrl.common import chaos, faults, telemetry
+from fleetrl.broker.client.address import client_identity, default_client_id, resolve_address
+from fleetrl.broker.client.errors import BrokerError, BrokerUnavailable
+from fleetrl.broker.client.roles import RolloutClient, SubscriptionLike
+from fleetrl.broker.client.sync import ZmqBrokerClient
+from fleetrl.common import faults
+from fleetrl.common.telemetry import tracing
 from fleetrl.common import messages as m
 from fleetrl.common.config import load_config
-from fleetrl.common.config.checks import require_model_dir
-from fleetrl.common.log import setup_logging
-from fleetrl.common.resources import ProcessResources
+from fleetrl.common.config.preflight import require_model_dir
+from fleetrl.common.telemetry.logs import setup_logging
+from fleetrl.common.telemetry.startup import STARTUP
+from fleetrl.common.telemetry.resources import ProcessResources
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.rollout.engines import Generation, SamplingParams, create_engine
 from fleetrl.rollout.envs import Environment, create_env
@@ -53,12 +55,12 @@ from fleetrl.rollout.rewards.scorer import RewardScorer, RewardsHopeless
 from fleetrl.rollout.tracing import LeaseTrace
 
 if TYPE_CHECKING:
-    from fleetrl.rollout.weights import WeightReceiver
+    from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
 
 log = logging.getLogger("fleetrl.rollout")
 
 EXIT_BROKER_UNAVAILABLE = 3
-EXIT_REWARDS_HOPELESS = 4  # no sample got a usable reward: restarting cannot help (`fleetrl run` does not)
+EXIT_REWARDS_HOPELESS = 4  # rollout.reward_stop_after samples in a row unusable: a restart cannot help (`fleetrl run` does not)
 CATCHUP_S = 5.0  # seconds between GetVersion polls (catch-up for dropped announcements and pause state)
 WAIT_SLICE_S = 0.25  # longest sleep without looking at announcements and the stop flag
 POLL_SLICE_S = 0.05  # while samples are generating: how often announcements are looked at
@@ -77,7 +79,7 @@ class RolloutServer:
     ``run()`` registers, loops until stopped and returns the exit code. It closes none of them.
     """
 
-    def __init__(self, cfg: JobConfig, client: BrokerClient, engine: Any, scorer: RewardScorer, *, server_index: int = 0,
+    def __init__(self, cfg: JobConfig, client: RolloutClient, engine: Any, scorer: RewardScorer, *, server_index: int = 0,
                  run_dir: str | Path | None = None, receiver: WeightReceiver | None = None,
                  stop_event: threading.Event | None = None, env: Environment | None = None, endpoint: Any = None):
         self.cfg, self.client, self.engine, self.scorer, self.receiver = cfg, client, engine, scorer, receiver
@@ -134,18 +136,22 @@ class RolloutServer:
         return 0
 
     def start(self) -> None:
+        STARTUP.mark("receiver")
         reg = self.client.connect()
         self.sub = self.client.subscribe()
         self.client.start_heartbeat(self.heartbeat_stats, reg.heartbeat_s or self.cfg.broker.heartbeat_s)
         push_deadline = max(self.cfg.broker.prompt_lease_s, 3 * self.cfg.broker.request_timeout_s)
         self.finisher = Finisher(self.client, self.scorer, self.client_id, self.leases, self.stats, self.metrics,
                                  push_deadline, self.batch_stats, on_done=self._pushed)
+        STARTUP.mark("broker")
         self.on_current(reg.policy_version, reg.weights, reg.paused)
+        STARTUP.mark("initial policy")
         self._next_catchup = time.monotonic() + CATCHUP_S
         if self.endpoint is not None:
             self.endpoint.start()
         if self.run_dir is not None:
             write_ready(self.run_dir, self.server_index, self.client_id, self.version)
+        log.info("%s", STARTUP.line())
         log.info("ready: %s registered with broker %s (broker at version %d%s), up to %d prompts x %d samples "
                  "in flight, in-flight updates: %s", self.client_id, reg.broker_id, reg.policy_version,
                  ", paused" if reg.paused else "", self.budget.most, self.cfg.rollout.group_size,
@@ -226,7 +232,7 @@ class RolloutServer:
         if self.paused:
             self.wait(PAUSED_POLL_S)
             return None
-        chaos.pin("rollout.idle")
+        faults.at("rollout.idle")
         try:
             reply = self.client.lease_prompts(n or self.cfg.rollout.prompts_per_batch, self.version)
         except BrokerError as e:
@@ -253,7 +259,7 @@ class RolloutServer:
         g = self.cfg.rollout.group_size
         n = g + int(self.greedy_baseline)  # the last sample of a group is the greedy baseline (remax)
         admitted = []
-        chaos.pin("rollout.generate")
+        faults.at("rollout.generate")
         for prompt in lease.prompts:
             task = self.env.task(prompt)
             key, self._next_id = self._next_id, self._next_id + 1
@@ -261,9 +267,7 @@ class RolloutServer:
             self.inflight[key] = item
             self.budget.admitted()
             for j in range(n):
-                params = self.greedy_params if j == g else self.params
-                if faults.PLAN and j != g:  # entropy_collapse (a testing aid, off by default)
-                    params = dataclasses.replace(params, temperature=faults.temperature(params.temperature, self.version))
+                params = self.greedy_params if j == g else faults.at("rollout.sampling", self.params, version=self.version)
                 episode = self.env.episode(self.engine, task, params, f"{self.client_id}/{key}/{j}",
                                            trace_carrier(trace, prompt.prompt_id))
                 future = self.engine.loop.submit(episode)
@@ -415,7 +419,7 @@ class RolloutServer:
 
 
 def broker_address(cfg: JobConfig, cli_address: str | None, run_dir: str | Path | None) -> str:
-    """See :func:`fleetrl.broker.address.resolve_address` (--broker > broker.address > broker.json > host:port)."""
+    """See :func:`fleetrl.broker.client.address.resolve_address` (--broker > broker.address > broker.json > host:port)."""
     return resolve_address(cfg.broker, run_dir, cli_address)
 
 
@@ -459,6 +463,7 @@ def install_signals(stop: threading.Event) -> None:
 
 
 def main(args) -> int:
+    STARTUP.mark("python+imports")
     overrides = list(args.overrides) + ([f"rollout.engine={args.engine}"] if args.engine else [])
     cfg = load_config(args.config, overrides)
     require_model_dir(cfg.model.path)  # one line naming the key, before from_pretrained would try the hub
@@ -470,15 +475,18 @@ def main(args) -> int:
     stop = threading.Event()
     install_signals(stop)
     client_id = default_client_id("rollout", index, client_identity(cfg.broker.curve, "rollout"))
-    telemetry.setup_tracing("rollout", cfg.telemetry, args.run_dir,
+    tracing.setup_tracing("rollout", cfg.telemetry, args.run_dir,
                             {"service.instance.id": f"rollout-{index}", "fleetrl.client_id": client_id,
                              "fleetrl.server_index": index})
     device = resolve_device(cfg.rollout.device)
+    STARTUP.mark("config")
     engine = scorer = client = receiver = env = None
     try:
         engine = create_engine(cfg.rollout.engine, cfg.model, cfg.rollout, device, cfg.rollout.seed + index)
+        STARTUP.mark("engine")
         env = create_env(cfg, engine.tokenizer)
         scorer = RewardScorer.from_config(cfg.rollout)
+        STARTUP.mark("rewards")
         receiver = engine.weight_receiver(cfg, device, client_id)
         address = broker_address(cfg, args.broker, args.run_dir)
         client = ZmqBrokerClient(address, client_id, "rollout", rank=index, timeout_s=cfg.broker.request_timeout_s,

@@ -18,19 +18,19 @@ from typing import Any, Sequence
 from opentelemetry import trace
 
 from fleetrl.common import messages as m
-from fleetrl.common import telemetry
+from fleetrl.common.telemetry import tracing
 
 
 class LeaseTrace:
     def __init__(self, lease: m.PromptLease, server_id: str, version: int, start_ns: int):
-        tracer, now = telemetry.get_tracer(), time.time_ns()
+        tracer, now = tracing.get_tracer(), time.time_ns()
         lease_attrs = {"fleetrl.lease_id": lease.lease_id, "fleetrl.prompts": len(lease.prompts),
                        "fleetrl.server_id": server_id, "fleetrl.policy_version": version}
         self.roots: dict[str, trace.Span] = {}
         self.contexts: dict[str, Any] = {}  # prompt id -> context of its group's root (kept after it ends)
         self.generating: dict[str, trace.Span] = {}
         for p in lease.prompts:
-            root = tracer.start_span("rollout.group", context=telemetry.ROOT, start_time=start_ns, attributes={
+            root = tracer.start_span("rollout.group", context=tracing.ROOT, start_time=start_ns, attributes={
                 "fleetrl.prompt_id": p.prompt_id, "fleetrl.lease_id": lease.lease_id, "fleetrl.server_id": server_id,
                 "fleetrl.policy_version": version})
             ctx = self.contexts[p.prompt_id] = trace.set_span_in_context(root)
@@ -41,7 +41,7 @@ class LeaseTrace:
     @classmethod
     def start(cls, lease: m.PromptLease, server_id: str, version: int, start_ns: int) -> "LeaseTrace | None":
         """The lease's spans, or None when tracing is off (then nothing else here is called)."""
-        return cls(lease, server_id, version, start_ns) if telemetry.enabled() else None
+        return cls(lease, server_id, version, start_ns) if tracing.enabled() else None
 
     def generated(self, prompt_id: str, attributes: dict[str, Any]) -> None:
         """End the prompt's ``rollout.generate`` span (``attributes``: :func:`genai_attributes`)."""
@@ -54,11 +54,11 @@ class LeaseTrace:
                **attributes: int | float | str) -> None:
         """A span in the trace of each of ``prompt_ids`` (default: every prompt of the lease) from two
         ``time.monotonic()`` readings."""
-        start_ns, end_ns = telemetry.wall_ns(start_s), telemetry.wall_ns(end_s)
+        start_ns, end_ns = tracing.wall_ns(start_s), tracing.wall_ns(end_s)
         attrs = {f"fleetrl.{k}": v for k, v in attributes.items()}
         for pid in self.contexts if prompt_ids is None else prompt_ids:
             if pid in self.contexts:
-                telemetry.record_span(name, start_ns, end_ns, parent=self.contexts[pid], attributes=attrs)
+                tracing.record_span(name, start_ns, end_ns, parent=self.contexts[pid], attributes=attrs)
 
     def group(self, prompt_id: str, group_id: str) -> dict[str, str]:
         """End the prompt's root span and return the context its group carries."""
@@ -68,12 +68,12 @@ class LeaseTrace:
         self.generated(prompt_id, {})
         span.set_attribute("fleetrl.group_id", group_id)
         span.end()
-        return telemetry.inject(span)
+        return tracing.inject(span)
 
     def carrier(self, prompt_id: str) -> dict[str, str] | None:
         """The W3C context of the prompt's ``rollout.generate`` span: what the engine's requests carry."""
         span = self.generating.get(prompt_id) or self.roots.get(prompt_id)
-        return telemetry.inject(span) if span is not None else None
+        return tracing.inject(span) if span is not None else None
 
     def dropped(self, prompt_id: str) -> None:
         """End the spans of a prompt whose group is not pushed (its prompt goes back to the broker)."""
@@ -107,5 +107,5 @@ MAX_LOAD_TRACES = 16  # the learner announces at most 16 (learner/tracing.py); m
 def trace_load(start_ns: int, traces: Sequence[dict[str, str]], attributes: dict[str, Any]) -> None:
     """``rollout.load_weights``: one span under each publish span the version was announced with (the
     traces of groups it trained on, at most :data:`MAX_LOAD_TRACES`), or one root span when it came with none."""
-    for parent in list(traces)[:MAX_LOAD_TRACES] or [telemetry.ROOT]:
-        telemetry.record_span("rollout.load_weights", start_ns, parent=parent, attributes=attributes)
+    for parent in list(traces)[:MAX_LOAD_TRACES] or [tracing.ROOT]:
+        tracing.record_span("rollout.load_weights", start_ns, parent=parent, attributes=attributes)

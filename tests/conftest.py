@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import pytest
 
+from fleetrl.common.net import free_port  # noqa: F401 - tests import it from here
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -49,7 +49,7 @@ class BrokerProcess:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log = open(self.run_dir / "broker.log", "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleetrl.common.cli", "broker", "--config", str(self.config), "--run-dir",
+            [sys.executable, "-m", "fleetrl.app.cli", "broker", "--config", str(self.config), "--run-dir",
              str(self.run_dir), *self.overrides], stdout=self.log, stderr=subprocess.STDOUT,
             preexec_fn=self._apply_limits if self.limits else None)
         deadline = time.monotonic() + timeout

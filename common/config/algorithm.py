@@ -13,7 +13,7 @@ the actor, the batch source and the evaluator of ``algorithm.type`` from one reg
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, cast
 
 from msgspec import field
 
@@ -142,7 +142,7 @@ class RlAlgorithm(Section, tag_field="type", tag="rl"):
     @property
     def type(self) -> str:
         """The variant's tag, ``rl`` (also written as ``algorithm.type`` in every resolved config)."""
-        return self.__struct_config__.tag
+        return cast(str, self.__struct_config__.tag)
 
     @property
     def needs_reference(self) -> bool:
@@ -173,7 +173,7 @@ class DpoAlgorithm(Section, tag_field="type", tag="dpo"):
     @property
     def type(self) -> str:
         """The variant's tag, ``dpo``."""
-        return self.__struct_config__.tag
+        return cast(str, self.__struct_config__.tag)
 
     @property
     def needs_reference(self) -> bool:
@@ -184,7 +184,7 @@ class DpoAlgorithm(Section, tag_field="type", tag="dpo"):
         return 1
 
 
-AlgorithmConfig = Union[RlAlgorithm, DpoAlgorithm]
+AlgorithmConfig = RlAlgorithm | DpoAlgorithm
 """The ``algorithm`` section: one of the variants, chosen by ``algorithm.type`` (default ``rl``)."""
 
 ALGORITHM_TYPES: dict[str, type[Section]] = {"rl": RlAlgorithm, "dpo": DpoAlgorithm}

@@ -20,3 +20,7 @@ def doc(text: str, **constraints: Any) -> Meta:
 
 class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=False):
     """Base of every config section: keyword-only, unknown keys rejected."""
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message says which key and how to fix it."""

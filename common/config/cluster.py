@@ -137,10 +137,11 @@ def time_limit_s(text: str | int) -> int:
     if not m:
         raise ValueError(f"cluster.time_limit={text!r} is not a Slurm time; write MM, HH:MM:SS or D-HH:MM:SS")
     days, a, b, c = (int(x) if x else None for x in m.groups())
+    a = a or 0  # the pattern always captures the first number
     if days is not None:  # D-HH[:MM[:SS]]
         return days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
     if c is not None:
-        return a * 3600 + b * 60 + c
+        return a * 3600 + (b or 0) * 60 + c
     return a * 60 + (b or 0)
 
 
@@ -226,6 +227,6 @@ def check_placement(cfg) -> None:
     """Raise ConfigError listing every reason the ``cluster:`` section cannot be placed."""
     errors = placement_errors(cfg)
     if errors:
-        from fleetrl.common.config.loader import ConfigError
+        from fleetrl.common.config.base import ConfigError
 
         raise ConfigError("the cluster: section cannot be placed:\n  - " + "\n  - ".join(errors))

@@ -64,6 +64,13 @@ def config_docs() -> str:
         "TRL's / verl's names are read at the top level with a one-line note naming fleetrl's key: "
         + ", ".join(f"`{a}` = `{t}`" for a, t in ALIASES.items())
         + " (`algorithm.beta` for `type: dpo`; a `beta` > 0 also sets `algorithm.kl.placement: loss` when unset).",
+        "TRL's batch sizes, counted in completions, are read the same way (not for `type: dpo`): "
+        "`per_device_train_batch_size` x `gradient_accumulation_steps` (default 1) completions per rank and optimizer "
+        "step (whole groups: a group trains on one rank), x `learner.num_ranks` per optimizer step; "
+        "`generation_batch_size` (default: one optimizer step's) per learner step. So `learner.groups_per_step` = "
+        "`generation_batch_size` / `rollout.group_size` and `learner.mini_batches` = `generation_batch_size` / the "
+        "optimizer step's completions; sizes that do not divide are refused. Memory is bounded by "
+        "`learner.max_tokens_per_microbatch`, not by a per-device count.",
         "",
     ]
 
@@ -87,11 +94,12 @@ def config_docs() -> str:
         tp = field_types(JobConfig)[info.name]
         lines.extend([f"## `{info.name}`", "", _describe(tp)[0], ""])
         variants = variants_of(tp)
-        for tag, variant in (variants or {None: struct_of(tp)}).items():
-            if tag is not None:
-                field_ = tag_field_of(variants)  # type: ignore[arg-type]
+        pairs: list[tuple[str | None, Any]] = list(variants.items()) if variants else [(None, struct_of(tp))]
+        for tag, variant in pairs:
+            if variants is not None and tag is not None:
+                field_ = tag_field_of(variants)
                 lines.extend([f"### `{info.name}` with `{field_}: {tag}`", "", (variant.__doc__ or "").strip(), ""])
-            walk(variant, f"{info.name}.")  # type: ignore[arg-type]
+            walk(variant, f"{info.name}.")
     for section, key in (("rollout", "rewards"), ("health", "rules")):
         item = struct_of(field_types(struct_of(field_types(JobConfig)[section]))[key])  # type: ignore[arg-type]
         lines.extend([f"### Items of `{section}.{key}` ({item.__name__})", ""])  # type: ignore[union-attr]

@@ -15,14 +15,15 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, Union, cast
 
 import msgspec
 import yaml
 
-from fleetrl.common.config.schema import JobConfig
-from fleetrl.common.config.base import Section
+from fleetrl.common.config.base import ConfigError, Section
 from fleetrl.common.config.names import apply_aliases, with_absolute_paths
+from fleetrl.common.config.overrides import apply_overrides, parse_value, read_yaml
+from fleetrl.common.config.schema import JobConfig
 
 __all__ = [
     "ConfigError",
@@ -33,93 +34,6 @@ __all__ = [
     "parse_value",
     "save_resolved",
 ]
-
-
-class ConfigError(ValueError):
-    """A config file or override is wrong; the message says which key and how to fix it."""
-
-
-# ------------------------------------------------------------------------------------ YAML
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-3`` as a float (PyYAML's YAML 1.1 resolver wants ``1.0e-3``)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d*)?[eE][-+]?\d+$|^[-+]?\d[\d_]*\.\d*$|^[-+]?\.\d+$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"),
-    list("-+0123456789."),
-)
-
-
-def parse_value(text: str) -> Any:
-    """Parse one override value as a YAML scalar or flow collection (``"3"`` -> 3, ``"null"`` -> None)."""
-    try:
-        return yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError:
-        return text  # not YAML: keep the raw string and let type validation judge it
-
-
-def _read_yaml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing YAML file (see configs/)")
-    try:
-        data = yaml.load(p.read_text(), Loader=_Loader)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections, got {type(data).__name__}")
-    return data
-
-
-# ------------------------------------------------------------------------------- overrides
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides to a nested dict in place (list items by index: ``a.0.b=1``)."""
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. learner.lr=1e-5)")
-        parts = key.split(".")
-        node: Any = raw
-        for i, part in enumerate(parts[:-1]):
-            node = _descend(node, part, ".".join(parts[: i + 1]))
-        _assign(node, parts[-1], parse_value(value), key)
-    return raw
-
-
-def _descend(node: Any, part: str, where: str) -> Any:
-    if isinstance(node, list):
-        idx = _list_index(node, part, where)
-        return node[idx]
-    if not isinstance(node, dict):
-        raise ConfigError(f"override path {where!r} goes through a value that is not a section")
-    if part.isdigit():
-        raise ConfigError(f"{where}: indexes a list the config file does not set; override the whole list instead")
-    if node.get(part) is None:
-        node[part] = {}
-    return node[part]
-
-
-def _assign(node: Any, part: str, value: Any, key: str) -> None:
-    if isinstance(node, list):
-        node[_list_index(node, part, key)] = value
-    elif isinstance(node, dict) and not part.isdigit():
-        node[part] = value
-    else:
-        raise ConfigError(f"override {key!r} goes through a value that is not a section")
-
-
-def _list_index(node: list, part: str, where: str) -> int:
-    if not part.isdigit() or int(part) >= len(node):
-        raise ConfigError(f"{where}: index {part!r} is not in the list of {len(node)} item(s)")
-    return int(part)
 
 
 # ------------------------------------------------------------------------------ validation
@@ -154,11 +68,11 @@ def variants_of(tp: Any) -> dict[str, type[Section]] | None:
         return None
     tags = {a.__struct_config__.tag: a for a in typing.get_args(tp)
             if isinstance(a, type) and issubclass(a, Section) and a.__struct_config__.tag is not None}
-    return tags if len(tags) > 1 else None
+    return cast("dict[str, type[Section]]", tags) if len(tags) > 1 else None
 
 
 def tag_field_of(variants: dict[str, type[Section]]) -> str:
-    return next(iter(variants.values())).__struct_config__.tag_field
+    return cast(str, next(iter(variants.values())).__struct_config__.tag_field)
 
 
 def _section_for(tp: Any, value: Any) -> type[Section] | None:
@@ -167,7 +81,7 @@ def _section_for(tp: Any, value: Any) -> type[Section] | None:
     variants = variants_of(tp)
     if variants is None:
         return struct_of(tp)
-    return variants.get(value.get(tag_field_of(variants))) if isinstance(value, dict) else None
+    return variants.get(cast(str, value.get(tag_field_of(variants)))) if isinstance(value, dict) else None
 
 
 def _fill_tags(raw: dict[str, Any]) -> None:
@@ -306,10 +220,11 @@ def _rephrase(err: msgspec.ValidationError, raw: dict[str, Any]) -> ConfigError:
     return ConfigError(message)
 
 
-def validate(raw: dict[str, Any]) -> JobConfig:
-    """Decode a nested dict into a JobConfig, raising ConfigError that names the key at fault."""
+def validate(raw: dict[str, Any], notes: list[str] | None = None) -> JobConfig:
+    """Decode a nested dict into a JobConfig, raising ConfigError that names the key at fault. The notes on
+    TRL/verl names go to ``notes`` when given (the command prints them), else to the log."""
     _legacy_hints(raw)
-    apply_aliases(raw)
+    apply_aliases(raw, notes=notes)
     _fill_tags(raw)
     _check_keys(raw, JobConfig, "")
     try:
@@ -318,11 +233,12 @@ def validate(raw: dict[str, Any]) -> JobConfig:
         raise _rephrase(e, raw) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
-    """Read a YAML job (defaults when ``path`` is None), apply overrides, validate."""
-    raw = _read_yaml(path) if path is not None else {}
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                notes: list[str] | None = None) -> JobConfig:
+    """Read a YAML job (defaults when ``path`` is None), apply overrides, validate. ``notes``: see validate."""
+    raw = read_yaml(path) if path is not None else {}
     apply_overrides(raw, list(overrides or []))
-    return validate(raw)
+    return validate(raw, notes)
 
 
 # ---------------------------------------------------------------------------------- output

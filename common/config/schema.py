@@ -174,6 +174,10 @@ class RolloutConfig(Section):
     on_reward_failure: Annotated[
         Literal["zero", "drop_group"], doc("A failed reward gives reward 0, or drops its whole group.")
     ] = "zero"
+    reward_stop_after: Annotated[int, doc(
+        "Stop the rollout server (exit code 4; `fleetrl run` then stops the job) once this many samples in a row got "
+        "no usable reward (every reward failed or returned None), at the start of a run or later; 0 = never stop.",
+        ge=0)] = 32
     seed: Annotated[int, doc("Base sampling seed; server i uses seed + i.")] = 0
     stay_after_done: Annotated[bool, doc(
         "Keep this server up when the learner finishes or the broker shuts down (it waits for the next learner); "
@@ -414,6 +418,10 @@ class RunConfig(Section):
         "Who may read what the job's processes write (umask 077 / 027 / 022): `owner` only, the `group` too (share "
         "checkpoints, logs, metrics and TensorBoard files on a cluster), or `all`. Keys, the broker spool and weight "
         "versions stay owner-only (0600 / 0700) whatever this says.")] = "owner"
+    python_path: Annotated[list[str], doc(
+        "Folders added at the end of sys.path, where user code named `pkg.module:function` is looked for (relative "
+        "ones from the working directory); the config a run saves adds the working directory when such code was "
+        "found there, so `--resume` from another directory imports the same code.")] = field(default_factory=list)
 
 
 class JobConfig(Section):

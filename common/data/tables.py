@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from fleetrl.common.config.loader import ConfigError
+from fleetrl.common.config.base import ConfigError
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 DISK_MARKERS = ("dataset_dict.json", "state.json")  # what save_to_disk writes
@@ -160,7 +160,7 @@ def apply_map(rows: list[dict[str, Any]], ref: str, key: str) -> list[dict[str, 
 
 
 def load_hook(ref: str) -> Callable[[dict[str, Any]], Any]:
-    from fleetrl.common.userfn import FunctionRefError, load_function
+    from fleetrl.common.plugins.userfn import FunctionRefError, load_function
 
     try:
         return load_function(ref)

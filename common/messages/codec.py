@@ -28,7 +28,7 @@ def encode_raw(obj: Any) -> msgspec.Raw:
     return msgspec.Raw(_encoder.encode(obj))
 
 
-def _decode(decoder: msgspec.msgpack.Decoder, buf: bytes, what: str) -> Any:
+def _decode(decoder: msgspec.msgpack.Decoder, buf: bytes | memoryview, what: str) -> Any:
     try:
         return decoder.decode(buf)
     except msgspec.ValidationError as e:
@@ -44,7 +44,7 @@ def _decode(decoder: msgspec.msgpack.Decoder, buf: bytes, what: str) -> Any:
         raise ProtocolError(f"undecodable {what} ({len(buf)} bytes): {type(e).__name__}: {e}") from None
 
 
-def decode_request(buf: bytes) -> Request:
+def decode_request(buf: bytes | memoryview) -> Request:
     """Decode a client request; raises ProtocolError on anything that is not one."""
     return _decode(_request_decoder, buf, "request")
 
@@ -64,7 +64,7 @@ def decode_group(buf: bytes) -> SampleGroup:
     return _decode(_group_decoder, buf, "sample group")
 
 
-def peek_header(buf: bytes) -> tuple[int, int] | None:
+def peek_header(buf: bytes | memoryview) -> tuple[int, int] | None:
     """(tag, req_id) read from the first bytes of a frame without decoding the rest, or None.
 
     Lets the broker answer an oversized or invalid frame with a typed error the client can match.
@@ -90,7 +90,7 @@ def peek_header(buf: bytes) -> tuple[int, int] | None:
         return None
 
 
-def _skip_str(buf: bytes, off: int) -> int | None:
+def _skip_str(buf: bytes | memoryview, off: int) -> int | None:
     b = buf[off]
     if 0xA0 <= b <= 0xBF:
         return off + 1 + (b & 0x1F)
@@ -100,7 +100,7 @@ def _skip_str(buf: bytes, off: int) -> int | None:
     return None
 
 
-def peek_push_count(buf: bytes) -> int | None:
+def peek_push_count(buf: bytes | memoryview) -> int | None:
     """The number of groups a PushGroups frame ``[tag, req_id, client_id, [groups...]]`` claims, read from its
     first bytes without decoding it (None when the frame is not laid out like one). Lets the broker refuse
     a frame of a million groups before it decodes them."""
@@ -113,9 +113,10 @@ def peek_push_count(buf: bytes) -> int | None:
             off += 1 if b < 0x80 else 1 + (1 << (b - 0xCC)) if 0xCC <= b <= 0xCF else -off
             if off <= 0:
                 return None
-        off = _skip_str(buf, off)
-        if off is None:
+        after = _skip_str(buf, off)
+        if after is None:
             return None
+        off = after
         b = buf[off]
         if 0x90 <= b <= 0x9F:
             return b & 0x0F

@@ -64,8 +64,9 @@ class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     trace: dict[str, str] = {}  # W3C trace context (traceparent, tracestate)
     created_at: float = 0.0
     metadata: dict[str, Any] = {}
-    loss_mask: memoryview = b""  # uint8 [sum(lengths)] or empty (= all 1): 0 marks appended, untrained tokens
-    token_versions: memoryview = b""  # int32 LE [sum(lengths)] or empty (= all policy_version)
+    # built from bytes, decoded as memoryview (msgspec): both are read as buffers
+    loss_mask: memoryview = b""  # type: ignore[assignment]  # uint8 [sum(lengths)] or empty (= all 1): 0 = untrained
+    token_versions: memoryview = b""  # type: ignore[assignment]  # int32 LE [sum(lengths)] or empty (= all policy_version)
     baseline_reward: float | None = None  # ReMax: the reward of the prompt's greedy response (None = not sampled)
     failed_parts: list[list[str]] = []  # [G] the reward labels that failed on each sample; empty = none failed
     prompt_lengths: list[int] = []  # [G] each response's own prompt (back to back in prompt_tokens); empty = shared
@@ -188,11 +189,12 @@ def build_group(group_id: str, prompt_id: str, policy_version: int, prompt_ids: 
         prompt_bytes = b"".join(np.asarray(p, dtype=TOKEN_DTYPE).tobytes() for p in prompt_ids)
     else:
         prompt_bytes = np.asarray(prompt_ids, dtype=TOKEN_DTYPE).tobytes()
+    arrays: dict[str, Any] = dict(  # bytes for the memoryview fields (decoded groups hold memoryviews: both buffers)
+        prompt_tokens=prompt_bytes, tokens=b"".join(t.tobytes() for t in tokens),
+        logprobs=b"".join(lp.tobytes() for lp in logprobs), finish_reasons=list(finish_reasons or []))
     return SampleGroup(
-        group_id=group_id, prompt_id=prompt_id, policy_version=policy_version,
-        prompt_tokens=prompt_bytes, lengths=[len(t) for t in tokens],
-        tokens=b"".join(t.tobytes() for t in tokens), logprobs=b"".join(lp.tobytes() for lp in logprobs),
-        rewards=[float(r) for r in rewards], finish_reasons=list(finish_reasons or []), **fields,
+        group_id=group_id, prompt_id=prompt_id, policy_version=policy_version, lengths=[len(t) for t in tokens],
+        rewards=[float(r) for r in rewards], **arrays, **fields,
     )
 
 
@@ -256,11 +258,11 @@ def check_group(group: SampleGroup, vocab_size: int = 0, *, max_abs_reward: floa
         return (f"group {gid} claims policy version {newest}, ahead of the broker's newest version {max_version}; "
                 "a rollout can only hold versions the broker announced")
     logp = np.frombuffer(group.logprobs, dtype=LOGPROB_DTYPE)
-    lo, hi = float(logp.min()), float(logp.max())  # NaN propagates through both
-    if not (math.isfinite(lo) and math.isfinite(hi)):
+    lp_lo, lp_hi = float(logp.min()), float(logp.max())  # NaN propagates through both
+    if not (math.isfinite(lp_lo) and math.isfinite(lp_hi)):
         return f"group {gid} has log-probs that are not finite"
-    if hi > 0.0:
-        return f"group {gid} has a log-prob of {hi:g} > 0; behaviour log-probs are log-probabilities"
+    if lp_hi > 0.0:
+        return f"group {gid} has a log-prob of {lp_hi:g} > 0; behaviour log-probs are log-probabilities"
     for name in ("metadata", "reward_parts"):
         if getattr(group, name) and nesting_depth(getattr(group, name)) > MAX_METADATA_DEPTH:
             return f"group {gid} has {name} nested deeper than {MAX_METADATA_DEPTH} levels"
@@ -271,7 +273,7 @@ def nesting_depth(value: Any) -> int:
     """How deep lists and dicts nest in ``value`` (a scalar is 0), without recursion."""
     depth, level = 0, [value]
     while level:
-        nxt = []
+        nxt: list[Any] = []
         for v in level:
             if isinstance(v, dict):
                 nxt.extend(v.values())

@@ -6,7 +6,7 @@ DEALER socket can have many requests in flight.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal
 
 import msgspec
 
@@ -138,10 +138,10 @@ class Leave(Message, tag=15):  # Rollout/Learner -> Broker: this client stops no
     done: bool = False
 
 
-Request = Union[
-    Register, Heartbeat, LeasePrompts, PushGroup, PushGroups, ReturnPrompts, LeaseBatch, AckBatch, Commit, Rewind,
-    PublishVersion, Control, GetStatus, GetVersion, Leave,
-]
+Request = (
+    Register | Heartbeat | LeasePrompts | PushGroup | PushGroups | ReturnPrompts | LeaseBatch | AckBatch | Commit
+    | Rewind | PublishVersion | Control | GetStatus | GetVersion | Leave
+)
 
 
 # ----------------------------------------------------------------- replies (broker -> client)
@@ -239,10 +239,10 @@ class Status(Message, tag=27):  # Broker -> anyone
     throttled: int = 0
     uncommitted: int = 0
     counters: dict[str, int] = {}  # refusals by cap and role, spool and timer errors, evictions, closed connections
-    stats: dict[str, float] = {}  # the broker process's bytes/s in and out and resources (broker/metrics.py)
+    stats: dict[str, float] = {}  # the broker process's bytes/s in and out and resources (broker/client/metrics.py)
 
 
-Reply = Union[Ack, Error, Throttle, Registered, PromptLease, BatchLease, CurrentVersion, Status, GroupAcks]
+Reply = Ack | Error | Throttle | Registered | PromptLease | BatchLease | CurrentVersion | Status | GroupAcks
 
 
 # ------------------------------------------------------------ announcements (broker PUB)
@@ -261,6 +261,6 @@ class ControlAnnouncement(Message, tag=41):  # Broker -> all (topic "control")
     max_version: int = -1
 
 
-Announcement = Union[VersionAnnouncement, ControlAnnouncement]
+Announcement = VersionAnnouncement | ControlAnnouncement
 
 PUSH_GROUP_TAGS = (PushGroup.__struct_config__.tag, PushGroups.__struct_config__.tag)

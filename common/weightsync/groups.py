@@ -34,7 +34,7 @@ def new_group(backend: str, store: Any, rank: int, size: int, timeout_s: float, 
 
     timeout = timedelta(seconds=max(timeout_s, 0.1))
     if backend == "gloo":
-        opts = ProcessGroupGloo._Options()
+        opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's own way to set a gloo timeout
         opts._timeout = timeout
         opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
         return ProcessGroupGloo(store, rank, size, opts)
@@ -78,6 +78,8 @@ def wait(work: Any, timeout_s: float) -> None:
 
 class BucketFailed(RuntimeError):
     """A bucket did not arrive: a peer failed or stalled, it timed out, or the learner aborted the round."""
+
+    have: int  # set by the receiver: the buckets complete and verified before this one (a prefix)
 
 
 class BucketForged(BucketFailed):

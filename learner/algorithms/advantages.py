@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from fleetrl.common.registry import Registry
+from fleetrl.common.plugins.registry import Registry
 from fleetrl.common.config.algorithm import RlAlgorithm
 from fleetrl.learner.algorithms.common import group_stats, masked_whiten
 

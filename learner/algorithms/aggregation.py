@@ -29,7 +29,7 @@ import torch
 import torch.distributed as tdist
 from torch import Tensor
 
-from fleetrl.common.registry import Registry
+from fleetrl.common.plugins.registry import Registry
 
 Aggregation = Callable[[Tensor, Tensor, "int | None", "float | None"], Tensor]
 AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation", config_key="algorithm.loss_agg")

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from fleetrl.common.config.algorithm import KlConfig, RlAlgorithm
-from fleetrl.common.registry import Registry
+from fleetrl.common.plugins.registry import Registry
 from fleetrl.learner.algorithms.aggregation import aggregate
 
 KlEstimator = Callable[[Tensor, Tensor], Tensor]

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from fleetrl.common.registry import Registry
+from fleetrl.common.plugins.registry import Registry
 from fleetrl.common.config.algorithm import RlAlgorithm
 from fleetrl.learner.algorithms.aggregation import aggregate
 from fleetrl.learner.algorithms.common import masked_mean, masked_min_mean_max, to_floats

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fleetrl.common.registry import Registry
+from fleetrl.common.plugins.registry import Registry
 from fleetrl.common.config.algorithm import DpoAlgorithm
 from fleetrl.learner.algorithms.common import to_floats
 from fleetrl.learner.algorithms.structs import PreferenceInputs, PreferenceOutputs

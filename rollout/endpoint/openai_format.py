@@ -11,7 +11,9 @@ import dataclasses
 from collections import Counter
 from typing import Any, Callable
 
-from fleetrl.rollout.engines.base import Generation, SamplingParams, find_stop
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation
+from fleetrl.rollout.engines.stops import find_stop
 from fleetrl.rollout.endpoint.sessions import ApiError, Session
 
 

@@ -36,14 +36,15 @@ from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
 
-from fleetrl.rollout.engines.base import Generation, Request, SamplingParams
+from fleetrl.common.chat.codec import ChatCodec
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation, Request
 from fleetrl.rollout.endpoint import guard
 from fleetrl.rollout.endpoint import openai_format as fmt
 from fleetrl.rollout.endpoint.openai_format import number
 from fleetrl.rollout.endpoint.session_routes import SessionRoutes
 from fleetrl.rollout.endpoint.sessions import AgentEnv, ApiError, Session, plain, text_of
 from fleetrl.rollout.endpoint.stream import Sender
-from fleetrl.rollout.envs.codec import ChatCodec
 from fleetrl.rollout.envs.parsers import TOOL_PARSERS
 
 log = logging.getLogger("fleetrl.rollout.endpoint")

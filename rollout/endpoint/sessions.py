@@ -17,7 +17,7 @@ token sequence, token-in/token-out:
 
 A session idle for ``rollout.openai.session_timeout_s`` (and a slot no agent took for as long) is
 closed as failed: its tokens are not trained, and its group follows the group rule
-(``rollout/envs/groups.py``). Everything here runs on the engine's event loop (one thread).
+(``rollout/group_rule.py``). Everything here runs on the engine's event loop (one thread).
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetrl.rollout.engines.base import Generation, SamplingParams
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation
 from fleetrl.rollout.envs.base import EnvFailure, EnvTimeout, Environment, Episode, Message, Task
-from fleetrl.rollout.envs.codec import GENERIC_EXAMPLE, ChatCodec, check_prefix_stable
+from fleetrl.common.chat.codec import GENERIC_EXAMPLE, ChatCodec, check_prefix_stable
 from fleetrl.rollout.envs.episode import Budget, EpisodeBuilder
 
 log = logging.getLogger("fleetrl.rollout.endpoint")

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from fleetrl.common.registry import Registry
-from fleetrl.rollout.engines.base import INFLIGHT_MODES, Engine, EngineLoop, Generation, ParamSpec, Request, SamplingParams
+from fleetrl.common.plugins.registry import Registry
+from fleetrl.rollout.engines.base import INFLIGHT_MODES, Engine
+from fleetrl.rollout.engines.event_loop import EngineLoop
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation, Request
+from fleetrl.rollout.engines.weight_files import ParamSpec
 
 if TYPE_CHECKING:
     from fleetrl.common.config.schema import ModelConfig, RolloutConfig

@@ -37,8 +37,9 @@ from collections import deque
 from typing import Iterable, Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
 
+from fleetrl.common.chat.tokenizer import job_tokenizer
 from fleetrl.common.config.schema import HfConfig, ModelConfig, RolloutConfig
 from fleetrl.rollout.engines.kv_rows import Rows
 from fleetrl.rollout.engines.sampling import (  # noqa: F401 - draw and filter_top_k_top_p are tested from here
@@ -49,22 +50,19 @@ from fleetrl.rollout.engines.sampling import (  # noqa: F401 - draw and filter_t
     resolve_dtype,
     sample_rows,
 )
-from fleetrl.rollout.engines.base import (
-    Engine,
-    EngineLoop,
-    Generation,
+from fleetrl.rollout.engines.base import Engine
+from fleetrl.rollout.engines.event_loop import EngineLoop
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation, Request
+from fleetrl.rollout.engines.stops import eos_token_ids, find_stop, stop_window
+from fleetrl.rollout.engines.weight_files import (
     ParamSpec,
-    Request,
-    SamplingParams,
     check_named_shapes,
     check_named_tensors,
-    eos_token_ids,
-    find_stop,
     missing_weights,
     safetensors_files,
     safetensors_shapes,
     state_specs,
-    stop_window,
 )
 
 log = logging.getLogger(__name__)
@@ -107,9 +105,7 @@ class HFEngine(Engine):
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         device_ = resolve_device(device)
-        tokenizer = AutoTokenizer.from_pretrained(
-            model_cfg.tokenizer or model_cfg.path, trust_remote_code=model_cfg.trust_remote_code
-        )
+        tokenizer = job_tokenizer(model_cfg)
         model = AutoModelForCausalLM.from_pretrained(
             model_cfg.path,
             dtype=resolve_dtype(model_cfg.dtype, device_),

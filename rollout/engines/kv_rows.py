@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from fleetrl.rollout.engines.base import SamplingParams
+from fleetrl.rollout.engines.params import SamplingParams
 from fleetrl.rollout.engines.sampling import _Job
 
 Groups = list[tuple[SamplingParams, "torch.Tensor | slice"]]

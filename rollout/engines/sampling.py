@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from fleetrl.rollout.engines.base import Generation, Request, SamplingParams
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation, Request
 
 
 def resolve_device(device: str) -> torch.device:

@@ -40,9 +40,11 @@ from typing import Any
 
 from fleetrl.common import messages
 from fleetrl.common.config.schema import JobConfig, ModelConfig, RolloutConfig
-from fleetrl.rollout.engines.base import (
-    Engine, EngineLoop, Generation, ParamSpec, Request, SamplingParams, state_specs,
-)
+from fleetrl.rollout.engines.base import Engine
+from fleetrl.rollout.engines.event_loop import EngineLoop
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation, Request
+from fleetrl.rollout.engines.weight_files import ParamSpec, state_specs
 
 log = logging.getLogger(__name__)
 
@@ -197,10 +199,9 @@ class VllmEngine(Engine):
         except BaseException:
             self.loop.close()
             raise
-        from transformers import AutoTokenizer
+        from fleetrl.common.chat.tokenizer import job_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer or model_cfg.path,
-                                                       trust_remote_code=model_cfg.trust_remote_code)
+        self.tokenizer = job_tokenizer(model_cfg)
         log.info("vllm engine (%s): %s, %s, logprobs_mode=%s", self.backend, model_cfg.path, self.dtype, self.mode)
 
     async def _start(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, seed: int) -> Any:

@@ -5,7 +5,7 @@ process that owns the model (the engine-core process on CPU, one process per GPU
 module must be importable there (fleetrl installed, or on ``PYTHONPATH``). The rollout server calls
 its ``fleetrl_*`` methods through ``collective_rpc`` with control messages only.
 
-Each worker runs the rollout's own `fleetrl.rollout.weights.WeightReceiver`, unchanged: the same
+Each worker runs the rollout's own `fleetrl.common.weightsync.receiver.receiver.WeightReceiver`, unchanged: the same
 round protocol (join through the learner's TCPStore, form or reuse the group, receive every bucket
 into flat buffers on the worker's device, NCCL on GPU, gloo on CPU) in a background thread while
 generation goes on, and the same filesystem path. Only the destination differs: `WorkerLoader`
@@ -40,7 +40,7 @@ class WorkerLoader:
         self.floats |= {alias for alias, name in aliases.items() if name in self.floats}
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        from fleetrl.rollout.engines.base import check_named_tensors
+        from fleetrl.rollout.engines.weight_files import check_named_tensors
 
         named = list(named_tensors)
         check_named_tensors(named, self.shapes, self.floats, "update_weights")
@@ -49,7 +49,12 @@ class WorkerLoader:
     def load_weights_from_dir(self, path: str) -> None:
         from safetensors import safe_open
 
-        from fleetrl.rollout.engines.base import check_named_shapes, missing_weights, safetensors_files, safetensors_shapes
+        from fleetrl.rollout.engines.weight_files import (
+            check_named_shapes,
+            missing_weights,
+            safetensors_files,
+            safetensors_shapes,
+        )
 
         files = safetensors_files(path)
         shapes = safetensors_shapes(files)
@@ -99,7 +104,7 @@ class FleetrlWorkerExtension:
         import msgspec
 
         from fleetrl.common.config.schema import JobConfig
-        from fleetrl.rollout.weights import WeightReceiver
+        from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
 
         cfg = msgspec.json.decode(cfg_json, type=JobConfig)
         self.fleetrl_close()  # a receiver built earlier (a second engine.weight_receiver call) stops

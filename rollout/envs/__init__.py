@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from fleetrl.common.registry import Registry
+from fleetrl.common.plugins.registry import Registry
 from fleetrl.rollout.envs.base import (
     EnvFailure, EnvSession, EnvStats, EnvTimeout, Environment, Episode, StepResult, Task, TemplateMismatch,
 )
@@ -36,14 +36,14 @@ def _single_turn(cfg: JobConfig, tokenizer: Any) -> Environment:
 
 @ENVS.register("tool")
 def _tool(cfg: JobConfig, tokenizer: Any) -> Environment:
-    from fleetrl.rollout.envs.tool import ToolEnv
+    from fleetrl.rollout.envs.tool_env import ToolEnv
 
     return ToolEnv(cfg, tokenizer)
 
 
 @ENVS.register("user")
 def _user(cfg: JobConfig, tokenizer: Any) -> Environment:
-    from fleetrl.rollout.envs.user import UserEnv
+    from fleetrl.rollout.envs.user_env import UserEnv
 
     return UserEnv(cfg, tokenizer)
 

@@ -31,32 +31,21 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fleetrl.common import messages as m
-from fleetrl.rollout.engines.base import Generation, SamplingParams
+# re-exported: the environments raise them (they live beside the chat codec, which raises TemplateMismatch)
+from fleetrl.common.chat.errors import EnvFailure as EnvFailure
+from fleetrl.common.chat.errors import Message as Message
+from fleetrl.common.chat.errors import TemplateMismatch as TemplateMismatch
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation
 
 if TYPE_CHECKING:
     from fleetrl.common.config.schema import JobConfig
-
-Message = dict[str, Any]
-
-
-class EnvFailure(Exception):
-    """The environment could not go on (it raised, or answered something outside the contract).
-    The sample is dropped and counted under ``env/<kind>_total``; it is never scored."""
-
-    kind = "errors"
 
 
 class EnvTimeout(EnvFailure):
     """A reset, step or tool call ran past its time limit (``rollout.env.step_timeout_s`` ...)."""
 
     kind = "timeouts"
-
-
-class TemplateMismatch(EnvFailure):
-    """The chat template rendered an earlier turn differently once a later one was added, so the
-    appended tokens would not continue the sampled ones (see ``codec.check_prefix_stable``)."""
-
-    kind = "template_errors"
 
 
 @dataclass

@@ -21,9 +21,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from fleetrl.rollout.engines.base import Generation, Request, SamplingParams
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation, Request
 from fleetrl.rollout.envs.base import EnvFailure, EnvSession, Episode, Message, StepResult, check_messages
-from fleetrl.rollout.envs.codec import ChatCodec
+from fleetrl.common.chat.codec import ChatCodec
 
 log = logging.getLogger("fleetrl.rollout.envs")
 

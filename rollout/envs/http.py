@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from aiohttp import web
 
-    from fleetrl.rollout.rewards.user import load_function
+    from fleetrl.rollout.rewards.python import load_function
 
     p = argparse.ArgumentParser(description="Serve a `user` environment class over HTTP for rollout.env.type=http.")
     p.add_argument("cls", metavar="module:Class")

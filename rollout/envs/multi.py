@@ -11,9 +11,9 @@ import logging
 from typing import Any, Callable
 
 from fleetrl.common.config import ConfigError
-from fleetrl.rollout.engines.base import SamplingParams
+from fleetrl.rollout.engines.params import SamplingParams
 from fleetrl.rollout.envs.base import EnvFailure, EnvSession, Environment, Episode, EnvTimeout, Message, Task
-from fleetrl.rollout.envs.codec import GENERIC_EXAMPLE, ChatCodec, check_prefix_stable
+from fleetrl.common.chat.codec import GENERIC_EXAMPLE, ChatCodec, check_prefix_stable
 from fleetrl.rollout.envs.episode import Budget, run_episode
 
 log = logging.getLogger("fleetrl.rollout.envs")

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from fleetrl.common.registry import Registry
+from fleetrl.common.plugins.registry import Registry
 
 
 @dataclass

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from fleetrl.common import messages as m
-from fleetrl.rollout.engines.base import Generation, Request, SamplingParams
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation, Request
 from fleetrl.rollout.envs.base import Environment, Task
 from fleetrl.rollout.loop import check_chat_template, encode_prompt
 

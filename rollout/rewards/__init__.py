@@ -5,7 +5,7 @@
 transformers load only when a reward that needs them is built.
 """
 
-from fleetrl.rollout.rewards import builtin, model, user  # noqa: F401  (register the rewards)
+from fleetrl.rollout.rewards import builtin, model, python  # noqa: F401  (register the rewards)
 from fleetrl.rollout.rewards.base import (
     REWARDS,
     Reward,

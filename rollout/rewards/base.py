@@ -22,7 +22,7 @@ from typing import Any, Callable, ClassVar, TypeVar
 import msgspec
 
 from fleetrl.common.config import ConfigError
-from fleetrl.common.registry import Registry
+from fleetrl.common.plugins.registry import Registry
 
 # Config entries are found by the scorer with their index (rollout.rewards[i].name), so the registry
 # carries no config_key of its own.

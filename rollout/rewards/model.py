@@ -44,7 +44,9 @@ class ModelReward(Reward):
         a = self.args
         self.check(**args)
         import torch
-        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        from fleetrl.common.chat.tokenizer import load_tokenizer
 
         config = AutoConfig.from_pretrained(a.path, trust_remote_code=a.trust_remote_code)
         archs = config.architectures or []
@@ -54,7 +56,7 @@ class ModelReward(Reward):
         if a.label >= config.num_labels:
             raise RewardArgsError(f"label {a.label} is out of range: the model has {config.num_labels} labels")
         self.torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(a.path, trust_remote_code=a.trust_remote_code)
+        self.tokenizer = load_tokenizer(a.path, a.trust_remote_code)
         self.tokenizer.padding_side, self.tokenizer.truncation_side = "right", "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token

@@ -10,6 +10,9 @@ failed: the failure is counted and logged, the part adds 0.0, and the server dec
 A part that returns None has no score for that sample (TRL's convention): it is counted
 (``reward/<label>/unscored_total``) and left out of the weighted sum; a sample no part scored is
 ``scored=False`` and the server leaves it out of its group — it is never trained on as a 0.
+
+Once ``rollout.reward_stop_after`` samples in a row got no usable reward (``streak.py``), ``hopeless()``
+says why, naming each reward, and the server stops: at the start of a run or whenever the rewards stop working.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 from fleetrl.common import faults
-from fleetrl.common.registry import RegistryError
-from fleetrl.rollout.rewards.base import REWARDS, Reward, RewardArgsError, RewardInput, RewardResult, SampleReward
+from fleetrl.common.plugins.registry import RegistryError
+from fleetrl.rollout.rewards.base import REWARDS, Reward, RewardArgsError, RewardInput, RewardResult
 from fleetrl.rollout.rewards.runner import CallRunner, CallTimeout
+from fleetrl.rollout.rewards.streak import UnusableStreak
 
 if TYPE_CHECKING:
     from fleetrl.common.config.schema import RewardSpec, RolloutConfig
@@ -48,11 +52,12 @@ class Part:
 
 
 UNSCORED = None  # what a part returns for a sample it cannot score
-HOPELESS_SAMPLES = 32  # this many samples with no usable reward (every one failed or unscored) stop the server
+HOPELESS_SAMPLES = 32  # this many samples in a row with no usable reward stop the server (rollout.reward_stop_after)
 
 
 class RewardsHopeless(RuntimeError):
-    """No sample so far got a usable reward: every one failed or was unscored (the message names the rewards)."""
+    """The last rollout.reward_stop_after samples got no usable reward: every one failed or was unscored (the
+    message names the rewards)."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +184,7 @@ class RewardScorer:
         timeout_s: float = 10.0,
         workers: int = 4,
         on_failure: Literal["zero", "drop_group"] = "zero",
+        stop_after: int = HOPELESS_SAMPLES,
     ):
         if on_failure not in ("zero", "drop_group"):
             raise ValueError(f"rollout.on_reward_failure: {on_failure!r} is not one of zero, drop_group")
@@ -190,11 +196,11 @@ class RewardScorer:
         self._lock = threading.Lock()
         self._totals: Counter[str] = Counter()
         self._window: Counter[str] = Counter()
-        self._first_error: dict[str, str] = {}  # per part label: the reason of its first failure
+        self._streak = UnusableStreak([(p.name, p.key) for p in self.parts], stop_after)  # hopeless()
 
     @classmethod
     def from_config(cls, cfg: RolloutConfig) -> RewardScorer:
-        return cls(cfg.rewards, cfg.reward_timeout_s, cfg.reward_workers, cfg.on_reward_failure)
+        return cls(cfg.rewards, cfg.reward_timeout_s, cfg.reward_workers, cfg.on_reward_failure, cfg.reward_stop_after)
 
     # ----------------------------------------------------------------------------------- scoring
 
@@ -245,7 +251,7 @@ class RewardScorer:
 
     def _finish(self, job: _Job) -> None:
         try:
-            faults.poison_scores(job.scores, [b.response for b in job.batch], as_score)  # off unless FLEETRL_FAULT
+            faults.at("rollout.scores", job.scores, responses=[b.response for b in job.batch], nan_score=as_score)
             results = [self._combine(job.scores, j) for j in range(len(job.batch))]
             self._record(job, results)
         except Exception as e:  # a bug here must reach the waiting server, not vanish in a callback
@@ -276,6 +282,7 @@ class RewardScorer:
 
     def _record(self, job: _Job, results: list[RewardResult]) -> None:
         failures: list[tuple[Part, Failure, int]] = []
+        warn: tuple[int, str] | None = None
         with self._lock:
             t, w = self._totals, self._window
             t["samples"] += len(results)
@@ -284,21 +291,24 @@ class RewardScorer:
             for j, r in enumerate(results):
                 t["failed"] += r.failed
                 t["unscored"] += not r.scored
-                t["usable"] += r.scored and not r.failed
                 w["n"] += r.scored
                 w["reward"] += r.reward if r.scored else 0.0
+                failed, unscored = {}, []
                 for part, row in zip(self.parts, job.scores):
                     s = row[j]
                     if s is UNSCORED:
                         t[f"{part.name}/unscored"] += 1
+                        unscored.append(part.name)
                     elif isinstance(s, Failure):
                         t[f"kind/{s.kind}"] += 1
                         t[f"{part.name}/failed"] += 1
-                        self._first_error.setdefault(part.name, s.reason)
+                        failed[part.name] = s.reason
                         failures.append((part, s, t[f"{part.name}/failed"]))
                     else:
                         w[f"{part.name}/n"] += 1
                         w[f"{part.name}/sum"] += s
+                if self._streak.add(r.scored and not r.failed, failed, unscored):  # half way to the stop: say so
+                    warn = (self._streak.length, self._streak.what_each_did())
         for part, f, count in failures:
             if count in (1, 10, 100) or count % 1000 == 0:  # a steady failure is logged, not flooded
                 log.warning(
@@ -306,26 +316,16 @@ class RewardScorer:
                     "fix the function or %s", part.name, part.key, f.reason, count,
                     ", and its group is dropped" if self.on_failure == "drop_group" else "", part.key,
                 )
+        if warn:
+            log.warning("the last %d samples got no usable reward (%s); the server stops at %d in a row "
+                        "(rollout.reward_stop_after)", *warn, self._streak.limit)
 
-    def hopeless(self, min_samples: int = HOPELESS_SAMPLES) -> str | None:
-        """Why training cannot work, once ``min_samples`` samples were scored and none got a usable reward
-        (every sample had a failed part or no score at all); None while some sample was usable or too few
-        were seen. The message names each reward, what it did, and the config entry to fix."""
+    def hopeless(self) -> str | None:
+        """Why training cannot go on, once the last ``stop_after`` samples in a row got no usable reward (every
+        one had a failed part or no score at all), from the start of the run or later; else None. The message
+        names each reward, what it did over those samples, and the config entry to fix."""
         with self._lock:
-            t = dict(self._totals)
-        n = t.get("samples", 0)
-        if not min_samples or n < min_samples or t.get("usable", 0):
-            return None
-        said = []
-        for part in self.parts:
-            failed, unscored = t.get(f"{part.name}/failed", 0), t.get(f"{part.name}/unscored", 0)
-            if failed:
-                said.append(f"reward {part.name!r} ({part.key}) failed on {failed} of {n} samples "
-                            f"(first: {self._first_error.get(part.name, '?')})")
-            elif unscored == n:
-                said.append(f"reward {part.name!r} ({part.key}) returned None (no score) for all {n} samples")
-        return (f"no sample got a usable reward in the first {n}: {'; '.join(said)}. Nothing can be trained on; "
-                "fix the function(s) or rollout.rewards (test one with `fleetrl config validate`)")
+            return self._streak.why()
 
     def stats(self) -> dict[str, float]:
         """Counters since start (``*_total``) and means since the previous ``stats()`` call."""

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from fleetrl.broker.prompts import PromptSource, rows_to_prompts
-from fleetrl.broker.state import BrokerState
+from fleetrl.broker.server.prompts import PromptSource, rows_to_prompts
+from fleetrl.broker.server.state import BrokerState
 from fleetrl.common.config import load_config
 
 

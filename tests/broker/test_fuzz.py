@@ -27,7 +27,7 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from fleetrl.broker.client import ZmqBrokerClient
+from fleetrl.broker.client.sync import ZmqBrokerClient
 from fleetrl.common import messages as m
 from tests.broker import fuzz_strategies as fs
 from tests.helpers import BrokerProcess, make_group, write_job
@@ -390,7 +390,7 @@ def test_long_polls_end(broker):
 @pytest.mark.slow
 def test_unbounded_long_polls_are_answered(broker):
     """A LeaseBatch is held at most server.MAX_WAIT_S (60 s), whatever its wait_s: no request waits for ever."""
-    from fleetrl.broker.server import MAX_WAIT_S
+    from fleetrl.broker.server.service import MAX_WAIT_S
 
     replies, last = raw_roundtrip(broker.address, long_polls([math.inf, 1e300, 1e9, MAX_WAIT_S + 30] * 50),
                                   timeout=MAX_WAIT_S + 10)

@@ -17,7 +17,7 @@ import pytest
 
 from fleetrl.common import messages as m
 from tests.broker.conftest import make_state
-from tests.broker.test_state import lease_prompts, publish, push
+from tests.broker.server.test_state import lease_prompts, publish, push
 from tests.helpers import make_group
 
 
@@ -159,7 +159,7 @@ def test_ids_longer_than_the_limit_are_refused_at_decode():
         "lease_id": lambda i: m.ReturnPrompts(req_id=1, client_id="r0", lease_id=i),
         "group_ids": lambda i: m.AckBatch(req_id=1, client_id="l0", lease_id="l", group_ids=["a", i]),
     }
-    for name, make in frames.items():
+    for make in frames.values():
         assert m.decode_request(m.encode(make(ok)))  # at the limit: served
         with pytest.raises(m.ProtocolError, match=f"at most {m.MAX_ID_CHARS} characters"):
             m.decode_request(m.encode(make(long)))

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from fleetrl.broker.metrics import status_metrics
-from fleetrl.broker.server import trace_batch_lease, trace_ingest
+from fleetrl.broker.client.metrics import status_metrics
+from fleetrl.broker.server.service import trace_batch_lease, trace_ingest
 from fleetrl.common import messages as m
-from fleetrl.common import telemetry
+from fleetrl.common.telemetry import tracing
 from fleetrl.common.config.schema import TelemetryConfig
 from tests.broker.conftest import make_state
 from tests.helpers import make_group
@@ -16,20 +16,20 @@ from tests.helpers import make_group
 
 @pytest.fixture
 def traced(tmp_path):
-    telemetry.setup_tracing("broker", TelemetryConfig(exporter="jsonl"), tmp_path)
+    tracing.setup_tracing("broker", TelemetryConfig(exporter="jsonl"), tmp_path)
 
     def spans() -> list[dict]:
-        assert telemetry.flush_tracing()
-        return telemetry.read_spans(tmp_path)
+        assert tracing.flush_tracing()
+        return tracing.read_spans(tmp_path)
 
     yield spans
-    telemetry.shutdown_tracing()
+    tracing.shutdown_tracing()
 
 
 def _traced_group(prompt_id: str, token: int = 5) -> m.SampleGroup:
     g = make_group(prompt_id, token=token)
-    with telemetry.span("prompt", telemetry.ROOT) as s:
-        g.trace = telemetry.inject(s)
+    with tracing.span("prompt", tracing.ROOT) as s:
+        g.trace = tracing.inject(s)
     return g
 
 

@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(items):
 
 
 def fleetrl(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fleetrl.common.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "fleetrl.app.cli", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
 

@@ -25,15 +25,11 @@ import subprocess
 import time
 from pathlib import Path
 
+from fleetrl.common.net import free_port
+
 def missing_tools() -> list[str]:
     return [t for t in ("sbatch", "srun", "scontrol", "slurmctld", "slurmd", "munged") if shutil.which(t) is None
             and not Path(f"/usr/sbin/{t}").exists()]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 SLURM_CONF = """\
@@ -101,7 +97,7 @@ class LocalSlurm:
             (self.root / d).mkdir(parents=True, exist_ok=True)
         mem = max(1000, int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20 * 0.9))
         self.conf.write_text(SLURM_CONF.format(host=self.host, node=self.node, root=self.root, cpus=self.cpus, mem=mem,
-                                               ctld_port=_free_port(), slurmd_port=_free_port(),
+                                               ctld_port=free_port(), slurmd_port=free_port(),
                                                proctrack=self.proctrack))
         (self.root / "cgroup.conf").write_text(CGROUP_CONF)
 

@@ -54,7 +54,7 @@ def logged_ids(run: Path, key: str) -> list[str]:
 def test_four_roles_on_five_nodes_learn_and_survive_a_rollout_host_cut_and_a_broker_host_cut(cluster, assets, tmp_path):
     hosts, slurm = cluster
     run, spool = tmp_path / "run", tmp_path / "spool"
-    submit = hosts.run(0, [sys.executable, "-m", "fleetrl.common.cli", "launch", "slurm", "--config", JOB, "--run-dir",
+    submit = hosts.run(0, [sys.executable, "-m", "fleetrl.app.cli", "launch", "slurm", "--config", JOB, "--run-dir",
                            str(run), *job_overrides(assets, *LAYOUT, "learner.max_minutes=3", f"broker.spool_dir={spool}")],
                        env=slurm.env, timeout=120)
     assert submit.returncode == 0, submit.stdout + submit.stderr
@@ -114,7 +114,7 @@ def test_four_roles_on_five_nodes_learn_and_survive_a_rollout_host_cut_and_a_bro
     first, last = sum(reward[:20]) / 20, sum(reward[-20:]) / 20
     assert len(reward) >= 60 and last >= first + 0.05, f"training accuracy {first:.3f} -> {last:.3f} over {len(reward)} steps"
 
-    from fleetrl.broker.spool import Spool
+    from fleetrl.broker.server.spool import Spool
 
     acked_ids = {g for i in (0, 1) for r in acked(i) for g in r["group_ids"]}
     trained, filtered = logged_ids(run, "group_ids"), set(logged_ids(run, "filtered_ids"))

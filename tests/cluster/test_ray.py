@@ -5,23 +5,17 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from fleetrl.common.net import free_port
 from tests.cluster.conftest import JOB, events, evals, job_overrides, learned, read_jsonl, trained_ids, wait_for
 
 pytestmark = pytest.mark.cluster
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +25,7 @@ def ray_head(tmp_path_factory):
         import ray  # noqa: F401
     except ImportError:
         pytest.fail("ray is not installed; `pip install -e '.[ray]'` (make test-cluster does it)")
-    port = _free_port()
+    port = free_port()
     # A throw-away cluster on loopback: no token auth (Ray 2.60 turns it on by default, and its own
     # `ray status` then cannot find the token); the launcher connects either way.
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
@@ -63,7 +57,7 @@ class Launch:
         run.mkdir(parents=True, exist_ok=True)
         self.out_path = run.parent / "launch.out"
         self.out = self.out_path.open("w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "fleetrl.common.cli", "launch", "ray", "--config", JOB,
+        self.proc = subprocess.Popen([sys.executable, "-m", "fleetrl.app.cli", "launch", "ray", "--config", JOB,
                                       "--run-dir", str(run), *args], stdout=self.out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
@@ -76,7 +70,8 @@ class Launch:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"fleetrl launch ray still running after {timeout:.0f} s:\n{self.output()[-3000:]}")
+            raise AssertionError(
+                f"fleetrl launch ray still running after {timeout:.0f} s:\n{self.output()[-3000:]}") from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:

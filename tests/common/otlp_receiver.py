@@ -1,7 +1,7 @@
 """A real OTLP/HTTP trace receiver for tests and benchmarks: an HTTP server on 127.0.0.1 that decodes
 each ``POST /v1/traces`` body as an ``ExportTraceServiceRequest`` (the collector protocol, with the
 ``opentelemetry-proto`` messages) and keeps every span as a record shaped like
-``fleetrl.common.telemetry.span_record`` (so ``fleetrl trace``'s ``Spans`` reads them too)."""
+``fleetrl.common.telemetry.tracing.span_record`` (so ``fleetrl trace``'s ``Spans`` reads them too)."""
 
 from __future__ import annotations
 

@@ -105,7 +105,7 @@ def test_every_unknown_key_is_reported_and_a_key_of_another_section_is_named():
 
 
 def test_the_cli_prints_one_line_per_unknown_key():
-    out = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "config", "validate", "lr=1e-4", "learner.lrr=1"],
+    out = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "config", "validate", "lr=1e-4", "learner.lrr=1"],
                          capture_output=True, text=True)
     lines = out.stderr.splitlines()
     assert out.returncode == 2 and len(lines) == 3, out.stderr
@@ -171,11 +171,11 @@ def test_shipped_configs_are_valid():
 
 def test_config_show_cli_prints_resolved_yaml(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "fleetrl.common.cli", "config", "show", "learner.lr=2e-4"],
+        [sys.executable, "-m", "fleetrl.app.cli", "config", "show", "learner.lr=2e-4"],
         capture_output=True, text=True, check=True,
     ).stdout
     assert "lr: 0.0002" in out
     bad = subprocess.run(
-        [sys.executable, "-m", "fleetrl.common.cli", "config", "validate", "learner.lrr=1"], capture_output=True, text=True
+        [sys.executable, "-m", "fleetrl.app.cli", "config", "validate", "learner.lrr=1"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "did you mean `learner.lr`" in bad.stderr

@@ -9,7 +9,7 @@ import pytest
 
 from fleetrl.common.config import ConfigError, load_config
 
-PROBE = ("import os, sys\nfrom fleetrl.common.cli import main\nmain(sys.argv[1:])\n"
+PROBE = ("import os, sys\nfrom fleetrl.app.cli import main\nmain(sys.argv[1:])\n"
          "print('umask', oct(os.umask(0)), file=sys.stderr)\n")
 
 

@@ -19,24 +19,24 @@ def test_config_and_messages_import_light():
 
 
 def test_cli_help_imports_light():
-    code = "from fleetrl.common.cli import build_parser\nbuild_parser().format_help()"
+    code = "from fleetrl.app.cli import build_parser\nbuild_parser().format_help()"
     assert _loaded_after(code) == []
 
 
 def test_every_command_has_help():
-    from fleetrl.common.cli import COMMANDS
+    from fleetrl.app.cli import COMMANDS
 
-    top = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "--help"], capture_output=True, text=True, check=True)
+    top = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "--help"], capture_output=True, text=True, check=True)
     for name in COMMANDS:
         assert name in top.stdout
-        out = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", name, "--help"], capture_output=True, text=True)
+        out = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", name, "--help"], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         assert "usage: fleetrl " + name in out.stdout
 
 
 def test_launchers_import_without_torch_or_ray():
-    code = ("import fleetrl.common.launch.world, fleetrl.common.launch.slurm, fleetrl.common.launch.slurm_job, "
-            "fleetrl.common.launch.supervisor, fleetrl.common.launch.k8s, fleetrl.common.launch.ray_job, "
+    code = ("import fleetrl.app.launch.world, fleetrl.app.launch.slurm, fleetrl.app.launch.slurm_job, "
+            "fleetrl.app.launch.supervisor, fleetrl.app.launch.k8s, fleetrl.app.launch.ray_job, "
             "fleetrl.common.config.cluster")
     probe = f"{code}\nimport sys\nprint(','.join(m for m in {(*HEAVY, 'ray')!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
@@ -46,3 +46,14 @@ def test_launchers_import_without_torch_or_ray():
 def test_weightsync_imports_without_torch():
     """Its torch imports sit inside the functions (and under TYPE_CHECKING for annotations)."""
     assert _loaded_after("import fleetrl.common.weightsync, fleetrl.common.weightsync.groups") == []
+
+
+def test_every_module_of_common_imports_without_torch():
+    """The whole ground floor, weight sync's sender and receiver included: torch only inside functions."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "common"
+    names = sorted(".".join(("fleetrl", "common", *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+                   for p in root.rglob("*.py"))
+    assert "fleetrl.common.weightsync.sender.broadcast" in names and len(names) > 40
+    assert _loaded_after("import " + ", ".join(names)) == []

@@ -12,7 +12,7 @@ def test_every_package_is_listed_and_mapped():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed, mapping = set(project["packages"]), project["package-dir"]
     found = set()
-    for top in ("common", "broker", "rollout", "learner"):
+    for top in ("common", "broker", "rollout", "learner", "app"):
         assert mapping[f"fleetrl.{top}"] == top
         for init in (ROOT / top).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT).as_posix().replace("/", ".")

@@ -98,18 +98,18 @@ def test_prometheus_sink_serves_the_latest_metrics_over_http(tmp_path):
 
 def test_prometheus_step_metrics_carry_the_trace_of_a_trained_group_as_an_exemplar(tmp_path):
     """OpenMetrics exemplars: scraped with the OpenMetrics Accept header, the step counters and the
-    step-time histogram carry the trace id of a group the step trained (telemetry.note_exemplar,
+    step-time histogram carry the trace id of a group the step trained (tracing.note_exemplar,
     called by learner/tracing.py); the plain text format has none."""
     pytest.importorskip("prometheus_client")
-    from fleetrl.common import telemetry
+    from fleetrl.common.telemetry import tracing
 
     port = free_port()
     monitor = Monitor.for_run(tmp_path, 0, cfg=load_config(None, [f"telemetry.prometheus_port={port}"]))
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     try:
-        telemetry.note_exemplar({"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}, "g1")
+        tracing.note_exemplar({"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}, "g1")
         monitor.log(1, {**METRICS, "batch/samples": 8.0, "timing/step_total_s": 0.7})
-        telemetry.note_exemplar({"traceparent": f"00-{'0' * 31}1-00f067aa0ba902b7-00"}, "g2")  # unsampled: ignored
+        tracing.note_exemplar({"traceparent": f"00-{'0' * 31}1-00f067aa0ba902b7-00"}, "g2")  # unsampled: ignored
         url = f"http://127.0.0.1:{port}/metrics"
         request = urllib.request.Request(url, headers={"Accept": "application/openmetrics-text; version=1.0.0"})
         with urllib.request.urlopen(request, timeout=10) as reply:
@@ -117,7 +117,7 @@ def test_prometheus_step_metrics_carry_the_trace_of_a_trained_group_as_an_exempl
         plain = urllib.request.urlopen(url, timeout=10).read().decode()
     finally:
         monitor.close()
-        telemetry.shutdown_tracing()  # clears the exemplar
+        tracing.shutdown_tracing()  # clears the exemplar
     assert kind.startswith("application/openmetrics-text") and body.rstrip().endswith("# EOF")
     exemplar = f'# {{group_id="g1",trace_id="{trace_id}"}}'
     lines = {line.split(" ")[0]: line for line in body.splitlines() if not line.startswith("#")}
@@ -126,7 +126,7 @@ def test_prometheus_step_metrics_carry_the_trace_of_a_trained_group_as_an_exempl
     assert exemplar + " 0.7" in lines['fleetrl_learner_step_seconds_bucket{le="1.0"}']  # the bucket 0.7 fell in
     assert "trace_id" not in lines['fleetrl_learner_step_seconds_bucket{le="0.5"}']
     assert "fleetrl_reward_mean 0.5" in body and "trace_id" not in plain
-    assert telemetry.exemplar() == {}
+    assert tracing.exemplar() == {}
 
 
 ROWS = [{"step": 4, "policy_version": 3, "group": "g1", "prompt": "<|user|>1+2=<eos><|assistant|>", "response": "3",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from fleetrl.common.config import load_config
-from fleetrl.common.launch.status import StatusLine
+from fleetrl.app.launch.status import StatusLine
 
 
 def write_rows(run_dir, rows):

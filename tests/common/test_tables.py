@@ -76,7 +76,7 @@ def test_dotted_keys_read_nested_columns_like_verl_writes_them(tmp_path):
     rows = load_rows(path, "data.train", data_cfg("data.answer_key=reward_model.ground_truth"))
     assert [r["reward_model.ground_truth"] for r in rows] == ["1", "2", "3"]
     assert rows[0]["reward_model"] == {"style": "rule", "ground_truth": "1"}  # the nested column stays too
-    from fleetrl.broker.prompts import rows_to_prompts
+    from fleetrl.broker.server.prompts import rows_to_prompts
 
     prompts = rows_to_prompts(rows, "prompt", "reward_model.ground_truth", "data.train")
     assert [p.answer for p in prompts] == ["1", "2", "3"] and prompts[0].metadata["data_source"] == "arith"

@@ -28,7 +28,7 @@ class RunProcess:
     def __init__(self, run_dir: Path, config: str, overrides: list[str]):
         self.run_dir = run_dir
         self.out = (run_dir.parent / f"{run_dir.name}.out").open("w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "fleetrl.common.cli", "run", "--config", config,
+        self.proc = subprocess.Popen([sys.executable, "-m", "fleetrl.app.cli", "run", "--config", config,
                                       "--run-dir", str(run_dir), "--no-status", *overrides],
                                      stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
 

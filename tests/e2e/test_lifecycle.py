@@ -19,7 +19,7 @@ import psutil
 
 from tests.e2e.conftest import RunProcess, job_args, read_jsonl, wait_for
 
-CLI = [sys.executable, "-m", "fleetrl.common.cli"]
+CLI = [sys.executable, "-m", "fleetrl.app.cli"]
 
 
 class TerminalRun:
@@ -82,7 +82,7 @@ def log_time(path: Path, pattern: str) -> str:
 def test_ctrl_c_in_a_terminal_checkpoints_and_stops_everything_in_order(tmp_path, tiny_model_dir, arith_data,
                                                                         empty_config):
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "fleetrl.common.cli", "run", "--config", empty_config, "--run-dir", str(run_dir),
+    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", empty_config, "--run-dir", str(run_dir),
             *job_args(tiny_model_dir, arith_data, "learner.total_steps=100000", "checkpoint.interval=0",
                       "sync.transport=gloo", "run.stop_timeout_s=90")]
     run = TerminalRun(argv)

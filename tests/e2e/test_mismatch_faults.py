@@ -2,7 +2,7 @@
 
 Each run is `fleetrl run` (broker, an HF rollout server, a learner) on the tiny model, synchronous
 (`broker.max_staleness=0`, so every trained token was sampled by the version being trained and the
-mismatch is measured on all of them), with a fault from `common/faults.py` active from policy version 2
+mismatch is measured on all of them), with a fault from `common/faults/plan.py` active from policy version 2
 on. Only `mismatch_kl_ceiling` runs, at its default threshold and window, as an alert (the rollback
 path is tested elsewhere).
 """

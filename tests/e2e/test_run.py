@@ -13,7 +13,8 @@ from tests.e2e.conftest import RunProcess, job_args, read_jsonl, wait_for
 
 def test_run_trains_publishes_and_checkpoints(tmp_path, tiny_model_dir, arith_data, empty_config):
     run_dir = tmp_path / "run"
-    run = RunProcess(run_dir, empty_config, job_args(tiny_model_dir, arith_data))
+    args = [a if a != "rollout.group_size=4" else "num_generations=4" for a in job_args(tiny_model_dir, arith_data)]
+    run = RunProcess(run_dir, empty_config, args)  # TRL's name for the group size: one note, from `fleetrl run`
     try:
         code = run.wait()
         out = run.output()
@@ -40,6 +41,13 @@ def test_run_trains_publishes_and_checkpoints(tmp_path, tiny_model_dir, arith_da
     assert {"learner", "broker", "rollout-0"} <= set(cpu["per_child"]) and cpu["cores_busy"] > 0
     assert "CPU during RL" in out
     assert f"watch it with `fleetrl status --broker {run_dir}`" in out and "broker at tcp://127.0.0.1:" in out
+    assert out.count("fleetrl run: note: num_generations=4 is read as rollout.group_size=4") == 1, out
+    assert not [p.name for p in (run_dir / "logs").glob("*.log") if "is read as" in p.read_text()]  # not the children
+    assert re.search(r"3 processes ready in [0-9.]+ s \(checks done at [0-9.]+ s; ready: broker at [0-9.]+, "
+                     r"rollout-0 at [0-9.]+, learner at [0-9.]+ s\)", out), out
+    for name in ("broker", "rollout-0", "learner"):  # each child says where its start-up went
+        assert re.search(r"start-up: ready [0-9.]+ s after exec \(python\+imports [0-9.]+, ",
+                         (run_dir / "logs" / f"{name}.log").read_text()), name
 
 
 def test_sigint_stops_everything_with_a_checkpoint(tmp_path, tiny_model_dir, arith_data, empty_config):
@@ -89,4 +97,25 @@ def test_a_run_whose_reward_never_works_stops_naming_it(tmp_path, tiny_model_dir
     assert code == 1, out
     assert "no sample got a usable reward" in out and f"'{function}' (rollout.rewards[0]) {says}" in out
     assert "restarting" not in out  # a restart would score nothing again
+    assert not run.child_pids()
+
+
+@pytest.mark.slow
+def test_a_run_whose_reward_starts_failing_mid_run_stops_naming_it(tmp_path, tiny_model_dir, arith_data, empty_config):
+    """A reward that scores the first 48 samples, then raises on every one: the run trains, then stops with exit 1
+    and a line naming the reward (issue 30: a mid-run failure was counted and shown, but the run went on)."""
+    run_dir = tmp_path / "run"
+    rewards = "rollout.rewards=[{name: python, args: {function: 'tests.rollout.user_rewards:works_then_breaks'}}]"
+    run = RunProcess(run_dir, empty_config, job_args(tiny_model_dir, arith_data, rewards, "learner.total_steps=200",
+                                                     "run.restart_policy=on-failure"))
+    try:
+        code = run.wait(300)
+        out = run.output()
+    finally:
+        run.stop()
+    assert code == 1, out
+    assert "the rewards stopped working: the last 32 samples got no usable reward (after 48 usable ones)" in out
+    assert "'works_then_breaks' (rollout.rewards[0]) failed on 32 of 32 samples" in out and "ConnectionError" in out
+    assert "rollout.reward_stop_after=32 samples in a row" in out and "restarting" not in out
+    assert read_jsonl(run_dir / "metrics.jsonl"), "the learner never trained on the samples that had a reward"
     assert not run.child_pids()

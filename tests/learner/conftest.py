@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fleetrl.broker.inproc import InprocBroker
+from fleetrl.broker.client.inproc import InprocBroker
 from fleetrl.common import messages as m
 from tests.broker.conftest import make_state
 

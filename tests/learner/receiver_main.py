@@ -24,9 +24,9 @@ def main() -> int:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from fleetrl.broker.client import ZmqBrokerClient
+    from fleetrl.broker.client.sync import ZmqBrokerClient
     from fleetrl.common.config import load_config
-    from fleetrl.rollout.weights import WeightReceiver
+    from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
 
     torch.set_num_threads(1)
     cfg = load_config(args.config)

@@ -174,12 +174,13 @@ def test_offline_dpo_prefers_correct_sums_on_held_out_problems(dist, tiny_model_
     accuracy starts at exactly 0 (every margin is 0) and must rise by training. The held-out problems
     are the same for SFT and DPO (same seed), so neither ever trained on them.
     """
+    from fleetrl.app.entries import evaluate_model
     from fleetrl.learner.sft import sft
 
     arith, arith_eval = init_data("arithmetic", str(tmp_path / "arith.jsonl"), 20000, 200, 0, 99)
     warm = tmp_path / "warm"
     sft(tiny_model_dir, str(arith), str(arith_eval), str(warm), target_acc=0.3, lr=5e-3, batch_size=64, max_steps=3000,
-        eval_every=100, eval_n=200, seed=0, max_minutes=10)
+        eval_every=100, eval_n=200, seed=0, max_minutes=10, evaluate_model=evaluate_model)
     pref, pref_eval = init_data("arithmetic-preference", str(tmp_path / "pref.jsonl"), 8000, 200, 0, 99)
     cfg = job(str(warm), tmp_path, f"data.preference={pref}", f"data.preference_eval={pref_eval}", "run.eval_interval=20",
               "run.eval_n=200", "learner.groups_per_step=64", "learner.lr=1e-3", "learner.max_tokens_per_microbatch=4096")

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from fleetrl.common.config import ConfigError, load_config
-from fleetrl.common.registry import RegistryError
+from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.common.config.learner import HealthConfig, HealthRule
 from fleetrl.learner.health import HEALTH_RULES, HealthEvent, HealthMonitor
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from fleetrl.broker.client import ZmqBrokerClient
+from fleetrl.broker.client.sync import ZmqBrokerClient
 from tests.conftest import free_port
 from tests.helpers import BrokerProcess, write_job
 from tests.learner.conftest import synthetic_groups
@@ -44,7 +44,7 @@ def test_two_ranks_train_and_broadcast_exact_weights(zero_stage, tmp_path, tiny_
         run_dir = tmp_path / "run"
         learner = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-             "-m", "fleetrl.learner", "--config", str(job), "--broker", broker.address, "--run-dir", str(run_dir)],
+             "-m", "fleetrl.app.learner", "--config", str(job), "--broker", broker.address, "--run-dir", str(run_dir)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**__import__("os").environ,
                                                                             "OMP_NUM_THREADS": "1"})
         procs.append(learner)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from fleetrl.broker.client import ZmqBrokerClient
+from fleetrl.broker.client.sync import ZmqBrokerClient
 from tests.conftest import free_port
 from tests.helpers import BrokerProcess, write_job
 from tests.learner.test_rollback import scripted_groups
@@ -47,7 +47,7 @@ def test_two_ranks_roll_back_together(tmp_path, tiny_model_dir, arith_data):
         run_dir = tmp_path / "run"
         learner = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-             "-m", "fleetrl.learner", "--config", str(job), "--broker", broker.address, "--run-dir", str(run_dir)],
+             "-m", "fleetrl.app.learner", "--config", str(job), "--broker", broker.address, "--run-dir", str(run_dir)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         out, _ = learner.communicate(timeout=300)
         assert learner.returncode == 0, out[-4000:]

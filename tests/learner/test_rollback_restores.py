@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from fleetrl.broker.inproc import InprocBroker
+from fleetrl.broker.client.inproc import InprocBroker
 from fleetrl.common import messages as m
-from fleetrl.common import telemetry
+from fleetrl.common.telemetry import tracing
 from fleetrl.common.config import load_config
 from fleetrl.learner import rollback as rollback_mod
 from fleetrl.learner.runtime import init_distributed
-from fleetrl.learner.train import train
+from fleetrl.learner.train import Learner, train
 from tests.broker.conftest import make_state
 
 COLLAPSE_FROM = 5  # the "fleet" samples poor rewards from this policy version until the learner rolls back
@@ -91,21 +91,29 @@ def test_no_group_of_a_discarded_version_is_trained_after_the_rollback(dist, tin
     restored = {}
     real_restore = rollback_mod.restore_state
 
-    def spy_restore(lr, st):  # the RNG right after the restore must be the checkpoint's
-        real_restore(lr, st)
-        restored.update(rng=torch.get_rng_state().clone(), saved=st["rng"]["torch"], lr=lr.optimizer.param_groups[0]["lr"])
+    real_scale = Learner.set_lr_scale
+
+    def spy_restore(parts, st):  # the RNG right after the restore must be the checkpoint's
+        scale = real_restore(parts, st)
+        restored.update(rng=torch.get_rng_state().clone(), saved=st["rng"]["torch"])
+        return scale
+
+    def spy_scale(learner, scale):  # the LR the restore leaves
+        real_scale(learner, scale)
+        restored.update(lr=learner.optimizer.param_groups[0]["lr"])
 
     monkeypatch.setattr(rollback_mod, "restore_state", spy_restore)
+    monkeypatch.setattr(Learner, "set_lr_scale", spy_scale)
     fleet = FakeFleet(broker)
     fleet.start()
     try:
         assert train(cfg, tmp_path, client=client) == 0
-        assert telemetry.flush_tracing()
-        spans = [s for s in telemetry.read_spans(tmp_path) if s["name"] == "learner.rollback"]
+        assert tracing.flush_tracing()
+        spans = [s for s in tracing.read_spans(tmp_path) if s["name"] == "learner.rollback"]
     finally:
         fleet.halt.set()
         fleet.join(5)
-        telemetry.shutdown_tracing()
+        tracing.shutdown_tracing()
     log = [json.loads(line) for line in (tmp_path / "trained-0.jsonl").read_text().splitlines()]
     rollbacks = [i for i, row in enumerate(log) if "rollback" in row]
     assert rollbacks, "the collapse was not rolled back"
@@ -117,7 +125,6 @@ def test_no_group_of_a_discarded_version_is_trained_after_the_rollback(dist, tin
         poisoned = [g for g in trained_after if fleet.versions[g][1] >= lo and fleet.versions[g][0] <= hi]
         assert poisoned == []
         assert log[i]["published_version"] > hi
-    rb = log[rollbacks[0]]
     # the late groups of the bad versions did reach the broker and were dropped there, not trained
     assert state.counters["discarded"] > 0
     # RNG and LR restored (LR lowered)

@@ -6,8 +6,9 @@ from __future__ import annotations
 from transformers import AutoTokenizer
 
 from fleetrl.common.data.tasks import calc_conversation
+from fleetrl.app.entries import evaluate_model
 from fleetrl.learner.sft import collate, encode_pairs, sft
-from fleetrl.rollout.envs.codec import ChatCodec
+from fleetrl.common.chat.codec import ChatCodec
 
 
 def test_conversation_rows_train_only_the_assistant_turns(tiny_model_dir):
@@ -36,6 +37,7 @@ def test_max_minutes_is_kept_between_evaluations(tiny_model_dir, arith_data, tmp
     """The budget is checked every step, not only at evaluations (`--max-minutes 4` once ran 367 s)."""
     eval_data = arith_data.replace(".jsonl", ".eval.jsonl")
     result = sft(tiny_model_dir, arith_data, eval_data, str(tmp_path / "out"), target_acc=1.0, lr=1e-3, batch_size=8,
-                 max_steps=100_000, eval_every=1_000_000, eval_n=10, seed=0, max_minutes=0.05)
+                 max_steps=100_000, eval_every=1_000_000, eval_n=10, seed=0, max_minutes=0.05,
+                 evaluate_model=evaluate_model)
     assert 0 < result["steps"] < 100_000  # before: no evaluation, so no look at the clock, until max_steps
     assert (tmp_path / "out" / "model.safetensors").exists()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from opentelemetry import trace
 
-from fleetrl.common import telemetry
+from fleetrl.common.telemetry import tracing
 from fleetrl.common.config.schema import TelemetryConfig
 from fleetrl.learner.tracing import ANNOUNCED_TRACES, StepTraces
 from tests.helpers import make_group
@@ -15,22 +15,22 @@ from tests.helpers import make_group
 
 @pytest.fixture
 def traced(tmp_path):
-    telemetry.setup_tracing("learner", TelemetryConfig(exporter="jsonl"), tmp_path)
+    tracing.setup_tracing("learner", TelemetryConfig(exporter="jsonl"), tmp_path)
 
     def spans() -> list[dict]:
-        assert telemetry.flush_tracing()
-        return telemetry.read_spans(tmp_path)
+        assert tracing.flush_tracing()
+        return tracing.read_spans(tmp_path)
 
     yield spans
-    telemetry.shutdown_tracing()
+    tracing.shutdown_tracing()
 
 
 def _groups(n: int) -> list:
     groups = []
     for i in range(n):
         g = make_group(f"0:{i}", gid=f"g{i}")
-        with telemetry.span("rollout.group", telemetry.ROOT) as s:  # each group's own trace, as a rollout starts it
-            g.trace = telemetry.inject(s)
+        with tracing.span("rollout.group", tracing.ROOT) as s:  # each group's own trace, as a rollout starts it
+            g.trace = tracing.inject(s)
         groups.append(g)
     return groups
 
@@ -41,11 +41,11 @@ def test_a_step_has_a_span_in_each_group_trace_and_the_publish_follows_them(trac
     unsampled = make_group("0:8", gid="g8")
     unsampled.trace = {"traceparent": groups[0].trace["traceparent"][:-2] + "00"}
     for step, batch in ((1, groups[:2]), (2, [groups[2], unsampled])):
-        with telemetry.span("learner.step", telemetry.ROOT, {"fleetrl.step": step}) as step_span:
+        with tracing.span("learner.step", tracing.ROOT, {"fleetrl.step": step}) as step_span:
             traces.trained(step_span, batch, step, 0, 1_000)
-        assert telemetry.exemplar() == {"trace_id": batch[0].trace["traceparent"][3:35], "group_id": batch[0].group_id}
+        assert tracing.exemplar() == {"trace_id": batch[0].trace["traceparent"][3:35], "group_id": batch[0].group_id}
     with traces.publishing(1, 2) as carried:
-        assert len(carried) == 3 and all(telemetry.sampled(c) for c in carried)
+        assert len(carried) == 3 and all(tracing.sampled(c) for c in carried)
     with traces.publishing(2, 3) as carried_again:  # nothing trained since: nothing carried
         assert carried_again == []
     spans = traced()
@@ -76,4 +76,4 @@ def test_without_tracing_nothing_is_recorded():
     traces.trained(trace.INVALID_SPAN, _groups(2), 1, 0, 1_000)
     with traces.publishing(1, 1) as carried:
         assert carried == []
-    assert traces.pending == [] and telemetry.exemplar() == {}
+    assert traces.pending == [] and tracing.exemplar() == {}

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from fleetrl.common.registry import RegistryError
+from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.common.config.schema import ModelConfig, RolloutConfig
 from fleetrl.learner.init_model import init_model
 from fleetrl.rollout.engines import ENGINES, Generation, SamplingParams, create_engine

@@ -9,7 +9,7 @@ from itertools import combinations
 
 import pytest
 
-from fleetrl.common.cli import main as cli_main
+from fleetrl.app.cli import main as cli_main
 from fleetrl.rollout.engines import SamplingParams
 from fleetrl.rollout.eval import evaluate, evaluate_detailed, pass_at_k
 from fleetrl.rollout.loop import encode_prompt
@@ -153,4 +153,4 @@ def test_evaluate_model_scores_a_model_in_memory_like_the_run_and_gives_its_mode
     ids = [encode_prompt(engine.tokenizer, r["prompt"], False, 100) for r in rows]
     six = [g[0].text for g in engine.generate_batch(ids, SamplingParams(temperature=0, max_new_tokens=6), 1)]
     half6 = [{**r, "answer": t if i < 2 else t + "x"} for i, (r, t) in enumerate(zip(rows, six))]
-    assert held_out_accuracy(None, model, tokenizer, half6, tiny_model_dir) == pytest.approx(2 / 6) and model.training
+    assert held_out_accuracy(None, model, tokenizer, half6, tiny_model_dir, evaluate_model) == pytest.approx(2 / 6) and model.training

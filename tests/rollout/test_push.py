@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fleetrl.broker.client import BrokerError
+from fleetrl.broker.client.errors import BrokerError
 from fleetrl.common import messages as m
 from fleetrl.rollout.loop import Finisher, MetricsFile, OpenLeases, Stats
 from tests.helpers import make_group

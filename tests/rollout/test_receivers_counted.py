@@ -12,14 +12,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fleetrl.broker.metrics import expected_receivers, status_metrics
+from fleetrl.broker.client.metrics import expected_receivers, status_metrics
 from fleetrl.common import messages as m
 from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import JobConfig, SyncConfig
-from fleetrl.learner.weights import WeightPublisher
-from fleetrl.rollout.weights import WeightReceiver
+from fleetrl.common.weightsync.sender.publisher import WeightPublisher
+from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
 from tests.broker.conftest import make_state
-from tests.rollout.weights_child import CaptureEngine
+from tests.common.weightsync.weights_child import CaptureEngine
 
 LATE_S = 1.0  # how much later the server's second receiver (its second TP worker) hears of a round
 

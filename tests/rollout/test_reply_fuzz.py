@@ -1,5 +1,5 @@
 """Fuzzing the client side of the wire: how rollout servers and learners (both through
-``fleetrl.broker.client``) decode what the broker sends them.
+``fleetrl.broker.client.sync``) decode what the broker sends them.
 
 - The decoders raise ``ProtocolError`` and nothing else, for replies and announcements of every type
   with random fields, raw and mutated frames, and deep nesting; what they accept encodes again.
@@ -21,7 +21,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetrl.broker.client import AsyncBrokerClient, AsyncSubscription, ZmqBrokerClient
+from fleetrl.broker.client.aio import AsyncBrokerClient
+from fleetrl.broker.client.sync import AsyncSubscription, ZmqBrokerClient
 from fleetrl.common import messages as m
 from tests.broker import fuzz_strategies as fs
 

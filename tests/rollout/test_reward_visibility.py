@@ -6,7 +6,7 @@ import json
 
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import RewardSpec
-from fleetrl.common.launch.status import StatusLine
+from fleetrl.app.launch.status import StatusLine
 from fleetrl.common.config import load_config
 from fleetrl.learner.completions import reward_part_metrics
 from fleetrl.learner.report import rollout_reward_note
@@ -15,22 +15,23 @@ from fleetrl.rollout.rewards import RewardInput, RewardScorer
 USER = "tests.rollout.user_rewards"
 
 
-def scorer(*specs: RewardSpec) -> RewardScorer:
-    return RewardScorer(list(specs), timeout_s=5.0, workers=2, on_failure="zero")
+def scorer(*specs: RewardSpec, stop_after: int = 16) -> RewardScorer:
+    return RewardScorer(list(specs), timeout_s=5.0, workers=2, on_failure="zero", stop_after=stop_after)
 
 
-def inputs(n: int) -> list[RewardInput]:
-    return [RewardInput(prompt="p", response=f"r{i}", answer="1", metadata={}) for i in range(n)]
+def inputs(n: int, prefix: str = "r") -> list[RewardInput]:
+    return [RewardInput(prompt="p", response=f"{prefix}{i}", answer="1", metadata={}) for i in range(n)]
 
 
 def test_a_reward_failing_on_every_sample_is_hopeless_and_named():
     s = scorer(RewardSpec(name="python", args={"function": f"{USER}:boom"}))
     try:
         s.score(inputs(8))
-        assert s.hopeless(min_samples=16) is None  # too few samples yet to judge
+        assert s.hopeless() is None  # too few samples yet to judge
         s.score(inputs(8))
-        why = s.hopeless(min_samples=16)
+        why = s.hopeless()
         assert why is not None
+        assert "no sample got a usable reward in the first 16" in why
         assert "'boom' (rollout.rewards[0]) failed on 16 of 16 samples" in why and "ValueError" in why
     finally:
         s.close()
@@ -40,7 +41,7 @@ def test_a_reward_returning_none_for_every_sample_is_hopeless_and_named():
     s = scorer(RewardSpec(name="python", args={"function": f"{USER}:no_score"}))
     try:
         s.score(inputs(16))
-        why = s.hopeless(min_samples=16)
+        why = s.hopeless()
         assert why is not None and "'no_score' (rollout.rewards[0]) returned None (no score) for all 16" in why
     finally:
         s.close()
@@ -51,9 +52,49 @@ def test_one_usable_sample_is_not_hopeless():
     s = scorer(RewardSpec(name="python", args={"function": f"{USER}:odd_values"}))
     try:
         s.score([RewardInput(prompt="p", response=r, answer=None, metadata={}) for r in ["nan", "none", "text"] * 5 + ["ok"]])
-        assert s.hopeless(min_samples=16) is None
+        assert s.hopeless() is None
     finally:
         s.close()
+
+
+def test_a_reward_that_starts_failing_mid_run_stops_the_server_naming_it(caplog):
+    """Issue 30: a reward that worked for the first samples and then raises on every one (a judge that went
+    away) must stop the run too, not only one that never worked."""
+    s = scorer(RewardSpec(name="python", args={"function": f"{USER}:fails_late"}), stop_after=16)
+    try:
+        s.score(inputs(40))  # 40 usable samples
+        s.score(inputs(7, "late"))
+        assert s.hopeless() is None  # 7 in a row: not yet
+        with caplog.at_level("WARNING", logger="fleetrl.rollout.rewards.scorer"):
+            s.score(inputs(8, "late"))  # 15 in a row; the warning came at 8, half way
+        assert s.hopeless() is None
+        warned = [r.getMessage() for r in caplog.records if "no usable reward" in r.getMessage()]
+        assert len(warned) == 1 and "the last 8 samples" in warned[0] and "stops at 16 in a row" in warned[0]
+        s.score(inputs(1, "late"))
+        why = s.hopeless()
+    finally:
+        s.close()
+    assert why is not None
+    assert "the rewards stopped working: the last 16 samples got no usable reward (after 40 usable ones)" in why
+    assert "'fails_late' (rollout.rewards[0]) failed on 16 of 16 samples" in why and "ConnectionError" in why
+    assert "rollout.reward_stop_after" in why
+
+
+def test_a_usable_sample_ends_the_streak_and_zero_never_stops():
+    s = scorer(RewardSpec(name="python", args={"function": f"{USER}:fails_late"}), stop_after=16)
+    try:
+        s.score(inputs(15, "late"))
+        s.score(inputs(1))  # one usable sample: the count starts again
+        s.score(inputs(15, "late"))
+        assert s.hopeless() is None
+    finally:
+        s.close()
+    never = scorer(RewardSpec(name="python", args={"function": f"{USER}:boom"}), stop_after=0)
+    try:
+        never.score(inputs(64))
+        assert never.hopeless() is None  # rollout.reward_stop_after=0: count and show, never stop
+    finally:
+        never.close()
 
 
 def test_failed_parts_ride_the_group_and_leave_the_learner_mean():

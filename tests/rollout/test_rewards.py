@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fleetrl.common.registry import RegistryError
+from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.common.config.schema import RewardSpec
 from fleetrl.rollout.rewards import REWARDS, RewardArgsError, RewardInput, RewardResult, RewardScorer
 from tests.rollout import user_rewards
@@ -404,7 +404,7 @@ def test_a_batched_function_missing_its_column_fails_naming_it(scorer_of):
 
 
 def test_a_batched_call_missing_a_column_lists_the_columns_the_rows_have():
-    from fleetrl.rollout.rewards.user import PythonReward
+    from fleetrl.rollout.rewards.python import PythonReward
 
     reward = PythonReward(function=f"{USER}:reward_func")
     with pytest.raises(ValueError, match=r"\['ground_truth'\].*\(columns: \['answer', 'level'\]\)"):

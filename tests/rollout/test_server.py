@@ -22,15 +22,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fleetrl.broker.client import ZmqBrokerClient
-from fleetrl.broker.inproc import InprocBroker
+from fleetrl.broker.client.sync import ZmqBrokerClient
+from fleetrl.broker.client.inproc import InprocBroker
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import ModelConfig, RolloutConfig
 from fleetrl.rollout.engines import SamplingParams, create_engine
 from fleetrl.rollout.loop import encode_prompt
 from fleetrl.rollout.rewards import RewardInput, RewardScorer
 from fleetrl.rollout.server import RolloutServer, broker_address
-from fleetrl.rollout.weights import WeightReceiver
+from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
 from tests.broker.conftest import make_state
 from tests.helpers import BrokerProcess, write_job
 
@@ -373,7 +373,7 @@ class RolloutProcess:
         ready = self.run_dir / f"rollout-{self.index}.ready"
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "fleetrl.common.cli", "rollout", "--config", str(self.config), "--run-dir",
+                [sys.executable, "-m", "fleetrl.app.cli", "rollout", "--config", str(self.config), "--run-dir",
                  str(self.run_dir), "--server-index", str(self.index)], stdout=log, stderr=subprocess.STDOUT, env=ENV)
         deadline = time.monotonic() + timeout
         while not ready.exists():

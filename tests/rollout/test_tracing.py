@@ -10,28 +10,29 @@ from concurrent.futures import Future
 import pytest
 
 from fleetrl.common import messages as m
-from fleetrl.common import telemetry
+from fleetrl.common.telemetry import tracing
 from fleetrl.common.config.schema import TelemetryConfig
-from fleetrl.rollout.engines.base import Generation
+from fleetrl.rollout.engines.records import Generation
 from fleetrl.rollout.loop import Batch, build_groups
 from fleetrl.rollout.rewards import RewardResult
-from fleetrl.rollout.engines.base import Request, SamplingParams
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Request
 from fleetrl.rollout.tracing import LeaseTrace, genai_attributes, trace_load
 
 
 @pytest.fixture
 def traced(tmp_path):
-    telemetry.setup_tracing("rollout", TelemetryConfig(exporter="jsonl"), tmp_path)
+    tracing.setup_tracing("rollout", TelemetryConfig(exporter="jsonl"), tmp_path)
 
     def spans() -> dict[str, list[dict]]:
-        assert telemetry.flush_tracing()
+        assert tracing.flush_tracing()
         out: dict[str, list[dict]] = {}
-        for s in telemetry.read_spans(tmp_path):
+        for s in tracing.read_spans(tmp_path):
             out.setdefault(s["name"], []).append(s)
         return out
 
     yield spans
-    telemetry.shutdown_tracing()
+    tracing.shutdown_tracing()
 
 
 def _batch(trace: LeaseTrace | None, lease: m.PromptLease) -> Batch:
@@ -80,9 +81,9 @@ def test_each_prompt_of_a_lease_starts_its_own_trace_and_its_group_carries_it(tr
 
 def test_a_version_load_joins_the_traces_it_was_announced_with(traced):
     parents = []
-    for i in range(2):
-        with telemetry.span("learner.publish_weights", telemetry.ROOT) as s:
-            parents.append(telemetry.inject(s))
+    for _ in range(2):
+        with tracing.span("learner.publish_weights", tracing.ROOT) as s:
+            parents.append(tracing.inject(s))
     trace_load(time.time_ns(), parents, {"fleetrl.policy_version": 3})
     trace_load(time.time_ns(), [], {"fleetrl.policy_version": 4})  # announced without traces: a root
     loads = traced()["rollout.load_weights"]
@@ -128,12 +129,12 @@ def test_without_tracing_groups_carry_no_context():
 def test_a_sampler_from_the_environment_marks_unsampled_groups(tmp_path, monkeypatch):
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")  # keep no lease trace
-    telemetry.setup_tracing("rollout", TelemetryConfig(exporter="jsonl"), tmp_path)
+    tracing.setup_tracing("rollout", TelemetryConfig(exporter="jsonl"), tmp_path)
     try:
         lease = m.PromptLease(req_id=1, lease_id="L", expires_in_s=60.0, prompts=[m.Prompt(prompt_id="0:0", prompt="x")])
         batch = _batch(LeaseTrace.start(lease, "r", 0, time.time_ns()), lease)
         [group], _, _ = build_groups(batch, [RewardResult(1.0, {}, False)] * 2, "r", lambda res: False)
-        assert group.trace["traceparent"].endswith("-00") and not telemetry.sampled(group.trace)
-        assert telemetry.flush_tracing() and telemetry.read_spans(tmp_path) == []
+        assert group.trace["traceparent"].endswith("-00") and not tracing.sampled(group.trace)
+        assert tracing.flush_tracing() and tracing.read_spans(tmp_path) == []
     finally:
-        telemetry.shutdown_tracing()
+        tracing.shutdown_tracing()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 
 RELEASE = threading.Event()  # set by the tests to let a hung reward call return
@@ -85,7 +86,7 @@ def reward_func(completions, ground_truth, **kwargs):
 def multi_task_reward_func(prompts, completions, task, **kwargs):
     """TRL docs' multi-task example: None for the samples this function does not apply to."""
     rewards = []
-    for prompt, completion, t in zip(prompts, completions, task):
+    for _prompt, completion, t in zip(prompts, completions, task):
         if t == "math":
             rewards.append(1.0 if completion.strip().endswith("4") else 0.0)
         else:
@@ -104,3 +105,20 @@ def odd_rows_unscorable(prompt: str, response: str):
 
 def no_score(response: str):
     return None  # never scores: a run on it has nothing to train on
+
+
+def fails_late(response: str) -> float:
+    """1.0, until the responses start with "late": then it raises, as a judge that went away mid-run."""
+    if response.startswith("late"):
+        raise ConnectionError("judge at http://judge:8000 went away")
+    return 1.0
+
+
+_CALLS = itertools.count()  # next() on a count is atomic under the GIL: safe from the scorer's worker threads
+
+
+def works_then_breaks(response: str) -> float:
+    """1.0 for the first 48 samples this process scores, then it raises (a reward that starts failing mid-run)."""
+    if next(_CALLS) >= 48:
+        raise ConnectionError("judge at http://judge:8000 went away")
+    return 1.0

@@ -19,7 +19,7 @@ RL_STEPS = 320  # the demo (docs/benchmarks.md) climbs +16..23 points by here; a
 
 
 def fleetrl(*args: str, timeout: float) -> None:
-    subprocess.run([sys.executable, "-m", "fleetrl.common.cli", *args], check=True, timeout=timeout)
+    subprocess.run([sys.executable, "-m", "fleetrl.app.cli", *args], check=True, timeout=timeout)
 
 
 @pytest.mark.timeout(1800)
@@ -40,7 +40,7 @@ def test_fleetrl_run_with_the_vllm_engine_raises_held_out_accuracy(tmp_path):
         "run.ready_timeout_s=300", "checkpoint.interval=0", "checkpoint.export_hf=false",
     ]
     out = (tmp_path / "run.out").open("w")
-    proc = subprocess.run([sys.executable, "-m", "fleetrl.common.cli", "run", "--config", "configs/demo.yaml",
+    proc = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "run", "--config", "configs/demo.yaml",
                            "--run-dir", str(run_dir), "--no-status", *overrides],
                           stdout=out, stderr=subprocess.STDOUT, timeout=60 * 15,
                           cwd=Path(__file__).parents[2])
@@ -66,8 +66,8 @@ def test_fleetrl_run_with_the_vllm_engine_raises_held_out_accuracy(tmp_path):
     events = (run_dir / "events.jsonl").read_text().splitlines() if (run_dir / "events.jsonl").exists() else []
     assert not events, events
     mismatch = [r["off_policy/mismatch_kl"] for r in rows if "off_policy/mismatch_kl" in r]
-    print("vllm engine mismatch_kl: mean %.3g max %.3g over %d steps" % (sum(mismatch) / len(mismatch), max(mismatch),
-                                                                          len(mismatch)))
+    print(f"vllm engine mismatch_kl: mean {sum(mismatch) / len(mismatch):.3g} max {max(mismatch):.3g} over "
+          f"{len(mismatch)} steps")
     # the rollout leaves on `done` with exit 0, and the engine's shutdown leaves no error behind
     assert re.search(r"rollout-0\s+exit 0", log), log[-3000:]
     for text in (log, rollout_log):

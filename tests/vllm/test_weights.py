@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM
 from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import JobConfig, ModelConfig, RolloutConfig, SyncConfig
 from fleetrl.common.messages import WeightsInfo
-from fleetrl.learner.weights import WeightPublisher
+from fleetrl.common.weightsync.sender.publisher import WeightPublisher
 from fleetrl.rollout.engines import Request, SamplingParams, create_engine
 from tests.conftest import free_port
-from tests.rollout.test_weight_store_attacks import forged_rounds_are_refused
+from tests.common.weightsync.test_store_attacks import forged_rounds_are_refused
 from tests.vllm.conftest import ATOL, DEVICE, hf_model, teacher_forced_logp
 
 PROMPTS = ["12+34=", "7+8=", "hello"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fleetrl.common.registry import RegistryError
+from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.learner.algorithms import AGGREGATIONS, aggregate
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

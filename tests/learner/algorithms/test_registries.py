@@ -6,7 +6,7 @@ import typing
 
 import pytest
 
-from fleetrl.common.registry import RegistryError
+from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.common.config.algorithm import RlAlgorithm
 from fleetrl.learner.algorithms import (
     ADV_ESTIMATORS,

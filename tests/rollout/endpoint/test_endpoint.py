@@ -4,7 +4,6 @@ changed its base_url; the groups it produced; a session left open times out and 
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
@@ -42,7 +41,7 @@ def test_round_trip_with_the_openai_client(plain, engine):
     assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
     assert 1 <= r.usage.completion_tokens <= 5 and len(choice.logprobs.content) == r.usage.completion_tokens
     # the same as calling the engine directly with the template's prompt (greedy)
-    from fleetrl.rollout.engines.base import SamplingParams
+    from fleetrl.rollout.engines.params import SamplingParams
 
     text = engine.tokenizer.apply_chat_template([{"role": "user", "content": "12+30="}], add_generation_prompt=True,
                                                 tokenize=False)

@@ -20,7 +20,8 @@ import openai
 import pytest
 
 from fleetrl.common.config import load_config
-from fleetrl.rollout.engines.base import Request, SamplingParams
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Request
 from fleetrl.rollout.endpoint.server import Endpoint
 from tests.rollout.endpoint.test_endpoint import AgentFleet
 from tests.rollout.test_server import wait_for

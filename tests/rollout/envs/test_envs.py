@@ -13,10 +13,11 @@ from transformers import AutoTokenizer
 from fleetrl.common import messages as m
 from fleetrl.common.config import ConfigError, load_config
 from fleetrl.common.config.env import EnvType, ToolParserName
-from fleetrl.common.registry import RegistryError
-from fleetrl.rollout.engines.base import Generation, SamplingParams
+from fleetrl.common.plugins.registry import RegistryError
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation
 from fleetrl.rollout.envs import ENVS, Episode, create_env
-from fleetrl.rollout.envs.codec import ChatCodec, check_prefix_stable
+from fleetrl.common.chat.codec import ChatCodec, check_prefix_stable
 from fleetrl.rollout.envs.base import TemplateMismatch
 from fleetrl.rollout.envs.parsers import TOOL_PARSERS
 from fleetrl.rollout.envs.tools import calc

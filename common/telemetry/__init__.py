@@ -1,0 +1,1 @@
+"""Traces (OpenTelemetry), trace files, process resources and the logger set-up: one place per concern."""
