@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from fleetrl.common.config.preflight import (
     NEEDS_ANSWER,
@@ -36,7 +36,6 @@ from fleetrl.common.config.preflight import (
     tokenizer_problem,
 )
 from fleetrl.common.config.schema import JobConfig
-
 
 
 def check_job(cfg: JobConfig) -> list[str]:
@@ -61,9 +60,11 @@ def check_model(cfg: JobConfig) -> list[str]:
     if tok_problem:
         out.append(tok_problem)
     elif cfg.data.apply_chat_template and not has_chat_template(tok_dir):
-        out.append(f"data.apply_chat_template is true but the tokenizer in {tok_dir!r} has no chat template (no "
-                   "chat_template.jinja, none in tokenizer_config.json); set data.apply_chat_template=false (raw "
-                   "prompts) or model.tokenizer to a tokenizer with a template")
+        out.append(
+            f"data.apply_chat_template is true but the tokenizer in {tok_dir!r} has no chat template (no "
+            "chat_template.jinja, none in tokenizer_config.json); set data.apply_chat_template=false (raw "
+            "prompts) or model.tokenizer to a tokenizer with a template"
+        )
     return out
 
 
@@ -96,8 +97,10 @@ def data_problems(source: str, key: str, cfg: JobConfig, columns: list[tuple[str
             return []
         row = mapped[0]
     missing = [(setting, col) for setting, col in columns if not get_path(row, col)[0]]
-    return [f"{setting}={col!r} is not a column of {key} (its first row has: {', '.join(sorted(row))}); set {setting}"
-            for setting, col in missing]
+    return [
+        f"{setting}={col!r} is not a column of {key} (its first row has: {', '.join(sorted(row))}); set {setting}"
+        for setting, col in missing
+    ]
 
 
 def dataset_name_problems(source: str, key: str, cfg: JobConfig) -> list[str]:
@@ -105,8 +108,10 @@ def dataset_name_problems(source: str, key: str, cfg: JobConfig) -> list[str]:
     if Path(source).suffix in (".jsonl", ".json", ".parquet", ".csv") or source.startswith((".", "/", "~")):
         return [f"{key}={source!r} does not exist; create it (e.g. `fleetrl init-data`) or fix the path"]
     if importlib.util.find_spec("datasets") is None:
-        return [f"{key}={source!r} is not a local file or directory, and reading it as a `datasets` name needs the "
-                "datasets package; pip install datasets, or point it at a local file"]
+        return [
+            f"{key}={source!r} is not a local file or directory, and reading it as a `datasets` name needs the "
+            "datasets package; pip install datasets, or point it at a local file"
+        ]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import datasets
@@ -114,11 +119,13 @@ def dataset_name_problems(source: str, key: str, cfg: JobConfig) -> list[str]:
     try:
         datasets.load_dataset_builder(source, cfg.data.subset, data_files=cfg.data.data_files)
     except Exception as e:  # noqa: BLE001 - datasets raises many kinds; each means "not available here"
-        return [f"{key}={source!r} is neither a local file or directory nor a dataset in the local HF cache "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); jobs run offline: save it first "
-                f"(`datasets.load_dataset({source!r}, {cfg.data.subset or 'CONFIG'!r}).save_to_disk('data/x')`, "
-                "CONFIG being its configuration, e.g. 'main' for openai/gsm8k) and set "
-                f"{key}=data/x"]
+        return [
+            f"{key}={source!r} is neither a local file or directory nor a dataset in the local HF cache "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); jobs run offline: save it first "
+            f"(`datasets.load_dataset({source!r}, {cfg.data.subset or 'CONFIG'!r}).save_to_disk('data/x')`, "
+            "CONFIG being its configuration, e.g. 'main' for openai/gsm8k) and set "
+            f"{key}=data/x"
+        ]
     return []
 
 
@@ -135,15 +142,23 @@ def check_data(cfg: JobConfig) -> list[str]:
     answer = [("data.answer_key", d.answer_key)] if any(s.name in NEEDS_ANSWER for s in cfg.rollout.rewards) else []
     if cfg.needs_fleet:
         out += data_problems(d.train, "data.train", cfg, [("data.prompt_key", d.prompt_key), *answer])
-    pair_cols = [("data.prompt_key", d.prompt_key), ("data.chosen_key", d.chosen_key), ("data.rejected_key", d.rejected_key)]
-    for key, source, cols in (("data.eval", d.eval, [("data.prompt_key", d.prompt_key), *answer]),
-                              ("data.preference", d.preference, pair_cols),
-                              ("data.preference_eval", d.preference_eval, pair_cols)):
+    pair_cols = [
+        ("data.prompt_key", d.prompt_key),
+        ("data.chosen_key", d.chosen_key),
+        ("data.rejected_key", d.rejected_key),
+    ]
+    for key, source, cols in (
+        ("data.eval", d.eval, [("data.prompt_key", d.prompt_key), *answer]),
+        ("data.preference", d.preference, pair_cols),
+        ("data.preference_eval", d.preference_eval, pair_cols),
+    ):
         if source:
             out += data_problems(source, key, cfg, cols)
     if cfg.run.eval_interval and not d.eval and not d.preference_eval:
-        out.append(f"run.eval_interval={cfg.run.eval_interval} evaluates on data.eval, which is not set; set data.eval "
-                   "or run.eval_interval=0")
+        out.append(
+            f"run.eval_interval={cfg.run.eval_interval} evaluates on data.eval, which is not set; set data.eval "
+            "or run.eval_interval=0"
+        )
     return out
 
 
@@ -160,9 +175,11 @@ def check_rewards(cfg: JobConfig) -> list[str]:
         problems += reward_column_problems(cfg)
     if cfg.run.eval_interval and cfg.data.eval and cfg.run.eval_success is None:
         if default_success_threshold(cfg.rollout.rewards) is None:
-            problems.append("run.eval_success: which reward counts as correct in evaluation is ambiguous for these "
-                            "rollout.rewards (only a single exact or math reward means reward >= 1 is right); set "
-                            "run.eval_success")
+            problems.append(
+                "run.eval_success: which reward counts as correct in evaluation is ambiguous for these "
+                "rollout.rewards (only a single exact or math reward means reward >= 1 is right); set "
+                "run.eval_success"
+            )
     return problems
 
 
@@ -201,8 +218,10 @@ def chat_prompt_problems(cfg: JobConfig) -> list[str]:
         return []
     if has_chat_template(tok_dir):
         return []
-    return [f"data.train's prompts ({cfg.data.prompt_key!r}) are chat messages, but the tokenizer in {tok_dir!r} has no "
-            "chat template to render them; set model.tokenizer to a tokenizer with one, or give plain-text prompts"]
+    return [
+        f"data.train's prompts ({cfg.data.prompt_key!r}) are chat messages, but the tokenizer in {tok_dir!r} has no "
+        "chat template to render them; set model.tokenizer to a tokenizer with one, or give plain-text prompts"
+    ]
 
 
 def reward_column_problems(cfg: JobConfig) -> list[str]:
@@ -219,9 +238,11 @@ def reward_column_problems(cfg: JobConfig) -> list[str]:
     for i, spec in specs:
         missing = missing_columns(spec.args, columns)
         if missing:
-            out.append(f"rollout.rewards[{i}]: {spec.args.get('function')} needs the data column(s) {missing}, which "
-                       f"data.train's first row does not have (columns: {sorted(columns)}); rename the column (a "
-                       "data.map hook), or give the parameter a default")
+            out.append(
+                f"rollout.rewards[{i}]: {spec.args.get('function')} needs the data column(s) {missing}, which "
+                f"data.train's first row does not have (columns: {sorted(columns)}); rename the column (a "
+                "data.map hook), or give the parameter a default"
+            )
     return out
 
 
@@ -236,8 +257,11 @@ SINK_LIBRARIES: list[tuple[str, Callable[[JobConfig], bool], str]] = [
 
 
 def check_telemetry(cfg: JobConfig) -> list[str]:
-    return [f"{key} needs the {lib} package; pip install 'fleetrl[tracking]', or turn {key} off"
-            for key, wanted, lib in SINK_LIBRARIES if wanted(cfg) and importlib.util.find_spec(lib) is None]
+    return [
+        f"{key} needs the {lib} package; pip install 'fleetrl[tracking]', or turn {key} off"
+        for key, wanted, lib in SINK_LIBRARIES
+        if wanted(cfg) and importlib.util.find_spec(lib) is None
+    ]
 
 
 def check_files(cfg: JobConfig) -> list[str]:
@@ -250,8 +274,10 @@ def check_files(cfg: JobConfig) -> list[str]:
                 out.append(f"broker.curve.{key}={value!r} does not exist; create keys with `fleetrl keys generate DIR`")
     resume = cfg.checkpoint.resume
     if resume and resume != "auto" and not (Path(resume) / "meta.json").is_file():
-        out.append(f"checkpoint.resume={resume!r} is not a complete checkpoint (no meta.json); use `auto` or a "
-                   "step-* directory of a run's checkpoints")
+        out.append(
+            f"checkpoint.resume={resume!r} is not a complete checkpoint (no meta.json); use `auto` or a "
+            "step-* directory of a run's checkpoints"
+        )
     return out
 
 
@@ -266,11 +292,19 @@ def resume_problem(run_dir: Path, cfg: JobConfig | None) -> str | None:
     if not (run_dir / "config.yaml").is_file():
         return f"--resume {str(run_dir)!r}: no config.yaml there; pass the directory of a `fleetrl run`"
     if cfg is not None and cfg.learner is not None and newest_checkpoint(run_dir, cfg) is None:
-        return (f"--resume {str(run_dir)!r}: the run has no complete checkpoint to resume from (checkpoint.interval="
-                f"{cfg.checkpoint.interval}); start it again without --resume")
+        return (
+            f"--resume {str(run_dir)!r}: the run has no complete checkpoint to resume from (checkpoint.interval="
+            f"{cfg.checkpoint.interval}); start it again without --resume"
+        )
     return None
 
 
-CHECKS: list[Callable[[JobConfig], list[str]]] = [check_model, check_data, chat_prompt_problems, check_rewards,
-                                                   check_env, check_telemetry, check_files]
-
+CHECKS: list[Callable[[JobConfig], list[str]]] = [
+    check_model,
+    check_data,
+    chat_prompt_problems,
+    check_rewards,
+    check_env,
+    check_telemetry,
+    check_files,
+]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from fleetrl.common.config import config_docs, dump_yaml, load_config
 from fleetrl.app.checks import check_job
+from fleetrl.common.config import config_docs, dump_yaml, load_config
 from fleetrl.common.config.names import defaults_used
 
 

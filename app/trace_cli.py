@@ -74,13 +74,17 @@ def format_timeline(group_id: str, spans: list[Span]) -> str:
     prompt = next((s["attributes"][PROMPT] for s in spans if PROMPT in s["attributes"]), "?")
     trace_ids = {s["trace_id"] for s in spans if s["attributes"].get(GROUP) == group_id}
     total = (max(s["end_ns"] for s in spans) - t0) / 1e9
-    lines = [f"group {group_id}  prompt {prompt}  trace {', '.join(sorted(trace_ids))}  "
-             f"{len(spans)} spans over {total:.3f} s",
-             f"  {'offset':>10}  {'duration':>10}  {'process':<24}  {'span':<24}  details"]
+    lines = [
+        f"group {group_id}  prompt {prompt}  trace {', '.join(sorted(trace_ids))}  "
+        f"{len(spans)} spans over {total:.3f} s",
+        f"  {'offset':>10}  {'duration':>10}  {'process':<24}  {'span':<24}  details",
+    ]
     for s in spans:
         who = s.get("instance") or s.get("service", "")
-        lines.append(f"  {(s['start_ns'] - t0) / 1e9:>+9.3f}s  {(s['end_ns'] - s['start_ns']) / 1e9:>9.4f}s  "
-                     f"{who[:24]:<24}  {s['name']:<24}  {_details(s)}")
+        lines.append(
+            f"  {(s['start_ns'] - t0) / 1e9:>+9.3f}s  {(s['end_ns'] - s['start_ns']) / 1e9:>9.4f}s  "
+            f"{who[:24]:<24}  {s['name']:<24}  {_details(s)}"
+        )
     return "\n".join(lines)
 
 
@@ -99,8 +103,9 @@ def main(args) -> int:
     run_dir = Path(args.run_dir)
     spans = Spans(read_spans(run_dir))
     if not spans.spans:
-        print(f"fleetrl trace: no spans under {run_dir / TRACES_DIR}; run with telemetry.exporter=jsonl",
-              file=sys.stderr)
+        print(
+            f"fleetrl trace: no spans under {run_dir / TRACES_DIR}; run with telemetry.exporter=jsonl", file=sys.stderr
+        )
         return 1
     if not spans.groups:
         print(f"fleetrl trace: {len(spans.spans)} spans but none names a group ({GROUP})", file=sys.stderr)

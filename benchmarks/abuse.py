@@ -81,11 +81,18 @@ class Watch:
         self.client.close()
         lat = sorted(self.lat) or [float("nan")]
         busy = machine_busy_s() - self.cpu0
-        return {"rss_peak_mib": round(max(self.rss), 1), "rss_start_mib": round(self.rss[0], 1),
-                "canary_worst_s": round(lat[-1], 3), "canary_p99_s": round(lat[int(0.99 * (len(lat) - 1))], 3),
-                "canary_requests": len(self.lat), "canary_failures": self.failures,
-                "closed_connections": status.counters.get("connections_closed", 0), "rejected": dict(status.rejected),
-                "load_1min": round(max(self.load0, os.getloadavg()[0]), 2), "machine_cpu_s": round(busy, 1)}
+        return {
+            "rss_peak_mib": round(max(self.rss), 1),
+            "rss_start_mib": round(self.rss[0], 1),
+            "canary_worst_s": round(lat[-1], 3),
+            "canary_p99_s": round(lat[int(0.99 * (len(lat) - 1))], 3),
+            "canary_requests": len(self.lat),
+            "canary_failures": self.failures,
+            "closed_connections": status.counters.get("connections_closed", 0),
+            "rejected": dict(status.rejected),
+            "load_1min": round(max(self.load0, os.getloadavg()[0]), 2),
+            "machine_cpu_s": round(busy, 1),
+        }
 
 
 def multipart(address: str, seconds: float) -> dict:
@@ -101,6 +108,7 @@ def multipart(address: str, seconds: float) -> dict:
                     sent[0] += len(chunk)
             except OSError:
                 continue  # closed by the broker: reconnect and go on
+
     threads = [threading.Thread(target=flood, daemon=True) for _ in range(4)]
     for t in threads:
         t.start()
@@ -156,8 +164,11 @@ def million_groups(address: str) -> dict:
     sock.send(frame)
     reply = m.decode_reply(sock.recv()) if sock.poll(60_000) else None
     sock.close()
-    return {"frame_mib": round(len(frame) / MIB, 1), "reply": reply.code if isinstance(reply, m.Error) else str(reply),
-            "reply_s": round(time.monotonic() - t0, 3)}
+    return {
+        "frame_mib": round(len(frame) / MIB, 1),
+        "reply": reply.code if isinstance(reply, m.Error) else str(reply),
+        "reply_s": round(time.monotonic() - t0, 3),
+    }
 
 
 def main() -> None:
@@ -171,11 +182,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         data, _ = init_data("arithmetic", str(tmp / "data.jsonl"), 200, 10, 0, 99)
-        for name, attack in (("slowloris_multipart", lambda a: multipart(a, args.seconds)),
-                             ("slowloris_half_sent_frames", lambda a: half_sent(a, args.seconds)),
-                             ("clients_100k", many_clients), ("frame_1e6_groups", million_groups)):
-            broker = BrokerProcess(write_job(tmp, str(data), broker={"port": 0, "pub_port": 0}), tmp / name,
-                                   "telemetry.log_level=WARNING").start()
+        for name, attack in (
+            ("slowloris_multipart", lambda a: multipart(a, args.seconds)),
+            ("slowloris_half_sent_frames", lambda a: half_sent(a, args.seconds)),
+            ("clients_100k", many_clients),
+            ("frame_1e6_groups", million_groups),
+        ):
+            broker = BrokerProcess(
+                write_job(tmp, str(data), broker={"port": 0, "pub_port": 0}), tmp / name, "telemetry.log_level=WARNING"
+            ).start()
             try:
                 watch = Watch(broker)
                 time.sleep(0.5)
@@ -185,12 +200,21 @@ def main() -> None:
             finally:
                 broker.stop()
             r = results[name]
-            print(f"{name:28s} RSS peak {r['rss_peak_mib']:7.1f} MiB (start {r['rss_start_mib']:.1f})  canary worst "
-                  f"{r['canary_worst_s']:.3f} s p99 {r['canary_p99_s']:.3f} s failures {r['canary_failures']}  "
-                  f"load {r['load_1min']}", flush=True)
-    results["targets"] = {"rss_mib": 300, "canary_s": 1.0,
-                          "met": all(r["rss_peak_mib"] < 300 and r["canary_worst_s"] < 1.0 and not r["canary_failures"]
-                                     for k, r in results.items() if k != "targets")}
+            print(
+                f"{name:28s} RSS peak {r['rss_peak_mib']:7.1f} MiB (start {r['rss_start_mib']:.1f})  canary worst "
+                f"{r['canary_worst_s']:.3f} s p99 {r['canary_p99_s']:.3f} s failures {r['canary_failures']}  "
+                f"load {r['load_1min']}",
+                flush=True,
+            )
+    results["targets"] = {
+        "rss_mib": 300,
+        "canary_s": 1.0,
+        "met": all(
+            r["rss_peak_mib"] < 300 and r["canary_worst_s"] < 1.0 and not r["canary_failures"]
+            for k, r in results.items()
+            if k != "targets"
+        ),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"targets met: {results['targets']['met']}; saved to {args.out}")

@@ -32,8 +32,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_trl import (  # noqa: E402  (the demo's workdir, child handling and curve summaries are shared)
-    EVAL_N, RESULTS, ROOT, START_MARGIN_S, _interrupt, curve_from_metrics, final_weights_accuracy, prepare,
-    run_child, summarize, tail,
+    EVAL_N,
+    RESULTS,
+    ROOT,
+    START_MARGIN_S,
+    _interrupt,
+    curve_from_metrics,
+    final_weights_accuracy,
+    prepare,
+    run_child,
+    summarize,
+    tail,
 )
 
 ALGORITHMS = ("grpo", "ppo", "dpo-online")
@@ -43,25 +52,56 @@ def overrides(name: str, args) -> list[str]:
     if name == "grpo":
         return []
     if name == "ppo":
-        return ["algorithm.adv_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=0.95",
-                "algorithm.whiten_advantages=true", f"algorithm.critic.lr={args.critic_lr}",
-                f"algorithm.critic.warmup_steps={args.critic_warmup}", "algorithm.critic.vf_coef=0.5",
-                "algorithm.critic.cliprange_value=0.2"]
-    return ["algorithm=null", "algorithm.type=dpo", "algorithm.loss=sigmoid", f"algorithm.beta={args.dpo_beta}",
-            "algorithm.dynamic_sampling=true"]  # the demo's algorithm section is RL's: replaced whole
+        return [
+            "algorithm.adv_estimator=gae",
+            "algorithm.gamma=1.0",
+            "algorithm.lam=0.95",
+            "algorithm.whiten_advantages=true",
+            f"algorithm.critic.lr={args.critic_lr}",
+            f"algorithm.critic.warmup_steps={args.critic_warmup}",
+            "algorithm.critic.vf_coef=0.5",
+            "algorithm.critic.cliprange_value=0.2",
+        ]
+    return [
+        "algorithm=null",
+        "algorithm.type=dpo",
+        "algorithm.loss=sigmoid",
+        f"algorithm.beta={args.dpo_beta}",
+        "algorithm.dynamic_sampling=true",
+    ]  # the demo's algorithm section is RL's: replaced whole
 
 
 def run_algorithm(name: str, work: dict, args) -> dict:
     run_dir = Path(args.workdir) / "runs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    sets = [f"model.path={work['warm']}", f"data.train={work['train']}", f"data.eval={work['eval']}",
-            f"learner.max_minutes={args.minutes}", f"run.eval_interval={args.eval_interval}", f"run.eval_n={EVAL_N}",
-            "checkpoint.interval=0", f"learner.seed={args.seed}", *overrides(name, args)]
-    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
-            "--run-dir", str(run_dir), "--no-status", *sets]
+    sets = [
+        f"model.path={work['warm']}",
+        f"data.train={work['train']}",
+        f"data.eval={work['eval']}",
+        f"learner.max_minutes={args.minutes}",
+        f"run.eval_interval={args.eval_interval}",
+        f"run.eval_n={EVAL_N}",
+        "checkpoint.interval=0",
+        f"learner.seed={args.seed}",
+        *overrides(name, args),
+    ]
+    argv = [
+        sys.executable,
+        "-m",
+        "fleetrl.app.cli",
+        "run",
+        "--config",
+        str(ROOT / "configs" / "demo.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--no-status",
+        *sets,
+    ]
     log = run_dir.with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
-    print(f"[{name}] training for {args.minutes:g} min; overrides: {' '.join(overrides(name, args)) or '(the demo as is)'}",
-          flush=True)
+    print(
+        f"[{name}] training for {args.minutes:g} min; overrides: {' '.join(overrides(name, args)) or '(the demo as is)'}",
+        flush=True,
+    )
     code, cpu = run_child(name, argv, log, 60 * args.minutes + START_MARGIN_S)
     result = {"command": " ".join(["fleetrl", *argv[3:]]), "run_dir": str(run_dir), "exit_code": code, "cpu": cpu}
     metrics = run_dir / "metrics.jsonl"
@@ -70,8 +110,17 @@ def run_algorithm(name: str, work: dict, args) -> dict:
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     result.update(curve_from_metrics(rows))
     result["final_weights_accuracy"] = final_weights_accuracy(run_dir, work)
-    result["extra"] = last_values(rows, ("critic/value_loss", "critic/explained_variance", "dpo/pairs",
-                                         "dpo/tied_groups", "dpo/accuracy", "reward/mean"))
+    result["extra"] = last_values(
+        rows,
+        (
+            "critic/value_loss",
+            "critic/explained_variance",
+            "dpo/pairs",
+            "dpo/tied_groups",
+            "dpo/accuracy",
+            "reward/mean",
+        ),
+    )
     result["status"] = "ok" if code == 0 and result["steps"] > 0 else "failed"
     if result["status"] == "failed":
         result["error"] = f"`fleetrl run` exited with {code}; its log ends with:\n{tail(log)}"
@@ -99,13 +148,26 @@ def plot(results: dict[str, dict], budget_s: float, path: Path, title: str) -> N
         if r.get("status") != "ok":
             continue
         curve = r["curve"]
-        ax_acc.plot([p["time_s"] for p in curve], [100 * p["accuracy"] for p in curve], marker="o", ms=3,
-                    label=f"{name} ({r['steps']} steps)")
+        ax_acc.plot(
+            [p["time_s"] for p in curve],
+            [100 * p["accuracy"] for p in curve],
+            marker="o",
+            ms=3,
+            label=f"{name} ({r['steps']} steps)",
+        )
         ax_r.plot([p["time_s"] for p in r["reward_mean"]], [p["reward"] for p in r["reward_mean"]], lw=0.8, label=name)
-    ax_acc.set(xlabel="training wall time (s)", ylabel="held-out greedy accuracy (%)", xlim=(0, budget_s * 1.02),
-               title=f"accuracy over time ({EVAL_N} held-out problems)")
-    ax_r.set(xlabel="training wall time (s)", ylabel="mean reward of the trained batch", xlim=(0, budget_s * 1.02),
-             title="training reward")
+    ax_acc.set(
+        xlabel="training wall time (s)",
+        ylabel="held-out greedy accuracy (%)",
+        xlim=(0, budget_s * 1.02),
+        title=f"accuracy over time ({EVAL_N} held-out problems)",
+    )
+    ax_r.set(
+        xlabel="training wall time (s)",
+        ylabel="mean reward of the trained batch",
+        xlim=(0, budget_s * 1.02),
+        title="training reward",
+    )
     for ax in (ax_acc, ax_r):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -120,7 +182,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=4.0, help="training wall time per algorithm")
     ap.add_argument("--workdir", help="model, data, warm start and runs (reused when present; default: a new temp dir)")
-    ap.add_argument("--algorithms", default=",".join(ALGORITHMS), help=f"comma-separated subset of {', '.join(ALGORITHMS)}")
+    ap.add_argument(
+        "--algorithms", default=",".join(ALGORITHMS), help=f"comma-separated subset of {', '.join(ALGORITHMS)}"
+    )
     ap.add_argument("--eval-interval", type=int, default=20, help="learner steps between evaluations")
     ap.add_argument("--target-acc", type=float, default=0.25, help="warm-start accuracy (`fleetrl sft --target-acc`)")
     ap.add_argument("--critic-lr", type=float, default=2e-4)
@@ -147,8 +211,12 @@ def main() -> int:
     report = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         "command": " ".join(["python", "benchmarks/algorithms.py", *sys.argv[1:]]),
-        "minutes_per_algorithm": args.minutes, "eval_interval_steps": args.eval_interval, "eval_n": EVAL_N,
-        "workdir": work, "summary": table, "runs": results,
+        "minutes_per_algorithm": args.minutes,
+        "eval_interval_steps": args.eval_interval,
+        "eval_n": EVAL_N,
+        "workdir": work,
+        "summary": table,
+        "runs": results,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -156,16 +224,22 @@ def main() -> int:
     png = out.with_suffix(".png")
     plot(results, budget_s, png, f"demo task, same warm start, {args.minutes:g} min each, {report['machine']}")
     pct = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
-    print(f"\n{'algorithm':<11} {'steps':>6} {'samples/s':>10} {'start':>7} {'final':>7} {'best':>7} {'mean':>7} {'end':>7} {'others':>7}")
+    print(
+        f"\n{'algorithm':<11} {'steps':>6} {'samples/s':>10} {'start':>7} {'final':>7} {'best':>7} {'mean':>7} {'end':>7} {'others':>7}"
+    )
     for name, s in table.items():
         if s["status"] != "ok":
             print(f"{name:<11} {s['status'].upper()}: {results[name].get('error', '')}")
             continue
-        print(f"{name:<11} {s['steps']:>6} {s['samples_per_s']:>10.1f} {pct(s['start_accuracy']):>7} "
-              f"{pct(s['final_accuracy']):>7} {pct(s['best_accuracy']):>7} {pct(s['mean_accuracy_over_budget']):>7} "
-              f"{pct(s['final_weights_accuracy']):>7} {pct(s['others_cpu_share']):>7}")
-    print("final = mean of the last two evaluations; mean = time-average of the curve; end = final weights after the "
-          "clock stopped;\nothers = CPU share other processes took during the run (should be ~0%)")
+        print(
+            f"{name:<11} {s['steps']:>6} {s['samples_per_s']:>10.1f} {pct(s['start_accuracy']):>7} "
+            f"{pct(s['final_accuracy']):>7} {pct(s['best_accuracy']):>7} {pct(s['mean_accuracy_over_budget']):>7} "
+            f"{pct(s['final_weights_accuracy']):>7} {pct(s['others_cpu_share']):>7}"
+        )
+    print(
+        "final = mean of the last two evaluations; mean = time-average of the curve; end = final weights after the "
+        "clock stopped;\nothers = CPU share other processes took during the run (should be ~0%)"
+    )
     print(f"saved {out} and {png}")
     return 0 if all(s["status"] == "ok" for s in table.values()) else 1
 

@@ -38,8 +38,16 @@ from fleetrl.common import net as _net  # noqa: E402 - after the path is set
 def payload_group(prompt_id: str, gid: str, tokens: bytes, logprobs: bytes):
     from fleetrl.common import messages as m
 
-    return m.SampleGroup(group_id=gid, prompt_id=prompt_id, policy_version=0, prompt_tokens=tokens[:64], lengths=[512] * 8,
-                         tokens=tokens, logprobs=logprobs, rewards=[1.0] * 8)
+    return m.SampleGroup(
+        group_id=gid,
+        prompt_id=prompt_id,
+        policy_version=0,
+        prompt_tokens=tokens[:64],
+        lengths=[512] * 8,
+        tokens=tokens,
+        logprobs=logprobs,
+        rewards=[1.0] * 8,
+    )
 
 
 def arrays():
@@ -68,8 +76,10 @@ def bare_push(address: str, n: int) -> None:
     from fleetrl.common import messages as m
 
     tokens, logprobs = arrays()
-    frames = [m.encode(m.PushGroup(req_id=i, client_id="bench", group=payload_group(f"0:{i}", f"g{i}", tokens, logprobs)))
-              for i in range(256)]
+    frames = [
+        m.encode(m.PushGroup(req_id=i, client_id="bench", group=payload_group(f"0:{i}", f"g{i}", tokens, logprobs)))
+        for i in range(256)
+    ]
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.connect(address)
@@ -130,7 +140,10 @@ async def broker_produce(address: str, n: int, window: int, per_push: int) -> No
             await asyncio.sleep(0.01)
             continue
         for i in range(0, len(lease.prompts), per_push):
-            groups = [payload_group(p.prompt_id, f"g-{p.prompt_id}", tokens, logprobs) for p in lease.prompts[i : i + per_push]]
+            groups = [
+                payload_group(p.prompt_id, f"g-{p.prompt_id}", tokens, logprobs)
+                for p in lease.prompts[i : i + per_push]
+            ]
             await sem.acquire()
             task = asyncio.create_task(push(groups))
             pending.add(task)
@@ -209,10 +222,25 @@ def broker_trial(n: int, workdir: Path, window: int, batch: int, per_push: int) 
     job = workdir / "job.yaml"
     job.write_text("{}\n")
     broker = subprocess.Popen(
-        [sys.executable, "-m", "fleetrl.app.cli", "broker", "--run-dir", str(run_dir), "--config", str(job),
-         f"data.train={data}", "broker.port=0", "broker.pub_port=0", f"broker.queue_capacity={n * 2}",
-         "broker.max_staleness=1000", "telemetry.log_level=WARNING"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "fleetrl.app.cli",
+            "broker",
+            "--run-dir",
+            str(run_dir),
+            "--config",
+            str(job),
+            f"data.train={data}",
+            "broker.port=0",
+            "broker.pub_port=0",
+            f"broker.queue_capacity={n * 2}",
+            "broker.max_staleness=1000",
+            "telemetry.log_level=WARNING",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         ep = run_dir / "broker.json"
         while not ep.exists():
@@ -224,8 +252,18 @@ def broker_trial(n: int, workdir: Path, window: int, batch: int, per_push: int) 
         cpu0 = sum(proc.cpu_times()[:2])
         wall0 = time.perf_counter()
         consumer = run_child("--role", "consume", "--address", address, "--groups", str(n), "--batch", str(batch))
-        producer = run_child("--role", "produce", "--address", address, "--groups", str(n), "--window", str(window),
-                             "--per-push", str(per_push))
+        producer = run_child(
+            "--role",
+            "produce",
+            "--address",
+            address,
+            "--groups",
+            str(n),
+            "--window",
+            str(window),
+            "--per-push",
+            str(per_push),
+        )
         producer.wait()
         result = result_of(consumer)
         result["broker_cpu_share"] = (sum(proc.cpu_times()[:2]) - cpu0) / (time.perf_counter() - wall0)
@@ -272,24 +310,38 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         bare = summarize([bare_trial(args.groups) for _ in range(args.trials)])
         relay = summarize([relay_trial(args.groups) for _ in range(args.trials)])
-        broker = summarize([broker_trial(args.groups, Path(tmp), args.window, args.batch, args.per_push)
-                            for _ in range(args.trials)])
+        broker = summarize(
+            [broker_trial(args.groups, Path(tmp), args.window, args.batch, args.per_push) for _ in range(args.trials)]
+        )
     ratio = broker["mb_per_s"] / bare["mb_per_s"]
     per_core = broker["groups_per_s"] / max(broker["broker_cpu_share"], 1e-9)
     report = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
         "payload": "8 responses x 512 tokens (int32 ids + float32 log-probs) per group",
-        "groups": args.groups, "window": args.window, "learner_batch": args.batch, "groups_per_push": args.per_push,
-        "bare_push_pull": bare, "bare_relay": relay, "broker": broker, "broker_over_bare": ratio,
-        "broker_over_relay": broker["mb_per_s"] / relay["mb_per_s"], "broker_groups_per_s_per_core": per_core,
+        "groups": args.groups,
+        "window": args.window,
+        "learner_batch": args.batch,
+        "groups_per_push": args.per_push,
+        "bare_push_pull": bare,
+        "bare_relay": relay,
+        "broker": broker,
+        "broker_over_bare": ratio,
+        "broker_over_relay": broker["mb_per_s"] / relay["mb_per_s"],
+        "broker_groups_per_s_per_core": per_core,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"bare PUSH/PULL : {bare['groups_per_s']:8.0f} groups/s  {bare['mb_per_s']:7.1f} MB/s")
-    print(f"bare relay     : {relay['groups_per_s']:8.0f} groups/s  {relay['mb_per_s']:7.1f} MB/s  (ceiling of any middle process)")
-    print(f"broker path    : {broker['groups_per_s']:8.0f} groups/s  {broker['mb_per_s']:7.1f} MB/s  "
-          f"(broker process busy {broker['broker_cpu_share']:.0%} of a core -> {per_core:.0f} groups/s per core)")
-    print(f"broker / bare  : {ratio:.0%}   broker / relay: {broker['mb_per_s'] / relay['mb_per_s']:.0%}   (saved to {args.out})")
+    print(
+        f"bare relay     : {relay['groups_per_s']:8.0f} groups/s  {relay['mb_per_s']:7.1f} MB/s  (ceiling of any middle process)"
+    )
+    print(
+        f"broker path    : {broker['groups_per_s']:8.0f} groups/s  {broker['mb_per_s']:7.1f} MB/s  "
+        f"(broker process busy {broker['broker_cpu_share']:.0%} of a core -> {per_core:.0f} groups/s per core)"
+    )
+    print(
+        f"broker / bare  : {ratio:.0%}   broker / relay: {broker['mb_per_s'] / relay['mb_per_s']:.0%}   (saved to {args.out})"
+    )
 
 
 if __name__ == "__main__":

@@ -50,14 +50,34 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def job_overrides(workdir: Path, steps: int) -> list[str]:
     return [
-        f"model.path={workdir / 'tiny'}", f"data.train={workdir / 'data.jsonl'}", "rollout.group_size=4",
-        "rollout.prompts_per_batch=4", "rollout.max_new_tokens=4", "rollout.rewards=[{name: exact}]",
-        "rollout.device=cpu", "learner.device=cpu", "learner.groups_per_step=4", f"learner.total_steps={steps}",
-        "learner.lr=1e-3", "learner.batch_wait_s=300", "sync.transport=filesystem", "checkpoint.interval=4",
-        "checkpoint.keep_last=3", f"broker.spool_dir={workdir / 'spool'}", "broker.commit_on_checkpoint=true",
-        "broker.max_staleness=1000", "broker.queue_capacity=40", "broker.fsync=never", "broker.prompt_lease_s=20", "broker.client_timeout_s=6",
-        "broker.batch_lease_s=60", "broker.request_timeout_s=5", "run.restart_policy=on-failure", "run.max_restarts=3",
-        "run.ready_timeout_s=300", "health.enabled=false",
+        f"model.path={workdir / 'tiny'}",
+        f"data.train={workdir / 'data.jsonl'}",
+        "rollout.group_size=4",
+        "rollout.prompts_per_batch=4",
+        "rollout.max_new_tokens=4",
+        "rollout.rewards=[{name: exact}]",
+        "rollout.device=cpu",
+        "learner.device=cpu",
+        "learner.groups_per_step=4",
+        f"learner.total_steps={steps}",
+        "learner.lr=1e-3",
+        "learner.batch_wait_s=300",
+        "sync.transport=filesystem",
+        "checkpoint.interval=4",
+        "checkpoint.keep_last=3",
+        f"broker.spool_dir={workdir / 'spool'}",
+        "broker.commit_on_checkpoint=true",
+        "broker.max_staleness=1000",
+        "broker.queue_capacity=40",
+        "broker.fsync=never",
+        "broker.prompt_lease_s=20",
+        "broker.client_timeout_s=6",
+        "broker.batch_lease_s=60",
+        "broker.request_timeout_s=5",
+        "run.restart_policy=on-failure",
+        "run.max_restarts=3",
+        "run.ready_timeout_s=300",
+        "health.enabled=false",
     ]
 
 
@@ -123,7 +143,9 @@ def surviving_trained(run_dir: Path) -> list[str]:
 def check(run_dir: Path, spool_dir: Path, total_steps: int) -> dict:
     from fleetrl.broker.server.spool import Spool
 
-    acked = {gid for path in run_dir.glob("rollout-*.acked.jsonl") for row in read_jsonl(path) for gid in row["group_ids"]}
+    acked = {
+        gid for path in run_dir.glob("rollout-*.acked.jsonl") for row in read_jsonl(path) for gid in row["group_ids"]
+    }
     trained = surviving_trained(run_dir)
     queued = set(Spool(spool_dir, fsync="never").recover().groups)
     counts = Counter(trained)
@@ -147,11 +169,17 @@ def check(run_dir: Path, spool_dir: Path, total_steps: int) -> dict:
 def prepare(workdir: Path) -> None:
     py = [sys.executable, "-m", "fleetrl.app.cli"]
     if not (workdir / "tiny" / "config.json").exists():
-        subprocess.run([*py, "init-model", "--out", str(workdir / "tiny"), "--preset", "tiny"], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [*py, "init-model", "--out", str(workdir / "tiny"), "--preset", "tiny"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     if not (workdir / "data.jsonl").exists():
-        subprocess.run([*py, "init-data", "--out", str(workdir / "data.jsonl"), "--n", "5000", "--eval-n", "100"],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [*py, "init-data", "--out", str(workdir / "data.jsonl"), "--n", "5000", "--eval-n", "100"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
 
 
 def run_chaos(workdir: Path, steps: int, kills: list[tuple[str, int]], timeout_s: float = 900) -> dict:
@@ -160,9 +188,23 @@ def run_chaos(workdir: Path, steps: int, kills: list[tuple[str, int]], timeout_s
     job = workdir / "job.yaml"
     job.write_text("{}\n")
     log = (workdir / f"{run_dir.name}.out").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(job), "--run-dir",
-                             str(run_dir), "--no-status", *job_overrides(workdir, steps)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fleetrl.app.cli",
+            "run",
+            "--config",
+            str(job),
+            "--run-dir",
+            str(run_dir),
+            "--no-status",
+            *job_overrides(workdir, steps),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     t0 = time.monotonic()
     try:
         kills_done = control(run_dir, proc, kills, t0 + timeout_s)
@@ -172,8 +214,14 @@ def run_chaos(workdir: Path, steps: int, kills: list[tuple[str, int]], timeout_s
         code = proc.wait(timeout=120)
     finally:
         log.close()
-    report = {"exit_code": code, "steps": steps, "kills": kills_done, "wall_s": time.monotonic() - t0,
-              **check(run_dir, workdir / "spool", steps), "run_dir": str(run_dir)}
+    report = {
+        "exit_code": code,
+        "steps": steps,
+        "kills": kills_done,
+        "wall_s": time.monotonic() - t0,
+        **check(run_dir, workdir / "spool", steps),
+        "run_dir": str(run_dir),
+    }
     report["kills_survived"] = sum(1 for k in kills_done if k["recover_s"] is not None)
     return report
 
@@ -197,8 +245,17 @@ def main() -> None:
         report = run_chaos(Path(args.workdir or tmp), args.steps, parse_kills(args.kills))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    for key in ("exit_code", "kills_survived", "acknowledged", "trained", "still_queued", "lost", "duplicated",
-                "versions_monotonic", "reached_final_step"):
+    for key in (
+        "exit_code",
+        "kills_survived",
+        "acknowledged",
+        "trained",
+        "still_queued",
+        "lost",
+        "duplicated",
+        "versions_monotonic",
+        "reached_final_step",
+    ):
         print(f"{key:22s} {report[key]}")
     for k in report["kills"]:
         print(f"  kill {k['killed']:10s} after step {k['after_step']:3d}: recovered in {k['recover_s']} s")

@@ -57,28 +57,54 @@ class Scenario:
     recover_s: float  # the stated bound: kill -> next learner step
 
 
-SCENARIOS = {s.name: s for s in [
-    Scenario("rollout-idle", "rollout", "rollout.idle", 2, 60.0),
-    Scenario("rollout-generate", "rollout", "rollout.generate", 1, 60.0),
-    Scenario("rollout-broadcast", "rollout", "rollout.broadcast", 2, 2 * BUCKET_S + 30.0),
-    Scenario("broker-spool-write", "broker", "broker.spool_write", 20, 90.0),
-    Scenario("broker-disk-full", "broker", "", 0, 60.0),
-    Scenario("learner-step", "learner", "learner.step", 1, 180.0),
-    Scenario("learner-publish", "learner", "learner.publish", 1, 180.0),
-]}
+SCENARIOS = {
+    s.name: s
+    for s in [
+        Scenario("rollout-idle", "rollout", "rollout.idle", 2, 60.0),
+        Scenario("rollout-generate", "rollout", "rollout.generate", 1, 60.0),
+        Scenario("rollout-broadcast", "rollout", "rollout.broadcast", 2, 2 * BUCKET_S + 30.0),
+        Scenario("broker-spool-write", "broker", "broker.spool_write", 20, 90.0),
+        Scenario("broker-disk-full", "broker", "", 0, 60.0),
+        Scenario("learner-step", "learner", "learner.step", 1, 180.0),
+        Scenario("learner-publish", "learner", "learner.publish", 1, 180.0),
+    ]
+}
 
 
 def overrides(workdir: Path, run_dir: Path, steps: int) -> list[str]:
     return [
-        f"model.path={workdir / 'tiny'}", f"data.train={workdir / 'data.jsonl'}", "rollout.group_size=4",
-        "rollout.num_servers=2", "rollout.prompts_per_batch=2", "rollout.max_new_tokens=4",
-        "rollout.rewards=[{name: exact}]", "rollout.device=cpu", "learner.device=cpu", "learner.groups_per_step=4",
-        f"learner.total_steps={steps}", "learner.lr=1e-3", "learner.batch_wait_s=300", "sync.transport=gloo",
-        f"sync.bucket_timeout_s={BUCKET_S}", "sync.bucket_mb=0.05", "sync.timeout_s=60", "checkpoint.interval=4",
-        "checkpoint.keep_last=3", f"broker.spool_dir={run_dir.parent / (run_dir.name + '-spool')}",
-        "broker.commit_on_checkpoint=true", "broker.max_staleness=1000", "broker.queue_capacity=40", "broker.fsync=never",
-        "broker.prompt_lease_s=20", "broker.client_timeout_s=6", "broker.batch_lease_s=60", "broker.request_timeout_s=5",
-        "run.restart_policy=on-failure", "run.max_restarts=8", "run.ready_timeout_s=300", "health.enabled=false",
+        f"model.path={workdir / 'tiny'}",
+        f"data.train={workdir / 'data.jsonl'}",
+        "rollout.group_size=4",
+        "rollout.num_servers=2",
+        "rollout.prompts_per_batch=2",
+        "rollout.max_new_tokens=4",
+        "rollout.rewards=[{name: exact}]",
+        "rollout.device=cpu",
+        "learner.device=cpu",
+        "learner.groups_per_step=4",
+        f"learner.total_steps={steps}",
+        "learner.lr=1e-3",
+        "learner.batch_wait_s=300",
+        "sync.transport=gloo",
+        f"sync.bucket_timeout_s={BUCKET_S}",
+        "sync.bucket_mb=0.05",
+        "sync.timeout_s=60",
+        "checkpoint.interval=4",
+        "checkpoint.keep_last=3",
+        f"broker.spool_dir={run_dir.parent / (run_dir.name + '-spool')}",
+        "broker.commit_on_checkpoint=true",
+        "broker.max_staleness=1000",
+        "broker.queue_capacity=40",
+        "broker.fsync=never",
+        "broker.prompt_lease_s=20",
+        "broker.client_timeout_s=6",
+        "broker.batch_lease_s=60",
+        "broker.request_timeout_s=5",
+        "run.restart_policy=on-failure",
+        "run.max_restarts=8",
+        "run.ready_timeout_s=300",
+        "health.enabled=false",
     ]
 
 
@@ -87,9 +113,24 @@ def start(workdir: Path, name: str, steps: int, env: dict[str, str]) -> tuple[su
     job = workdir / "job.yaml"
     job.write_text("{}\n")
     log = (workdir / f"{run_dir.name}.out").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(job), "--run-dir",
-                             str(run_dir), "--no-status", *overrides(workdir, run_dir, steps)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **env})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fleetrl.app.cli",
+            "run",
+            "--config",
+            str(job),
+            "--run-dir",
+            str(run_dir),
+            "--no-status",
+            *overrides(workdir, run_dir, steps),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, **env},
+    )
     return proc, run_dir
 
 
@@ -119,7 +160,11 @@ def finish(proc: subprocess.Popen, run_dir: Path, steps: int, deadline: float) -
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGINT)
         code = proc.wait(timeout=120)
-    return {"exit_code": code, **check(run_dir, run_dir.parent / (run_dir.name + "-spool"), steps), "run_dir": str(run_dir)}
+    return {
+        "exit_code": code,
+        **check(run_dir, run_dir.parent / (run_dir.name + "-spool"), steps),
+        "run_dir": str(run_dir),
+    }
 
 
 def run_pinned(workdir: Path, sc: Scenario, steps: int = 20, timeout_s: float = 900) -> dict:
@@ -158,9 +203,12 @@ def run_pinned(workdir: Path, sc: Scenario, steps: int = 20, timeout_s: float = 
             time.sleep(1.0)
             events = [r["event"] for r in read_jsonl(run_dir / "audit.jsonl")]
             log = run_dir / "logs" / "broker.log"
-            out.update(full_for_s=6.0, spool_unavailable="spool_unavailable" in events,
-                       spool_writable_again="spool_writable" in events,
-                       alerted=log.exists() and "ALERT" in log.read_text())
+            out.update(
+                full_for_s=6.0,
+                spool_unavailable="spool_unavailable" in events,
+                spool_writable_again="spool_writable" in events,
+                alerted=log.exists() and "ALERT" in log.read_text(),
+            )
     out.update(finish(proc, run_dir, steps, deadline))
     out["wall_s"], out["load_before"], out["load_after"] = time.monotonic() - t0, load0, os.getloadavg()[0]
     out["survived"] = survived(out, sc)
@@ -172,8 +220,15 @@ def run_pinned(workdir: Path, sc: Scenario, steps: int = 20, timeout_s: float = 
 
 
 def survived(r: dict, sc: Scenario) -> bool:
-    return (r["exit_code"] == 0 and r["reached_final_step"] and r["lost"] == 0 and r["duplicated"] == 0
-            and r["versions_monotonic"] and r["recover_s"] is not None and r["recover_s"] <= sc.recover_s)
+    return (
+        r["exit_code"] == 0
+        and r["reached_final_step"]
+        and r["lost"] == 0
+        and r["duplicated"] == 0
+        and r["versions_monotonic"]
+        and r["recover_s"] is not None
+        and r["recover_s"] <= sc.recover_s
+    )
 
 
 def broadcast_checks(run_dir: Path) -> dict:
@@ -183,20 +238,25 @@ def broadcast_checks(run_dir: Path) -> dict:
     killed = {e["child"] for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "restart"}
     other = read_jsonl(run_dir / f"rollout-{1 if 'rollout-0' in killed else 0}.metrics.jsonl")
     versions = [int(r.get("policy/version", 0)) for r in reformed]
-    return {"reformed_rounds": len(reformed),
-            "sync_s_of_reformed": [round(r.get("timing/sync_s", 0.0), 2) for r in reformed],
-            "learner_delay_ok": bool(reformed) and all(r.get("timing/sync_s", 0.0) <= 2 * BUCKET_S + 1.0 for r in reformed),
-            "survivor_got_reformed_versions": bool(versions) and all(
-                any(r.get("rollout/policy_version", -1) >= v for r in other) for v in versions),
-            "survivor_missed_rounds": other[-1].get("weights/rounds_missed") if other else None,
-            "survivor_final_version": other[-1].get("rollout/policy_version") if other else None,
-            "learner_final_version": rows[-1].get("policy/version") if rows else None}
+    return {
+        "reformed_rounds": len(reformed),
+        "sync_s_of_reformed": [round(r.get("timing/sync_s", 0.0), 2) for r in reformed],
+        "learner_delay_ok": bool(reformed) and all(r.get("timing/sync_s", 0.0) <= 2 * BUCKET_S + 1.0 for r in reformed),
+        "survivor_got_reformed_versions": bool(versions)
+        and all(any(r.get("rollout/policy_version", -1) >= v for r in other) for v in versions),
+        "survivor_missed_rounds": other[-1].get("weights/rounds_missed") if other else None,
+        "survivor_final_version": other[-1].get("rollout/policy_version") if other else None,
+        "learner_final_version": rows[-1].get("policy/version") if rows else None,
+    }
 
 
 def readmitted(run_dir: Path) -> bool | None:
     """After its restart, the killed rollout's first batch used at least the version the learner held then."""
-    restarts = [e for e in read_jsonl(run_dir / "events.jsonl")
-                if e.get("event") == "restart" and str(e.get("child", "")).startswith("rollout")]
+    restarts = [
+        e
+        for e in read_jsonl(run_dir / "events.jsonl")
+        if e.get("event") == "restart" and str(e.get("child", "")).startswith("rollout")
+    ]
     if not restarts:
         return None
     t, role = restarts[0]["time"], restarts[0]["child"]
@@ -230,12 +290,22 @@ def run_random(workdir: Path, per_role: int, steps: int = 120, timeout_s: float 
         except ProcessLookupError:
             continue
         killed.add(pid)
-        kills.append({"role": role, "after_step": last_step(run_dir)[0],
-                      "recover_s": recovery(run_dir, killed_at, deadline, proc)})
+        kills.append(
+            {
+                "role": role,
+                "after_step": last_step(run_dir)[0],
+                "recover_s": recovery(run_dir, killed_at, deadline, proc),
+            }
+        )
     out = {"scenario": "random", "kills": kills, **finish(proc, run_dir, steps, deadline)}
     out["kills_per_role"] = {r: sum(k["role"] == r for k in kills) for r in sorted(set(roles))}
-    out["survived"] = (out["exit_code"] == 0 and out["lost"] == 0 and out["duplicated"] == 0 and out["reached_final_step"]
-                       and out["versions_monotonic"])
+    out["survived"] = (
+        out["exit_code"] == 0
+        and out["lost"] == 0
+        and out["duplicated"] == 0
+        and out["reached_final_step"]
+        and out["versions_monotonic"]
+    )
     return out
 
 
@@ -246,21 +316,43 @@ def run_join(workdir: Path, steps: int = 600, timeout_s: float = 900) -> dict:
     deadline = time.monotonic() + timeout_s
     out: dict = {"scenario": "join", "caught_up_s": None}
     if wait_for(lambda: last_step(run_dir)[0] >= 8, deadline, proc):
-        new = subprocess.Popen([sys.executable, "-m", "fleetrl.app.cli", "rollout", "--config", str(workdir / "job.yaml"),
-                                "--run-dir", str(run_dir), "--server-index", "7",
-                                *overrides(workdir, run_dir, steps)], stdout=(run_dir / "rollout-7.out").open("w"),
-                               stderr=subprocess.STDOUT)
+        new = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fleetrl.app.cli",
+                "rollout",
+                "--config",
+                str(workdir / "job.yaml"),
+                "--run-dir",
+                str(run_dir),
+                "--server-index",
+                "7",
+                *overrides(workdir, run_dir, steps),
+            ],
+            stdout=(run_dir / "rollout-7.out").open("w"),
+            stderr=subprocess.STDOUT,
+        )
         ready = run_dir / "rollout-7.ready"
         if wait_for(ready.exists, deadline, proc):
             ready_at = time.time()
             target = _learner_version_at(run_dir, ready_at)
-            caught = wait_for(lambda: any(r.get("rollout/policy_version", 0) >= target
-                                          for r in read_jsonl(run_dir / "rollout-7.metrics.jsonl")), deadline, proc)
+            caught = wait_for(
+                lambda: any(
+                    r.get("rollout/policy_version", 0) >= target
+                    for r in read_jsonl(run_dir / "rollout-7.metrics.jsonl")
+                ),
+                deadline,
+                proc,
+            )
             rows = read_jsonl(run_dir / "rollout-7.metrics.jsonl")
-            out.update(caught_up_s=time.time() - ready_at if caught else None, learner_version_at_ready=target,
-                       registered_with_version=json.loads(ready.read_text()).get("policy_version"),
-                       first_batch_version=rows[0]["rollout/policy_version"] if rows else None,
-                       catchups=rows[-1].get("weights/catchups") if rows else None)
+            out.update(
+                caught_up_s=time.time() - ready_at if caught else None,
+                learner_version_at_ready=target,
+                registered_with_version=json.loads(ready.read_text()).get("policy_version"),
+                first_batch_version=rows[0]["rollout/policy_version"] if rows else None,
+                catchups=rows[-1].get("weights/catchups") if rows else None,
+            )
         new.send_signal(signal.SIGTERM)
         new.wait(timeout=60)
     os.killpg(proc.pid, signal.SIGINT)  # enough: the run need not reach its last step
@@ -304,8 +396,10 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     for r in results:
-        print(f"{r['scenario']:20s} survived={r['survived']} lost={r.get('lost')} duplicated={r.get('duplicated')} "
-              f"recover_s={r.get('recover_s')} exit={r.get('exit_code')}")
+        print(
+            f"{r['scenario']:20s} survived={r['survived']} lost={r.get('lost')} duplicated={r.get('duplicated')} "
+            f"recover_s={r.get('recover_s')} exit={r.get('exit_code')}"
+        )
     print(f"saved to {args.out}")
 
 

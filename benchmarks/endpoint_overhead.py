@@ -72,9 +72,18 @@ def main() -> int:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     model = init_model(Path(tempfile.mkdtemp()) / a.preset, preset=a.preset)
-    cfg = load_config(None, [f"model.path={model}", "rollout.openai.enabled=true", "rollout.openai.port=0",
-                             "rollout.env.type=openai", f"rollout.max_new_tokens={a.tokens}", "rollout.temperature=0",
-                             "rollout.device=cpu"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={model}",
+            "rollout.openai.enabled=true",
+            "rollout.openai.port=0",
+            "rollout.env.type=openai",
+            f"rollout.max_new_tokens={a.tokens}",
+            "rollout.temperature=0",
+            "rollout.device=cpu",
+        ],
+    )
     engine = create_engine("hf", cfg.model, cfg.rollout, "cpu", 0, num_threads=a.threads)
     from fleetrl.rollout.envs import create_env
 
@@ -107,8 +116,9 @@ def main() -> int:
         fut = engine.loop.submit(env.sessions.offer(task, params, "bench/0/0", engine))
         s = engine.loop.call(env.sessions.start(5.0))
         t0 = time.perf_counter()
-        r = client.chat.completions.create(model="m", messages=messages, max_tokens=a.tokens,
-                                           extra_headers={"X-Fleetrl-Session": s.id})
+        r = client.chat.completions.create(
+            model="m", messages=messages, max_tokens=a.tokens, extra_headers={"X-Fleetrl-Session": s.id}
+        )
         took = time.perf_counter() - t0
         engine.loop.loop.call_soon_threadsafe(env.sessions.end, s.id, 1.0)
         fut.result(5)
@@ -129,11 +139,16 @@ def main() -> int:
     engine.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     out = {
-        "preset": a.preset, "tokens": tokens, "trials": a.trials, "threads": a.threads,
+        "preset": a.preset,
+        "tokens": tokens,
+        "trials": a.trials,
+        "threads": a.threads,
         "median_ms": {k: round(1000 * v, 2) for k, v in med.items()},
         "overhead_pct": {k: round(100 * (med[k] / med["direct"] - 1), 2) for k in ("endpoint", "session")},
         "overhead_ms": {k: round(1000 * (med[k] - med["direct"]), 2) for k in ("endpoint", "session")},
-        "others_cpu_share": share, "eos_id": eos, "time": time.time(),
+        "others_cpu_share": share,
+        "eos_id": eos,
+        "time": time.time(),
     }
     print(json.dumps(out, indent=1))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -80,12 +80,25 @@ def run_mode(mode: str, model: str, a: argparse.Namespace) -> dict[str, float]:
     from fleetrl.rollout.rewards import RewardScorer
     from fleetrl.rollout.server import RolloutServer
 
-    overrides = [f"model.path={model}", "rollout.device=cpu", f"rollout.env.type={'tool' if mode == 'tool' else 'openai'}",
-                 "learner.groups_per_step=16", *(["rollout.openai.enabled=true", "rollout.openai.port=0",
-                                                    f"rollout.openai.max_sessions_per_client={a.workers}"]
-                                                   if mode == "endpoint" else [])]
+    overrides = [
+        f"model.path={model}",
+        "rollout.device=cpu",
+        f"rollout.env.type={'tool' if mode == 'tool' else 'openai'}",
+        "learner.groups_per_step=16",
+        *(
+            [
+                "rollout.openai.enabled=true",
+                "rollout.openai.port=0",
+                f"rollout.openai.max_sessions_per_client={a.workers}",
+            ]
+            if mode == "endpoint"
+            else []
+        ),
+    ]
     cfg = load_config(str(ROOT / "configs" / "multiturn.yaml"), overrides)
-    prompts = PromptSource(rows_to_prompts(calc_rows(20000), "prompt", "answer", "bench"), shuffle=False, seed=0, epochs=1)
+    prompts = PromptSource(
+        rows_to_prompts(calc_rows(20000), "prompt", "answer", "bench"), shuffle=False, seed=0, epochs=1
+    )
     state = BrokerState(cfg, prompts, vocab_size=0)
     broker = InprocBroker(state)
     engine = create_engine("hf", cfg.model, cfg.rollout, "cpu", 0, num_threads=a.threads)
@@ -103,9 +116,19 @@ def run_mode(mode: str, model: str, a: argparse.Namespace) -> dict[str, float]:
             deadline = time.monotonic() + 60
             while not server.endpoint.port and time.monotonic() < deadline:
                 time.sleep(0.1)
-            agent = subprocess.Popen([sys.executable, a.agent, "--server",
-                                      server.endpoint.root, "--workers", str(a.workers), "--minutes",
-                                      str((a.warmup + a.seconds + 30) / 60)], stdout=subprocess.DEVNULL)
+            agent = subprocess.Popen(
+                [
+                    sys.executable,
+                    a.agent,
+                    "--server",
+                    server.endpoint.root,
+                    "--workers",
+                    str(a.workers),
+                    "--minutes",
+                    str((a.warmup + a.seconds + 30) / 60),
+                ],
+                stdout=subprocess.DEVNULL,
+            )
             procs.append(psutil.Process(agent.pid))
 
         def drain() -> int:
@@ -129,17 +152,28 @@ def run_mode(mode: str, model: str, a: argparse.Namespace) -> dict[str, float]:
         samples += drain()
         own, agent_cpu = tree_cpu(procs[:1]) - own0, tree_cpu(procs[1:]) - agent0
         others = max(0.0, (machine_busy() - busy0) - own - agent_cpu) / (wall * (os.cpu_count() or 1))
-        out = {"samples_per_s": samples / wall, "samples": samples, "wall_s": round(wall, 1),
-               "others_cpu_share": round(others, 3), "server_cpu_s": round(own, 1),
-               "cpu_s_per_sample": round((own + agent_cpu) / max(samples, 1), 4)}
+        out = {
+            "samples_per_s": samples / wall,
+            "samples": samples,
+            "wall_s": round(wall, 1),
+            "others_cpu_share": round(others, 3),
+            "server_cpu_s": round(own, 1),
+            "cpu_s_per_sample": round((own + agent_cpu) / max(samples, 1), 4),
+        }
         if mode == "endpoint":
             ep1 = server.endpoint.metrics()
             d = {k: ep1.get(k, 0.0) - ep0.get(k, 0.0) for k in ep1}
             calls = d.get("openai/calls_session_total", 0.0) or 1.0
-            out.update({"agent_cpu_s": round(agent_cpu, 1), "agent_cpu_s_per_sample": round(agent_cpu / max(samples, 1), 4),
-                        "calls": calls, "call_ms": 1000 * d.get("openai/time_call_s_total", 0.0) / calls,
-                        "engine_ms": 1000 * d.get("openai/time_engine_s_total", 0.0) / calls,
-                        "context_ms": 1000 * d.get("openai/time_context_s_total", 0.0) / calls})
+            out.update(
+                {
+                    "agent_cpu_s": round(agent_cpu, 1),
+                    "agent_cpu_s_per_sample": round(agent_cpu / max(samples, 1), 4),
+                    "calls": calls,
+                    "call_ms": 1000 * d.get("openai/time_call_s_total", 0.0) / calls,
+                    "engine_ms": 1000 * d.get("openai/time_engine_s_total", 0.0) / calls,
+                    "context_ms": 1000 * d.get("openai/time_context_s_total", 0.0) / calls,
+                }
+            )
         return out
     finally:
         if agent is not None:
@@ -181,12 +215,20 @@ def main() -> int:
     med = {mode: statistics.median(r["samples_per_s"] for r in rs) for mode, rs in runs.items()}
     med.setdefault("tool", 0.0)
     med.setdefault("endpoint", 0.0)
-    out = {"command": " ".join(sys.argv), "model": model, "agent": a.agent, "rounds": runs,
-           "samples_per_s": {k: round(v, 2) for k, v in med.items()},
-           "ratio_endpoint_to_tool": round(med["endpoint"] / med["tool"], 3) if med["tool"] else None,
-           "target_ratio": 0.5, "cpu_s_per_sample": cpu,
-           "cpu_ratio_tool_to_endpoint": round(cpu["tool"] / cpu["endpoint"], 3) if len(cpu) == 2 else None, "others_cpu_share_max": max(r["others_cpu_share"] for rs in runs.values() for r in rs),
-           "quiet": all(r["others_cpu_share"] <= 0.1 for rs in runs.values() for r in rs), "time": time.time()}
+    out = {
+        "command": " ".join(sys.argv),
+        "model": model,
+        "agent": a.agent,
+        "rounds": runs,
+        "samples_per_s": {k: round(v, 2) for k, v in med.items()},
+        "ratio_endpoint_to_tool": round(med["endpoint"] / med["tool"], 3) if med["tool"] else None,
+        "target_ratio": 0.5,
+        "cpu_s_per_sample": cpu,
+        "cpu_ratio_tool_to_endpoint": round(cpu["tool"] / cpu["endpoint"], 3) if len(cpu) == 2 else None,
+        "others_cpu_share_max": max(r["others_cpu_share"] for rs in runs.values() for r in rs),
+        "quiet": all(r["others_cpu_share"] <= 0.1 for rs in runs.values() for r in rs),
+        "time": time.time(),
+    }
     print(json.dumps({k: v for k, v in out.items() if k != "rounds"}, indent=1))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))

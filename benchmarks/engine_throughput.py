@@ -108,8 +108,17 @@ def generate_run(model_dir: str, prompt_ids: list[list[int]], n: int, max_new: i
     def run() -> int:
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=True, temperature=1.0, top_k=0,
-                top_p=1.0, output_logits=True, return_dict_in_generate=True, pad_token_id=pad, eos_token_id=eos,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=pad,
+                eos_token_id=eos,
             )
             response = out.sequences[:, width:]
             logp = torch.stack(out.logits, 1).float().log_softmax(-1).gather(2, response[..., None])
@@ -166,8 +175,10 @@ def main() -> None:
             }
             results["presets"][preset] = {name: summary(*t) for name, t in timed(runs, args.repeats).items()}
 
-    print(f"machine: {results['machine']['cpu']}, {results['machine']['cores_usable']} cores, "
-          f"{results['machine']['torch_threads']} torch threads")
+    print(
+        f"machine: {results['machine']['cpu']}, {results['machine']['cores_usable']} cores, "
+        f"{results['machine']['torch_threads']} torch threads"
+    )
     print(f"workload: {args.prompts} prompts x {args.n} samples x <= {args.max_new_tokens} new tokens")
     print(f"{'preset':8} {'approach':22} {'tok/s median':>13} {'tok/s best':>11}")
     for preset, runs in results["presets"].items():

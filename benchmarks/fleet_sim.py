@@ -89,8 +89,11 @@ def payload():
 
     rng = np.random.default_rng(0)
     n = GROUP_SIZE * TOKENS
-    return (m.pack_tokens(rng.integers(0, 250, n)), m.pack_logprobs(-rng.random(n)),
-            m.pack_tokens(rng.integers(0, 250, 64)))
+    return (
+        m.pack_tokens(rng.integers(0, 250, n)),
+        m.pack_logprobs(-rng.random(n)),
+        m.pack_tokens(rng.integers(0, 250, 64)),
+    )
 
 
 async def rollout_server(client, rec: Recorder, schedule: list[dict], per_push: int, seed: int) -> None:
@@ -163,10 +166,20 @@ async def rollout_server(client, rec: Recorder, schedule: list[dict], per_push: 
         groups = []
         for p in lease.prompts:
             sent += 1
-            groups.append(m.SampleGroup(group_id=f"{client.client_id}-{sent}", prompt_id=p.prompt_id, policy_version=0,
-                                        prompt_tokens=prompt, lengths=[TOKENS] * GROUP_SIZE, tokens=tokens,
-                                        logprobs=logprobs, rewards=[1.0] * GROUP_SIZE, lease_id=lease.lease_id,
-                                        server_id=client.client_id))
+            groups.append(
+                m.SampleGroup(
+                    group_id=f"{client.client_id}-{sent}",
+                    prompt_id=p.prompt_id,
+                    policy_version=0,
+                    prompt_tokens=prompt,
+                    lengths=[TOKENS] * GROUP_SIZE,
+                    tokens=tokens,
+                    logprobs=logprobs,
+                    rewards=[1.0] * GROUP_SIZE,
+                    lease_id=lease.lease_id,
+                    server_id=client.client_id,
+                )
+            )
         while len(pushes) >= 2:  # the rollout finisher holds one batch while the next generates
             await asyncio.wait(pushes, return_when=asyncio.FIRST_COMPLETED)
         task = asyncio.create_task(push(groups))
@@ -186,7 +199,9 @@ async def run_rollouts(address: str, first: int, count: int, schedule: list[dict
     ctx.setsockopt(zmq.MAX_SOCKETS, 4 * count + 64)
     edges = [x for s in schedule for x in (s["measure"], s["end"])]
     rec = Recorder(edges)
-    clients = [AsyncBrokerClient(address, f"sim-{first + i:05d}", "rollout", timeout_s=30.0, ctx=ctx) for i in range(count)]
+    clients = [
+        AsyncBrokerClient(address, f"sim-{first + i:05d}", "rollout", timeout_s=30.0, ctx=ctx) for i in range(count)
+    ]
     t0 = time.time()
     for i in range(0, count, 50):  # register in waves, as a fleet that comes up would
         await asyncio.gather(*(c.connect() for c in clients[i : i + 50]))
@@ -196,7 +211,16 @@ async def run_rollouts(address: str, first: int, count: int, schedule: list[dict
     for c in clients:
         await c.close()
     ctx.term()
-    Path(out).write_text(json.dumps({"lat": rec.lat, "counts": rec.counts, "connect_s": connect_s, "late": max(0.0, t0 + connect_s - schedule[0]["start"])}))
+    Path(out).write_text(
+        json.dumps(
+            {
+                "lat": rec.lat,
+                "counts": rec.counts,
+                "connect_s": connect_s,
+                "late": max(0.0, t0 + connect_s - schedule[0]["start"]),
+            }
+        )
+    )
 
 
 async def run_learner(address: str, rank: int, schedule: list[dict], out: str) -> None:
@@ -209,7 +233,9 @@ async def run_learner(address: str, rank: int, schedule: list[dict], out: str) -
     await client.connect()
     end = schedule[-1]["end"] + 2.0
     while time.time() < end:
-        lease = await timed(rec, "lease_batch", client.lease_batch(LEARNER_BATCH, wait_s=0.25, min_groups=LEARNER_BATCH))
+        lease = await timed(
+            rec, "lease_batch", client.lease_batch(LEARNER_BATCH, wait_s=0.25, min_groups=LEARNER_BATCH)
+        )
         if not isinstance(lease, m.BatchLease):
             continue
         t_wall = time.time()
@@ -232,13 +258,33 @@ def start_broker(workdir: Path, spool: bool) -> tuple[subprocess.Popen, str]:
     run_dir.mkdir()
     job = workdir / "job.yaml"
     job.write_text("{}\n")
-    overrides = [f"data.train={data}", "broker.port=0", "broker.pub_port=0", "broker.queue_capacity=10000000",
-                 f"broker.heartbeat_s={HEARTBEAT_S}", "broker.client_timeout_s=60", "telemetry.log_level=WARNING"]
+    overrides = [
+        f"data.train={data}",
+        "broker.port=0",
+        "broker.pub_port=0",
+        "broker.queue_capacity=10000000",
+        f"broker.heartbeat_s={HEARTBEAT_S}",
+        "broker.client_timeout_s=60",
+        "telemetry.log_level=WARNING",
+    ]
     if spool:
         overrides += [f"broker.spool_dir={run_dir / 'spool'}", "broker.fsync=interval"]
     log = open(run_dir / "broker.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.app.cli", "broker", "--run-dir", str(run_dir), "--config",
-                             str(job), *overrides], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fleetrl.app.cli",
+            "broker",
+            "--run-dir",
+            str(run_dir),
+            "--config",
+            str(job),
+            *overrides,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     ep = run_dir / "broker.json"
     deadline = time.monotonic() + 60
     while not ep.exists():
@@ -248,12 +294,21 @@ def start_broker(workdir: Path, spool: bool) -> tuple[subprocess.Popen, str]:
     return proc, json.loads(ep.read_text())["address"]
 
 
-def make_schedule(start: float, rates: list[float], servers: int, step_s: float, warm_s: float, idle_s: float) -> list[dict]:
+def make_schedule(
+    start: float, rates: list[float], servers: int, step_s: float, warm_s: float, idle_s: float
+) -> list[dict]:
     steps, t = [], start
     for total in [0.0] + rates:
         length = idle_s if total == 0 else step_s
-        steps.append({"offered": total, "per_server": total / servers, "start": t, "measure": t + min(warm_s, length / 2),
-                      "end": t + length})
+        steps.append(
+            {
+                "offered": total,
+                "per_server": total / servers,
+                "start": t,
+                "measure": t + min(warm_s, length / 2),
+                "end": t + length,
+            }
+        )
         t += length
     return steps
 
@@ -276,9 +331,8 @@ def cpu_s(procs) -> float:
 def run_fleet(servers: int, rates: list[float], args, workdir: Path) -> dict:
     import psutil
 
-    from fleetrl.common.telemetry.cpu import machine_busy_s
-
     from fleetrl.broker.client.sync import ZmqBrokerClient
+    from fleetrl.common.telemetry.cpu import machine_busy_s
 
     broker, address = start_broker(workdir, args.spool)
     bproc = psutil.Process(broker.pid)
@@ -295,16 +349,51 @@ def run_fleet(servers: int, rates: list[float], args, workdir: Path) -> dict:
     for i, count in enumerate(share):
         out = workdir / f"rollout-{servers}-{i}.json"
         outs.append(out)
-        children.append(subprocess.Popen([sys.executable, __file__, "--role", "rollouts", "--address", address, "--first",
-                                          str(first), "--count", str(count), "--schedule", str(sched_file), "--out", str(out),
-                                          "--per-push", str(args.per_push)]))
+        children.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--role",
+                    "rollouts",
+                    "--address",
+                    address,
+                    "--first",
+                    str(first),
+                    "--count",
+                    str(count),
+                    "--schedule",
+                    str(sched_file),
+                    "--out",
+                    str(out),
+                    "--per-push",
+                    str(args.per_push),
+                ]
+            )
+        )
         first += count
     learner_outs = []
     for rank in range(args.learners):
         out = workdir / f"learner-{servers}-{rank}.json"
         learner_outs.append(out)
-        children.append(subprocess.Popen([sys.executable, __file__, "--role", "learner", "--address", address, "--rank",
-                                          str(rank), "--schedule", str(sched_file), "--out", str(out)]))
+        children.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--role",
+                    "learner",
+                    "--address",
+                    address,
+                    "--rank",
+                    str(rank),
+                    "--schedule",
+                    str(sched_file),
+                    "--out",
+                    str(out),
+                ]
+            )
+        )
     gen_procs = [psutil.Process(c.pid) for c in children]
     monitor = ZmqBrokerClient(address, "fleet-sim-monitor", "monitor", timeout_s=60.0)
     monitor.connect()
@@ -314,11 +403,20 @@ def run_fleet(servers: int, rates: list[float], args, workdir: Path) -> dict:
             for edge in ("measure", "end"):
                 time.sleep(max(0.0, s[edge] - time.time()))
                 st = monitor.status()
-                samples.append({"t": time.time(), "groups_in": st.groups_in, "groups_out": st.groups_out,
-                                "throttled": st.throttled, "clients": sum(c.alive for c in st.clients) - 1,
-                                "broker_cpu_s": cpu_s([bproc]), "gen_cpu_s": cpu_s(gen_procs),
-                                "sys_busy_s": machine_busy_s(),
-                                "rss": bproc.memory_info().rss, "load": os.getloadavg()[0]})
+                samples.append(
+                    {
+                        "t": time.time(),
+                        "groups_in": st.groups_in,
+                        "groups_out": st.groups_out,
+                        "throttled": st.throttled,
+                        "clients": sum(c.alive for c in st.clients) - 1,
+                        "broker_cpu_s": cpu_s([bproc]),
+                        "gen_cpu_s": cpu_s(gen_procs),
+                        "sys_busy_s": machine_busy_s(),
+                        "rss": bproc.memory_info().rss,
+                        "load": os.getloadavg()[0],
+                    }
+                )
         for c in children:
             c.wait(timeout=120)
     finally:
@@ -342,8 +440,9 @@ def merged(results: list[dict], key: str, kind: str, step: int) -> list:
     return out
 
 
-def summarize(servers: int, schedule: list[dict], samples: list[dict], results: list[dict], learners: list[dict],
-              idle_rss: int) -> dict:
+def summarize(
+    servers: int, schedule: list[dict], samples: list[dict], results: list[dict], learners: list[dict], idle_rss: int
+) -> dict:
     steps = []
     for i, s in enumerate(schedule):
         a, b = samples[2 * i], samples[2 * i + 1]
@@ -354,30 +453,41 @@ def summarize(servers: int, schedule: list[dict], samples: list[dict], results: 
         allreq = push + lease + hb
         groups_in = (b["groups_in"] - a["groups_in"]) / dt
         step = {
-            "offered_groups_per_s": s["offered"], "per_server_groups_per_s": s["per_server"],
-            "groups_in_per_s": groups_in, "groups_out_per_s": (b["groups_out"] - a["groups_out"]) / dt,
+            "offered_groups_per_s": s["offered"],
+            "per_server_groups_per_s": s["per_server"],
+            "groups_in_per_s": groups_in,
+            "groups_out_per_s": (b["groups_out"] - a["groups_out"]) / dt,
             "mb_in_per_s": groups_in * (GROUP_SIZE * TOKENS * 8 + 300) / 1e6,
-            "requests_per_s": len(allreq) / dt + sum(len(merged(learners, "lat", k, i)) for k in ("lease_batch", "ack")) / dt,
+            "requests_per_s": len(allreq) / dt
+            + sum(len(merged(learners, "lat", k, i)) for k in ("lease_batch", "ack")) / dt,
             "push_ms": {"p50": percentile(push, 50), "p99": percentile(push, 99), "n": len(push)},
             "lease_ms": {"p50": percentile(lease, 50), "p99": percentile(lease, 99), "n": len(lease)},
             "heartbeat_ms": {"p50": percentile(hb, 50), "p99": percentile(hb, 99), "n": len(hb)},
             "all_rollout_requests_ms": {"p50": percentile(allreq, 50), "p99": percentile(allreq, 99)},
-            "ack_ms": {"p50": percentile(merged(learners, "lat", "ack", i), 50), "p99": percentile(merged(learners, "lat", "ack", i), 99)},
+            "ack_ms": {
+                "p50": percentile(merged(learners, "lat", "ack", i), 50),
+                "p99": percentile(merged(learners, "lat", "ack", i), 99),
+            },
             "broker_cpu_pct": 100 * (b["broker_cpu_s"] - a["broker_cpu_s"]) / dt,
             "generators_cpu_pct": 100 * (b["gen_cpu_s"] - a["gen_cpu_s"]) / dt,
             "machine_busy_pct": 100 * (b["sys_busy_s"] - a["sys_busy_s"]) / dt,  # all cores, other tenants included
-            "load_avg": b["load"], "broker_rss_mb": b["rss"] / 2**20, "clients_alive": b["clients"],
+            "load_avg": b["load"],
+            "broker_rss_mb": b["rss"] / 2**20,
+            "clients_alive": b["clients"],
             "throttled": b["throttled"] - a["throttled"],
             "errors": sum(merged(results, "counts", "errors", i)),
         }
-        step["broker_cpu_ms_per_1k_groups"] = (1e3 * step["broker_cpu_pct"] / 100 / groups_in * 1e3) if groups_in > 1 else None
+        step["broker_cpu_ms_per_1k_groups"] = (
+            (1e3 * step["broker_cpu_pct"] / 100 / groups_in * 1e3) if groups_in > 1 else None
+        )
         p99 = step["push_ms"]["p99"]
         step["saturated"] = bool(s["offered"] and (groups_in < 0.9 * s["offered"] or (p99 is not None and p99 > 1000)))
         steps.append(step)
     idle = steps[0]
     sustained = [st for st in steps[1:] if not st["saturated"]]
     return {
-        "servers": servers, "steps": steps,
+        "servers": servers,
+        "steps": steps,
         "connect_s": max(r["connect_s"] for r in results),
         "idle_broker_cpu_pct_per_1k_servers": idle["broker_cpu_pct"] * 1000 / servers,
         "broker_rss_mb_idle_before_connect": idle_rss / 2**20,
@@ -393,18 +503,24 @@ def fmt(x, spec=".0f", none="-") -> str:
 
 
 def print_table(fleets: list[dict]) -> None:
-    print(f"{'servers':>7} {'offered':>7} {'in g/s':>7} {'out g/s':>7} {'MB/s':>5} {'push p50/p99 ms':>16} "
-          f"{'all req p50/p99 ms':>18} {'broker CPU':>10} {'gen CPU':>7} {'RSS MB':>6} {'load':>4}  sat")
+    print(
+        f"{'servers':>7} {'offered':>7} {'in g/s':>7} {'out g/s':>7} {'MB/s':>5} {'push p50/p99 ms':>16} "
+        f"{'all req p50/p99 ms':>18} {'broker CPU':>10} {'gen CPU':>7} {'RSS MB':>6} {'load':>4}  sat"
+    )
     for f in fleets:
         for st in f["steps"]:
-            print(f"{f['servers']:>7} {st['offered_groups_per_s']:>7.0f} {st['groups_in_per_s']:>7.0f} {st['groups_out_per_s']:>7.0f} "
-                  f"{st['mb_in_per_s']:>5.0f} {fmt(st['push_ms']['p50'], '.1f'):>7}/{fmt(st['push_ms']['p99'], '.1f'):<8} "
-                  f"{fmt(st['all_rollout_requests_ms']['p50'], '.1f'):>9}/{fmt(st['all_rollout_requests_ms']['p99'], '.1f'):<8} "
-                  f"{st['broker_cpu_pct']:>9.0f}% {st['generators_cpu_pct']:>6.0f}% {st['broker_rss_mb']:>6.0f} {st['load_avg']:>4.1f}  "
-                  f"{'yes' if st['saturated'] else ''}")
-        print(f"        -> {f['servers']} servers: idle broker CPU {f['idle_broker_cpu_pct_per_1k_servers']:.1f}% of a core per 1,000 "
-              f"servers, RSS +{f['broker_rss_mb_per_1k_servers']:.1f} MB per 1,000 connected servers; max sustained "
-              f"{f['max_sustained_groups_per_s']:.0f} groups/s, first saturated at {fmt(f['first_saturated_offered'])} offered")
+            print(
+                f"{f['servers']:>7} {st['offered_groups_per_s']:>7.0f} {st['groups_in_per_s']:>7.0f} {st['groups_out_per_s']:>7.0f} "
+                f"{st['mb_in_per_s']:>5.0f} {fmt(st['push_ms']['p50'], '.1f'):>7}/{fmt(st['push_ms']['p99'], '.1f'):<8} "
+                f"{fmt(st['all_rollout_requests_ms']['p50'], '.1f'):>9}/{fmt(st['all_rollout_requests_ms']['p99'], '.1f'):<8} "
+                f"{st['broker_cpu_pct']:>9.0f}% {st['generators_cpu_pct']:>6.0f}% {st['broker_rss_mb']:>6.0f} {st['load_avg']:>4.1f}  "
+                f"{'yes' if st['saturated'] else ''}"
+            )
+        print(
+            f"        -> {f['servers']} servers: idle broker CPU {f['idle_broker_cpu_pct_per_1k_servers']:.1f}% of a core per 1,000 "
+            f"servers, RSS +{f['broker_rss_mb_per_1k_servers']:.1f} MB per 1,000 connected servers; max sustained "
+            f"{f['max_sustained_groups_per_s']:.0f} groups/s, first saturated at {fmt(f['first_saturated_offered'])} offered"
+        )
 
 
 def main() -> None:
@@ -418,10 +534,14 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--servers", default="10,100,1000", help="fleet sizes to simulate")
     ap.add_argument("--rates", default="250,500,1000,2000,4000,8000", help="total offered groups/s, one step each")
-    ap.add_argument("--step-s", type=float, default=10.0, help="seconds per rate step (the first --warm-s not measured)")
+    ap.add_argument(
+        "--step-s", type=float, default=10.0, help="seconds per rate step (the first --warm-s not measured)"
+    )
     ap.add_argument("--warm-s", type=float, default=3.0)
     ap.add_argument("--idle-s", type=float, default=8.0, help="seconds of the idle (heartbeat-only) step")
-    ap.add_argument("--per-push", type=int, default=8, help="groups per push frame (8 = a whole batch, as the rollout server does)")
+    ap.add_argument(
+        "--per-push", type=int, default=8, help="groups per push frame (8 = a whole batch, as the rollout server does)"
+    )
     ap.add_argument("--servers-per-proc", type=int, default=250)
     ap.add_argument("--max-procs", type=int, default=4, help="most simulator processes (2 cores here)")
     ap.add_argument("--learners", type=int, default=2)
@@ -430,12 +550,21 @@ def main() -> None:
     args = ap.parse_args()
     try:
         import uvloop
+
         run = uvloop.run
     except ImportError:  # pragma: no cover
         run = asyncio.run
     if args.role == "rollouts":
-        return run(run_rollouts(args.address, args.first, args.count, json.loads(Path(args.schedule).read_text()),
-                                args.per_push, args.out))
+        return run(
+            run_rollouts(
+                args.address,
+                args.first,
+                args.count,
+                json.loads(Path(args.schedule).read_text()),
+                args.per_push,
+                args.out,
+            )
+        )
     if args.role == "learner":
         return run(run_learner(args.address, args.rank, json.loads(Path(args.schedule).read_text()), args.out))
 
@@ -454,11 +583,17 @@ def main() -> None:
         "command": "python benchmarks/fleet_sim.py " + " ".join(sys.argv[1:]),
         "payload": f"{GROUP_SIZE} responses x {TOKENS} tokens (int32 ids + float32 log-probs, ~33 KB) per group",
         "assumption": f"a GPU makes ~{GPU_TOKENS_PER_S} tokens/s = {PAPER_GROUPS_PER_S_PER_GPU:.1f} groups/s; "
-                      f"1,000 GPUs = {1000 * PAPER_GROUPS_PER_S_PER_GPU:.0f} groups/s",
-        "rollout": {"prompts_per_batch": PROMPTS_PER_BATCH, "groups_per_push": args.per_push, "heartbeat_s": HEARTBEAT_S},
+        f"1,000 GPUs = {1000 * PAPER_GROUPS_PER_S_PER_GPU:.0f} groups/s",
+        "rollout": {
+            "prompts_per_batch": PROMPTS_PER_BATCH,
+            "groups_per_push": args.per_push,
+            "heartbeat_s": HEARTBEAT_S,
+        },
         "learners": {"processes": args.learners, "batch": LEARNER_BATCH},
         "broker": {"queue_capacity": 10_000_000, "spool": args.spool},
-        "step_s": args.step_s, "warm_s": args.warm_s, "fleets": fleets,
+        "step_s": args.step_s,
+        "warm_s": args.warm_s,
+        "fleets": fleets,
     }
     Path(args.out_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out_json).write_text(json.dumps(report, indent=2))

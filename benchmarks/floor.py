@@ -53,7 +53,7 @@ def generate(model, prompts: list[list[int]], width: int, eos: int, pad: int) ->
     ids = torch.full((B, P), pad, dtype=torch.long)
     attn = torch.zeros((B, P), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, P - len(p):], attn[i, P - len(p):] = torch.tensor(p), 1
+        ids[i, P - len(p) :], attn[i, P - len(p) :] = torch.tensor(p), 1
     pos = (attn.cumsum(1) - 1).clamp_min(0)
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
     cache, logits = out.past_key_values, out.logits[:, -1]
@@ -69,8 +69,9 @@ def generate(model, prompts: list[list[int]], width: int, eos: int, pad: int) ->
         if not alive.any():
             break
         attn = torch.cat([attn, torch.ones((B, 1), dtype=torch.long)], 1)
-        out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos, past_key_values=cache,
-                    use_cache=True)
+        out = model(
+            input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos, past_key_values=cache, use_cache=True
+        )
         cache, logits, next_pos = out.past_key_values, out.logits[:, -1], next_pos + 1
     short = MAX_NEW_TOKENS - len(tokens)  # every row stopped early: the same shape for every batch
     resp = torch.nn.functional.pad(torch.stack(tokens, 1), (0, short), value=pad)
@@ -105,7 +106,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=180.0)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--workdir", default=str(ROOT), help="where models/demo-warm and data/ are (default: the checkout, as make demo builds them)")
+    ap.add_argument(
+        "--workdir",
+        default=str(ROOT),
+        help="where models/demo-warm and data/ are (default: the checkout, as make demo builds them)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "floor.json"))
     args = ap.parse_args()
@@ -119,7 +124,10 @@ def main() -> int:
     rng = random.Random(args.seed)
     model = AutoModelForCausalLM.from_pretrained(work["warm"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(work["warm"])
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos, pad = (
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    )
     train = read_rows(work["train"])
     encoded = [(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"], str(r["answer"]).strip()) for r in train]
     width = max(len(p) for p, _ in encoded)
@@ -140,7 +148,7 @@ def main() -> int:
             model.train()
             gen_s += time.monotonic() - t
             generated += ids.shape[0]
-            texts = tokenizer.batch_decode(ids[:, -mask.shape[1]:] * mask + pad * (1 - mask), skip_special_tokens=True)
+            texts = tokenizer.batch_decode(ids[:, -mask.shape[1] :] * mask + pad * (1 - mask), skip_special_tokens=True)
             rewards = torch.tensor([float(texts[i].strip() == batch[i // GROUP_SIZE][1]) for i in range(len(texts))])
             rewards = rewards.view(PROMPTS_PER_STEP, GROUP_SIZE)
             reward_sum += rewards.sum().item()
@@ -163,19 +171,30 @@ def main() -> int:
     accuracy = demo_accuracy(model, tokenizer, read_rows(work["eval"])[:EVAL_N])
     result = {
         "what": "bare-torch GRPO loop on the demo job, one process (benchmarks/floor.py)",
-        "threads": args.threads, "cores": os.cpu_count(), "seconds": wall, "steps": steps,
-        "trained_samples": trained, "generated_samples": generated,
-        "trained_samples_per_s": trained / wall, "generated_samples_per_s": generated / wall,
-        "generate_s": gen_s, "update_s": upd_s, "reward_mean": reward_sum / max(1, generated),
-        "end_weights_accuracy": accuracy, "cpu": cpu, "comparable": cpu["others_cpu_share"] <= BUSY_SHARE,
+        "threads": args.threads,
+        "cores": os.cpu_count(),
+        "seconds": wall,
+        "steps": steps,
+        "trained_samples": trained,
+        "generated_samples": generated,
+        "trained_samples_per_s": trained / wall,
+        "generated_samples_per_s": generated / wall,
+        "generate_s": gen_s,
+        "update_s": upd_s,
+        "reward_mean": reward_sum / max(1, generated),
+        "end_weights_accuracy": accuracy,
+        "cpu": cpu,
+        "comparable": cpu["others_cpu_share"] <= BUSY_SHARE,
         "command": " ".join([sys.executable, *sys.argv]),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"floor: {result['trained_samples_per_s']:.0f} trained samples/s ({result['generated_samples_per_s']:.0f} "
-          f"generated/s), {steps} steps in {wall:.0f} s on {args.threads} threads; generate {gen_s:.0f} s, update "
-          f"{upd_s:.0f} s; end-weights held-out accuracy {100 * accuracy:.1f}%; others' CPU share "
-          f"{100 * cpu['others_cpu_share']:.1f}%{'' if result['comparable'] else ' (BUSY: not a comparable figure)'}")
+    print(
+        f"floor: {result['trained_samples_per_s']:.0f} trained samples/s ({result['generated_samples_per_s']:.0f} "
+        f"generated/s), {steps} steps in {wall:.0f} s on {args.threads} threads; generate {gen_s:.0f} s, update "
+        f"{upd_s:.0f} s; end-weights held-out accuracy {100 * accuracy:.1f}%; others' CPU share "
+        f"{100 * cpu['others_cpu_share']:.1f}%{'' if result['comparable'] else ' (BUSY: not a comparable figure)'}"
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -64,28 +64,64 @@ def run_one(name: str, work: dict, args, seed: int, fault: str | None) -> dict:
         for p in sorted(run_dir.rglob("*"), reverse=True):
             p.rmdir() if p.is_dir() else p.unlink()
         run_dir.rmdir()
-    sets = [f"model.path={work['warm']}", f"data.train={work['train']}", f"data.eval={work['eval']}",
-            f"learner.total_steps={args.steps}", f"learner.max_minutes={args.max_minutes}",
-            f"run.eval_interval={args.eval_interval}", f"run.eval_n={args.eval_n}",
-            f"checkpoint.interval={args.checkpoint_interval}", "checkpoint.keep_last=3",
-            f"learner.seed={seed}", f"rollout.seed={seed}", f"data.seed={seed}"]
-    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
-            "--run-dir", str(run_dir), "--no-status", *sets]
+    sets = [
+        f"model.path={work['warm']}",
+        f"data.train={work['train']}",
+        f"data.eval={work['eval']}",
+        f"learner.total_steps={args.steps}",
+        f"learner.max_minutes={args.max_minutes}",
+        f"run.eval_interval={args.eval_interval}",
+        f"run.eval_n={args.eval_n}",
+        f"checkpoint.interval={args.checkpoint_interval}",
+        "checkpoint.keep_last=3",
+        f"learner.seed={seed}",
+        f"rollout.seed={seed}",
+        f"data.seed={seed}",
+    ]
+    argv = [
+        sys.executable,
+        "-m",
+        "fleetrl.app.cli",
+        "run",
+        "--config",
+        str(ROOT / "configs" / "demo.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--no-status",
+        *sets,
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if fault:
-        env.update(FLEETRL_FAULT=FAULTS[fault], FLEETRL_FAULT_AT=str(args.inject_at),
-                   FLEETRL_FAULT_FOR=str(args.duration))
+        env.update(
+            FLEETRL_FAULT=FAULTS[fault], FLEETRL_FAULT_AT=str(args.inject_at), FLEETRL_FAULT_FOR=str(args.duration)
+        )
     log = run_dir.with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
-    print(f"[{name}] {args.steps} steps, seed {seed}" + (f", {fault} ({FAULTS[fault]}) at step {args.inject_at} for "
-                                                          f"{args.duration}" if fault else ", no fault"), flush=True)
+    print(
+        f"[{name}] {args.steps} steps, seed {seed}"
+        + (f", {fault} ({FAULTS[fault]}) at step {args.inject_at} for {args.duration}" if fault else ", no fault"),
+        flush=True,
+    )
     t0 = time.time()
     code, cpu = run_child(name, argv, log, 60 * args.max_minutes + START_MARGIN_S, env=env)
-    result = {"name": name, "fault": fault, "seed": seed, "exit_code": code, "cpu": cpu, "wall_s": time.time() - t0,
-              "run_dir": str(run_dir), "inject_at": args.inject_at if fault else None,
-              "duration": args.duration if fault else None, "recover_within": args.recover_within,
-              "command": (f"FLEETRL_FAULT={FAULTS[fault]} FLEETRL_FAULT_AT={args.inject_at:d} "
-                          f"FLEETRL_FAULT_FOR={args.duration:d} " if fault else "") + " ".join(["fleetrl", *argv[3:]])}
+    result = {
+        "name": name,
+        "fault": fault,
+        "seed": seed,
+        "exit_code": code,
+        "cpu": cpu,
+        "wall_s": time.time() - t0,
+        "run_dir": str(run_dir),
+        "inject_at": args.inject_at if fault else None,
+        "duration": args.duration if fault else None,
+        "recover_within": args.recover_within,
+        "command": (
+            f"FLEETRL_FAULT={FAULTS[fault]} FLEETRL_FAULT_AT={args.inject_at:d} FLEETRL_FAULT_FOR={args.duration:d} "
+            if fault
+            else ""
+        )
+        + " ".join(["fleetrl", *argv[3:]]),
+    }
     if not (run_dir / "metrics.jsonl").exists():
         result["error"] = f"no metrics.jsonl; log ends with:\n{tail(log)}"
     return {**result, **analyze_run(result)}
@@ -130,29 +166,41 @@ def replay_defaults(rows: list[dict]) -> list[dict]:
 
 
 def summarize(runs: list[dict]) -> dict:
-    faults = {r["fault"]: {k: r[k] for k in ("detection", "recovery", "steps", "exit_code", "rollout_nonfinite_rewards")}
-              | {"others_cpu_share": r["cpu"]["others_cpu_share"]} for r in runs if r["fault"]}
+    faults = {
+        r["fault"]: {k: r[k] for k in ("detection", "recovery", "steps", "exit_code", "rollout_nonfinite_rewards")}
+        | {"others_cpu_share": r["cpu"]["others_cpu_share"]}
+        for r in runs
+        if r["fault"]
+    }
     healthy = false_alarms([r for r in runs if not r["fault"]])
     healthy["replayed_with_current_defaults"] = false_alarms(
-        [{"steps": r["steps"], "events": r.get("replayed_events", [])} for r in runs if not r["fault"]])
+        [{"steps": r["steps"], "events": r.get("replayed_events", [])} for r in runs if not r["fault"]]
+    )
     return {"faults": faults, "healthy": healthy, "targets": targets(faults, healthy)}
 
 
 def print_table(summary: dict) -> None:
-    print(f"\n{'fault':<18}{'detected':>9}{'delay':>7}  {'first rule':<22}{'action':<10}{'recovered':>10}"
-          f"{'best->after':>14}{'load':>7}")
+    print(
+        f"\n{'fault':<18}{'detected':>9}{'delay':>7}  {'first rule':<22}{'action':<10}{'recovered':>10}"
+        f"{'best->after':>14}{'load':>7}"
+    )
     for kind, f in summary["faults"].items():
         d, rc = f["detection"], f["recovery"]
         delay = "-" if d["delay_steps"] is None else str(d["delay_steps"])
         acc = (f"{100 * rc['pre_fault_best']:.1f}->" if rc["pre_fault_best"] is not None else "?->") + (
-            f"{100 * rc['accuracy_after']:.1f}" if rc.get("accuracy_after") is not None else "-")
-        print(f"{kind:<18}{'yes' if d['detected'] else 'NO':>9}{delay:>7}  {str(d['first_rule']):<22}{d['action']:<10}"
-              f"{'yes' if rc['recovered'] else 'no':>10}{acc:>14}{f['others_cpu_share']:>7.2f}")
+            f"{100 * rc['accuracy_after']:.1f}" if rc.get("accuracy_after") is not None else "-"
+        )
+        print(
+            f"{kind:<18}{'yes' if d['detected'] else 'NO':>9}{delay:>7}  {str(d['first_rule']):<22}{d['action']:<10}"
+            f"{'yes' if rc['recovered'] else 'no':>10}{acc:>14}{f['others_cpu_share']:>7.2f}"
+        )
     h = summary["healthy"]
     if h["steps"]:
-        print(f"\nhealthy runs: {h['steps']} steps, {h['alerts']} alerts ({h['alerts_per_1000_steps']:.2f} / 1,000 steps), "
-              f"{h['rollbacks']} rollbacks ({h['rollbacks_per_1000_steps']:.2f} / 1,000 steps), {h['stops']} stops; "
-              f"by rule {h['events_by_rule']}")
+        print(
+            f"\nhealthy runs: {h['steps']} steps, {h['alerts']} alerts ({h['alerts_per_1000_steps']:.2f} / 1,000 steps), "
+            f"{h['rollbacks']} rollbacks ({h['rollbacks_per_1000_steps']:.2f} / 1,000 steps), {h['stops']} stops; "
+            f"by rule {h['events_by_rule']}"
+        )
     for k, v in summary["targets"].items():
         print(f"  {k}: {v}")
 
@@ -192,9 +240,13 @@ def main() -> int:
     ordered = sorted(runs.values(), key=lambda r: (r["fault"] is None, r["name"]))
     summary = summarize(ordered)
     print_table(summary)
-    report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-              "command": "python benchmarks/health.py " + " ".join(sys.argv[1:]), "time": time.strftime("%Y-%m-%d %H:%M"),
-              "summary": summary, "runs": [{k: v for k, v in r.items()} for r in ordered]}
+    report = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "command": "python benchmarks/health.py " + " ".join(sys.argv[1:]),
+        "time": time.strftime("%Y-%m-%d %H:%M"),
+        "summary": summary,
+        "runs": [{k: v for k, v in r.items()} for r in ordered],
+    }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=1, default=str))
     print(f"\nraw figures: {RESULTS}")

@@ -20,30 +20,56 @@ def detection(events: list[dict], inject_at: int) -> dict:
     after = [e for e in events if e["step"] >= inject_at]
     rules = [e for e in after if e["rule"] != "rollback"]
     if not rules:
-        return {"detected": False, "delay_steps": None, "first_rule": None, "action": "none",
-                "rules": [], "events_before_injection": sum(e["step"] < inject_at for e in events)}
+        return {
+            "detected": False,
+            "delay_steps": None,
+            "first_rule": None,
+            "action": "none",
+            "rules": [],
+            "events_before_injection": sum(e["step"] < inject_at for e in events),
+        }
     first = min(rules, key=lambda e: e["step"])
     action = max((e["action"] for e in after), key=ACTION_RANK.__getitem__)
-    return {"detected": True, "delay_steps": first["step"] - inject_at, "first_rule": first["rule"],
-            "action": action, "rules": sorted({e["rule"] for e in rules}),
-            "events_before_injection": sum(e["step"] < inject_at for e in events)}
+    return {
+        "detected": True,
+        "delay_steps": first["step"] - inject_at,
+        "first_rule": first["rule"],
+        "action": action,
+        "rules": sorted({e["rule"] for e in rules}),
+        "events_before_injection": sum(e["step"] < inject_at for e in events),
+    }
 
 
 def eval_curve(rows: list[dict]) -> list[tuple[int, float]]:
     """(step, held-out accuracy) of every metrics row that has one."""
-    return [(int(r["step"]), float(r["eval/accuracy"])) for r in rows
-            if isinstance(r.get("eval/accuracy"), (int, float)) and math.isfinite(r["eval/accuracy"])]
+    return [
+        (int(r["step"]), float(r["eval/accuracy"]))
+        for r in rows
+        if isinstance(r.get("eval/accuracy"), (int, float)) and math.isfinite(r["eval/accuracy"])
+    ]
 
 
-def recovery(curve: list[tuple[int, float]], inject_at: int, rollback_step: int | None, within: int,
-             points: float = RECOVERY_POINTS) -> dict:
+def recovery(
+    curve: list[tuple[int, float]],
+    inject_at: int,
+    rollback_step: int | None,
+    within: int,
+    points: float = RECOVERY_POINTS,
+) -> dict:
     """Did held-out accuracy come back within ``points`` of its pre-fault best (the best evaluation at a step
     <= ``inject_at``) at an evaluation in ``(rollback_step, rollback_step + within]``? Without a rollback:
     not recovered by rollback (``recovered`` False), though the curve may still be back (``back``)."""
     before = [a for s, a in curve if s <= inject_at]
     best = max(before, default=None)
-    out = {"pre_fault_best": best, "rollback_step": rollback_step, "within_steps": within, "recovered": False,
-           "steps_to_recover": None, "accuracy_after": None, "back": False}
+    out = {
+        "pre_fault_best": best,
+        "rollback_step": rollback_step,
+        "within_steps": within,
+        "recovered": False,
+        "steps_to_recover": None,
+        "accuracy_after": None,
+        "back": False,
+    }
     if best is None:
         return out
     late = [(s, a) for s, a in curve if s > inject_at]
@@ -78,10 +104,16 @@ def false_alarms(runs: list[dict]) -> dict:
         for e in r["events"]:
             if e["rule"] != "rollback":
                 by_rule[e["rule"]] = by_rule.get(e["rule"], 0) + 1
-    return {"steps": steps, "alerts": alerts, "rollbacks": rollbacks, "stops": stops,
-            "alerts_per_1000_steps": per_k(alerts), "rollbacks_per_1000_steps": per_k(rollbacks),
-            "rollbacks_per_10000_steps_95pct_upper": (30000.0 / steps if rollbacks == 0 else None) if steps else None,
-            "events_by_rule": by_rule}
+    return {
+        "steps": steps,
+        "alerts": alerts,
+        "rollbacks": rollbacks,
+        "stops": stops,
+        "alerts_per_1000_steps": per_k(alerts),
+        "rollbacks_per_1000_steps": per_k(rollbacks),
+        "rollbacks_per_10000_steps_95pct_upper": (30000.0 / steps if rollbacks == 0 else None) if steps else None,
+        "events_by_rule": by_rule,
+    }
 
 
 def targets(faults: dict[str, dict], healthy: dict) -> dict:
@@ -92,10 +124,13 @@ def targets(faults: dict[str, dict], healthy: dict) -> dict:
     bound = healthy.get("rollbacks_per_10000_steps_95pct_upper")
     return {
         "every_fault_detected": detected,
-        "divergence_and_non_finite_within_20_steps": all(d is not None and d <= 20 for d in fast.values()) and bool(fast),
+        "divergence_and_non_finite_within_20_steps": all(d is not None and d <= 20 for d in fast.values())
+        and bool(fast),
         "false_alarms_at_most_1_rollback_per_10000_steps": (
-            "met" if bound is not None and bound <= 1 else
-            f"not shown: {healthy.get('rollbacks', 0)} rollbacks in {healthy.get('steps', 0)} healthy steps"
-            + (f" (95% upper bound {bound:.0f} per 10,000)" if bound is not None else "")),
+            "met"
+            if bound is not None and bound <= 1
+            else f"not shown: {healthy.get('rollbacks', 0)} rollbacks in {healthy.get('steps', 0)} healthy steps"
+            + (f" (95% upper bound {bound:.0f} per 10,000)" if bound is not None else "")
+        ),
         "fault_kinds_recovered_by_rollback": f"{recovered} of {len(faults)} (target >= 4 of 5)",
     }

@@ -79,8 +79,11 @@ def replay(rows: list[dict], cfg: HealthConfig, checkpoint_interval: int = 0) ->
 
 
 def rates(count: int, steps: int) -> dict:
-    return {"count": count, "per_10k": PER * count / steps if steps else math.nan,
-            "upper95_per_10k": PER * poisson_upper(count) / steps if steps else math.nan}
+    return {
+        "count": count,
+        "per_10k": PER * count / steps if steps else math.nan,
+        "upper95_per_10k": PER * poisson_upper(count) / steps if steps else math.nan,
+    }
 
 
 def summarize(results: dict[str, dict], cfg: HealthConfig) -> dict:
@@ -90,12 +93,21 @@ def summarize(results: dict[str, dict], cfg: HealthConfig) -> dict:
     for r in results.values():
         alerts.update(r["alerts"])
         rollbacks.update(r["rollbacks"])
-    per_rule = {spec.name: {"action": spec.action, "alerts": rates(alerts[spec.name], steps),
-                            "rollbacks": rates(rollbacks[spec.name], steps)} for spec in cfg.rules}
+    per_rule = {
+        spec.name: {
+            "action": spec.action,
+            "alerts": rates(alerts[spec.name], steps),
+            "rollbacks": rates(rollbacks[spec.name], steps),
+        }
+        for spec in cfg.rules
+    }
     streams = {name: {"steps": r["steps"], "events": r["events"]} for name, r in results.items()}
-    return {"steps": steps, "streams": streams,
-            "rules": per_rule, "all": {"alerts": rates(sum(alerts.values()), steps),
-                                       "rollbacks": rates(sum(rollbacks.values()), steps)}}
+    return {
+        "steps": steps,
+        "streams": streams,
+        "rules": per_rule,
+        "all": {"alerts": rates(sum(alerts.values()), steps), "rollbacks": rates(sum(rollbacks.values()), steps)},
+    }
 
 
 def print_table(summary: dict) -> None:
@@ -103,22 +115,30 @@ def print_table(summary: dict) -> None:
     print(f"{'rule':<28}{'action':<10}{'alerts':>8}{'/10k':>8}{'95% ub':>8}{'rollbacks':>11}{'/10k':>8}{'95% ub':>8}")
     for name, r in [*summary["rules"].items(), ("(all rules)", {"action": "", **summary["all"]})]:
         a, b = r["alerts"], r["rollbacks"]
-        print(f"{name:<28}{r['action']:<10}{a['count']:>8}{a['per_10k']:>8.2f}{a['upper95_per_10k']:>8.2f}"
-              f"{b['count']:>11}{b['per_10k']:>8.2f}{b['upper95_per_10k']:>8.2f}")
+        print(
+            f"{name:<28}{r['action']:<10}{a['count']:>8}{a['per_10k']:>8.2f}{a['upper95_per_10k']:>8.2f}"
+            f"{b['count']:>11}{b['per_10k']:>8.2f}{b['upper95_per_10k']:>8.2f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("streams", nargs="+", type=Path, help="run directories or metrics.jsonl files of healthy runs")
-    p.add_argument("--rules", default=None,
-                   help="JSON list of health rules to replay instead of the defaults, e.g. "
-                        "'[{\"name\": \"reward_hacking\", \"action\": \"rollback\"}]'")
+    p.add_argument(
+        "--rules",
+        default=None,
+        help="JSON list of health rules to replay instead of the defaults, e.g. "
+        '\'[{"name": "reward_hacking", "action": "rollback"}]\'',
+    )
     p.add_argument("--checkpoint-interval", type=int, default=10)
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = p.parse_args(argv)
     logging.getLogger("fleetrl.learner.health").setLevel(logging.CRITICAL)
-    cfg = HealthConfig() if args.rules is None else HealthConfig(
-        rules=msgspec.convert(json.loads(args.rules), list[HealthRule]))
+    cfg = (
+        HealthConfig()
+        if args.rules is None
+        else HealthConfig(rules=msgspec.convert(json.loads(args.rules), list[HealthRule]))
+    )
     results = {}
     for path in args.streams:
         metrics = path / "metrics.jsonl" if path.is_dir() else path

@@ -72,13 +72,34 @@ def record(name: str, work: dict[str, str], args) -> Path:
     run_dir = Path(args.workdir) / "streams" / name
     if (run_dir / "metrics.jsonl").exists():
         (run_dir / "metrics.jsonl").rename(run_dir / f"metrics.{int(time.time())}.jsonl.old")
-    sets = [f"model.path={work['model']}", f"data.train={work['train']}", f"data.eval={work['eval']}",
-            f"learner.total_steps={args.steps}", f"broker.max_staleness={staleness}", f"learner.lr={lr}",
-            f"run.eval_interval={args.eval_interval}", "run.eval_n=100", "health.enabled=false",
-            "checkpoint.interval=0", f"learner.seed={args.seed}", f"rollout.seed={args.seed}",
-            "learner.device=cpu", "rollout.device=cpu"]
-    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(ROOT / "configs" / f"{config}.yaml"),
-            "--run-dir", str(run_dir), "--no-status", *sets]
+    sets = [
+        f"model.path={work['model']}",
+        f"data.train={work['train']}",
+        f"data.eval={work['eval']}",
+        f"learner.total_steps={args.steps}",
+        f"broker.max_staleness={staleness}",
+        f"learner.lr={lr}",
+        f"run.eval_interval={args.eval_interval}",
+        "run.eval_n=100",
+        "health.enabled=false",
+        "checkpoint.interval=0",
+        f"learner.seed={args.seed}",
+        f"rollout.seed={args.seed}",
+        "learner.device=cpu",
+        "rollout.device=cpu",
+    ]
+    argv = [
+        sys.executable,
+        "-m",
+        "fleetrl.app.cli",
+        "run",
+        "--config",
+        str(ROOT / "configs" / f"{config}.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--no-status",
+        *sets,
+    ]
     log = run_dir.with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"[{name}] {args.steps} steps: fleetrl {' '.join(argv[3:])}", flush=True)

@@ -70,8 +70,9 @@ def schedule(args: argparse.Namespace, vocab: list[int]) -> list[tuple[float, li
         at += rng.expovariate(args.group_rate)
         prompt = [rng.choice(vocab) for _ in range(rng.randint(10, args.max_prompt))]
         tokens = args.long_tokens if rng.random() < args.long_fraction else args.short_tokens
-        groups.append((at, [Request(prompt, SamplingParams(max_new_tokens=tokens, seed=g * args.n + j))
-                            for j in range(args.n)]))
+        groups.append(
+            (at, [Request(prompt, SamplingParams(max_new_tokens=tokens, seed=g * args.n + j)) for j in range(args.n)])
+        )
     return groups
 
 
@@ -145,10 +146,18 @@ def main() -> None:
 
     print(f"{'mode':<12}{'tokens/s':>10}{'mean lat s':>12}{'p50 s':>8}{'p90 s':>8}{'others':>8}")
     for r in runs:
-        print(f"{r['mode']:<12}{r['tokens_per_s']:>10}{r['latency_mean_s']:>12}{r['latency_p50_s']:>8}"
-              f"{r['latency_p90_s']:>8}{r['others_cpu_share']:>8.0%}")
-    result = {"args": vars(args), "torch_threads": args.threads, "torch": torch.__version__, "cores": os.cpu_count(),
-              "time": time.time(), "runs": runs}
+        print(
+            f"{r['mode']:<12}{r['tokens_per_s']:>10}{r['latency_mean_s']:>12}{r['latency_p50_s']:>8}"
+            f"{r['latency_p90_s']:>8}{r['others_cpu_share']:>8.0%}"
+        )
+    result = {
+        "args": vars(args),
+        "torch_threads": args.threads,
+        "torch": torch.__version__,
+        "cores": os.cpu_count(),
+        "time": time.time(),
+        "runs": runs,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

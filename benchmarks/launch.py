@@ -103,22 +103,50 @@ class Load:
 
 
 def measure(run: Path, kill_rollout, load: Load) -> dict:
-    ready = wait(lambda: [e for e in read_events(run) if e.get("event") == "all_ready"] or load.sample(), 240,
-                 "every process registered")[0]
+    ready = wait(
+        lambda: [e for e in read_events(run) if e.get("event") == "all_ready"] or load.sample(),
+        240,
+        "every process registered",
+    )[0]
     metrics = run / "metrics.jsonl"
     wait(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5 or load.sample(), 240, "5 steps")
     killed_at = time.time()
     kill_rollout()
-    back = wait(lambda: [e for e in read_events(run) if e.get("child") == "rollout-0"
-                         and e.get("event") == "rejoined"] or load.sample(), 120, "rollout-0 back")[0]
+    back = wait(
+        lambda: (
+            [e for e in read_events(run) if e.get("child") == "rollout-0" and e.get("event") == "rejoined"]
+            or load.sample()
+        ),
+        120,
+        "rollout-0 back",
+    )[0]
     starts = {e["child"]: e.get("start_s") for e in read_events(run) if e.get("event") == "ready"}
-    return {"registered_s": ready["since_alloc_s"], "rejoin_s": round(back["time"] - killed_at, 3),
-            "process_start_s": starts, "others_cpu_share": load.others_share()}
+    return {
+        "registered_s": ready["since_alloc_s"],
+        "rejoin_s": round(back["time"] - killed_at, 3),
+        "process_start_s": starts,
+        "others_cpu_share": load.others_share(),
+    }
 
 
 def slurm_trial(cluster: LocalSlurm, run: Path, overrides: list[str]) -> dict:
-    out = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "launch", "slurm", "--config", str(JOB),
-                          "--run-dir", str(run), *overrides], capture_output=True, text=True, env=cluster.env)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fleetrl.app.cli",
+            "launch",
+            "slurm",
+            "--config",
+            str(JOB),
+            "--run-dir",
+            str(run),
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        env=cluster.env,
+    )
     job = re.search(r"submitted job (\d+)", out.stdout).group(1)
     load = Load(run)
 
@@ -135,9 +163,25 @@ def slurm_trial(cluster: LocalSlurm, run: Path, overrides: list[str]) -> dict:
 def ray_trial(address: str, run: Path, overrides: list[str]) -> dict:
     run.mkdir(parents=True, exist_ok=True)
     log = (run.parent / f"{run.name}.out").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.app.cli", "launch", "ray", "--config", str(JOB),
-                             "--run-dir", str(run), "--address", address, *overrides], stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fleetrl.app.cli",
+            "launch",
+            "ray",
+            "--config",
+            str(JOB),
+            "--run-dir",
+            str(run),
+            "--address",
+            address,
+            *overrides,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     load = Load(run)
 
     def kill() -> None:
@@ -162,12 +206,28 @@ def start_ray_head(work: Path) -> tuple[subprocess.Popen, str]:
         port = s.getsockname()[1]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     ray = str(Path(sys.executable).with_name("ray"))
-    head = subprocess.Popen([ray, "start", "--head", "--block", f"--port={port}", "--num-cpus=4",
-                             "--include-dashboard=false", "--disable-usage-stats"], stdout=(work / "ray.out").open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    head = subprocess.Popen(
+        [
+            ray,
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=4",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        stdout=(work / "ray.out").open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=env,
+    )
     address = f"127.0.0.1:{port}"
-    wait(lambda: subprocess.run([ray, "status", f"--address={address}"], capture_output=True, env=env).returncode == 0,
-         120, "ray start --head")
+    wait(
+        lambda: subprocess.run([ray, "status", f"--address={address}"], capture_output=True, env=env).returncode == 0,
+        120,
+        "ray start --head",
+    )
     return head, address
 
 
@@ -176,10 +236,16 @@ def assets(work: Path) -> list[str]:
     if not (model / "config.json").exists():
         cli = [sys.executable, "-m", "fleetrl.app.cli"]
         subprocess.run([*cli, "init-model", "--out", str(model), "--preset", "small"], check=True, capture_output=True)
-        subprocess.run([*cli, "init-data", "--out", str(data), "--n", "5000", "--eval-n", "100"], check=True,
-                       capture_output=True)
-    return [f"model.path={model}", f"data.train={data}", "data.eval=null", "run.eval_interval=0",
-            "learner.max_minutes=3"]
+        subprocess.run(
+            [*cli, "init-data", "--out", str(data), "--n", "5000", "--eval-n", "100"], check=True, capture_output=True
+        )
+    return [
+        f"model.path={model}",
+        f"data.train={data}",
+        "data.eval=null",
+        "run.eval_interval=0",
+        "learner.max_minutes=3",
+    ]
 
 
 def main() -> None:
@@ -205,17 +271,30 @@ def main() -> None:
                 head.send_signal(signal.SIGTERM)
                 head.wait(60)
     summary = {}
-    print(f"\n{'engine':<6} {'registered (median, s)':>23} {'target':>7} {'back in fleet (median, s)':>26} "
-          f"{'target':>7} {'others':>7}")
+    print(
+        f"\n{'engine':<6} {'registered (median, s)':>23} {'target':>7} {'back in fleet (median, s)':>26} "
+        f"{'target':>7} {'others':>7}"
+    )
     for engine, trials in results.items():
         reg = statistics.median(t["registered_s"] for t in trials)
         back = statistics.median(t["rejoin_s"] for t in trials)
         others = max(t["others_cpu_share"] for t in trials)
-        summary[engine] = {"registered_median_s": reg, "rejoin_median_s": back, "others_cpu_share_max": others,
-                           "registered_target_s": TARGETS[engine], "rejoin_target_s": TARGETS["rejoin"]}
-        print(f"{engine:<6} {reg:>23.1f} {TARGETS[engine]:>7.0f} {back:>26.1f} {TARGETS['rejoin']:>7.0f} {others:>7.0%}")
-    out = {"machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg()}, "summary": summary, "trials": results,
-           "time": time.time()}
+        summary[engine] = {
+            "registered_median_s": reg,
+            "rejoin_median_s": back,
+            "others_cpu_share_max": others,
+            "registered_target_s": TARGETS[engine],
+            "rejoin_target_s": TARGETS["rejoin"],
+        }
+        print(
+            f"{engine:<6} {reg:>23.1f} {TARGETS[engine]:>7.0f} {back:>26.1f} {TARGETS['rejoin']:>7.0f} {others:>7.0%}"
+        )
+    out = {
+        "machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg()},
+        "summary": summary,
+        "trials": results,
+        "time": time.time(),
+    }
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"saved {args.out}")
 

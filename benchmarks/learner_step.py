@@ -46,8 +46,11 @@ def make_groups(vocab: int, n_groups: int = 16, group_size: int = 8, resp_len: i
     groups = []
     for g in range(n_groups):
         responses = [(rng.integers(7, vocab, resp_len), -rng.random(resp_len)) for _ in range(group_size)]
-        groups.append(m.build_group(f"g{g}", f"0:{g}", 0, rng.integers(7, vocab, 6), responses,
-                                    [float(i % 2) for i in range(group_size)]))
+        groups.append(
+            m.build_group(
+                f"g{g}", f"0:{g}", 0, rng.integers(7, vocab, 6), responses, [float(i % 2) for i in range(group_size)]
+            )
+        )
     return groups
 
 
@@ -143,13 +146,17 @@ def compare(before_path: str, after_path: str) -> None:
     before, after = (json.loads(Path(p).read_text()) for p in (before_path, after_path))
     for preset, a in after["presets"].items():
         b = before["presets"][preset]
-        print(f"{preset:6s} trained samples/s {b['trained_samples_per_s']:7.0f} -> {a['trained_samples_per_s']:7.0f} "
-              f"({a['trained_samples_per_s'] / b['trained_samples_per_s']:.2f}x); overhead over bare torch "
-              f"{b['overhead']:+.1%} -> {a['overhead']:+.1%}")
+        print(
+            f"{preset:6s} trained samples/s {b['trained_samples_per_s']:7.0f} -> {a['trained_samples_per_s']:7.0f} "
+            f"({a['trained_samples_per_s'] / b['trained_samples_per_s']:.2f}x); overhead over bare torch "
+            f"{b['overhead']:+.1%} -> {a['overhead']:+.1%}"
+        )
         if "trained_samples_per_cpu_s" in a and "trained_samples_per_cpu_s" in b:
-            print(f"{'':6s} per CPU-second  {b['trained_samples_per_cpu_s']:7.0f} -> {a['trained_samples_per_cpu_s']:7.0f} "
-                  f"({a['trained_samples_per_cpu_s'] / b['trained_samples_per_cpu_s']:.2f}x); CPU overhead "
-                  f"{b['cpu_overhead']:+.1%} -> {a['cpu_overhead']:+.1%}")
+            print(
+                f"{'':6s} per CPU-second  {b['trained_samples_per_cpu_s']:7.0f} -> {a['trained_samples_per_cpu_s']:7.0f} "
+                f"({a['trained_samples_per_cpu_s'] / b['trained_samples_per_cpu_s']:.2f}x); CPU overhead "
+                f"{b['cpu_overhead']:+.1%} -> {a['cpu_overhead']:+.1%}"
+            )
 
 
 def main() -> None:
@@ -169,8 +176,11 @@ def main() -> None:
     from fleetrl.learner.init_model import init_model
 
     torch.set_num_threads(args.threads)
-    report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {args.threads}",
-              "batch": "16 groups x 8 responses, prompt 6 + response 4 tokens", "presets": {}}
+    report = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {args.threads}",
+        "batch": "16 groups x 8 responses, prompt 6 + response 4 tokens",
+        "presets": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets:
             model_dir = str(init_model(Path(tmp) / preset, preset=preset))
@@ -181,12 +191,21 @@ def main() -> None:
                 ours += time_fleetrl(model_dir, args.steps // 2, Path(tmp))
             o, b = statistics.median(w for w, _ in ours), statistics.median(w for w, _ in bare)
             oc, bc = statistics.median(c for _, c in ours), statistics.median(c for _, c in bare)
-            report["presets"][preset] = {"fleetrl_step_s": o, "bare_torch_step_s": b, "overhead": o / b - 1,
-                                         "trained_samples_per_s": 128 / o, "fleetrl_cpu_s": oc, "bare_torch_cpu_s": bc,
-                                         "cpu_overhead": oc / bc - 1, "trained_samples_per_cpu_s": 128 / oc}
-            print(f"{preset:6s} fleetrl step {1000 * o:7.1f} ms ({128 / o:6.0f} samples/s)   bare torch "
-                  f"{1000 * b:7.1f} ms   overhead {o / b - 1:+.1%}   | CPU time: fleetrl {1000 * oc:6.1f} ms "
-                  f"({128 / oc:6.0f} samples/CPU-s), bare {1000 * bc:6.1f} ms, overhead {oc / bc - 1:+.1%}")
+            report["presets"][preset] = {
+                "fleetrl_step_s": o,
+                "bare_torch_step_s": b,
+                "overhead": o / b - 1,
+                "trained_samples_per_s": 128 / o,
+                "fleetrl_cpu_s": oc,
+                "bare_torch_cpu_s": bc,
+                "cpu_overhead": oc / bc - 1,
+                "trained_samples_per_cpu_s": 128 / oc,
+            }
+            print(
+                f"{preset:6s} fleetrl step {1000 * o:7.1f} ms ({128 / o:6.0f} samples/s)   bare torch "
+                f"{1000 * b:7.1f} ms   overhead {o / b - 1:+.1%}   | CPU time: fleetrl {1000 * oc:6.1f} ms "
+                f"({128 / oc:6.0f} samples/CPU-s), bare {1000 * bc:6.1f} ms, overhead {oc / bc - 1:+.1%}"
+            )
     report["label"] = args.label
     report["load"] = other_load()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -39,15 +39,25 @@ def build(workdir: Path) -> tuple[str, str]:
     if not (model / "config.json").exists():
         subprocess.run([*cli, "init-model", "--out", str(model), "--preset", "tiny"], check=True)
     if not data.exists():
-        subprocess.run([*cli, "init-data", "--task", "arithmetic", "--out", str(data), "--n", "2000", "--eval-n", "50"],
-                       check=True)
+        subprocess.run(
+            [*cli, "init-data", "--task", "arithmetic", "--out", str(data), "--n", "2000", "--eval-n", "50"], check=True
+        )
     return str(model), str(data)
 
 
 def ctrl_c(workdir: Path, cfg: Path, model: str, data: str) -> dict:
     run_dir = workdir / "ctrlc"
-    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(cfg), "--run-dir", str(run_dir),
-            *job_args(model, data, "learner.total_steps=100000", "checkpoint.interval=0", "sync.transport=gloo")]
+    argv = [
+        sys.executable,
+        "-m",
+        "fleetrl.app.cli",
+        "run",
+        "--config",
+        str(cfg),
+        "--run-dir",
+        str(run_dir),
+        *job_args(model, data, "learner.total_steps=100000", "checkpoint.interval=0", "sync.transport=gloo"),
+    ]
     run = TerminalRun(argv)
     try:
         wait_for(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 5, 300, "5 learner steps")
@@ -64,9 +74,19 @@ def ctrl_c(workdir: Path, cfg: Path, model: str, data: str) -> dict:
 
 def leave(workdir: Path, cfg: Path, model: str, data: str) -> dict:
     run_dir = workdir / "leave"
-    run = RunProcess(run_dir, str(cfg), job_args(model, data, "learner.total_steps=100000", "checkpoint.interval=0",
-                                                 "sync.transport=gloo", "rollout.num_servers=2",
-                                                 "broker.client_timeout_s=60"))
+    run = RunProcess(
+        run_dir,
+        str(cfg),
+        job_args(
+            model,
+            data,
+            "learner.total_steps=100000",
+            "checkpoint.interval=0",
+            "sync.transport=gloo",
+            "rollout.num_servers=2",
+            "broker.client_timeout_s=60",
+        ),
+    )
     try:
         wait_for(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 15, 300, "15 learner steps")
         pid = json.loads((run_dir / "rollout-1.ready").read_text())["pid"]
@@ -81,10 +101,12 @@ def leave(workdir: Path, cfg: Path, model: str, data: str) -> dict:
     rows = read_jsonl(run_dir / "metrics.jsonl")
 
     def summary(part: list[dict]) -> dict:
-        return {"s_per_step": round((part[-1]["time"] - part[0]["time"]) / max(1, len(part) - 1), 3),
-                "sync_s_max": round(max(r["timing/sync_s"] for r in part), 3),
-                "receivers": sorted({r["sync/receivers"] for r in part}),
-                "fleet_servers": sorted({r["fleet/servers"] for r in part if "fleet/servers" in r})}
+        return {
+            "s_per_step": round((part[-1]["time"] - part[0]["time"]) / max(1, len(part) - 1), 3),
+            "sync_s_max": round(max(r["timing/sync_s"] for r in part), 3),
+            "receivers": sorted({r["sync/receivers"] for r in part}),
+            "fleet_servers": sorted({r["fleet/servers"] for r in part if "fleet/servers" in r}),
+        }
 
     return {"before": summary(rows[5:n0]), "after": summary(rows[n1 + 1 : n1 + 31]), "cpu_busy_pct": load}
 

@@ -72,17 +72,27 @@ class TreeLoad:
         from fleetrl.common.telemetry.cpu import others_cpu_share
 
         share = round(others_cpu_share(self.busy() - self.busy0, self.own() - self.own0, wall), 3)
-        return {"wall_s": round(wall, 1), "cpus": os.cpu_count(), "others_cpu_share": share,
-                "loadavg_1m_max": max(self.loadavg, default=None), "loadavg_1m_samples": self.loadavg,
-                "busy_flag": share > BUSY_SHARE}
+        return {
+            "wall_s": round(wall, 1),
+            "cpus": os.cpu_count(),
+            "others_cpu_share": share,
+            "loadavg_1m_max": max(self.loadavg, default=None),
+            "loadavg_1m_samples": self.loadavg,
+            "busy_flag": share > BUSY_SHARE,
+        }
 
 
 def run_mode(mode: str, workdir: Path, overrides: list[str]) -> dict:
     """One demo run; returns its summary with the load it ran under."""
     run = workdir / "runs" / f"{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
     venv_bin = Path(sys.executable).parent
-    env = {**os.environ, "PY": sys.executable, "RUN": str(run), "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
-           "RL_ARGS": " ".join(overrides)}
+    env = {
+        **os.environ,
+        "PY": sys.executable,
+        "RUN": str(run),
+        "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
+        "RL_ARGS": " ".join(overrides),
+    }
     cmd = ["bash", str(ROOT / "scripts" / "multiturn_demo.sh")] + (["--endpoint"] if mode == "endpoint" else [])
     (workdir / "configs").mkdir(parents=True, exist_ok=True)
     (workdir / "configs" / "multiturn.yaml").write_text((ROOT / "configs" / "multiturn.yaml").read_text())
@@ -117,22 +127,32 @@ def main() -> int:
     args = p.parse_args()
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    results = {"command": " ".join(["python benchmarks/multiturn_demo.py --modes", *args.modes, *args.overrides]),
-               "overrides": args.overrides,
-               "target_points": TARGET_POINTS, "time": time.time(), "modes": {}}
+    results = {
+        "command": " ".join(["python benchmarks/multiturn_demo.py --modes", *args.modes, *args.overrides]),
+        "overrides": args.overrides,
+        "target_points": TARGET_POINTS,
+        "time": time.time(),
+        "modes": {},
+    }
     warm = workdir / "models" / "multiturn-warm" / "sft_result.json"
     for mode in args.modes:
-        print(f"== {mode}: scripts/multiturn_demo.sh{' --endpoint' if mode == 'endpoint' else ''} (log in "
-              f"{workdir / (mode + '.log')})", flush=True)
+        print(
+            f"== {mode}: scripts/multiturn_demo.sh{' --endpoint' if mode == 'endpoint' else ''} (log in "
+            f"{workdir / (mode + '.log')})",
+            flush=True,
+        )
         r = results["modes"][mode] = run_mode(mode, workdir, args.overrides)
         if r["rc"] != 0:
             print(f"   failed (exit {r['rc']}); see the log")
             continue
         b, a = r["before"]["eval/accuracy"], r["after"]["eval/accuracy"]
-        print(f"   held-out success {100 * b:.1f}% -> {100 * a:.1f}% ({r['gain_points']:+.1f} points, target "
-              f"+{TARGET_POINTS:.0f}) in {r['rl_minutes']} min of RL; turns {r['before'].get('eval/turns_mean')} -> "
-              f"{r['after'].get('eval/turns_mean')}; others' CPU share {r['load']['others_cpu_share']}"
-              f"{' (BUSY: re-measure on a quiet box)' if r['load']['busy_flag'] else ''}", flush=True)
+        print(
+            f"   held-out success {100 * b:.1f}% -> {100 * a:.1f}% ({r['gain_points']:+.1f} points, target "
+            f"+{TARGET_POINTS:.0f}) in {r['rl_minutes']} min of RL; turns {r['before'].get('eval/turns_mean')} -> "
+            f"{r['after'].get('eval/turns_mean')}; others' CPU share {r['load']['others_cpu_share']}"
+            f"{' (BUSY: re-measure on a quiet box)' if r['load']['busy_flag'] else ''}",
+            flush=True,
+        )
     if warm.exists():  # the warm start both modes started from (built by the first run, reused after)
         results["warm_start"] = {k: v for k, v in json.loads(warm.read_text()).items() if k != "history"}
     Path(args.out).write_text(json.dumps(results, indent=1))

@@ -107,18 +107,36 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=3.0)
     ap.add_argument("--label", default="after")
-    ap.add_argument("--pythonpath", help="run another tree's fleetrl (a dir holding fleetrl/{common,broker,rollout,learner})")
+    ap.add_argument(
+        "--pythonpath", help="run another tree's fleetrl (a dir holding fleetrl/{common,broker,rollout,learner})"
+    )
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)")
     ap.add_argument("--workdir", default=str(ROOT), help="where models/demo-warm and data/ are (default: the checkout)")
     ap.add_argument("--eval-interval", type=int, default=40)
     args = ap.parse_args()
     work = prepare(Path(args.workdir), 0.25)
     run_dir = ROOT / "runs" / f"overlap-{args.label}-{time.strftime('%Y%m%d-%H%M%S')}"
-    overrides = [f"model.path={work['warm']}", f"data.train={work['train']}", f"data.eval={work['eval']}",
-                 f"learner.max_minutes={args.minutes}", f"run.eval_interval={args.eval_interval}", "checkpoint.interval=0",
-                 *args.set]
-    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
-            "--run-dir", str(run_dir), "--no-status", *overrides]
+    overrides = [
+        f"model.path={work['warm']}",
+        f"data.train={work['train']}",
+        f"data.eval={work['eval']}",
+        f"learner.max_minutes={args.minutes}",
+        f"run.eval_interval={args.eval_interval}",
+        "checkpoint.interval=0",
+        *args.set,
+    ]
+    argv = [
+        sys.executable,
+        "-m",
+        "fleetrl.app.cli",
+        "run",
+        "--config",
+        str(ROOT / "configs" / "demo.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--no-status",
+        *overrides,
+    ]
     env = dict(os.environ)
     if args.pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([args.pythonpath, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -135,8 +153,15 @@ def main() -> int:
         try:
             while proc.poll() is None and time.monotonic() < deadline:
                 steps = counter.poll()
-                samples.append((time.monotonic(), steps, tree_cpu(root, seen), CpuWatch._busy() - time.process_time(),
-                                psutil.cpu_times().steal))
+                samples.append(
+                    (
+                        time.monotonic(),
+                        steps,
+                        tree_cpu(root, seen),
+                        CpuWatch._busy() - time.process_time(),
+                        psutil.cpu_times().steal,
+                    )
+                )
                 time.sleep(1.0)
         finally:
             code = proc.wait(timeout=5) if proc.poll() is not None else stop(proc)
@@ -159,16 +184,27 @@ def main() -> int:
     total = sum(r["timing/step_total_s"] for r in rows)
     rl_wall = rows[-1]["time"] - (rows[0]["time"] - rows[0]["timing/step_total_s"])
     result = {
-        "label": args.label, "pythonpath": args.pythonpath, "overrides": overrides, "exit_code": code,
-        "run_dir": str(run_dir), "cores": cores, "rl_wall_s": rl_wall, "steps": rows[-1]["step"],
-        "cores_busy": sum(per_role.values()), "cpu_per_role": per_role,
+        "label": args.label,
+        "pythonpath": args.pythonpath,
+        "overrides": overrides,
+        "exit_code": code,
+        "run_dir": str(run_dir),
+        "cores": cores,
+        "rl_wall_s": rl_wall,
+        "steps": rows[-1]["step"],
+        "cores_busy": sum(per_role.values()),
+        "cpu_per_role": per_role,
         "wait_frac": wait / total if total else None,
         "trained_samples_per_s": rows[-1].get("batch/samples_total", 0.0) / rl_wall,
         "rollout_throttled_s": sum(r.get("rollout/throttled_s", 0.0) for r in rollout_rows),
         "filtered_groups_per_step": sum(r.get("batch/filtered_groups", 0.0) for r in rows) / len(rows),
         "broker_capacity_last": rows[-1].get("broker/capacity"),
-        "eval": {"start": evals[0][1] if evals else None, "best": max((a for _, a in evals), default=None),
-                 "end": evals[-1][1] if evals else None, "curve": evals},
+        "eval": {
+            "start": evals[0][1] if evals else None,
+            "best": max((a for _, a in evals), default=None),
+            "end": evals[-1][1] if evals else None,
+            "curve": evals,
+        },
         "others_cpu_share": max(0.0, busy - sum(per_role.values())) / cores,
         "steal_share": steal / cores,
         "others_cpu_share_whole_run": whole["others_cpu_share"],
@@ -177,12 +213,14 @@ def main() -> int:
     path = ROOT / "benchmarks" / "results" / f"overlap-{args.label}.json"
     path.write_text(json.dumps(result, indent=1))
     roles = ", ".join(f"{k} {v:.2f}" for k, v in sorted(per_role.items()))
-    print(f"{args.label}: {result['cores_busy']:.2f} of {cores} cores busy during RL ({roles}); learner waits "
-          f"{100 * (result['wait_frac'] or 0):.0f}% of each step; {result['trained_samples_per_s']:.0f} trained samples/s; "
-          f"{result['steps']} steps; rollout throttled {result['rollout_throttled_s']:.0f} s; held-out "
-          f"{100 * (result['eval']['start'] or 0):.1f}% -> {100 * (result['eval']['end'] or 0):.1f}%; others' CPU share "
-          f"{100 * result['others_cpu_share']:.1f}% (hypervisor steal {100 * result['steal_share']:.1f}% of it)"
-          f"{'' if result['comparable'] else ' (BUSY: not comparable)'}")
+    print(
+        f"{args.label}: {result['cores_busy']:.2f} of {cores} cores busy during RL ({roles}); learner waits "
+        f"{100 * (result['wait_frac'] or 0):.0f}% of each step; {result['trained_samples_per_s']:.0f} trained samples/s; "
+        f"{result['steps']} steps; rollout throttled {result['rollout_throttled_s']:.0f} s; held-out "
+        f"{100 * (result['eval']['start'] or 0):.1f}% -> {100 * (result['eval']['end'] or 0):.1f}%; others' CPU share "
+        f"{100 * result['others_cpu_share']:.1f}% (hypervisor steal {100 * result['steal_share']:.1f}% of it)"
+        f"{'' if result['comparable'] else ' (BUSY: not comparable)'}"
+    )
     print(f"wrote {path}")
     return 0
 

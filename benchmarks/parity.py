@@ -26,10 +26,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-METRICS = ("actor/loss", "actor/grad_norm", "actor/pg_loss", "critic/grad_norm", "critic/value_loss", "dpo/loss",
-           "actor/kl", "actor/entropy", "actor/approx_kl", "adv/abs_mean")
-INFRA = ["learner.device=cpu", "sync.transport=filesystem", "checkpoint.interval=0", "run.eval_interval=0",
-         "telemetry.exporter=none", "learner.max_minutes=null", "health.enabled=false"]
+METRICS = (
+    "actor/loss",
+    "actor/grad_norm",
+    "actor/pg_loss",
+    "critic/grad_norm",
+    "critic/value_loss",
+    "dpo/loss",
+    "actor/kl",
+    "actor/entropy",
+    "actor/approx_kl",
+    "adv/abs_mean",
+)
+INFRA = [
+    "learner.device=cpu",
+    "sync.transport=filesystem",
+    "checkpoint.interval=0",
+    "run.eval_interval=0",
+    "telemetry.exporter=none",
+    "learner.max_minutes=null",
+    "health.enabled=false",
+]
 
 
 def job_names() -> list[str]:
@@ -50,8 +67,9 @@ def make_groups(step: int, n: int, group_size: int, version: int, vocab: int):
             t = int(rng.integers(1, 6))
             responses.append((rng.integers(7, vocab, t), -rng.random(t) * 3.0))
             rewards.append(float((i + g + step) % 2) + 0.25 * float(rng.random()))
-        out.append(m.build_group(f"s{step}-g{g}", f"0:{step * n + g}", version, rng.integers(7, vocab, 6), responses,
-                                 rewards))
+        out.append(
+            m.build_group(f"s{step}-g{g}", f"0:{step * n + g}", version, rng.integers(7, vocab, 6), responses, rewards)
+        )
     return out
 
 
@@ -66,20 +84,34 @@ def run_job(name: str, model_dir: str, pref: str, pref_eval: str, steps: int, tm
 
     run_dir = tmp / name
     run_dir.mkdir()
-    cfg = load_config(str(ROOT / "configs" / f"{name}.yaml"),
-                      [f"model.path={model_dir}", f"run.dir={run_dir}", f"learner.total_steps={steps}", *INFRA])
+    cfg = load_config(
+        str(ROOT / "configs" / f"{name}.yaml"),
+        [f"model.path={model_dir}", f"run.dir={run_dir}", f"learner.total_steps={steps}", *INFRA],
+    )
     if cfg.data.preference:
-        cfg = load_config(str(ROOT / "configs" / f"{name}.yaml"),
-                          [f"model.path={model_dir}", f"run.dir={run_dir}", f"learner.total_steps={steps}", *INFRA,
-                           f"data.preference={pref}", f"data.preference_eval={pref_eval}"])
+        cfg = load_config(
+            str(ROOT / "configs" / f"{name}.yaml"),
+            [
+                f"model.path={model_dir}",
+                f"run.dir={run_dir}",
+                f"learner.total_steps={steps}",
+                *INFRA,
+                f"data.preference={pref}",
+                f"data.preference_eval={pref_eval}",
+            ],
+        )
     torch.manual_seed(0)
     dist = init_distributed(cfg)
     fleet = not cfg.data.preference
     broker = client = rollout = None
     if fleet:
-        state = make_state("broker.queue_capacity=100000", "broker.max_staleness=1000", "broker.accept_unleased=true",
-                           n_prompts=100000,
-                           vocab_size=263)
+        state = make_state(
+            "broker.queue_capacity=100000",
+            "broker.max_staleness=1000",
+            "broker.accept_unleased=true",
+            n_prompts=100000,
+            vocab_size=263,
+        )
         broker = InprocBroker(state)
         rollout = broker.client("r0", "rollout")
         rollout.connect()
@@ -112,8 +144,11 @@ def measure(steps: int, only: list[str] | None) -> dict:
         out = {}
         for name in only or job_names():
             out[name] = run_job(name, model_dir, str(pref), str(pref_eval), steps, tmp)
-            print(f"{name:14s} " + "  ".join(f"{k}={v[-1]:.6g}" for k, v in out[name].items()
-                                           if k in ("actor/loss", "actor/grad_norm")), flush=True)
+            print(
+                f"{name:14s} "
+                + "  ".join(f"{k}={v[-1]:.6g}" for k, v in out[name].items() if k in ("actor/loss", "actor/grad_norm")),
+                flush=True,
+            )
         return out
 
 

@@ -46,9 +46,30 @@ def prepare_multiturn(workdir: Path, minutes: float) -> dict:
     if not held_out.exists():
         fleetrl_cli("init-data", "--task", "calc", "--out", str(train), "--n", "20000", "--eval-n", "500")
     if not (warm / "config.json").exists():
-        fleetrl_cli("sft", "--model", str(model), "--data", str(train), "--eval-data", str(held_out), "--out", str(warm),
-                    "--target-acc", "0.2", "--lr", "2e-4", "--eval-every", "10", "--eval-n", "100", "--max-minutes",
-                    str(minutes), "--config", "configs/multiturn.yaml", log=workdir / "logs" / "sft-multiturn.log")
+        fleetrl_cli(
+            "sft",
+            "--model",
+            str(model),
+            "--data",
+            str(train),
+            "--eval-data",
+            str(held_out),
+            "--out",
+            str(warm),
+            "--target-acc",
+            "0.2",
+            "--lr",
+            "2e-4",
+            "--eval-every",
+            "10",
+            "--eval-n",
+            "100",
+            "--max-minutes",
+            str(minutes),
+            "--config",
+            "configs/multiturn.yaml",
+            log=workdir / "logs" / "sft-multiturn.log",
+        )
     return {"warm": str(warm), "train": str(train), "eval": str(held_out)}
 
 
@@ -64,15 +85,19 @@ def spread(values: list[float]) -> dict:
     if not values:
         return {"n": 0}
     ordered = sorted(values)
-    return {"n": len(values), "mean": statistics.fmean(values), "p95": ordered[int(0.95 * (len(ordered) - 1))],
-            "max": ordered[-1]}
+    return {
+        "n": len(values),
+        "mean": statistics.fmean(values),
+        "p95": ordered[int(0.95 * (len(ordered) - 1))],
+        "max": ordered[-1],
+    }
 
 
 def moving_max(values: list[float], window: int = 5) -> float | None:
     """The largest ``window``-step moving average: what the ceiling rules compare with their threshold."""
     if len(values) < window:
         return None
-    return max(statistics.fmean(values[i:i + window]) for i in range(len(values) - window + 1))
+    return max(statistics.fmean(values[i : i + window]) for i in range(len(values) - window + 1))
 
 
 def summarize(run_dir: Path) -> dict:
@@ -84,10 +109,15 @@ def summarize(run_dir: Path) -> dict:
     curve = [r["eval/accuracy"] for r in read_jsonl(run_dir / "metrics.jsonl") if "eval/accuracy" in r]
     mismatch = series(rows, "off_policy/mismatch_kl")
     return {
-        "steps": len(rows), "events": len(events), "events_per_rule": per_rule,
+        "steps": len(rows),
+        "events": len(events),
+        "events_per_rule": per_rule,
         "event_lines": [f"step {e['step']} {e['rule']} -> {e['action']}: {e['message']}" for e in events][:20],
         "mismatch_kl": {**spread(mismatch), "ma5_max": moving_max(mismatch)},
-        "drift_kl": {**spread(series(rows, "off_policy/drift_kl")), "ma5_max": moving_max(series(rows, "off_policy/drift_kl"))},
+        "drift_kl": {
+            **spread(series(rows, "off_policy/drift_kl")),
+            "ma5_max": moving_max(series(rows, "off_policy/drift_kl")),
+        },
         "fresh_token_frac": spread(series(rows, "off_policy/fresh_token_frac")),
         "staleness_mean": spread(series(rows, "off_policy/staleness_mean")),
         "accuracy_first_last": [curve[0], curve[-1]] if curve else None,
@@ -97,23 +127,54 @@ def summarize(run_dir: Path) -> dict:
 def run_one(name: str, work: dict, multi: dict | None, args) -> dict:
     config, extra = CONFIGS[name]
     run_dir = Path(args.workdir) / "runs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    paths = ([f"model.path={work['warm']}", f"data.train={work['train']}", f"data.eval={work['eval']}"] if config == "demo"
-             else [f"model.path={multi['warm']}", f"data.train={multi['train']}", f"data.eval={multi['eval']}"])
-    overrides = [*paths, *extra, f"learner.total_steps={args.steps}", "learner.max_minutes=null",
-                 f"run.eval_interval={args.eval_interval}", f"run.eval_n={args.eval_n}", "checkpoint.export_hf=false",
-                 f"learner.seed={args.seed}", *args.set]
-    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", f"configs/{config}.yaml", "--run-dir",
-            str(run_dir), "--no-status", *overrides]
+    paths = (
+        [f"model.path={work['warm']}", f"data.train={work['train']}", f"data.eval={work['eval']}"]
+        if config == "demo"
+        else [f"model.path={multi['warm']}", f"data.train={multi['train']}", f"data.eval={multi['eval']}"]
+    )
+    overrides = [
+        *paths,
+        *extra,
+        f"learner.total_steps={args.steps}",
+        "learner.max_minutes=null",
+        f"run.eval_interval={args.eval_interval}",
+        f"run.eval_n={args.eval_n}",
+        "checkpoint.export_hf=false",
+        f"learner.seed={args.seed}",
+        *args.set,
+    ]
+    argv = [
+        sys.executable,
+        "-m",
+        "fleetrl.app.cli",
+        "run",
+        "--config",
+        f"configs/{config}.yaml",
+        "--run-dir",
+        str(run_dir),
+        "--no-status",
+        *overrides,
+    ]
     print(f"  {name}: fleetrl run {config} {' '.join(extra)} for {args.steps} steps -> {run_dir}", flush=True)
     code, cpu = run_child(name, argv, Path(args.workdir) / "logs" / f"{name}.log", timeout_s=args.timeout)
     if code != 0:
         print(tail(Path(args.workdir) / "logs" / f"{name}.log"), flush=True)
-    out = {"config": config, "overrides": extra, "exit_code": code, "run_dir": str(run_dir), **cpu, **summarize(run_dir)}
+    out = {
+        "config": config,
+        "overrides": extra,
+        "exit_code": code,
+        "run_dir": str(run_dir),
+        **cpu,
+        **summarize(run_dir),
+    }
     mk = out["mismatch_kl"]
-    print(f"  {name}: exit {code}, {out['steps']} steps, {out['events']} health events, mismatch_kl mean "
-          f"{mk.get('mean', float('nan')):.2e} (MA5 max {mk.get('ma5_max') or float('nan'):.2e}), drift_kl mean "
-          f"{out['drift_kl'].get('mean', float('nan')):.4f}, fresh tokens {out['fresh_token_frac'].get('mean', 0):.0%}, "
-          f"others' CPU {cpu['others_cpu_share']:.0%}", flush=True)
+    print(
+        f"  {name}: exit {code}, {out['steps']} steps, {out['events']} health events, mismatch_kl mean "
+        f"{mk.get('mean', float('nan')):.2e} (MA5 max {mk.get('ma5_max') or float('nan'):.2e}), drift_kl mean "
+        f"{out['drift_kl'].get('mean', float('nan')):.4f}, fresh tokens {out['fresh_token_frac'].get('mean', 0):.0%}, "
+        f"others' CPU {cpu['others_cpu_share']:.0%}",
+        flush=True,
+    )
     return out
 
 
@@ -140,9 +201,16 @@ def main(argv: list[str] | None = None) -> int:
     work = prepare(workdir, 0.25) if any(CONFIGS[n][0] == "demo" for n in names) else {}
     multi = prepare_multiturn(workdir, args.multiturn_sft_minutes) if "multiturn" in names else None
     runs = {name: run_one(name, work, multi, args) for name in names}
-    result = {"steps": args.steps, "seed": args.seed, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": runs,
-              "events_per_rule_total": {rule: sum(r["events_per_rule"].get(rule, 0) for r in runs.values())
-                                        for rule in sorted({k for r in runs.values() for k in r["events_per_rule"]})}}
+    result = {
+        "steps": args.steps,
+        "seed": args.seed,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "runs": runs,
+        "events_per_rule_total": {
+            rule: sum(r["events_per_rule"].get(rule, 0) for r in runs.values())
+            for rule in sorted({k for r in runs.values() for k in r["events_per_rule"]})
+        },
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"saved {args.out}; events per rule over all runs: {result['events_per_rule_total']}", flush=True)

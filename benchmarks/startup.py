@@ -27,22 +27,44 @@ import tempfile
 import time
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 LIBS = ["torch", "transformers", "deepspeed", "datasets", "zmq", "opentelemetry.sdk.trace"]
-ENTRIES = ["fleetrl.app.cli", "fleetrl.app.launch.run", "fleetrl.broker.server.service", "fleetrl.rollout.server",
-           "fleetrl.learner.train"]
+ENTRIES = [
+    "fleetrl.app.cli",
+    "fleetrl.app.launch.run",
+    "fleetrl.broker.server.service",
+    "fleetrl.rollout.server",
+    "fleetrl.learner.train",
+]
 # the same entry points in a tree from before the re-floor (issue 25), so that an A/B across it compares like with like
-BEFORE_REFLOOR = {"fleetrl.app.cli": "fleetrl.common.cli", "fleetrl.app.launch.run": "fleetrl.common.launch.run",
-                  "fleetrl.broker.server.service": "fleetrl.broker.server"}
+BEFORE_REFLOOR = {
+    "fleetrl.app.cli": "fleetrl.common.cli",
+    "fleetrl.app.launch.run": "fleetrl.common.launch.run",
+    "fleetrl.broker.server.service": "fleetrl.broker.server",
+}
 
 
 def module_in(tree: Path, module: str) -> str:
     """``module``'s name in ``tree`` (a tree without app/ predates the re-floor)."""
     return module if (tree / "app").is_dir() else BEFORE_REFLOOR.get(module, module)
-HEAVY = ["torch", "transformers", "deepspeed", "datasets", "pyarrow", "pandas", "matplotlib", "peft", "aiohttp",
-         "math_verify", "opentelemetry.exporter.otlp.proto.http", "sympy", "rich"]
+
+
+HEAVY = [
+    "torch",
+    "transformers",
+    "deepspeed",
+    "datasets",
+    "pyarrow",
+    "pandas",
+    "matplotlib",
+    "peft",
+    "aiohttp",
+    "math_verify",
+    "opentelemetry.exporter.otlp.proto.http",
+    "sympy",
+    "rich",
+]
 READY_FILES = {"broker": "broker.json", "rollout-0": "rollout-0.ready", "learner": "learner.ready"}
 STARTUP_LINE = re.compile(r"start-up: ready ([0-9.]+) s after exec \((.*)\)")
 
@@ -91,8 +113,10 @@ def tree_env(tree: Path, scratch: Path) -> dict[str, str]:
 def import_s(module: str, env: dict[str, str], cwd: Path) -> tuple[float, list[str]]:
     """Seconds a fresh interpreter takes to import ``module`` (its start subtracted), and the heavy packages
     that import pulled in."""
-    code = (f"import sys, time, json; t = time.perf_counter(); import {module}; dt = time.perf_counter() - t; "
-            f"print(json.dumps([dt, [h for h in {HEAVY!r} if h in sys.modules]]))")
+    code = (
+        f"import sys, time, json; t = time.perf_counter(); import {module}; dt = time.perf_counter() - t; "
+        f"print(json.dumps([dt, [h for h in {HEAVY!r} if h in sys.modules]]))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
     if out.returncode != 0:
         raise SystemExit(f"import {module} failed: {out.stderr[-500:]}")
@@ -125,26 +149,50 @@ def one_run(tree: Path, env: dict[str, str], model: str, data: str) -> dict:
     """One `fleetrl run` of the demo job for one step; every time in seconds after it was spawned."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", module_in(tree, "fleetrl.app.cli"), "run", "--config", str(tree / "configs" / "demo.yaml"),
-               "--run-dir", str(run_dir), "--no-status", f"model.path={model}", f"data.train={data}",
-               "data.eval=null", "learner.total_steps=1", "run.eval_interval=0"]
+        cmd = [
+            sys.executable,
+            "-m",
+            module_in(tree, "fleetrl.app.cli"),
+            "run",
+            "--config",
+            str(tree / "configs" / "demo.yaml"),
+            "--run-dir",
+            str(run_dir),
+            "--no-status",
+            f"model.path={model}",
+            f"data.train={data}",
+            "data.eval=null",
+            "learner.total_steps=1",
+            "run.eval_interval=0",
+        ]
         t0 = time.time()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tree, env=env)
         lines = [(time.time() - t0, line.rstrip()) for line in proc.stdout]
         code, wall = proc.wait(), time.time() - t0
         text = "\n".join(line for _, line in lines)
-        ready = next(((at, float(m.group(1))) for at, line in lines
-                      if (m := re.search(r"processes ready in ([0-9.]+) s", line))), None)
+        ready = next(
+            (
+                (at, float(m.group(1)))
+                for at, line in lines
+                if (m := re.search(r"processes ready in ([0-9.]+) s", line))
+            ),
+            None,
+        )
         if code != 0 or ready is None:
             raise SystemExit(f"fleetrl run failed ({code}):\n{text[-1500:]}")
         rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if r.strip()]
-        return {"ready_line_at": round(ready[0], 3), "launcher_says_ready_s": ready[1],
-                "first_step_at": round(rows[0]["time"] - t0, 3) if rows and "time" in rows[0] else None,
-                "exit_at": round(wall, 3), "processes": child_phases(run_dir, t0)}
+        return {
+            "ready_line_at": round(ready[0], 3),
+            "launcher_says_ready_s": ready[1],
+            "first_step_at": round(rows[0]["time"] - t0, 3) if rows and "time" in rows[0] else None,
+            "exit_at": round(wall, 3),
+            "processes": child_phases(run_dir, t0),
+        }
 
 
 def median_run(runs: list[dict]) -> dict:
     """Field-wise medians of the runs (phases too)."""
+
     def med(values):
         values = [v for v in values if v is not None]
         return round(statistics.median(values), 3) if values else None
@@ -162,9 +210,11 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def render(result: dict) -> list[str]:
-    lines = [f"[{result['label']}] tree {result['tree']} (median of {result['repeats']}; others' CPU share "
-             f"{result['others_cpu_share']:.0%}{'' if result['others_cpu_share'] < 0.10 else ': NOT quiet'})",
-             "  import (fresh interpreter)          s   heavy packages it loads"]
+    lines = [
+        f"[{result['label']}] tree {result['tree']} (median of {result['repeats']}; others' CPU share "
+        f"{result['others_cpu_share']:.0%}{'' if result['others_cpu_share'] < 0.10 else ': NOT quiet'})",
+        "  import (fresh interpreter)          s   heavy packages it loads",
+    ]
     for mod, (s, heavy) in result["imports"].items():
         lines.append(f"    {mod:<32} {s:5.2f}   {', '.join(heavy) if mod.startswith('fleetrl') else ''}")
     r = result["run"]
@@ -174,8 +224,10 @@ def render(result: dict) -> list[str]:
         ready = f"ready {p['ready_at']:5.2f}" if p.get("ready_at") is not None else ""
         phases = ", ".join(f"{k} {v:.2f}" for k, v in p["phases"].items())
         lines.append(f"    {name:<10} {at}{ready}  {phases}")
-    lines.append(f"    'processes ready' printed at {r['ready_line_at']:.2f} (the launcher says {r['launcher_says_ready_s']:.2f} "
-                 f"after its checks); first step at {r['first_step_at'] or float('nan'):.2f}; exit at {r['exit_at']:.2f}")
+    lines.append(
+        f"    'processes ready' printed at {r['ready_line_at']:.2f} (the launcher says {r['launcher_says_ready_s']:.2f} "
+        f"after its checks); first step at {r['first_step_at'] or float('nan'):.2f}; exit at {r['exit_at']:.2f}"
+    )
     return lines
 
 
@@ -213,11 +265,20 @@ def measure(trees: dict[str, Path], repeats: int, model: str, data: str) -> dict
             for label, tree in trees.items():
                 runs[label].append(one_run(tree, envs[label], model, data))
     share = load.others_share()
-    return {label: {"label": label, "tree": str(tree), "repeats": repeats,
-                    "imports": {m: (round(statistics.median(s for s, _ in v), 3), v[0][1])
-                                for m, v in imports[label].items()},
-                    "run": median_run(runs[label]), "runs": runs[label], "others_cpu_share": share,
-                    "cpus": os.cpu_count(), "time": time.time()} for label, tree in trees.items()}
+    return {
+        label: {
+            "label": label,
+            "tree": str(tree),
+            "repeats": repeats,
+            "imports": {m: (round(statistics.median(s for s, _ in v), 3), v[0][1]) for m, v in imports[label].items()},
+            "run": median_run(runs[label]),
+            "runs": runs[label],
+            "others_cpu_share": share,
+            "cpus": os.cpu_count(),
+            "time": time.time(),
+        }
+        for label, tree in trees.items()
+    }
 
 
 def main() -> None:
@@ -225,8 +286,11 @@ def main() -> None:
     ap.add_argument("--label", default="after", help="name of this measurement: saves startup-<label>.json")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tree", default=str(ROOT), help="the fleetrl checkout to measure (default: this one)")
-    ap.add_argument("--against", metavar="DIR", help="also measure this checkout as `before` (and --tree as `after`), "
-                    "interleaved, and print them side by side")
+    ap.add_argument(
+        "--against",
+        metavar="DIR",
+        help="also measure this checkout as `before` (and --tree as `after`), interleaved, and print them side by side",
+    )
     ap.add_argument("--model", default="models/demo-warm", help="a local model (demo.yaml's, or fleetrl init-model)")
     ap.add_argument("--data", default="data/arith.jsonl", help="prompts (demo.yaml's; fleetrl init-data)")
     args = ap.parse_args()

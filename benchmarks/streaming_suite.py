@@ -50,7 +50,10 @@ class Load:
     def result(self) -> dict:
         wall = time.monotonic() - self.t0
         others = max(0.0, (self.busy() - self.busy0) - (self.own() - self.own0))
-        return {"wall_s": round(wall, 3), "others_cpu_share": round(others / max(wall * (os.cpu_count() or 1), 1e-9), 3)}
+        return {
+            "wall_s": round(wall, 3),
+            "others_cpu_share": round(others / max(wall * (os.cpu_count() or 1), 1e-9), 3),
+        }
 
 
 def workload(engine, args) -> list[Request]:
@@ -93,19 +96,31 @@ def compare(engine, args) -> dict:
     width = args.batch_prompts * args.n
     engine.loop.call(streaming(engine, requests[:width], width))  # warm-up
     out = {}
-    for name, run in (("blocking", blocking), ("streaming", streaming), ("blocking_2", blocking), ("streaming_2", streaming)):
+    for name, run in (
+        ("blocking", blocking),
+        ("streaming", streaming),
+        ("blocking_2", blocking),
+        ("streaming_2", streaming),
+    ):
         load = Load()
         samples = engine.loop.call(run(engine, requests, width))
         figures = load.result()
         lengths = [len(s.token_ids) for s in samples]
-        figures.update(samples_per_s=round(len(samples) / figures["wall_s"], 2), tokens=sum(lengths),
-                       at_max=round(sum(len(s.token_ids) == r.params.max_new_tokens
-                                        for s, r in zip(samples, requests)) / len(samples), 3))
+        figures.update(
+            samples_per_s=round(len(samples) / figures["wall_s"], 2),
+            tokens=sum(lengths),
+            at_max=round(
+                sum(len(s.token_ids) == r.params.max_new_tokens for s, r in zip(samples, requests)) / len(samples), 3
+            ),
+        )
         out[name] = figures
     best = {k: max(out[k]["samples_per_s"], out[f"{k}_2"]["samples_per_s"]) for k in ("blocking", "streaming")}
     out["speedup"] = round(best["streaming"] / best["blocking"], 2)
-    out["lengths"] = {"mean": round(statistics.mean(lengths), 1), "median": statistics.median(lengths),
-                      "max": max(lengths)}
+    out["lengths"] = {
+        "mean": round(statistics.mean(lengths), 1),
+        "median": statistics.median(lengths),
+        "max": max(lengths),
+    }
     return out
 
 
@@ -139,12 +154,17 @@ def inflight_updates(model_dir: str, tmp: Path, args, cfg_rollout: RolloutConfig
                     p.mul_(1.0 + 1e-3)
             rpc0 = engine.rpc_bytes
             t_pub = time.perf_counter()
-            pub.publish(version, version, learner.named_parameters(), lambda info: receivers.on_version(version, info), 1)
+            pub.publish(
+                version, version, learner.named_parameters(), lambda info: receivers.on_version(version, info), 1
+            )
             publish_s.append(time.perf_counter() - t_pub)
             while receivers.pending_version() != version:
                 time.sleep(0.02)
             t0 = time.perf_counter()
-            assert engine.loop.call(engine.swap_weights(lambda: receivers.apply(engine), cfg_rollout.inflight_update)) == version
+            assert (
+                engine.loop.call(engine.swap_weights(lambda: receivers.apply(engine), cfg_rollout.inflight_update))
+                == version
+            )
             pauses.append(1000 * (time.perf_counter() - t0))
             rpc.append(engine.rpc_bytes - rpc0)
     finally:
@@ -154,22 +174,34 @@ def inflight_updates(model_dir: str, tmp: Path, args, cfg_rollout: RolloutConfig
         pub.close()
         engine.close()
     model_bytes = sum(p.numel() * p.element_size() for p in learner.parameters())
-    return {"pause_ms": [round(p, 1) for p in pauses], "pause_ms_median": round(statistics.median(pauses), 1),
-            "pause_ms_max": round(max(pauses), 1), "rpc_bytes_per_update": rpc, "model_bytes": model_bytes,
-            "publish_s_median": round(statistics.median(publish_s), 3), "transport": args.transport, "in_flight": width}
+    return {
+        "pause_ms": [round(p, 1) for p in pauses],
+        "pause_ms_median": round(statistics.median(pauses), 1),
+        "pause_ms_max": round(max(pauses), 1),
+        "rpc_bytes_per_update": rpc,
+        "model_bytes": model_bytes,
+        "publish_s_median": round(statistics.median(publish_s), 3),
+        "transport": args.transport,
+        "in_flight": width,
+    }
 
 
 def run_streaming_suite(args, machine: dict) -> None:
     presets = args.presets or ["tiny32", "small"]
     if "small" not in presets:
         args.skip_long_tail = True
-    results = {"machine": machine, "workload": {k: v for k, v in vars(args).items() if k != "out"}, "engine": args.engine}
+    results = {
+        "machine": machine,
+        "workload": {k: v for k, v in vars(args).items() if k != "out"},
+        "engine": args.engine,
+    }
     cfg_rollout = RolloutConfig(vllm=VllmConfig(enforce_eager=args.device == "cpu", max_model_len=512))
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {p: str(init_model(Path(tmp) / p, preset=p, seed=0)) for p in presets}
         if not args.skip_long_tail:
-            engine = create_engine(args.engine, ModelConfig(path=dirs["small"], dtype=args.dtype), cfg_rollout,
-                                   args.device, 0)
+            engine = create_engine(
+                args.engine, ModelConfig(path=dirs["small"], dtype=args.dtype), cfg_rollout, args.device, 0
+            )
             try:
                 results["long_tail_small"] = compare(engine, args)
             finally:
@@ -179,15 +211,19 @@ def run_streaming_suite(args, machine: dict) -> None:
                 results[f"inflight_update_{p}"] = inflight_updates(dirs[p], Path(tmp) / f"pub-{p}", args, cfg_rollout)
     lt = results.get("long_tail_small")
     if lt:
-        print(f"long tail (small, {args.engine}): blocking {lt['blocking']['samples_per_s']} / {lt['blocking_2']['samples_per_s']}"
-              f" samples/s, streaming {lt['streaming']['samples_per_s']} / {lt['streaming_2']['samples_per_s']}"
-              f" -> {lt['speedup']}x (others' CPU share {lt['streaming']['others_cpu_share']})")
+        print(
+            f"long tail (small, {args.engine}): blocking {lt['blocking']['samples_per_s']} / {lt['blocking_2']['samples_per_s']}"
+            f" samples/s, streaming {lt['streaming']['samples_per_s']} / {lt['streaming_2']['samples_per_s']}"
+            f" -> {lt['speedup']}x (others' CPU share {lt['streaming']['others_cpu_share']})"
+        )
     for p in presets:
         if f"inflight_update_{p}" in results:
             r = results[f"inflight_update_{p}"]
-            print(f"in-flight update ({p}): pause median {r['pause_ms_median']} ms, max {r['pause_ms_max']} ms, "
-                  f"collective_rpc {max(r['rpc_bytes_per_update'])} bytes/update (model {r['model_bytes']} bytes), "
-                  f"{r['transport']} publish {r['publish_s_median']} s")
+            print(
+                f"in-flight update ({p}): pause median {r['pause_ms_median']} ms, max {r['pause_ms_max']} ms, "
+                f"collective_rpc {max(r['rpc_bytes_per_update'])} bytes/update (model {r['model_bytes']} bytes), "
+                f"{r['transport']} publish {r['publish_s_median']} s"
+            )
     out = Path(args.out) if args.out and not args.out.endswith("engine_throughput.json") else RESULTS
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

@@ -43,7 +43,6 @@ import time
 import traceback
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SYSTEMS = ("fleetrl-async", "fleetrl-sync", "trl")
@@ -59,12 +58,29 @@ EVAL_N = 500
 # GRPOConfig fields that match the demo: one optimizer step = 16 prompts x 8 completions, on-policy, no KL.
 TRL_MATCHED = dict(
     per_device_train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,  # TRL counts completions, not prompts
-    gradient_accumulation_steps=1, num_generations=GROUP_SIZE, num_iterations=1,
-    learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-    adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
-    beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",  # no KL; token-mean; group-std advantages
-    max_completion_length=MAX_NEW_TOKENS, temperature=TEMPERATURE, top_p=1.0, top_k=0,
-    use_cpu=True, bf16=False, fp16=False, use_vllm=False, gradient_checkpointing=False,
+    gradient_accumulation_steps=1,
+    num_generations=GROUP_SIZE,
+    num_iterations=1,
+    learning_rate=LR,
+    lr_scheduler_type="constant",
+    warmup_steps=0,
+    weight_decay=0.0,
+    adam_beta1=0.9,
+    adam_beta2=0.999,
+    max_grad_norm=1.0,
+    beta=0.0,
+    epsilon=0.2,
+    loss_type="dapo",
+    scale_rewards="group",  # no KL; token-mean; group-std advantages
+    max_completion_length=MAX_NEW_TOKENS,
+    temperature=TEMPERATURE,
+    top_p=1.0,
+    top_k=0,
+    use_cpu=True,
+    bf16=False,
+    fp16=False,
+    use_vllm=False,
+    gradient_checkpointing=False,
 )
 START_MARGIN_S = 900  # start-up, the step-0 evaluation and shutdown, on top of the training budget
 BUSY_SHARE = 0.10  # others_cpu_share above which a run's timings are flagged as disturbed
@@ -80,7 +96,9 @@ def fleetrl_cli(*args: str, log: Path | None = None, timeout: float | None = Non
     if log is not None:
         log.write_text(proc.stdout + proc.stderr)
     if proc.returncode:
-        raise RuntimeError(f"`fleetrl {' '.join(args)}` failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-2000:]}")
+        raise RuntimeError(
+            f"`fleetrl {' '.join(args)}` failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-2000:]}"
+        )
     lines = proc.stdout.strip().splitlines()
     print(f"  {lines[-1] if lines else f'fleetrl {args[0]}: done'}", flush=True)
 
@@ -95,13 +113,33 @@ def prepare(workdir: Path, target_acc: float) -> dict:
     if not (train.exists() and held_out.exists()):
         fleetrl_cli("init-data", "--task", "arithmetic", "--out", str(train), "--n", "20000", "--eval-n", str(EVAL_N))
     if not (warm / "sft_result.json").exists():
-        fleetrl_cli("sft", "--model", str(model), "--data", str(train), "--eval-data", str(held_out), "--out", str(warm),
-                    "--target-acc", str(target_acc), log=workdir / "logs" / "sft.log")
+        fleetrl_cli(
+            "sft",
+            "--model",
+            str(model),
+            "--data",
+            str(train),
+            "--eval-data",
+            str(held_out),
+            "--out",
+            str(warm),
+            "--target-acc",
+            str(target_acc),
+            log=workdir / "logs" / "sft.log",
+        )
     sft = json.loads((warm / "sft_result.json").read_text())
-    print(f"  warm start {warm}: {sft['steps']} SFT steps, accuracy {sft['accuracy']:.1%} on the SFT's eval slice",
-          flush=True)
-    return {"model": str(model), "warm": str(warm), "train": str(train), "eval": str(held_out),
-            "sft_steps": sft["steps"], "sft_accuracy": sft["accuracy"]}
+    print(
+        f"  warm start {warm}: {sft['steps']} SFT steps, accuracy {sft['accuracy']:.1%} on the SFT's eval slice",
+        flush=True,
+    )
+    return {
+        "model": str(model),
+        "warm": str(warm),
+        "train": str(train),
+        "eval": str(held_out),
+        "sft_steps": sft["steps"],
+        "sft_accuracy": sft["accuracy"],
+    }
 
 
 # ------------------------------------------------------------------------------ children
@@ -145,8 +183,12 @@ class CpuWatch:
         from fleetrl.common.telemetry.cpu import others_cpu_share
 
         wall, busy, own = time.monotonic() - self.t0, self._busy() - self.busy0, self._children_cpu() - self.own0
-        return {"wall_s": wall, "own_cpu_s": own, "machine_busy_cpu_s": busy,
-                "others_cpu_share": others_cpu_share(busy, own, wall)}
+        return {
+            "wall_s": wall,
+            "own_cpu_s": own,
+            "machine_busy_cpu_s": busy,
+            "others_cpu_share": others_cpu_share(busy, own, wall),
+        }
 
 
 def run_child(name: str, argv: list[str], log: Path, timeout_s: float, env: dict | None = None) -> tuple[int, dict]:
@@ -157,8 +199,15 @@ def run_child(name: str, argv: list[str], log: Path, timeout_s: float, env: dict
     """
     with log.open("w") as out:
         watch = CpuWatch()
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                cwd=ROOT, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=ROOT,
+            preexec_fn=_die_with_parent,
+        )
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -192,19 +241,42 @@ def tail(path: Path, lines: int = 30) -> str:
 
 def run_fleetrl(system: str, work: dict, args) -> dict:
     run_dir = Path(args.workdir) / "runs" / f"{system}-{time.strftime('%Y%m%d-%H%M%S')}"
-    overrides = [
-        f"model.path={work['warm']}", f"data.train={work['train']}", f"data.eval={work['eval']}",
-        f"learner.max_minutes={args.minutes}", f"run.eval_interval={args.eval_interval}", f"run.eval_n={EVAL_N}",
-        "checkpoint.interval=0",  # TRL saves nothing either; the final checkpoint is written after the clock stops
-        f"learner.seed={args.seed}",
-    ] + (SYNC_OVERRIDES if system == "fleetrl-sync" else []) + list(args.fleetrl_set)
-    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(ROOT / "configs" / "demo.yaml"),
-            "--run-dir", str(run_dir), "--no-status", *overrides]
+    overrides = (
+        [
+            f"model.path={work['warm']}",
+            f"data.train={work['train']}",
+            f"data.eval={work['eval']}",
+            f"learner.max_minutes={args.minutes}",
+            f"run.eval_interval={args.eval_interval}",
+            f"run.eval_n={EVAL_N}",
+            "checkpoint.interval=0",  # TRL saves nothing either; the final checkpoint is written after the clock stops
+            f"learner.seed={args.seed}",
+        ]
+        + (SYNC_OVERRIDES if system == "fleetrl-sync" else [])
+        + list(args.fleetrl_set)
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "fleetrl.app.cli",
+        "run",
+        "--config",
+        str(ROOT / "configs" / "demo.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--no-status",
+        *overrides,
+    ]
     log = run_dir.with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
     code, cpu = run_child(system, argv, log, 60 * args.minutes + START_MARGIN_S)
-    result = {"command": " ".join(["fleetrl", *argv[3:]]), "run_dir": str(run_dir), "log": str(log), "exit_code": code,
-              "cpu": cpu}
+    result = {
+        "command": " ".join(["fleetrl", *argv[3:]]),
+        "run_dir": str(run_dir),
+        "log": str(log),
+        "exit_code": code,
+        "cpu": cpu,
+    }
     metrics = run_dir / "metrics.jsonl"
     if not metrics.exists():
         return {**result, "status": "failed", "error": f"no metrics.jsonl; `fleetrl run` log ends with:\n{tail(log)}"}
@@ -221,14 +293,22 @@ def curve_from_metrics(rows: list[dict]) -> dict:
     start = next((r for r in rows if r["step"] == 0 and "eval/accuracy" in r), None)
     steps = [r for r in rows if r["step"] > 0 and "batch/samples_total" in r]
     t0 = start["time"] if start else (steps[0]["time"] - steps[0].get("timing/step_total_s", 0.0) if steps else 0.0)
-    curve = [{"time_s": r["time"] - t0, "step": r["step"], "accuracy": r["eval/accuracy"]}
-             for r in rows if "eval/accuracy" in r]
+    curve = [
+        {"time_s": r["time"] - t0, "step": r["step"], "accuracy": r["eval/accuracy"]}
+        for r in rows
+        if "eval/accuracy" in r
+    ]
     last = steps[-1] if steps else {"time": t0, "step": 0, "batch/samples_total": 0.0}
     return {
-        "steps": last["step"], "samples": int(last["batch/samples_total"]), "wall_s": last["time"] - t0,
-        "eval_s": sum(r.get("timing/eval_s", 0.0) for r in steps), "curve": curve,
+        "steps": last["step"],
+        "samples": int(last["batch/samples_total"]),
+        "wall_s": last["time"] - t0,
+        "eval_s": sum(r.get("timing/eval_s", 0.0) for r in steps),
+        "curve": curve,
         "progress": thin([{"time_s": r["time"] - t0, "samples": int(r["batch/samples_total"])} for r in steps]),
-        "reward_mean": thin([{"time_s": r["time"] - t0, "reward": r["reward/mean"]} for r in steps if "reward/mean" in r]),
+        "reward_mean": thin(
+            [{"time_s": r["time"] - t0, "reward": r["reward/mean"]} for r in steps if "reward/mean" in r]
+        ),
     }
 
 
@@ -263,7 +343,9 @@ def demo_accuracy(model, tokenizer, rows: list[dict]) -> float:
     from fleetrl.rollout.eval import evaluate_model
 
     cfg = load_config(ROOT / "configs" / "demo.yaml", [])
-    assert cfg.rollout.max_new_tokens == MAX_NEW_TOKENS, "configs/demo.yaml and this benchmark disagree on max_new_tokens"
+    assert cfg.rollout.max_new_tokens == MAX_NEW_TOKENS, (
+        "configs/demo.yaml and this benchmark disagree on max_new_tokens"
+    )
     return evaluate_model(model, tokenizer, rows, cfg, batch_size=256)["eval/accuracy"]
 
 
@@ -272,19 +354,42 @@ def demo_accuracy(model, tokenizer, rows: list[dict]) -> float:
 
 def run_trl_child(work: dict, args) -> dict:
     if importlib.util.find_spec("trl") is None:
-        return {"status": "skipped", "error": "TRL is not installed; `pip install -e '.[dev]'` brings the pinned version"}
+        return {
+            "status": "skipped",
+            "error": "TRL is not installed; `pip install -e '.[dev]'` brings the pinned version",
+        }
     out = Path(args.workdir) / "runs" / f"trl-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, __file__, "--role", "trl", "--workdir", str(args.workdir), "--minutes", str(args.minutes),
-            "--eval-interval", str(args.eval_interval), "--seed", str(args.seed), "--trl-out", str(out),
-            "--trl-threads", str(args.trl_threads)]
+    argv = [
+        sys.executable,
+        __file__,
+        "--role",
+        "trl",
+        "--workdir",
+        str(args.workdir),
+        "--minutes",
+        str(args.minutes),
+        "--eval-interval",
+        str(args.eval_interval),
+        "--seed",
+        str(args.seed),
+        "--trl-out",
+        str(out),
+        "--trl-threads",
+        str(args.trl_threads),
+    ]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     log = out.with_suffix(".log")
     code, cpu = run_child("trl", argv, log, 60 * args.minutes + START_MARGIN_S, env)
     result_file = out / "result.json"
     if not result_file.exists():
-        return {"status": "failed", "exit_code": code, "log": str(log), "cpu": cpu,
-                "error": f"the TRL run wrote no result (exit code {code}); its log ends with:\n{tail(log)}"}
+        return {
+            "status": "failed",
+            "exit_code": code,
+            "log": str(log),
+            "cpu": cpu,
+            "error": f"the TRL run wrote no result (exit code {code}); its log ends with:\n{tail(log)}",
+        }
     return {**json.loads(result_file.read_text()), "exit_code": code, "log": str(log), "cpu": cpu}
 
 
@@ -292,9 +397,18 @@ def trl_config(out: Path, seed: int):
     """GRPOConfig matching configs/demo.yaml (TRL_MATCHED), stopped by the wall-time callback."""
     from trl import GRPOConfig
 
-    return GRPOConfig(output_dir=str(out), seed=seed, **TRL_MATCHED, max_steps=1_000_000, logging_steps=1,
-                      report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
-                      log_completions=False)
+    return GRPOConfig(
+        output_dir=str(out),
+        seed=seed,
+        **TRL_MATCHED,
+        max_steps=1_000_000,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        log_completions=False,
+    )
 
 
 def make_budget_callback(seconds: float, eval_every: int, samples_per_step: int, tokenizer, rows: list, log_path: Path):
@@ -325,8 +439,11 @@ def make_budget_callback(seconds: float, eval_every: int, samples_per_step: int,
                 self.reward.append({"time_s": time.monotonic() - self.t0, "reward": float(logs["reward"])})
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
-            self.last = {"step": state.global_step, "time_s": time.monotonic() - self.t0,
-                         "samples": state.global_step * samples_per_step}
+            self.last = {
+                "step": state.global_step,
+                "time_s": time.monotonic() - self.t0,
+                "samples": state.global_step * samples_per_step,
+            }
             if state.global_step % eval_every == 0:
                 self._eval(model, state.global_step)
                 self.last["time_s"] = time.monotonic() - self.t0
@@ -368,7 +485,10 @@ def trl_train(workdir: Path, out: Path, args) -> dict:
     from fleetrl.learner.sft import read_rows
 
     warm = workdir / "models" / "demo-warm"
-    train_rows, eval_rows = read_rows(workdir / "data" / "arith.jsonl"), read_rows(workdir / "data" / "arith.eval.jsonl")
+    train_rows, eval_rows = (
+        read_rows(workdir / "data" / "arith.jsonl"),
+        read_rows(workdir / "data" / "arith.eval.jsonl"),
+    )
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": str(r["answer"])} for r in train_rows])
 
     def exact(completions, answer, **_):
@@ -380,17 +500,36 @@ def trl_train(workdir: Path, out: Path, args) -> dict:
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(warm)
-    eval_tokenizer = AutoTokenizer.from_pretrained(warm)  # the evaluator's engine sets padding_side; keep TRL's untouched
-    budget = make_budget_callback(60 * args.minutes, args.eval_interval, PROMPTS_PER_STEP * GROUP_SIZE,
-                                  eval_tokenizer, eval_rows[:EVAL_N], out / "curve.jsonl")
-    trainer = GRPOTrainer(model=model, reward_funcs=exact, args=trl_config(out, args.seed), train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[budget])
+    eval_tokenizer = AutoTokenizer.from_pretrained(
+        warm
+    )  # the evaluator's engine sets padding_side; keep TRL's untouched
+    budget = make_budget_callback(
+        60 * args.minutes,
+        args.eval_interval,
+        PROMPTS_PER_STEP * GROUP_SIZE,
+        eval_tokenizer,
+        eval_rows[:EVAL_N],
+        out / "curve.jsonl",
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=exact,
+        args=trl_config(out, args.seed),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[budget],
+    )
     trainer.train()
     last = budget.last
     return {
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__},
-        "torch_threads": torch.get_num_threads(), "steps": last["step"], "samples": last["samples"],
-        "wall_s": last["time_s"], "eval_s": budget.eval_s, "curve": budget.rows, "reward_mean": thin(budget.reward),
+        "torch_threads": torch.get_num_threads(),
+        "steps": last["step"],
+        "samples": last["samples"],
+        "wall_s": last["time_s"],
+        "eval_s": budget.eval_s,
+        "curve": budget.rows,
+        "reward_mean": thin(budget.reward),
         "progress": thin([{"time_s": p["time_s"], "samples": p["samples"]} for p in budget.progress]),
         "final_weights_accuracy": demo_accuracy(trainer.model, eval_tokenizer, eval_rows[:EVAL_N]),
         "command": "GRPOTrainer(GRPOConfig(" + ", ".join(f"{k}={v!r}" for k, v in TRL_MATCHED.items()) + "))",
@@ -409,12 +548,18 @@ def summarize(name: str, r: dict, budget_s: float) -> dict:
     if not accs:
         return {"system": name, "status": "failed", "error": "no held-out evaluation was logged"}
     return {
-        "system": name, "status": "ok", "steps": r["steps"], "samples": r["samples"], "wall_s": r["wall_s"],
+        "system": name,
+        "status": "ok",
+        "steps": r["steps"],
+        "samples": r["samples"],
+        "wall_s": r["wall_s"],
         "samples_per_s": r["samples"] / max(r["wall_s"], 1e-9),
         "samples_per_s_excl_eval": r["samples"] / max(r["wall_s"] - r["eval_s"], 1e-9),
         "start_accuracy": curve[0]["accuracy"] if curve and curve[0]["step"] == 0 else None,
-        "final_accuracy": sum(accs[-2:]) / len(accs[-2:]), "best_accuracy": max(accs),
-        "mean_accuracy_over_budget": mean_over_time(curve, budget_s), "evals": len(curve),
+        "final_accuracy": sum(accs[-2:]) / len(accs[-2:]),
+        "best_accuracy": max(accs),
+        "mean_accuracy_over_budget": mean_over_time(curve, budget_s),
+        "evals": len(curve),
         "final_weights_accuracy": r.get("final_weights_accuracy"),
         "others_cpu_share": r.get("cpu", {}).get("others_cpu_share"),
     }
@@ -448,33 +593,43 @@ def targets(table: dict[str, dict]) -> dict:
 
 
 def print_table(table: dict[str, dict]) -> None:
-    head = (f"{'system':<14} {'steps':>6} {'samples':>8} {'wall s':>7} {'samples/s':>10} {'excl eval':>10} "
-            f"{'start acc':>9} {'final acc':>9} {'mean acc':>9} {'end acc':>8} {'others':>7}")
+    head = (
+        f"{'system':<14} {'steps':>6} {'samples':>8} {'wall s':>7} {'samples/s':>10} {'excl eval':>10} "
+        f"{'start acc':>9} {'final acc':>9} {'mean acc':>9} {'end acc':>8} {'others':>7}"
+    )
     print(head + "\n" + "-" * len(head))
     pct = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
     for name, s in table.items():
         if s["status"] != "ok":
             print(f"{name:<14} {s['status'].upper()}")
             continue
-        print(f"{name:<14} {s['steps']:>6} {s['samples']:>8} {s['wall_s']:>7.0f} {s['samples_per_s']:>10.1f} "
-              f"{s['samples_per_s_excl_eval']:>10.1f} {pct(s['start_accuracy']):>9} {pct(s['final_accuracy']):>9} "
-              f"{pct(s['mean_accuracy_over_budget']):>9} {pct(s['final_weights_accuracy']):>8} "
-              f"{pct(s['others_cpu_share']):>7}")
-    print("final acc = mean of the last two evaluations; mean acc = time-average of the curve over the budget;\n"
-          "end acc = the final weights, evaluated after the clock stopped; excl eval = samples / (wall - eval time);\n"
-          "others = share of the machine's CPU that other processes used during the run (should be ~0%)")
+        print(
+            f"{name:<14} {s['steps']:>6} {s['samples']:>8} {s['wall_s']:>7.0f} {s['samples_per_s']:>10.1f} "
+            f"{s['samples_per_s_excl_eval']:>10.1f} {pct(s['start_accuracy']):>9} {pct(s['final_accuracy']):>9} "
+            f"{pct(s['mean_accuracy_over_budget']):>9} {pct(s['final_weights_accuracy']):>8} "
+            f"{pct(s['others_cpu_share']):>7}"
+        )
+    print(
+        "final acc = mean of the last two evaluations; mean acc = time-average of the curve over the budget;\n"
+        "end acc = the final weights, evaluated after the clock stopped; excl eval = samples / (wall - eval time);\n"
+        "others = share of the machine's CPU that other processes used during the run (should be ~0%)"
+    )
     busy = [n for n, s in table.items() if (s.get("others_cpu_share") or 0) > BUSY_SHARE]
     if busy:
-        print(f"WARNING: other processes used more than {BUSY_SHARE:.0%} of the CPU during {', '.join(busy)}; "
-              "these timings are not comparable. Rerun on a quiet machine.")
+        print(
+            f"WARNING: other processes used more than {BUSY_SHARE:.0%} of the CPU during {', '.join(busy)}; "
+            "these timings are not comparable. Rerun on a quiet machine."
+        )
 
 
 def plot_title(report: dict) -> str:
     title = f"demo task, same warm start, {report['minutes_per_system']:g} min each, {report['machine']}"
     shares = [s["others_cpu_share"] for s in report["summary"].values() if s.get("others_cpu_share") is not None]
     if shares and max(shares) > BUSY_SHARE:
-        title += (f"\nTIMINGS NOT COMPARABLE: other processes used up to {max(shares):.0%} of the CPU "
-                  "during these runs; rerun on a quiet machine")
+        title += (
+            f"\nTIMINGS NOT COMPARABLE: other processes used up to {max(shares):.0%} of the CPU "
+            "during these runs; rerun on a quiet machine"
+        )
     return title
 
 
@@ -491,14 +646,28 @@ def plot(results: dict[str, dict], budget_s: float, path: Path, title: str) -> N
             continue
         curve = r["curve"]
         rate = r["samples"] / max(r["wall_s"], 1e-9)
-        ax_acc.plot([p["time_s"] for p in curve], [100 * p["accuracy"] for p in curve], marker="o", ms=3,
-                    color=colors.get(name), label=f"{name} ({rate:.0f} samples/s)")
+        ax_acc.plot(
+            [p["time_s"] for p in curve],
+            [100 * p["accuracy"] for p in curve],
+            marker="o",
+            ms=3,
+            color=colors.get(name),
+            label=f"{name} ({rate:.0f} samples/s)",
+        )
         progress = [{"time_s": 0.0, "samples": 0}] + r.get("progress", [])
         ax_n.plot([p["time_s"] for p in progress], [p["samples"] for p in progress], color=colors.get(name), label=name)
-    ax_acc.set(xlabel="training wall time (s)", ylabel="held-out greedy accuracy (%)", xlim=(0, budget_s * 1.02),
-               title="accuracy over time (500 held-out problems)")
-    ax_n.set(xlabel="training wall time (s)", ylabel="completions generated and trained", xlim=(0, budget_s * 1.02),
-             title="samples")
+    ax_acc.set(
+        xlabel="training wall time (s)",
+        ylabel="held-out greedy accuracy (%)",
+        xlim=(0, budget_s * 1.02),
+        title="accuracy over time (500 held-out problems)",
+    )
+    ax_n.set(
+        xlabel="training wall time (s)",
+        ylabel="completions generated and trained",
+        xlim=(0, budget_s * 1.02),
+        title="samples",
+    )
     for ax in (ax_acc, ax_n):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -523,8 +692,11 @@ def run_system(name: str, work: dict, args) -> dict:
         result = {"status": "failed", "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"}
     result["elapsed_total_s"] = time.monotonic() - t
     if result.get("status") == "ok":
-        print(f"[{name}] {result['steps']} steps, {result['samples']} samples in {result['wall_s']:.0f} s "
-              f"({result['samples'] / max(result['wall_s'], 1e-9):.1f} samples/s)", flush=True)
+        print(
+            f"[{name}] {result['steps']} steps, {result['samples']} samples in {result['wall_s']:.0f} s "
+            f"({result['samples'] / max(result['wall_s'], 1e-9):.1f} samples/s)",
+            flush=True,
+        )
     else:
         print(f"[{name}] {result.get('status', 'failed').upper()}: {result.get('error', '')}", flush=True)
     return result
@@ -533,16 +705,28 @@ def run_system(name: str, work: dict, args) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=5.0, help="training wall time per system")
-    ap.add_argument("--workdir", help="model, data, warm start and run directories (reused when present; "
-                    "default: a new temporary directory, kept)")
+    ap.add_argument(
+        "--workdir",
+        help="model, data, warm start and run directories (reused when present; "
+        "default: a new temporary directory, kept)",
+    )
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
     ap.add_argument("--eval-interval", type=int, default=20, help="optimizer steps between evaluations (demo: 20)")
     ap.add_argument("--target-acc", type=float, default=0.25, help="warm-start accuracy (`fleetrl sft --target-acc`)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fleetrl-set", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra config override for both fleetrl runs, e.g. run.learner_threads=2 (repeatable)")
-    ap.add_argument("--trl-threads", type=int, default=0,
-                    help="torch threads of the TRL process (0 = torch's default: every core, as a user would run it)")
+    ap.add_argument(
+        "--fleetrl-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override for both fleetrl runs, e.g. run.learner_threads=2 (repeatable)",
+    )
+    ap.add_argument(
+        "--trl-threads",
+        type=int,
+        default=0,
+        help="torch threads of the TRL process (0 = torch's default: every core, as a user would run it)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "vs_trl.json"), help="JSON results; the PNG goes next to it")
     ap.add_argument("--role", default="driver", choices=["driver", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--trl-out", help=argparse.SUPPRESS)
@@ -561,8 +745,10 @@ def main() -> int:
         work = prepare(Path(args.workdir), args.target_acc)
         results = {name: run_system(name, work, args) for name in systems}
     except KeyboardInterrupt:
-        print(f"interrupted: the running system was stopped; nothing saved (runs are under {args.workdir})",
-              file=sys.stderr)
+        print(
+            f"interrupted: the running system was stopped; nothing saved (runs are under {args.workdir})",
+            file=sys.stderr,
+        )
         return 130
 
     budget_s = 60 * args.minutes
@@ -570,14 +756,26 @@ def main() -> int:
     report = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         "command": " ".join(["python", "benchmarks/vs_trl.py", *sys.argv[1:]]),
-        "minutes_per_system": args.minutes, "eval_interval_steps": args.eval_interval, "eval_n": EVAL_N,
-        "settings": {"group_size": GROUP_SIZE, "prompts_per_step": PROMPTS_PER_STEP, "lr": LR,
-                     "max_new_tokens": MAX_NEW_TOKENS, "temperature": TEMPERATURE, "kl": "none",
-                     "fleetrl_sync_overrides": SYNC_OVERRIDES, "fleetrl_extra_overrides": args.fleetrl_set,
-                     "trl_threads": args.trl_threads or "torch default",
-                     "trl": TRL_MATCHED,
-                     "eval_time": "included in the wall-time budget for every system"},
-        "workdir": work, "summary": table, "targets": targets(table), "runs": results,
+        "minutes_per_system": args.minutes,
+        "eval_interval_steps": args.eval_interval,
+        "eval_n": EVAL_N,
+        "settings": {
+            "group_size": GROUP_SIZE,
+            "prompts_per_step": PROMPTS_PER_STEP,
+            "lr": LR,
+            "max_new_tokens": MAX_NEW_TOKENS,
+            "temperature": TEMPERATURE,
+            "kl": "none",
+            "fleetrl_sync_overrides": SYNC_OVERRIDES,
+            "fleetrl_extra_overrides": args.fleetrl_set,
+            "trl_threads": args.trl_threads or "torch default",
+            "trl": TRL_MATCHED,
+            "eval_time": "included in the wall-time budget for every system",
+        },
+        "workdir": work,
+        "summary": table,
+        "targets": targets(table),
+        "runs": results,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -587,10 +785,12 @@ def main() -> int:
     print()
     print_table(table)
     for name, t in report["targets"].items():
-        print(f"{name}: {'' if t['timings_comparable'] else '[NOT COMPARABLE: machine busy] '}"
-              f"{t['samples_per_s_over_trl']:.2f}x TRL's samples/s (target >= 2x: "
-              f"{'met' if t['meets_2x_samples_per_s'] else 'NOT met'}); higher final accuracy: "
-              f"{t['higher_final_accuracy']}; higher mean accuracy over time: {t['higher_mean_accuracy_over_budget']}")
+        print(
+            f"{name}: {'' if t['timings_comparable'] else '[NOT COMPARABLE: machine busy] '}"
+            f"{t['samples_per_s_over_trl']:.2f}x TRL's samples/s (target >= 2x: "
+            f"{'met' if t['meets_2x_samples_per_s'] else 'NOT met'}); higher final accuracy: "
+            f"{t['higher_final_accuracy']}; higher mean accuracy over time: {t['higher_mean_accuracy_over_budget']}"
+        )
     print(f"saved {out} and {png}")
     return 0 if all(s["status"] == "ok" for s in table.values()) else 1
 

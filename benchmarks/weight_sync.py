@@ -146,9 +146,12 @@ def main() -> None:
                 row = run_config(bucket_mb, params, kids, args.rounds, version, Path(run_dir))
                 version += args.rounds + 1
                 results.append(row)
-                print(f"bucket_mb={row['bucket_mb']:>6g}  buckets={row['buckets']:>4}  {row['mb']:.0f} MB -> "
-                      f"{args.receivers} receivers: broadcast {row['mb_per_s']:7.1f} MB/s, whole round "
-                      f"{row['round_mb_per_s']:7.1f} MB/s", flush=True)
+                print(
+                    f"bucket_mb={row['bucket_mb']:>6g}  buckets={row['buckets']:>4}  {row['mb']:.0f} MB -> "
+                    f"{args.receivers} receivers: broadcast {row['mb_per_s']:7.1f} MB/s, whole round "
+                    f"{row['round_mb_per_s']:7.1f} MB/s",
+                    flush=True,
+                )
     finally:
         for (cmd_q, _), _proc in zip(kids, procs):
             cmd_q.put("stop")
@@ -158,11 +161,21 @@ def main() -> None:
                 proc.kill()
                 proc.join()
     out = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "load_avg_1m": round(os.getloadavg()[0], 2), "torch": torch.__version__,
-                    "python": platform.python_version()},
-        "workload": {"mb": args.mb, "tensors": args.tensors, "receivers": args.receivers, "rounds": args.rounds,
-                     "transport": "gloo", "host": "127.0.0.1"},
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "workload": {
+            "mb": args.mb,
+            "tensors": args.tensors,
+            "receivers": args.receivers,
+            "rounds": args.rounds,
+            "transport": "gloo",
+            "host": "127.0.0.1",
+        },
         "results": results,
     }
     if len(results) >= 2:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Callable, cast
+from collections.abc import Callable
+from typing import cast
 
 import zmq
 
@@ -22,8 +23,9 @@ MAX_BATCH = 512
 class LoopSocket:
     """A plain ``zmq.Socket`` whose incoming frames are delivered in batches to ``on_batch``."""
 
-    def __init__(self, sock: zmq.Socket, on_batch: Callable[[list[list]], None], max_batch: int = MAX_BATCH,
-                 copy: bool = True):
+    def __init__(
+        self, sock: zmq.Socket, on_batch: Callable[[list[list]], None], max_batch: int = MAX_BATCH, copy: bool = True
+    ):
         """``copy=False`` delivers ``zmq.Frame`` objects: read them through ``.buffer`` without a copy."""
         self.sock, self.on_batch, self.max_batch, self.copy = sock, on_batch, max_batch, copy
         self.loop = asyncio.get_running_loop()

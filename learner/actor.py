@@ -40,14 +40,15 @@ from fleetrl.learner.algorithms import (
 from fleetrl.learner.algorithms.kl import KL_ESTIMATORS, kl_loss
 from fleetrl.learner.algorithms.off_policy import mismatch_sums
 from fleetrl.learner.batch import MicroBatch, RolloutBatch, pack_groups
+from fleetrl.learner.metrics import diversity_metrics, sample_metrics
 from fleetrl.learner.source import Leased
 from fleetrl.learner.update import Piece, accumulate_and_step, forward_passes, reduce_updates, response_logprobs
-from fleetrl.learner.metrics import diversity_metrics, sample_metrics
 
 
 class PolicyActor:
-    def __init__(self, engine, ref_model, cfg: JobConfig, device: torch.device, generator: torch.Generator,
-                 critic=None):
+    def __init__(
+        self, engine, ref_model, cfg: JobConfig, device: torch.device, generator: torch.Generator, critic=None
+    ):
         self.engine, self.ref, self.cfg, self.device, self.gen = engine, ref_model, cfg, device, generator
         self.critic = critic  # learner/critic.py, with adv_estimator: gae
         alg: RlAlgorithm = cfg.algorithm  # type: ignore[assignment]
@@ -66,8 +67,13 @@ class PolicyActor:
         """Pack the leased groups once, taking samples in an order drawn from the learner's generator."""
         n = sum(g.num_responses for g in leased.groups)
         order = torch.randperm(n, generator=self.gen)
-        return pack_groups(leased.groups, self.cfg.learner.max_tokens_per_microbatch, self.device, order,
-                           min_micro=self.cfg.learner.mini_batches)
+        return pack_groups(
+            leased.groups,
+            self.cfg.learner.max_tokens_per_microbatch,
+            self.device,
+            order,
+            min_micro=self.cfg.learner.mini_batches,
+        )
 
     def needs_old_pass(self) -> bool:
         """Recompute pi_old before updating only when the weights change within the step or KL shapes rewards."""
@@ -86,7 +92,9 @@ class PolicyActor:
         rewards = batch.rewards.clone()
         if self.alg.overlong.enabled:
             ol = self.alg.overlong
-            rewards = rewards + overlong_penalty(batch.lengths, self.cfg.rollout.max_new_tokens, ol.buffer_len, ol.penalty)
+            rewards = rewards + overlong_penalty(
+                batch.lengths, self.cfg.rollout.max_new_tokens, ol.buffer_len, ol.penalty
+            )
         tok = torch.zeros_like(batch.mask)
         has = (batch.last >= 0).nonzero().squeeze(-1)
         tok[has, batch.last[has]] = rewards[has]
@@ -109,15 +117,18 @@ class PolicyActor:
             self.critic.fill_values(batch)  # by the current critic
         t_fwd = time.perf_counter()
         values = batch.gather("values") if self.critic is not None else None
-        adv, returns = self.adv_fn(self.token_rewards(batch), batch.mask, batch.group_index, values, self.alg,
-                                   baselines_B=batch.baselines)
+        adv, returns = self.adv_fn(
+            self.token_rewards(batch), batch.mask, batch.group_index, values, self.alg, baselines_B=batch.baselines
+        )
         batch.scatter("adv", adv)
         batch.scatter("returns", returns)
         train_policy = self.critic is None or not self.critic.warming_up  # critic.warmup_steps: critic only
         metrics: dict[str, list[float]] = defaultdict(list)
         mismatch = MismatchMeter(version if pristine else None, self.device)
         for epoch in range(self.cfg.learner.ppo_epochs):
-            order = torch.arange(len(batch.micro)) if epoch == 0 else torch.randperm(len(batch.micro), generator=self.gen)
+            order = (
+                torch.arange(len(batch.micro)) if epoch == 0 else torch.randperm(len(batch.micro), generator=self.gen)
+            )
             for chunk in torch.tensor_split(order, min(self.cfg.learner.mini_batches, len(batch.micro))):
                 items = [batch.micro[i] for i in chunk.tolist()]
                 updates = self._update(items, mismatch if epoch == 0 else None) if train_policy else {}
@@ -138,7 +149,7 @@ class PolicyActor:
             out["actor/kl_coef"] = self.kl_ctl.value
         return out
 
-    def _update(self, items: list[MicroBatch], mismatch: "MismatchMeter | None" = None) -> dict[str, float]:
+    def _update(self, items: list[MicroBatch], mismatch: MismatchMeter | None = None) -> dict[str, float]:
         """One optimizer update on ``items``: every loss term divides by the step's global count (tokens for
         ``token-mean``, non-empty sequences for the ``seq-mean-*`` modes) over these micro-batches and every
         rank's, summed by one all-reduce before the backward passes; the backward multiplies by the world
@@ -153,17 +164,23 @@ class PolicyActor:
         world = float(tdist.get_world_size()) if tdist.is_initialized() else 1.0  # DeepSpeed averages over ranks
 
         def loss_fn(mb: MicroBatch) -> Piece:
-            logp, entropy = response_logprobs(self.engine, mb, self.temperature,
-                                              entropy=True if alg.entropy_coef > 0 else "metric")
+            logp, entropy = response_logprobs(
+                self.engine, mb, self.temperature, entropy=True if alg.entropy_coef > 0 else "metric"
+            )
             old = mb.old_logp if mb.old_logp is not None else logp.detach()
             if mismatch is not None:  # old: the weights as published (recomputed before the step, or no update yet)
                 mismatch.add(old, mb)
-            out = self.loss_fn(LossInputs(logp=logp, old_logp=old, behav_logp=mb.behav_logp, adv=mb.adv, mask=mb.mask,
-                                          agg_denom=denom), alg)
+            out = self.loss_fn(
+                LossInputs(
+                    logp=logp, old_logp=old, behav_logp=mb.behav_logp, adv=mb.adv, mask=mb.mask, agg_denom=denom
+                ),
+                alg,
+            )
             loss, extra = out.loss, {}
             if self.kl_on:
-                kl_term, kl = kl_loss(logp, mb.ref_logp, mb.mask, alg.kl.estimator, alg.loss_agg, alg.loss_agg_norm_len,
-                                      denom)
+                kl_term, kl = kl_loss(
+                    logp, mb.ref_logp, mb.mask, alg.kl.estimator, alg.loss_agg, alg.loss_agg_norm_len, denom
+                )
                 extra["actor/kl"] = float(masked_mean(kl.detach(), mb.mask))
                 if alg.kl.placement == "loss":
                     loss = loss + self.kl_ctl.value * kl_term
@@ -233,8 +250,9 @@ class MismatchMeter:
         self.count += n.double()
 
     def metrics(self, num_tokens: int) -> dict[str, float]:
-        t = torch.stack([self.kl_sum, self.count, torch.tensor(float(num_tokens), dtype=torch.float64,
-                                                                device=self.device)])
+        t = torch.stack(
+            [self.kl_sum, self.count, torch.tensor(float(num_tokens), dtype=torch.float64, device=self.device)]
+        )
         if tdist.is_initialized() and tdist.get_world_size() > 1:  # every rank calls step(): collective-safe
             tdist.all_reduce(t)
         kl_sum, count, total = t.tolist()

@@ -24,8 +24,8 @@ read the mask.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -157,8 +157,17 @@ def _to_micro(samples: list[_Sample], ids: list[int], device: torch.device, pad_
         if s.versions is not None:
             versions[row, :n] = s.versions
     put = lambda a: torch.from_numpy(a).to(device, non_blocking=True)  # noqa: E731
-    return MicroBatch(torch.tensor(ids, dtype=torch.int64), put(input_ids), put(attention), put(logit_pos),
-                      put(targets), put(mask), put(behav), T, token_versions=put(versions))
+    return MicroBatch(
+        torch.tensor(ids, dtype=torch.int64),
+        put(input_ids),
+        put(attention),
+        put(logit_pos),
+        put(targets),
+        put(mask),
+        put(behav),
+        T,
+        token_versions=put(versions),
+    )
 
 
 def _samples_of(groups: list[SampleGroup]) -> tuple[list[_Sample], dict[str, list]]:
@@ -182,8 +191,13 @@ def _samples_of(groups: list[SampleGroup]) -> tuple[list[_Sample], dict[str, lis
     return samples, cols
 
 
-def pack_groups(groups: list[SampleGroup], max_tokens: int, device: torch.device,
-                order: torch.Tensor | None = None, min_micro: int = 1) -> RolloutBatch:
+def pack_groups(
+    groups: list[SampleGroup],
+    max_tokens: int,
+    device: torch.device,
+    order: torch.Tensor | None = None,
+    min_micro: int = 1,
+) -> RolloutBatch:
     """The one planning step of a learner step: leased groups -> micro-batches on ``device``.
 
     ``order``: the permutation samples are taken in before the stable sort by length (the learner
@@ -197,7 +211,7 @@ def pack_groups(groups: list[SampleGroup], max_tokens: int, device: torch.device
     runs = plan_micro_batches(totals, order_, max_tokens)
     while len(runs) < min(min_micro, B):  # one micro-batch per mini-batch at least: split the largest run
         k = max(range(len(runs)), key=lambda j: len(runs[j]))
-        runs[k:k + 1] = [runs[k][: len(runs[k]) // 2], runs[k][len(runs[k]) // 2 :]]
+        runs[k : k + 1] = [runs[k][: len(runs[k]) // 2], runs[k][len(runs[k]) // 2 :]]
     micro = [_to_micro(samples, run, device) for run in runs]
     T = max(1, max((len(s.response) for s in samples), default=1))
     mask_np = np.zeros((B, T), dtype=np.float32)
@@ -209,12 +223,18 @@ def pack_groups(groups: list[SampleGroup], max_tokens: int, device: torch.device
     last = torch.where(has, T - 1 - torch.flip(mask, dims=[1]).argmax(-1), -1)
     baselines = torch.tensor(cols["baselines"], dtype=torch.float32)
     return RolloutBatch(
-        micro, mask.to(device), torch.tensor(cols["rewards"], dtype=torch.float32).to(device),
+        micro,
+        mask.to(device),
+        torch.tensor(cols["rewards"], dtype=torch.float32).to(device),
         torch.tensor(cols["group_index"], dtype=torch.int64).to(device),
-        torch.tensor(cols["versions"], dtype=torch.int64).to(device), lengths.to(device), last.to(device),
+        torch.tensor(cols["versions"], dtype=torch.int64).to(device),
+        lengths.to(device),
+        last.to(device),
         torch.tensor(cols["truncated"], dtype=torch.bool).to(device),
         None if torch.isnan(baselines).all() else baselines.to(device),
-        [g.group_id for g in groups], [g.trace for g in groups])
+        [g.group_id for g in groups],
+        [g.trace for g in groups],
+    )
 
 
 # ------------------------------------------------------------------------------ preference pairs
@@ -276,14 +296,22 @@ def pair_chunks(lengths: Sequence[int], n_pairs: int, max_tokens: int) -> list[l
     return runs
 
 
-def pack_pairs(pairs: Sequence[tuple[Sequence[int], ...]], max_tokens: int, device: torch.device,
-               **fields) -> PreferenceBatch:
+def pack_pairs(
+    pairs: Sequence[tuple[Sequence[int], ...]], max_tokens: int, device: torch.device, **fields
+) -> PreferenceBatch:
     """``(prompt ids, chosen ids, rejected ids)`` pairs -> chunks of whole pairs on ``device``. A fourth
     element, when given, is the rejected response's own prompt (a group with per-sample prompts)."""
     P = len(pairs)
     sides = [(x[0], x[1]) for x in pairs] + [(x[3] if len(x) > 3 else x[0], x[2]) for x in pairs]
-    samples = [_Sample(np.asarray(p, dtype=np.int64), np.asarray(r, dtype=np.int64), np.ones(len(r), np.float32),
-                       np.zeros(len(r), np.float32)) for p, r in sides]
+    samples = [
+        _Sample(
+            np.asarray(p, dtype=np.int64),
+            np.asarray(r, dtype=np.int64),
+            np.ones(len(r), np.float32),
+            np.zeros(len(r), np.float32),
+        )
+        for p, r in sides
+    ]
     totals = [s.total for s in samples]
     chunks = []
     for run in pair_chunks(totals, P, max_tokens):

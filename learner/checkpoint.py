@@ -21,8 +21,9 @@ import logging
 import random
 import shutil
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,12 +79,21 @@ class Checkpointer:
             return self.newest()
         path = Path(resume)
         if not (path / "meta.json").exists():
-            raise FileNotFoundError(f"checkpoint.resume={resume!r} is not a complete checkpoint (no meta.json); "
-                                    f"use `auto` or one of {[p.name for p in self.complete()][-3:]}")
+            raise FileNotFoundError(
+                f"checkpoint.resume={resume!r} is not a complete checkpoint (no meta.json); "
+                f"use `auto` or one of {[p.name for p in self.complete()][-3:]}"
+            )
         return path
 
-    def save(self, engine, step: int, client_state: dict[str, Any], meta: dict[str, Any],
-             export: Callable[[Path], None] | None = None, extra: Callable[[Path], None] | None = None) -> Path:
+    def save(
+        self,
+        engine,
+        step: int,
+        client_state: dict[str, Any],
+        meta: dict[str, Any],
+        export: Callable[[Path], None] | None = None,
+        extra: Callable[[Path], None] | None = None,
+    ) -> Path:
         """Collective: every rank calls it. Rank 0 writes the export and meta.json, then prunes.
 
         ``extra(path)`` saves more state into the checkpoint directory before meta.json (the critic).
@@ -91,8 +101,13 @@ class Checkpointer:
         """
         tag = tag_of(step)
         t0 = time.perf_counter()
-        engine.save_checkpoint(str(self.dir), tag=tag, client_state=client_state, save_latest=False,
-                               exclude_frozen_parameters=self.cfg.model.lora is not None)
+        engine.save_checkpoint(
+            str(self.dir),
+            tag=tag,
+            client_state=client_state,
+            save_latest=False,
+            exclude_frozen_parameters=self.cfg.model.lora is not None,
+        )
         path = self.dir / tag
         if extra is not None:
             extra(path)
@@ -128,16 +143,21 @@ class Checkpointer:
 
     def load(self, engine, path: Path) -> dict[str, Any]:
         """Collective: restore DeepSpeed state from ``path``; returns the learner's client_state."""
-        _, client_state = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                                 load_lr_scheduler_states=True,
-                                                 load_module_strict=self.cfg.model.lora is None)  # LoRA: adapters only
+        _, client_state = engine.load_checkpoint(
+            str(path.parent),
+            tag=path.name,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+            load_module_strict=self.cfg.model.lora is None,
+        )  # LoRA: adapters only
         if client_state is None:
             raise RuntimeError(f"checkpoint {path} could not be loaded by DeepSpeed")
         return client_state
 
 
-def export_hf(model, named_params: Iterable[tuple[str, torch.Tensor]], out: Path, tokenizer_dir: str,
-              rank: int) -> None:
+def export_hf(
+    model, named_params: Iterable[tuple[str, torch.Tensor]], out: Path, tokenizer_dir: str, rank: int
+) -> None:
     """Write ``save_pretrained`` output (safetensors) + the tokenizer files; ``named_params`` are full tensors."""
     state = {name: t.detach().cpu().clone() for name, t in named_params}
     if rank != 0:

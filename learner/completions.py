@@ -96,15 +96,23 @@ class CompletionLog:
             for i in range(g.num_responses):
                 tokens = g.response_tokens(i).tolist()
                 # a multi-turn sample (appended, mask-0 tokens) keeps its role markers: the turns stay readable
-                multi = bool(len(g.loss_mask)) and not masks[offsets[i]:offsets[i + 1]].all()
+                multi = bool(len(g.loss_mask)) and not masks[offsets[i] : offsets[i + 1]].all()
                 if i == 0 or g.prompt_lengths:  # a sample with a prompt of its own shows it
                     prompt = self.tokenizer.decode(g.prompt_of(i).tolist(), skip_special_tokens=False)
-                out.append({
-                    "step": step, "time": now, "policy_version": g.policy_version, "group": g.group_id,
-                    "prompt": prompt, "response": self.tokenizer.decode(tokens, skip_special_tokens=not multi),
-                    "reward": g.rewards[i], "parts": g.reward_parts[i] if g.reward_parts else {},
-                    "advantage": advantages[at + i] if advantages is not None else None,
-                    "finish_reason": g.finish_reason(i), "tokens": len(tokens),
-                })
+                out.append(
+                    {
+                        "step": step,
+                        "time": now,
+                        "policy_version": g.policy_version,
+                        "group": g.group_id,
+                        "prompt": prompt,
+                        "response": self.tokenizer.decode(tokens, skip_special_tokens=not multi),
+                        "reward": g.rewards[i],
+                        "parts": g.reward_parts[i] if g.reward_parts else {},
+                        "advantage": advantages[at + i] if advantages is not None else None,
+                        "finish_reason": g.finish_reason(i),
+                        "tokens": len(tokens),
+                    }
+                )
             at += g.num_responses
         return out

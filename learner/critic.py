@@ -31,7 +31,7 @@ the policy.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -60,7 +60,9 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logit_pos: torch.Tensor) -> torch.Tensor:
         """Values ``[b, T]`` (float32) at the positions ``logit_pos`` ``[b, T]``."""
-        hidden_bLH = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        hidden_bLH = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state
         hidden_bTH = torch.gather(hidden_bLH, 1, logit_pos.unsqueeze(-1).expand(-1, -1, hidden_bLH.shape[-1]))
         return self.v_head(hidden_bTH).squeeze(-1).float()
 
@@ -140,8 +142,15 @@ class Critic:
             out = value_loss(self._forward(mb), mb.values, mb.returns, mb.mask, self.cc.cliprange_value, denom=denom)
             return Piece(self.cc.vf_coef * out.loss, mb.num_tokens / denom, out.metrics, grad_scale=world)
 
-        result = accumulate_and_step(self.engine, items, loss_fn, self.device, self.cfg.learner.zero_stage,
-                                     norm_key="critic/grad_norm", timing="timing/critic_")
+        result = accumulate_and_step(
+            self.engine,
+            items,
+            loss_fn,
+            self.device,
+            self.cfg.learner.zero_stage,
+            norm_key="critic/grad_norm",
+            timing="timing/critic_",
+        )
         result["timing/critic_update_s"] = time.perf_counter() - t0
         return result
 
@@ -149,9 +158,12 @@ class Critic:
         """Step-level metrics (of the values the advantages were computed with); counts the step."""
         warmup = self.warming_up
         self.steps += 1
-        return {"critic/explained_variance": explained_variance(values, returns, mask),
-                "critic/returns_mean": float(masked_mean(returns, mask)),
-                "critic/lr": float(self.engine.get_lr()[0]), "critic/warmup": float(warmup)}
+        return {
+            "critic/explained_variance": explained_variance(values, returns, mask),
+            "critic/returns_mean": float(masked_mean(returns, mask)),
+            "critic/lr": float(self.engine.get_lr()[0]),
+            "critic/warmup": float(warmup),
+        }
 
     # ------------------------------------------------------------- checkpoints
     def save(self, checkpoint: Path) -> None:
@@ -161,10 +173,13 @@ class Critic:
     def load(self, checkpoint: Path) -> None:
         """Collective: restore the critic saved with ``checkpoint``."""
         if not (Path(checkpoint) / TAG).is_dir():
-            raise FileNotFoundError(f"checkpoint {checkpoint} holds no critic/ (was it written without "
-                                    "adv_estimator: gae?); resume it with the algorithm it was trained with")
-        _, state = self.engine.load_checkpoint(str(checkpoint), tag=TAG, load_optimizer_states=True,
-                                               load_lr_scheduler_states=True)
+            raise FileNotFoundError(
+                f"checkpoint {checkpoint} holds no critic/ (was it written without "
+                "adv_estimator: gae?); resume it with the algorithm it was trained with"
+            )
+        _, state = self.engine.load_checkpoint(
+            str(checkpoint), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         if state is None:
             raise RuntimeError(f"the critic in {checkpoint}/{TAG} could not be loaded by DeepSpeed")
         self.steps = int(state["steps"])

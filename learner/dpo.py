@@ -35,8 +35,15 @@ from fleetrl.learner.metrics import sample_metrics
 from fleetrl.learner.source import Leased
 from fleetrl.learner.update import Piece, accumulate_and_step, forward_passes, response_logprobs, sync_max
 
-METRICS = ("dpo/loss", "dpo/accuracy", "dpo/margin", "dpo/rewards_chosen", "dpo/rewards_rejected",
-           "dpo/logp_chosen", "dpo/logp_rejected")
+METRICS = (
+    "dpo/loss",
+    "dpo/accuracy",
+    "dpo/margin",
+    "dpo/rewards_chosen",
+    "dpo/rewards_rejected",
+    "dpo/logp_chosen",
+    "dpo/logp_rejected",
+)
 
 
 def pairs_from_groups(rewards_B: torch.Tensor, group_index_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -80,9 +87,16 @@ def online_pairs(leased: Leased, max_tokens: int, device: torch.device) -> Prefe
     pairs = [(prompts[c], responses[c], responses[r], prompts[r]) for c, r in zip(chosen.tolist(), rejected.tolist())]
     if not pairs:  # nothing to train on: one placeholder keeps the collective passes of other ranks matched
         pairs = [(prompts[0], responses[0], responses[-1], prompts[-1])]
-    batch = pack_pairs(pairs, max_tokens, device, tied=tied, group_ids=[g.group_id for g in leased.groups],
-                       rewards=rewards_B, versions=torch.tensor(versions, dtype=torch.int64),
-                       truncated=torch.tensor(truncated, dtype=torch.bool))
+    batch = pack_pairs(
+        pairs,
+        max_tokens,
+        device,
+        tied=tied,
+        group_ids=[g.group_id for g in leased.groups],
+        rewards=rewards_B,
+        versions=torch.tensor(versions, dtype=torch.int64),
+        truncated=torch.tensor(truncated, dtype=torch.bool),
+    )
     batch.num_pairs = chosen.numel()
     batch.lengths, batch.num_samples = torch.tensor(lengths, dtype=torch.int64), len(lengths)
     batch.num_tokens = int(sum(lengths))
@@ -96,7 +110,14 @@ class DpoActor:
         alg: DpoAlgorithm = cfg.algorithm  # type: ignore[assignment]
         if ref_model is None and not alg.reference_free:
             raise ValueError("algorithm.type=dpo needs the frozen reference model (or algorithm.reference_free=true)")
-        self.engine, self.ref, self.cfg, self.device, self.alg, self.offline = engine, ref_model, cfg, device, alg, offline
+        self.engine, self.ref, self.cfg, self.device, self.alg, self.offline = (
+            engine,
+            ref_model,
+            cfg,
+            device,
+            alg,
+            offline,
+        )
         self.loss_fn = PREFERENCE_LOSSES[alg.loss]
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.max_tokens = cfg.learner.max_tokens_per_microbatch
@@ -138,13 +159,21 @@ class DpoActor:
         def loss_fn(c: PairChunk) -> Piece:
             seq = sequence_sums(self.engine, c.mb, self.temperature)[c.rows]  # chunk order: chosen, then rejected
             n, ref = c.n, c.ref_sum
-            inp = PreferenceInputs(chosen_logp=seq[:n], rejected_logp=seq[n:], ref_chosen_logp=ref[:n],
-                                   ref_rejected_logp=ref[n:], chosen_len=c.lengths[:n], rejected_len=c.lengths[n:])
+            inp = PreferenceInputs(
+                chosen_logp=seq[:n],
+                rejected_logp=seq[n:],
+                ref_chosen_logp=ref[:n],
+                ref_rejected_logp=ref[n:],
+                chosen_len=c.lengths[:n],
+                rejected_len=c.lengths[n:],
+            )
             res = self.loss_fn(inp, self.alg)
             if not P:
                 return Piece(res.loss, 0.0, {})
-            extra = {"dpo/logp_chosen": float(inp.chosen_logp.detach().mean()),
-                     "dpo/logp_rejected": float(inp.rejected_logp.detach().mean())}
+            extra = {
+                "dpo/logp_chosen": float(inp.chosen_logp.detach().mean()),
+                "dpo/logp_rejected": float(inp.rejected_logp.detach().mean()),
+            }
             return Piece(res.loss, n / P, {**res.metrics, **extra})
 
         result = accumulate_and_step(self.engine, batch.chunks, loss_fn, self.device, self.cfg.learner.zero_stage)

@@ -16,7 +16,8 @@ With ZeRO-3 or several ranks rank 0 does not hold the whole model, so it is skip
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -33,17 +34,28 @@ class EvaluateModel(Protocol):
     """Greedy accuracy of ``model`` on ``rows`` as `fleetrl eval` measures it: ``rollout/eval.py``'s
     ``evaluate_model``, handed in by the application (``app/entries.py``)."""
 
-    def __call__(self, model: Any, tokenizer: Any, rows: Sequence[dict[str, Any]], cfg: JobConfig, *,
-                 batch_size: int = ..., seed: int = ..., success: float | None = ...) -> dict[str, float]: ...
+    def __call__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        rows: Sequence[dict[str, Any]],
+        cfg: JobConfig,
+        *,
+        batch_size: int = ...,
+        seed: int = ...,
+        success: float | None = ...,
+    ) -> dict[str, float]: ...
 
 
 def require_evaluator(evaluate_model: EvaluateModel | None, what: str, off: str = "") -> EvaluateModel:
     """``evaluate_model``, or a ConfigError saying ``what`` needs it (and how to turn it ``off``) when the caller
     was started without one (only the application hands it in)."""
     if evaluate_model is None:
-        raise ConfigError(f"{what} measures held-out accuracy with the rollout's evaluator, which this process was "
-                          "not given: start it through the `fleetrl` command (the application hands the evaluator "
-                          f"in: app/entries.py){f', or set {off}' if off else ''}")
+        raise ConfigError(
+            f"{what} measures held-out accuracy with the rollout's evaluator, which this process was "
+            "not given: start it through the `fleetrl` command (the application hands the evaluator "
+            f"in: app/entries.py){f', or set {off}' if off else ''}"
+        )
     return evaluate_model
 
 
@@ -58,13 +70,22 @@ class Evaluator:
         self.rows = load_rows(cfg.data.eval, "data.eval", cfg.data)[: cfg.run.eval_n]
         self.tokenizer = job_tokenizer(cfg.model)
         if cfg.learner.zero_stage == 3 or cfg.learner.num_ranks > 1:
-            log.warning("periodic evaluation runs on rank 0 only and is skipped with ZeRO-3 or several ranks; "
-                        "use `fleetrl eval` on a checkpoint's hf/ export instead")
+            log.warning(
+                "periodic evaluation runs on rank 0 only and is skipped with ZeRO-3 or several ranks; "
+                "use `fleetrl eval` on a checkpoint's hf/ export instead"
+            )
             self.rows = []
 
     def __call__(self, module: torch.nn.Module) -> dict[str, float]:
         if not self.rows:
             return {}
-        metrics = self.evaluate_model(module, self.tokenizer, self.rows, self.cfg, batch_size=EVAL_BATCH,
-                                 seed=self.cfg.rollout.seed, success=self.cfg.run.eval_success)
+        metrics = self.evaluate_model(
+            module,
+            self.tokenizer,
+            self.rows,
+            self.cfg,
+            batch_size=EVAL_BATCH,
+            seed=self.cfg.rollout.seed,
+            success=self.cfg.run.eval_success,
+        )
         return metrics

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.common.config.learner import HealthConfig
+from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.learner.health_rules import HEALTH_RULES, Fired, HealthEvent, Rule
 
 __all__ = ["HEALTH_RULES", "HealthEvent", "HealthMonitor"]
@@ -85,11 +86,16 @@ class HealthMonitor:
         healthy = self.last_bad is None or self.last_bad <= step - max(self.cfg.healthy_window, 1)
         self.checkpoints[step] = healthy
         if not healthy:
-            self.why_unhealthy[step] = (f"{self.last_bad_rule} fired at step {self.last_bad}, "
-                                        "within health.healthy_window")
-            log.warning("checkpoint at step %d is not tagged healthy: a health rule fired at step %d (within "
-                        "health.healthy_window=%d steps); rollbacks will skip it", step, self.last_bad,
-                        self.cfg.healthy_window)
+            self.why_unhealthy[step] = (
+                f"{self.last_bad_rule} fired at step {self.last_bad}, within health.healthy_window"
+            )
+            log.warning(
+                "checkpoint at step %d is not tagged healthy: a health rule fired at step %d (within "
+                "health.healthy_window=%d steps); rollbacks will skip it",
+                step,
+                self.last_bad,
+                self.cfg.healthy_window,
+            )
         return healthy
 
     def _judge(self, i: int, rule: Rule, step: int, fired: Fired | None) -> HealthEvent | None:
@@ -104,8 +110,16 @@ class HealthMonitor:
         self.streak[i] += 1
         if (self.streak[i] - 1) % (rule.window or 1):
             return None  # still firing: repeat the event only every `window` evaluations
-        event = HealthEvent(step, rule.spec.name, rule.action, fired.metric or rule.metric, fired.value,
-                            fired.threshold, fired.message, time.time())
+        event = HealthEvent(
+            step,
+            rule.spec.name,
+            rule.action,
+            fired.metric or rule.metric,
+            fired.value,
+            fired.threshold,
+            fired.message,
+            time.time(),
+        )
         self._emit(event)
         return event
 
@@ -116,15 +130,26 @@ class HealthMonitor:
                 self.checkpoints[c] = False
                 self._revoked.append(c)
                 self.why_unhealthy[c] = f"inside the evidence of {rule} (from step {since}, fired at step {step})"
-                log.warning("checkpoint at step %d is no longer counted healthy: the evidence of a rule that fired at "
-                            "step %d starts at step %d", c, step, since)
+                log.warning(
+                    "checkpoint at step %d is no longer counted healthy: the evidence of a rule that fired at "
+                    "step %d starts at step %d",
+                    c,
+                    step,
+                    since,
+                )
 
     def _watch_presence(self, i: int, rule: Rule, metrics: dict[str, float]) -> None:
         self.missing[i] = 0 if any(k in metrics for k in rule.watches()) else self.missing[i] + 1
         if self.missing[i] == MISSING_METRIC_WARN_STEPS:
-            log.warning("%s (%s) watches %s, which the learner has not reported for %d steps: the rule cannot fire; "
-                        "check %s.metric or the feature that produces it", rule.key, rule.spec.name,
-                        " / ".join(rule.watches()), MISSING_METRIC_WARN_STEPS, rule.key)
+            log.warning(
+                "%s (%s) watches %s, which the learner has not reported for %d steps: the rule cannot fire; "
+                "check %s.metric or the feature that produces it",
+                rule.key,
+                rule.spec.name,
+                " / ".join(rule.watches()),
+                MISSING_METRIC_WARN_STEPS,
+                rule.key,
+            )
 
     def _emit(self, event: HealthEvent) -> None:
         self.events.append(event)
@@ -142,13 +167,16 @@ class HealthMonitor:
         events = list(events)
         action = max((e.action for e in events), key=ACTION_RANK.__getitem__, default="none")
         if action == "rollback" and self.rollbacks_done >= self.cfg.max_rollbacks:
-            self.stop_reason = (f"rollback limit reached: {self.rollbacks_done} rollbacks done, "
-                                f"health.max_rollbacks={self.cfg.max_rollbacks}")
+            self.stop_reason = (
+                f"rollback limit reached: {self.rollbacks_done} rollbacks done, "
+                f"health.max_rollbacks={self.cfg.max_rollbacks}"
+            )
             log.error("health: %s; stopping instead of rolling back", self.stop_reason)
             return "stop"
         if action == "stop":
             self.stop_reason = "rule with action stop fired: " + ", ".join(
-                f"{e.rule} at step {e.step}" for e in events if e.action == "stop")
+                f"{e.rule} at step {e.step}" for e in events if e.action == "stop"
+            )
         return action
 
     def rollback_target(self, candidates: Iterable[int]) -> int | None:
@@ -159,8 +187,11 @@ class HealthMonitor:
         ``target_evidence`` names, for each newer checkpoint passed over, what ruled it out.
         """
         candidates = sorted(set(candidates))
-        recent = {r: v for r, v in self.onsets.items() if self.last_bad is not None
-                  and v[1] >= self.last_bad - max(self.cfg.healthy_window, 1)}  # the episode that led here
+        recent = {
+            r: v
+            for r, v in self.onsets.items()
+            if self.last_bad is not None and v[1] >= self.last_bad - max(self.cfg.healthy_window, 1)
+        }  # the episode that led here
         began = min((since for since, _ in recent.values()), default=None)
         healthy = [c for c in candidates if self.checkpoints.get(c, False) and (began is None or c < began)]
         target = max(healthy, default=None)
@@ -174,8 +205,11 @@ class HealthMonitor:
             reasons.append(f"step {c}: {why or 'not tagged healthy by this monitor'}")
         self.target_evidence = "; ".join(reasons)
         if reasons:
-            log.warning("health: rollback target %s; newer checkpoints passed over: %s",
-                        "none" if target is None else f"step {target}", self.target_evidence)
+            log.warning(
+                "health: rollback target %s; newer checkpoints passed over: %s",
+                "none" if target is None else f"step {target}",
+                self.target_evidence,
+            )
         return target
 
     def rollback_unavailable(self, step: int, events: Iterable[HealthEvent], checkpoint_interval: int) -> str:
@@ -186,17 +220,29 @@ class HealthMonitor:
         if checkpoint_interval == 0:
             why = "checkpoint.interval=0 saves no checkpoint"
         elif not self.checkpoints:
-            why = f"the first checkpoint is due at step {checkpoint_interval} (checkpoint.interval={checkpoint_interval})"
+            why = (
+                f"the first checkpoint is due at step {checkpoint_interval} (checkpoint.interval={checkpoint_interval})"
+            )
         else:
-            why = (f"every checkpoint so far is inside a rule's evidence (health.healthy_window="
-                   f"{self.cfg.healthy_window})")
+            why = (
+                f"every checkpoint so far is inside a rule's evidence (health.healthy_window={self.cfg.healthy_window})"
+            )
         poisoned = "non_finite" in fired
-        then = ("the update was not finite, so the run stops" if poisoned else
-                "training goes on and the rule keeps alerting; set checkpoint.interval so that rollbacks can act")
-        event = HealthEvent(step, "rollback_unavailable", "stop" if poisoned else "alert", "health/rollbacks",
-                            float(self.rollbacks_done), float(self.cfg.max_rollbacks),
-                            f"{', '.join(fired)} asked for a rollback, but no checkpoint is tagged healthy: {why}; {then}",
-                            time.time())
+        then = (
+            "the update was not finite, so the run stops"
+            if poisoned
+            else "training goes on and the rule keeps alerting; set checkpoint.interval so that rollbacks can act"
+        )
+        event = HealthEvent(
+            step,
+            "rollback_unavailable",
+            "stop" if poisoned else "alert",
+            "health/rollbacks",
+            float(self.rollbacks_done),
+            float(self.cfg.max_rollbacks),
+            f"{', '.join(fired)} asked for a rollback, but no checkpoint is tagged healthy: {why}; {then}",
+            time.time(),
+        )
         self._emit(event)
         if poisoned:
             self.stop_reason = f"{', '.join(fired)} fired with no healthy checkpoint to roll back to ({why})"
@@ -204,7 +250,11 @@ class HealthMonitor:
 
     def rollback_rules_without_checkpoints(self, checkpoint_interval: int) -> list[str]:
         """Rules whose rollback can never act because ``checkpoint.interval`` is 0 (warned at start-up)."""
-        return [f"{r.key} ({r.spec.name})" for r in self.rules if r.action == "rollback"] if checkpoint_interval == 0 else []
+        return (
+            [f"{r.key} ({r.spec.name})" for r in self.rules if r.action == "rollback"]
+            if checkpoint_interval == 0
+            else []
+        )
 
     def pop_revoked(self) -> list[int]:
         """Checkpoint steps whose healthy tag was withdrawn since the last call (update their meta.json)."""
@@ -213,13 +263,20 @@ class HealthMonitor:
 
     def record_rollback(self, to_step: int, from_step: int) -> HealthEvent:
         self.rollbacks_done += 1
-        event = HealthEvent(from_step, "rollback", "rollback", "health/rollbacks", float(self.rollbacks_done),
-                            float(self.cfg.max_rollbacks),
-                            f"rolled back from step {from_step} to the healthy checkpoint at step {to_step} "
-                            f"(rollback {self.rollbacks_done} of at most {self.cfg.max_rollbacks}); the learning rate "
-                            f"is multiplied by {self.cfg.lr_factor:g} and groups from the abandoned policy versions "
-                            f"are discarded" + (f"; newer checkpoints passed over: {self.target_evidence}"
-                                                if self.target_evidence else ""), time.time())
+        event = HealthEvent(
+            from_step,
+            "rollback",
+            "rollback",
+            "health/rollbacks",
+            float(self.rollbacks_done),
+            float(self.cfg.max_rollbacks),
+            f"rolled back from step {from_step} to the healthy checkpoint at step {to_step} "
+            f"(rollback {self.rollbacks_done} of at most {self.cfg.max_rollbacks}); the learning rate "
+            f"is multiplied by {self.cfg.lr_factor:g} and groups from the abandoned policy versions "
+            f"are discarded"
+            + (f"; newer checkpoints passed over: {self.target_evidence}" if self.target_evidence else ""),
+            time.time(),
+        )
         self._emit(event)
         return event
 
@@ -250,16 +307,21 @@ class HealthMonitor:
     # ------------------------------------------------------------------ reporting
     def metrics(self, events: Iterable[HealthEvent] = ()) -> dict[str, float]:
         """Counters for the metric sinks: events this step, all events, rollbacks done."""
-        return {"health/events": float(len(list(events))), "health/events_total": float(len(self.events)),
-                "health/rollbacks": float(self.rollbacks_done)}
+        return {
+            "health/events": float(len(list(events))),
+            "health/events_total": float(len(self.events)),
+            "health/rollbacks": float(self.rollbacks_done),
+        }
 
     def report(self) -> str:
         """Every event (what fired, when, the action) for the final stop message."""
         if not self.events:
             return "health: no rule fired"
         n, r = len(self.events), self.rollbacks_done
-        lines = [f"health report: {n} event{'s' * (n != 1)}, {r} rollback{'s' * (r != 1)} "
-                 f"(health.max_rollbacks={self.cfg.max_rollbacks})"]
+        lines = [
+            f"health report: {n} event{'s' * (n != 1)}, {r} rollback{'s' * (r != 1)} "
+            f"(health.max_rollbacks={self.cfg.max_rollbacks})"
+        ]
         lines += [f"  step {e.step:>7}  {e.rule} -> {e.action}: {e.message}" for e in self.events]
         if self.stop_reason:
             lines.append(f"stopped: {self.stop_reason}")
@@ -267,11 +329,18 @@ class HealthMonitor:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        return {"rules": [(r.spec.name, r.state_dict()) for r in self.rules], "events": [asdict(e) for e in self.events],
-                "rollbacks_done": self.rollbacks_done, "stop_reason": self.stop_reason,
-                "checkpoints": dict(self.checkpoints), "last_bad": self.last_bad, "streak": list(self.streak),
-                "pending": [asdict(e) for e in self.pending],
-                "onsets": {k: list(v) for k, v in self.onsets.items()}, "why_unhealthy": dict(self.why_unhealthy)}
+        return {
+            "rules": [(r.spec.name, r.state_dict()) for r in self.rules],
+            "events": [asdict(e) for e in self.events],
+            "rollbacks_done": self.rollbacks_done,
+            "stop_reason": self.stop_reason,
+            "checkpoints": dict(self.checkpoints),
+            "last_bad": self.last_bad,
+            "streak": list(self.streak),
+            "pending": [asdict(e) for e in self.pending],
+            "onsets": {k: list(v) for k, v in self.onsets.items()},
+            "why_unhealthy": dict(self.why_unhealthy),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore; a rule whose position or name changed in the config starts fresh (with a warning)."""
@@ -282,8 +351,11 @@ class HealthMonitor:
                 rule.load_state_dict(saved[i][1])
                 self.streak[i] = state["streak"][i]
             else:
-                log.warning("%s (%s) has no saved state (the rule list changed); it starts with empty windows",
-                            rule.key, rule.spec.name)
+                log.warning(
+                    "%s (%s) has no saved state (the rule list changed); it starts with empty windows",
+                    rule.key,
+                    rule.spec.name,
+                )
         self.events = [HealthEvent.from_dict(e) for e in state["events"]]
         self.pending = [HealthEvent.from_dict(e) for e in state["pending"]]
         self.rollbacks_done, self.stop_reason = state["rollbacks_done"], state["stop_reason"]

@@ -10,8 +10,9 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
-from fleetrl.common.plugins.registry import Registry
 from fleetrl.common.config.learner import HealthRule
+from fleetrl.common.plugins.registry import Registry
+
 
 @dataclass
 class HealthEvent:
@@ -29,7 +30,7 @@ class HealthEvent:
         return json.dumps(row)
 
     @classmethod
-    def from_dict(cls, row: dict[str, Any]) -> "HealthEvent":
+    def from_dict(cls, row: dict[str, Any]) -> HealthEvent:
         return cls(**{**row, "value": float(row["value"]), "threshold": float(row["threshold"])})
 
     def short(self) -> str:
@@ -139,8 +140,13 @@ class Limit(MovingAverageRule):
         if ma is None or (ma <= self.threshold if self.ABOVE else ma >= self.threshold):
             return None
         where = "above the ceiling" if self.ABOVE else "below the floor"
-        return Fired(ma, self.threshold, f"{self.metric} averaged {ma:.4g} over the last {self.window} steps, {where} "
-                     f"{self.threshold:.4g}: {self.MEANING}", self.onset(self.threshold, self.ABOVE))
+        return Fired(
+            ma,
+            self.threshold,
+            f"{self.metric} averaged {ma:.4g} over the last {self.window} steps, {where} "
+            f"{self.threshold:.4g}: {self.MEANING}",
+            self.onset(self.threshold, self.ABOVE),
+        )
 
     def check(self) -> None:
         if self.threshold <= 0:
@@ -156,10 +162,12 @@ class KlCeiling(Limit):
 @HEALTH_RULES.register("mismatch_kl_ceiling")
 class MismatchKlCeiling(Limit):
     METRIC, WINDOW, THRESHOLD = "off_policy/mismatch_kl", 5, 0.01
-    MEANING = ("on tokens sampled by the very version being trained, the engine's log-probs disagree with the "
-               "learner's: a broken weight sync (stale or corrupted weights under a new version number) or engine "
-               "numerics (dtype, temperature, kernels), so the importance ratios are unreliable; policy drift from "
-               "staleness is off_policy/drift_kl and never fires this rule")
+    MEANING = (
+        "on tokens sampled by the very version being trained, the engine's log-probs disagree with the "
+        "learner's: a broken weight sync (stale or corrupted weights under a new version number) or engine "
+        "numerics (dtype, temperature, kernels), so the importance ratios are unreliable; policy drift from "
+        "staleness is off_policy/drift_kl and never fires this rule"
+    )
 
 
 @HEALTH_RULES.register("entropy_floor")
@@ -202,10 +210,14 @@ class RewardDrop(MovingAverageRule):
         limit = self.best - self.threshold
         if ma >= limit:
             return None
-        return Fired(ma, limit, f"{self.metric} averaged {ma:.4g} over the last {self.window} steps, "
-                     f"{self.best - ma:.4g} below its best {self.best:.4g} (step {self.best_step}), more than the "
-                     f"allowed drop {self.threshold:.4g}: the policy is getting worse (reward collapse)",
-                     self.onset(limit, above=False))
+        return Fired(
+            ma,
+            limit,
+            f"{self.metric} averaged {ma:.4g} over the last {self.window} steps, "
+            f"{self.best - ma:.4g} below its best {self.best:.4g} (step {self.best_step}), more than the "
+            f"allowed drop {self.threshold:.4g}: the policy is getting worse (reward collapse)",
+            self.onset(limit, above=False),
+        )
 
 
 @HEALTH_RULES.register("length_collapse")
@@ -234,10 +246,14 @@ class LengthCollapse(Rule):
         limit = self.threshold * before
         if now >= limit:
             return None
-        return Fired(now, limit, f"{self.metric} averaged {now:.4g} over the last {self.window} steps, under "
-                     f"{self.threshold:.3g} x the {before:.4g} of the {self.window} steps before: responses are "
-                     f"collapsing (empty or truncated answers, often with reward hacking)",
-                     next(s for s, v in list(self.points)[self.window :] if v < limit))
+        return Fired(
+            now,
+            limit,
+            f"{self.metric} averaged {now:.4g} over the last {self.window} steps, under "
+            f"{self.threshold:.3g} x the {before:.4g} of the {self.window} steps before: responses are "
+            f"collapsing (empty or truncated answers, often with reward hacking)",
+            next(s for s, v in list(self.points)[self.window :] if v < limit),
+        )
 
 
 @HEALTH_RULES.register("grad_spike")
@@ -265,9 +281,14 @@ class GradSpike(Rule):
         limit = self.threshold * median
         if median <= 0 or value <= limit:  # warm-up, or an all-zero history (no signal to compare with)
             return None
-        return Fired(value, limit, f"{self.metric} = {value:.4g}, {value / median:.1f} x its median {median:.4g} over "
-                     f"the last {self.window} steps (limit {self.threshold:g} x): an unstable update that may "
-                     f"have damaged the weights", step)
+        return Fired(
+            value,
+            limit,
+            f"{self.metric} = {value:.4g}, {value / median:.1f} x its median {median:.4g} over "
+            f"the last {self.window} steps (limit {self.threshold:g} x): an unstable update that may "
+            f"have damaged the weights",
+            step,
+        )
 
 
 @HEALTH_RULES.register("non_finite")
@@ -290,8 +311,13 @@ class NonFinite(Rule):
         if not bad:
             return None
         shown = ", ".join(f"{k}={metrics[k]}" for k in bad)
-        return Fired(float(metrics[bad[0]]), math.nan, f"non-finite {shown}: the update overflowed or diverged and "
-                     "the weights after this step cannot be trusted", step, metric=bad[0])
+        return Fired(
+            float(metrics[bad[0]]),
+            math.nan,
+            f"non-finite {shown}: the update overflowed or diverged and the weights after this step cannot be trusted",
+            step,
+            metric=bad[0],
+        )
 
 
 @HEALTH_RULES.register("reward_checkpoint_decline")
@@ -328,9 +354,14 @@ class RewardCheckpointDecline(Rule):
         limit = means[0] - self.threshold
         if len(means) < self.window or any(b >= a for a, b in zip(means, means[1:])) or means[-1] >= limit:
             return None
-        return Fired(means[-1], limit, f"{self.metric} fell at each of the last {self.window} checkpoints "
-                     f"({' > '.join(f'{m:.4g}' for m in means)}, steps {self.marks[0][0]}..{step}): a slow, steady "
-                     f"decline of the policy", self.marks[0][0] + 1)
+        return Fired(
+            means[-1],
+            limit,
+            f"{self.metric} fell at each of the last {self.window} checkpoints "
+            f"({' > '.join(f'{m:.4g}' for m in means)}, steps {self.marks[0][0]}..{step}): a slow, steady "
+            f"decline of the policy",
+            self.marks[0][0] + 1,
+        )
 
 
 @HEALTH_RULES.register("reward_hacking")
@@ -353,8 +384,12 @@ class RewardHacking(Rule):
     """
 
     METRIC, WINDOW, THRESHOLD = "reward/mean", 10, 0.1
-    EVAL, LENGTH, DISTINCT, IDENTICAL = "eval/accuracy", "response/length_mean", "response/distinct_2", \
-        "response/identical_frac"
+    EVAL, LENGTH, DISTINCT, IDENTICAL = (
+        "eval/accuracy",
+        "response/length_mean",
+        "response/distinct_2",
+        "response/identical_frac",
+    )
     EVALS, REWARD_RISE = 3, 0.05
     LENGTH_FRACTION, DISTINCT_FRACTION, IDENTICAL_CEILING, IDENTICAL_RISE = 0.6, 0.5, 0.5, 0.25
     STATE = ("recent", "base_sum", "base_n", "evals")
@@ -378,8 +413,12 @@ class RewardHacking(Rule):
         return (*self.signals(), self.EVAL)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"recent": {k: list(v) for k, v in self.recent.items()}, "base_sum": dict(self.base_sum),
-                "base_n": dict(self.base_n), "evals": list(self.evals)}
+        return {
+            "recent": {k: list(v) for k, v in self.recent.items()},
+            "base_sum": dict(self.base_sum),
+            "base_n": dict(self.base_n),
+            "evals": list(self.evals),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reset()
@@ -420,11 +459,17 @@ class RewardHacking(Rule):
         drop, rise = best_acc - acc, reward - best_reward
         if drop <= self.threshold or rise <= self.REWARD_RISE:
             return None
-        return Fired(acc, best_acc - self.threshold, f"held-out {self.EVAL} fell {drop:.3g} (from {best_acc:.3g} at "
-                     f"step {best_step} to {acc:.3g}, more than {self.threshold:.3g}) while {self.metric} rose "
-                     f"{rise:.3g} (moving average {best_reward:.4g} -> {reward:.4g}): the policy is learning to please "
-                     f"the reward, "
-                     f"not the task (reward hacking)", best_step + 1, metric=self.EVAL)
+        return Fired(
+            acc,
+            best_acc - self.threshold,
+            f"held-out {self.EVAL} fell {drop:.3g} (from {best_acc:.3g} at "
+            f"step {best_step} to {acc:.3g}, more than {self.threshold:.3g}) while {self.metric} rose "
+            f"{rise:.3g} (moving average {best_reward:.4g} -> {reward:.4g}): the policy is learning to please "
+            f"the reward, "
+            f"not the task (reward hacking)",
+            best_step + 1,
+            metric=self.EVAL,
+        )
 
     def cheap_signals(self, step: int) -> Fired | None:
         reward, reward_base = self.ma(self.metric), self.baseline(self.metric)
@@ -435,19 +480,37 @@ class RewardHacking(Rule):
             now, base = self.ma(key), self.baseline(key)
             if now is not None and base is not None and base > 0 and now < fraction * base:
                 limit = fraction * base
-                found.append((f"{key} averaged {now:.4g}, under {fraction:g} x its baseline {base:.4g}", now, limit,
-                              next(s for s, v in self.recent[key] if v < limit)))
+                found.append(
+                    (
+                        f"{key} averaged {now:.4g}, under {fraction:g} x its baseline {base:.4g}",
+                        now,
+                        limit,
+                        next(s for s, v in self.recent[key] if v < limit),
+                    )
+                )
         now, base = self.ma(self.IDENTICAL), self.baseline(self.IDENTICAL)
         if now is not None and base is not None:
             limit = max(self.IDENTICAL_CEILING, base + self.IDENTICAL_RISE)
             if now > limit:
-                found.append((f"{self.IDENTICAL} averaged {now:.4g}, above {limit:.3g} (baseline {base:.4g}): one "
-                              f"response answers many different prompts", now, limit,
-                              next(s for s, v in self.recent[self.IDENTICAL] if v > limit)))
+                found.append(
+                    (
+                        f"{self.IDENTICAL} averaged {now:.4g}, above {limit:.3g} (baseline {base:.4g}): one "
+                        f"response answers many different prompts",
+                        now,
+                        limit,
+                        next(s for s, v in self.recent[self.IDENTICAL] if v > limit),
+                    )
+                )
         if not found:
             return None
         what, value, limit, _ = found[0]
         metric = what.split(" ", 1)[0]
-        return Fired(value, limit, f"{'; '.join(f[0] for f in found)}, over the last {self.window} steps, while "
-                     f"{self.metric} averaged {reward:.4g} (baseline {reward_base:.4g}): the samples degenerate as the "
-                     f"reward holds or rises (reward hacking)", min(f[3] for f in found), metric=metric)
+        return Fired(
+            value,
+            limit,
+            f"{'; '.join(f[0] for f in found)}, over the last {self.window} steps, while "
+            f"{self.metric} averaged {reward:.4g} (baseline {reward_base:.4g}): the samples degenerate as the "
+            f"reward holds or rises (reward hacking)",
+            min(f[3] for f in found),
+            metric=metric,
+        )

@@ -35,13 +35,23 @@ def byte_symbols() -> list[str]:
 
 # hidden, layers, heads, kv heads, intermediate
 PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
+    "tiny": dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128
+    ),
     # tiny's size with head_dim 32: vLLM's CPU attention kernels take head sizes 32, 64, 80, ... (not 16)
-    "tiny32": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=128),
-    "small": dict(hidden_size=192, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, intermediate_size=512),
-    "base": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1408),
+    "tiny32": dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=128
+    ),
+    "small": dict(
+        hidden_size=192, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, intermediate_size=512
+    ),
+    "base": dict(
+        hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1408
+    ),
     # Qwen2.5-0.5B's layer shapes (with this byte tokenizer's vocabulary): the GPU check's weight-update size
-    "q05b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864),
+    "q05b": dict(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864
+    ),
 }
 
 

@@ -58,9 +58,15 @@ def connect_broker(cfg: JobConfig, run_dir: Path, rank: int) -> LearnerClient:
     ``learner-<rank>`` with the default key name. It heartbeats, so that the broker sees the rank alive
     through long steps (a dead learner's rollback pause lifts by itself)."""
     identity = client_identity(cfg.broker.curve, "learner")
-    client = ZmqBrokerClient(resolve_address(cfg.broker, run_dir), f"{identity}-{rank}", "learner", rank,
-                             timeout_s=cfg.broker.request_timeout_s, curve=cfg.broker.curve,
-                             info={"host": socket.gethostname(), "pid": str(os.getpid())})
+    client = ZmqBrokerClient(
+        resolve_address(cfg.broker, run_dir),
+        f"{identity}-{rank}",
+        "learner",
+        rank,
+        timeout_s=cfg.broker.request_timeout_s,
+        curve=cfg.broker.curve,
+        info={"host": socket.gethostname(), "pid": str(os.getpid())},
+    )
     reg = client.connect()
     client.start_heartbeat(lambda: (0, {}), reg.heartbeat_s or cfg.broker.heartbeat_s)
     STARTUP.mark("broker")

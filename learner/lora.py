@@ -19,8 +19,8 @@ partitioned base weights would need a gather per layer.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -37,14 +37,21 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig, gradient_checkpointing:
 
     if gradient_checkpointing:  # reentrant checkpointing needs an input that requires grad
         model.enable_input_require_grads()
-    peft_cfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                              target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+    peft_cfg = PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
     try:
         return get_peft_model(model, peft_cfg)
     except ValueError as e:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise ValueError(f"model.lora.target_modules={list(lora.target_modules)} matches no layer of "
-                         f"{type(model).__name__} ({e}); its linear layers are named {names}") from None
+        raise ValueError(
+            f"model.lora.target_modules={list(lora.target_modules)} matches no layer of "
+            f"{type(model).__name__} ({e}); its linear layers are named {names}"
+        ) from None
 
 
 def _layout(peft_model) -> list[tuple[str, torch.nn.Parameter, object | None]]:
@@ -84,8 +91,10 @@ def lora_param_specs(peft_model):
     """The publisher's (name, shape, dtype) list: the base model's names, as ``merged_params`` yields them."""
     from fleetrl.common.messages import ParamSpec
 
-    return [ParamSpec(name=n, shape=list(p.shape), dtype=str(p.dtype).removeprefix("torch."))
-            for n, p, _ in _layout(peft_model)]
+    return [
+        ParamSpec(name=n, shape=list(p.shape), dtype=str(p.dtype).removeprefix("torch."))
+        for n, p, _ in _layout(peft_model)
+    ]
 
 
 def adapter_params(peft_model) -> dict[str, torch.Tensor]:

@@ -7,13 +7,14 @@ of the oldest policy that produced any of its tokens.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 
-def sample_metrics(rewards_B: torch.Tensor, lengths_B: torch.Tensor, truncated_B: torch.Tensor,
-                   versions_B: torch.Tensor, version: int) -> dict[str, float]:
+def sample_metrics(
+    rewards_B: torch.Tensor, lengths_B: torch.Tensor, truncated_B: torch.Tensor, versions_B: torch.Tensor, version: int
+) -> dict[str, float]:
     """``reward/*``, ``response/*`` and ``off_policy/staleness_*`` of one step's samples."""
     lag = (version - versions_B).clamp(min=0).float()
     return {

@@ -29,9 +29,11 @@ class Monitor:
         self.resources = ProcessResources("resource/learner") if sinks else None
 
     @classmethod
-    def for_run(cls, run_dir: Path, rank: int, console_every: int = 1, cfg: JobConfig | None = None) -> "Monitor":
+    def for_run(cls, run_dir: Path, rank: int, console_every: int = 1, cfg: JobConfig | None = None) -> Monitor:
         """The sinks ``cfg.telemetry`` asks for on rank 0 (JSONL and console at least), none elsewhere."""
-        return cls(make_sinks(cfg, run_dir, rank, console_every), Path(run_dir) / "completions.jsonl" if rank == 0 else None)
+        return cls(
+            make_sinks(cfg, run_dir, rank, console_every), Path(run_dir) / "completions.jsonl" if rank == 0 else None
+        )
 
     def log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Sample completions: one JSON line per response in completions.jsonl, and a table in the sinks."""

@@ -12,9 +12,10 @@ plus the models the objective needs (the frozen reference, the PPO critic). ``Le
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -82,8 +83,11 @@ def dpo(s: Setup) -> Objective:
     ref = s.load_reference() if cfg.algorithm.needs_reference else None
     offline = not cfg.needs_fleet
     actor = DpoActor(s.engine, ref, cfg, s.dist.device, offline=offline)
-    source = PreferenceSource(cfg, s.dist.rank, s.dist.world) if offline else \
-        BrokerBatchSource(s.client, cfg, s.dist.rank, s.dist.world)
+    source = (
+        PreferenceSource(cfg, s.dist.rank, s.dist.world)
+        if offline
+        else BrokerBatchSource(s.client, cfg, s.dist.rank, s.dist.world)
+    )
     evaluator = Evaluator(cfg, s.dist.device, s.evaluate_model) if _eval_due(cfg, s.dist) and cfg.data.eval else None
     if _eval_due(cfg, s.dist) and cfg.data.preference_eval:
         evaluator = PreferenceEvaluator(cfg, ref, s.dist.device, then=evaluator)

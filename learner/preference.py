@@ -28,7 +28,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -59,11 +60,15 @@ def encode_pairs(rows: list[dict[str, Any]], tokenizer, cfg: JobConfig, source: 
         raise PreferenceDataError(f"{source}: no preference pairs")
     missing = [k for k in (d.prompt_key, d.chosen_key, d.rejected_key) if k not in rows[0]]
     if missing:
-        raise PreferenceDataError(f"{source}: rows have no {missing} column(s) (columns: {sorted(rows[0])}); "
-                                  "set data.prompt_key / data.chosen_key / data.rejected_key")
+        raise PreferenceDataError(
+            f"{source}: rows have no {missing} column(s) (columns: {sorted(rows[0])}); "
+            "set data.prompt_key / data.chosen_key / data.rejected_key"
+        )
     if d.apply_chat_template and not getattr(tokenizer, "chat_template", None):
-        raise PreferenceDataError("data.apply_chat_template is true but the tokenizer has no chat template; "
-                                  "set data.apply_chat_template=false")
+        raise PreferenceDataError(
+            "data.apply_chat_template is true but the tokenizer has no chat template; "
+            "set data.apply_chat_template=false"
+        )
     limit = cfg.rollout.max_new_tokens
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     out = []
@@ -89,15 +94,17 @@ class PreferenceSource:
 
     def __init__(self, cfg: JobConfig, rank: int, world: int):
         self.cfg, self.rank, self.world = cfg, rank, world
-        self.pairs = encode_pairs(load_rows(cfg.data.preference, "data.preference", cfg.data), load_tokenizer(cfg), cfg,
-                                  cfg.data.preference)
+        self.pairs = encode_pairs(
+            load_rows(cfg.data.preference, "data.preference", cfg.data), load_tokenizer(cfg), cfg, cfg.data.preference
+        )
         self.per_step = cfg.learner.groups_per_step
         self.offset = sum(share_of(self.per_step, r, world) for r in range(rank))
         self.want = share_of(self.per_step, rank, world)
         self.epoch, self.cursor = 0, 0  # global position: the same on every rank
         self.order = self._order(0)
-        log.info("offline DPO: %d preference pairs from %s, %d per step", len(self.pairs), cfg.data.preference,
-                 self.per_step)
+        log.info(
+            "offline DPO: %d preference pairs from %s, %d per step", len(self.pairs), cfg.data.preference, self.per_step
+        )
 
     def _order(self, epoch: int) -> list[int]:
         order = list(range(len(self.pairs)))
@@ -112,8 +119,11 @@ class PreferenceSource:
             if self.cursor >= len(self.order):
                 self.epoch, self.cursor = self.epoch + 1, 0
                 if self.epoch >= self.cfg.data.epochs:
-                    log.info("offline DPO: data.epochs=%d passes over %s done", self.cfg.data.epochs,
-                             self.cfg.data.preference)
+                    log.info(
+                        "offline DPO: data.epochs=%d passes over %s done",
+                        self.cfg.data.epochs,
+                        self.cfg.data.preference,
+                    )
                     raise Interrupted()
                 self.order = self._order(self.epoch)
             k = min(n - len(out), len(self.order) - self.cursor)
@@ -131,8 +141,12 @@ class PreferenceSource:
         except Interrupted:
             self.epoch, self.cursor, self.order = state
             raise
-        return Leased(groups=[], pairs=[self.pairs[i] for i in ids], pair_ids=[f"pref-e{self.epoch}-{i}" for i in ids],
-                      wait_s=time.monotonic() - t0)
+        return Leased(
+            groups=[],
+            pairs=[self.pairs[i] for i in ids],
+            pair_ids=[f"pref-e{self.epoch}-{i}" for i in ids],
+            wait_s=time.monotonic() - t0,
+        )
 
     def ack(self, leased: Leased, step: int) -> None:
         """Nothing to acknowledge: the data is local."""
@@ -166,8 +180,12 @@ class PreferenceEvaluator:
 
         if model is None:  # reference-free DPO: the reference counts as 0
             return torch.zeros(2 * self.batch.num_pairs, device=self.device)
-        per_chunk = forward_passes(lambda c: sequence_sums(model, c.mb, self.temperature)[c.rows], self.batch.chunks,
-                                   self.device, collective=False)
+        per_chunk = forward_passes(
+            lambda c: sequence_sums(model, c.mb, self.temperature)[c.rows],
+            self.batch.chunks,
+            self.device,
+            collective=False,
+        )
         chosen = torch.cat([s[: c.n] for c, s in zip(self.batch.chunks, per_chunk)])
         rejected = torch.cat([s[c.n :] for c, s in zip(self.batch.chunks, per_chunk)])
         return torch.cat([chosen, rejected])
@@ -187,8 +205,12 @@ class PreferenceEvaluator:
         beta, P = self.cfg.algorithm.beta, self.batch.num_pairs
         reward = beta * (logp - self.ref_sum)
         margin = reward[:P] - reward[P:]
-        out.update({"dpo/heldout_accuracy": float((margin > 0).float().mean()),
-                    "dpo/heldout_margin": float(margin.mean()),
-                    "dpo/heldout_policy_accuracy": float((logp[:P] > logp[P:]).float().mean()),
-                    "timing/preference_eval_s": time.perf_counter() - t0})
+        out.update(
+            {
+                "dpo/heldout_accuracy": float((margin > 0).float().mean()),
+                "dpo/heldout_margin": float(margin.mean()),
+                "dpo/heldout_policy_accuracy": float((logp[:P] > logp[P:]).float().mean()),
+                "timing/preference_eval_s": time.perf_counter() - t0,
+            }
+        )
         return out

@@ -22,16 +22,26 @@ from typing import Any
 PANELS = [
     ("reward", ["reward/mean"], "reward (batch mean)"),
     ("eval", ["eval/accuracy"], "held-out greedy accuracy"),
-    ("kl", ["actor/kl", "off_policy/mismatch_kl", "off_policy/drift_kl"],
-     "KL to reference / engine mismatch KL / policy drift KL"),
+    (
+        "kl",
+        ["actor/kl", "off_policy/mismatch_kl", "off_policy/drift_kl"],
+        "KL to reference / engine mismatch KL / policy drift KL",
+    ),
     ("entropy", ["actor/entropy"], "policy entropy"),
     ("grad_norm", ["actor/grad_norm"], "grad norm"),
     ("clipfrac", ["actor/clipfrac"], "clip fraction"),
-    ("staleness", ["off_policy/staleness_mean", "off_policy/staleness_max"], "policy lag of trained samples (versions)"),
+    (
+        "staleness",
+        ["off_policy/staleness_mean", "off_policy/staleness_max"],
+        "policy lag of trained samples (versions)",
+    ),
     ("queue", ["broker/queue_depth", "broker/groups_in_flight"], "broker queue depth / groups in flight"),
     ("throughput", ["throughput/samples_per_s"], "learner samples/s"),
-    ("timing", ["timing/wait_batch_s", "timing/forward_s", "timing/update_s", "timing/sync_s", "timing/eval_s"],
-     "seconds per step"),
+    (
+        "timing",
+        ["timing/wait_batch_s", "timing/forward_s", "timing/update_s", "timing/sync_s", "timing/eval_s"],
+        "seconds per step",
+    ),
     ("length", ["response/length_mean"], "response length (tokens)"),
     ("truncated", ["response/truncated_frac"], "share of responses truncated at max_new_tokens"),
     ("reward_failed", ["reward/failed_frac"], "share of trained samples with a failed reward (see rollout-*.log)"),
@@ -95,18 +105,28 @@ def event_marks(events: list[dict], rows: list[dict]) -> list[tuple[int, str]]:
             step = before[-1] if before else rows[0]["step"]
         if step is None:
             continue
-        label = (f"restart {e.get('child')}" if e.get("event") == "restart" else
-                 f"{e.get('rule', e.get('event', 'event'))} -> {e.get('action', '')}".strip(" ->"))
+        label = (
+            f"restart {e.get('child')}"
+            if e.get("event") == "restart"
+            else f"{e.get('rule', e.get('event', 'event'))} -> {e.get('action', '')}".strip(" ->")
+        )
         marks.append((int(step), label))
     return marks
 
 
 def reward_panels(rows: list[dict]) -> list[tuple[str, list[str], str]]:
     """One panel per reward function: the ``reward/<label>/mean`` keys the learner logged."""
-    labels = sorted({k.split("/")[1] for r in rows for k in r if k.startswith("reward/") and k.endswith("/mean")
-                     and k.count("/") == 2})
-    return [(f"reward_{label}", [f"reward/{label}/mean"], f"reward function {label} (unweighted mean)")
-            for label in labels]
+    labels = sorted(
+        {
+            k.split("/")[1]
+            for r in rows
+            for k in r
+            if k.startswith("reward/") and k.endswith("/mean") and k.count("/") == 2
+        }
+    )
+    return [
+        (f"reward_{label}", [f"reward/{label}/mean"], f"reward function {label} (unweighted mean)") for label in labels
+    ]
 
 
 DENSE = 60  # above this many points the raw values are drawn as dots: lines between jumps would fill the plot
@@ -133,8 +153,17 @@ def _draw(ax, rows: list[dict], keys: list[str], marks: list[tuple[int, str]]) -
         if not label.endswith("-> alert"):  # stops, rollbacks, restarts: a line across the plot
             ax.axvline(step, color="#cc0000", linestyle="--", linewidth=1.0, alpha=0.8)
     if alerts:
-        ax.scatter(alerts, [1.0] * len(alerts), transform=ax.get_xaxis_transform(), marker="v", s=16,
-                   color="#cc0000", alpha=0.8, clip_on=False, zorder=3)
+        ax.scatter(
+            alerts,
+            [1.0] * len(alerts),
+            transform=ax.get_xaxis_transform(),
+            marker="v",
+            s=16,
+            color="#cc0000",
+            alpha=0.8,
+            clip_on=False,
+            zorder=3,
+        )
     return drawn > 0
 
 
@@ -181,9 +210,12 @@ def completions_html(rows: list[dict]) -> str:
             f"<tr><td>{r.get('step')}</td><td>v{r.get('policy_version')}</td><td><pre>{html.escape(str(r.get('prompt')))}"
             f"</pre></td><td><pre>{html.escape(str(r.get('response')))}</pre></td><td>{_fmt(r.get('reward'))}</td>"
             f"<td>{'' if adv is None else _fmt(adv)}</td><td>{html.escape(str(r.get('finish_reason')))}, "
-            f"{r.get('tokens')} tok</td></tr>")
-    return ("<table class=c><tr><th>step</th><th>policy</th><th>prompt (as the model saw it)</th><th>response</th>"
-            "<th>reward</th><th>advantage</th><th>end</th></tr>" + "".join(cells) + "</table>")
+            f"{r.get('tokens')} tok</td></tr>"
+        )
+    return (
+        "<table class=c><tr><th>step</th><th>policy</th><th>prompt (as the model saw it)</th><th>response</th>"
+        "<th>reward</th><th>advantage</th><th>end</th></tr>" + "".join(cells) + "</table>"
+    )
 
 
 def events_html(events: list[dict], marks: list[tuple[int, str]]) -> str:
@@ -198,9 +230,12 @@ def events_html(events: list[dict], marks: list[tuple[int, str]]) -> str:
         f"<li><b>{html.escape(label)}</b>: {len(steps)} time(s), step{'s' if len(steps) > 1 else ''} "
         f"{steps[0]}{f'–{steps[-1]}' if len(steps) > 1 else ''}"
         f"{'<br><span class=note>last: ' + html.escape(messages[label]) + '</span>' if messages.get(label) else ''}</li>"
-        for label, steps in grouped.items())
-    return (f"<ul>{items}</ul><p class=note>On the plots: red ticks along the top mark alerts; dashed red lines mark "
-            "stops, rollbacks and restarts.</p>")
+        for label, steps in grouped.items()
+    )
+    return (
+        f"<ul>{items}</ul><p class=note>On the plots: red ticks along the top mark alerts; dashed red lines mark "
+        "stops, rollbacks and restarts.</p>"
+    )
 
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:1.5em 2em;color:#222}h1{margin-bottom:.2em}
@@ -210,9 +245,14 @@ text-align:center}table{border-collapse:collapse;font-size:12px}td,th{border:1px
 vertical-align:top;text-align:left}table.c pre{white-space:pre-wrap;max-width:520px;margin:0;font-size:11px}
 .warn{color:#a00}.kpi{display:inline-block;margin-right:1.6em}.kpi b{font-size:20px;display:block}.note{color:#777;font-size:12px}"""
 
-HEADLINE = [("reward/mean", "reward"), ("eval/accuracy", "eval accuracy"), ("actor/kl", "KL"),
-            ("off_policy/staleness_mean", "policy lag"), ("throughput/samples_per_s", "samples/s"),
-            ("reward/failed_frac", "reward failed (share)")]
+HEADLINE = [
+    ("reward/mean", "reward"),
+    ("eval/accuracy", "eval accuracy"),
+    ("actor/kl", "KL"),
+    ("off_policy/staleness_mean", "policy lag"),
+    ("throughput/samples_per_s", "samples/s"),
+    ("reward/failed_frac", "reward failed (share)"),
+]
 
 
 def rollout_reward_note(run_dir: Path) -> str:
@@ -225,9 +265,11 @@ def rollout_reward_note(run_dir: Path) -> str:
             total[k] += float(last.get(f"reward/{k}_total", 0.0)) if last else 0.0
     if not (total["failed"] or total["unscored"]):
         return ""
-    return (f"<p class=warn><b>Rewards:</b> {total['failed']:.0f} of {total['samples']:.0f} scored samples had a "
-            f"failed reward, {total['unscored']:.0f} got no score (None) and were not trained on; "
-            "see rollout-*.log for the first errors.</p>")
+    return (
+        f"<p class=warn><b>Rewards:</b> {total['failed']:.0f} of {total['samples']:.0f} scored samples had a "
+        f"failed reward, {total['unscored']:.0f} got no score (None) and were not trained on; "
+        "see rollout-*.log for the first errors.</p>"
+    )
 
 
 def build_report(run_dir: Path) -> Path:
@@ -240,19 +282,26 @@ def build_report(run_dir: Path) -> Path:
     marks = event_marks(events, rows)
     made = plot(rows, plots_dir, marks)
     last = rows[-1]
-    kpis = "".join(f"<span class=kpi><b>{_fmt(last[k])}</b>{label}</span>" for k, label in HEADLINE
-                   if isinstance(last.get(k), (int, float)))
+    kpis = "".join(
+        f"<span class=kpi><b>{_fmt(last[k])}</b>{label}</span>"
+        for k, label in HEADLINE
+        if isinstance(last.get(k), (int, float))
+    )
     evals = [r for r in rows if isinstance(r.get("eval/accuracy"), (int, float))]
     if evals:
         kpis += f"<span class=kpi><b>{evals[0]['eval/accuracy']:.3f} → {evals[-1]['eval/accuracy']:.3f}</b>eval accuracy, first → last</span>"
     minutes = (last.get("time", 0) - rows[0].get("time", 0)) / 60
-    summary = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.4g}</td></tr>" for k, v in sorted(last.items())
-                      if isinstance(v, (int, float)) and k not in ("time",))
-    figures = "".join(f'<figure><img src="plots/{p.name}"><figcaption>{html.escape(t)}</figcaption></figure>'
-                      for t, p in made)
+    summary = "".join(
+        f"<tr><td>{html.escape(k)}</td><td>{v:.4g}</td></tr>"
+        for k, v in sorted(last.items())
+        if isinstance(v, (int, float)) and k not in ("time",)
+    )
+    figures = "".join(
+        f'<figure><img src="plots/{p.name}"><figcaption>{html.escape(t)}</figcaption></figure>' for t, p in made
+    )
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>fleetrl report: {html.escape(run_dir.name)}</title>
 <style>{STYLE}</style></head><body>
-<h1>{html.escape(run_dir.name)}</h1><p class=sub>{len(rows)} steps, last step {last['step']}, {minutes:.1f} min of training
+<h1>{html.escape(run_dir.name)}</h1><p class=sub>{len(rows)} steps, last step {last["step"]}, {minutes:.1f} min of training
 (faint: raw per-step values; solid: smoothed)</p><p>{kpis}</p>{rollout_reward_note(run_dir)}
 <div class=grid>{figures}</div>
 <h2>Health events</h2>{events_html(events, marks)}

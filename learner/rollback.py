@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -81,9 +82,19 @@ def roll_back(parts: RollbackParts, reason: str) -> bool:
         published = parts.publish()  # the restored weights, as a version newer than every rolled-back one
     if main:
         parts.client.control("resume", reason="rollback done")
-    record_timeline(parts, start_ns, reason, target_step, state["version"], bad_from, bad_to, requeued, published, lr_scale)
-    log.warning("health: rolled back to %s (policy version %d), lr x%.3g, discarded versions %d..%d, published "
-                "version %d: %s", target.name, state["version"], lr_scale, bad_from, bad_to, published, reason)
+    record_timeline(
+        parts, start_ns, reason, target_step, state["version"], bad_from, bad_to, requeued, published, lr_scale
+    )
+    log.warning(
+        "health: rolled back to %s (policy version %d), lr x%.3g, discarded versions %d..%d, published version %d: %s",
+        target.name,
+        state["version"],
+        lr_scale,
+        bad_from,
+        bad_to,
+        published,
+        reason,
+    )
     return True
 
 
@@ -115,14 +126,43 @@ def discard_abandoned(parts: RollbackParts, name: str, target_step: int, bad_fro
     return back
 
 
-def record_timeline(parts: RollbackParts, start_ns: int, reason: str, target_step: int, version: int, bad_from: int,
-                    bad_to: int, requeued: int, published: int, lr_scale: float) -> None:
+def record_timeline(
+    parts: RollbackParts,
+    start_ns: int,
+    reason: str,
+    target_step: int,
+    version: int,
+    bad_from: int,
+    bad_to: int,
+    requeued: int,
+    published: int,
+    lr_scale: float,
+) -> None:
     """The rollback in the trained log (``trained-<rank>.jsonl``) and as a ``learner.rollback`` span (a root:
     it belongs to no group's trace); the events.jsonl line is ``HealthMonitor.record_rollback``'s."""
-    parts.trained_log.write({"rollback": parts.step, "to_step": target_step, "restored_version": version,
-                          "discarded": [bad_from, bad_to], "published_version": published, "time": time.time()})
-    tracing.record_span("learner.rollback", start_ns, parent=tracing.ROOT, attributes={
-        "fleetrl.step": parts.step, "fleetrl.rollback.to_step": target_step, "fleetrl.rollback.reason": reason,
-        "fleetrl.rollback.restored_version": version, "fleetrl.rollback.discarded_min_version": bad_from,
-        "fleetrl.rollback.discarded_max_version": bad_to, "fleetrl.policy_version": published,
-        "fleetrl.rollback.lr_scale": lr_scale, "fleetrl.rollback.groups_rewound": requeued})
+    parts.trained_log.write(
+        {
+            "rollback": parts.step,
+            "to_step": target_step,
+            "restored_version": version,
+            "discarded": [bad_from, bad_to],
+            "published_version": published,
+            "time": time.time(),
+        }
+    )
+    tracing.record_span(
+        "learner.rollback",
+        start_ns,
+        parent=tracing.ROOT,
+        attributes={
+            "fleetrl.step": parts.step,
+            "fleetrl.rollback.to_step": target_step,
+            "fleetrl.rollback.reason": reason,
+            "fleetrl.rollback.restored_version": version,
+            "fleetrl.rollback.discarded_min_version": bad_from,
+            "fleetrl.rollback.discarded_max_version": bad_to,
+            "fleetrl.policy_version": published,
+            "fleetrl.rollback.lr_scale": lr_scale,
+            "fleetrl.rollback.groups_rewound": requeued,
+        },
+    )

@@ -44,7 +44,9 @@ def init_distributed(cfg: JobConfig) -> Dist:
     """Initialise torch.distributed (gloo on CPU, nccl on GPU) via DeepSpeed; works without a launcher."""
     STARTUP.mark("python+imports")
     if "RANK" not in os.environ:  # a plain `fleetrl learner`: one process, no launcher
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+        )
     use_cuda = cfg.learner.device == "cuda" or (cfg.learner.device == "auto" and torch.cuda.is_available())
     if not use_cuda:  # say so, rather than have DeepSpeed warn that it could not detect an accelerator
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -124,18 +126,28 @@ def deepspeed_config(cfg: JobConfig, dtype: torch.dtype, train: bool = True) -> 
     return ds
 
 
-def build_engine(model: torch.nn.Module, cfg: JobConfig, dtype: torch.dtype, lr: float | None = None,
-                 params: list[torch.nn.Parameter] | None = None):
+def build_engine(
+    model: torch.nn.Module,
+    cfg: JobConfig,
+    dtype: torch.dtype,
+    lr: float | None = None,
+    params: list[torch.nn.Parameter] | None = None,
+):
     """Wrap a trainable model in a DeepSpeed engine with torch AdamW and the LR schedule."""
     import deepspeed
 
     trainable = params if params is not None else [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=lr or cfg.learner.lr, betas=tuple(cfg.learner.betas),
-                                  weight_decay=cfg.learner.weight_decay)
+    optimizer = torch.optim.AdamW(
+        trainable, lr=lr or cfg.learner.lr, betas=tuple(cfg.learner.betas), weight_decay=cfg.learner.weight_decay
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, dtype),
-        model_parameters=trainable)
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=deepspeed_config(cfg, dtype),
+        model_parameters=trainable,
+    )
     if cfg.learner.zero_stage == 0 and engine.dp_world_size == 1:
         engine.enable_backward_allreduce = False  # one rank: the gradient "all-reduce" only flattens and copies
     STARTUP.mark("deepspeed")
@@ -163,8 +175,10 @@ def param_specs(module: torch.nn.Module):
     """(name, full shape, dtype) of every parameter, tied ones once, in named_parameters order."""
     from fleetrl.common.messages import ParamSpec
 
-    return [ParamSpec(name=n, shape=list(getattr(p, "ds_shape", p.shape)), dtype=str(p.dtype).removeprefix("torch."))
-            for n, p in module.named_parameters()]
+    return [
+        ParamSpec(name=n, shape=list(getattr(p, "ds_shape", p.shape)), dtype=str(p.dtype).removeprefix("torch."))
+        for n, p in module.named_parameters()
+    ]
 
 
 def iter_full_params(module: torch.nn.Module, zero_stage: int, bucket_bytes: int = 256 << 20):

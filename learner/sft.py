@@ -75,9 +75,22 @@ def held_out_accuracy(cfg, model, tokenizer, rows: list[dict], model_dir: str, e
     return evaluate_model(model, tokenizer, rows, cfg, batch_size=len(rows))["eval/accuracy"]
 
 
-def sft(model_dir: str, data: str, eval_data: str, out: str, target_acc: float, lr: float, batch_size: int,
-        max_steps: int, eval_every: int, eval_n: int, seed: int, max_minutes: float, cfg=None,
-        evaluate_model: EvaluateModel | None = None) -> dict:
+def sft(
+    model_dir: str,
+    data: str,
+    eval_data: str,
+    out: str,
+    target_acc: float,
+    lr: float,
+    batch_size: int,
+    max_steps: int,
+    eval_every: int,
+    eval_n: int,
+    seed: int,
+    max_minutes: float,
+    cfg=None,
+    evaluate_model: EvaluateModel | None = None,
+) -> dict:
     """``cfg``: a job whose ``rollout.env`` is multi-turn makes the early stop measure whole episodes.
     ``evaluate_model``: the held-out evaluator (``learner/evaluate.py``), handed in by the application."""
     evaluate_model = require_evaluator(evaluate_model, "the warm start's early stop")
@@ -132,8 +145,24 @@ def main(args, evaluate_model: EvaluateModel | None = None) -> int:
         from fleetrl.common.config import load_config
 
         cfg = load_config(args.config, args.overrides)
-    result = sft(args.model, args.data, args.eval_data, args.out, args.target_acc, args.lr, args.batch_size,
-                 args.max_steps, args.eval_every, args.eval_n, args.seed, args.max_minutes, cfg, evaluate_model)
-    print(f"warm start: {result['steps']} steps in {result['seconds']:.0f} s, held-out greedy accuracy "
-          f"{100 * result['accuracy']:.1f}% -> {args.out}")
+    result = sft(
+        args.model,
+        args.data,
+        args.eval_data,
+        args.out,
+        args.target_acc,
+        args.lr,
+        args.batch_size,
+        args.max_steps,
+        args.eval_every,
+        args.eval_n,
+        args.seed,
+        args.max_minutes,
+        cfg,
+        evaluate_model,
+    )
+    print(
+        f"warm start: {result['steps']} steps in {result['seconds']:.0f} s, held-out greedy accuracy "
+        f"{100 * result['accuracy']:.1f}% -> {args.out}"
+    )
     return 0

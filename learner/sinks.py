@@ -53,8 +53,10 @@ def _need(module: str, setting: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ConfigError(f"{setting} needs {module.split('.')[0]} ({e}); install the tracking extra: {INSTALL_HINT}, "
-                          "or turn the setting off") from None
+        raise ConfigError(
+            f"{setting} needs {module.split('.')[0]} ({e}); install the tracking extra: {INSTALL_HINT}, "
+            "or turn the setting off"
+        ) from None
 
 
 class JsonlSink:
@@ -79,8 +81,17 @@ class JsonlSink:
 class ConsoleSink:
     """A short log line every ``every`` steps."""
 
-    KEYS = ("reward/mean", "actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm", "off_policy/staleness_mean",
-            "throughput/samples_per_s", "resource/learner/cpu_percent", "resource/learner/rss_mb")
+    KEYS = (
+        "reward/mean",
+        "actor/loss",
+        "actor/kl",
+        "actor/entropy",
+        "actor/grad_norm",
+        "off_policy/staleness_mean",
+        "throughput/samples_per_s",
+        "resource/learner/cpu_percent",
+        "resource/learner/rss_mb",
+    )
 
     LABELS = {"reward/mean": "reward_mean"}  # a bare `mean=` does not say of what
 
@@ -89,7 +100,9 @@ class ConsoleSink:
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if step % self.every == 0:
-            shown = "  ".join(f"{self.LABELS.get(k, k.split('/')[-1])}={metrics[k]:.4g}" for k in self.KEYS if k in metrics)
+            shown = "  ".join(
+                f"{self.LABELS.get(k, k.split('/')[-1])}={metrics[k]:.4g}" for k in self.KEYS if k in metrics
+            )
             log.info("step %d  %s", step, shown)
 
     def write_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
@@ -138,18 +151,29 @@ class WandbSink:
         self.wandb = wandb = _need("wandb", "telemetry.wandb_project")
         env = os.environ.get
         tags = tel.wandb_tags if tel.wandb_tags is not None else [t for t in env("WANDB_TAGS", "").split(",") if t]
-        chosen = {"entity": tel.wandb_entity or env("WANDB_ENTITY"), "group": tel.wandb_group or env("WANDB_RUN_GROUP"),
-                  "tags": tags or None, "project": wandb_project(tel), "mode": wandb_mode(tel)}
+        chosen = {
+            "entity": tel.wandb_entity or env("WANDB_ENTITY"),
+            "group": tel.wandb_group or env("WANDB_RUN_GROUP"),
+            "tags": tags or None,
+            "project": wandb_project(tel),
+            "mode": wandb_mode(tel),
+        }
         name = tel.wandb_name or env("WANDB_NAME") or run_dir.name
-        self.run = wandb.init(dir=env("WANDB_DIR") or str(run_dir), name=name, config=config,
-                              **{k: v for k, v in chosen.items() if v is not None})
+        self.run = wandb.init(
+            dir=env("WANDB_DIR") or str(run_dir),
+            name=name,
+            config=config,
+            **{k: v for k, v in chosen.items() if v is not None},
+        )
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(dict(metrics), step=step)
 
     def write_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
-        table = self.wandb.Table(columns=["step", *COMPLETION_COLUMNS],
-                                 data=[[step, *(_cell(r.get(c)) for c in COMPLETION_COLUMNS)] for r in rows])
+        table = self.wandb.Table(
+            columns=["step", *COMPLETION_COLUMNS],
+            data=[[step, *(_cell(r.get(c)) for c in COMPLETION_COLUMNS)] for r in rows],
+        )
         self.run.log({"completions": table}, step=step)
 
     def close(self) -> None:
@@ -175,6 +199,7 @@ def _cell(value: Any) -> Any:
 
 def completions_markdown(rows: list[dict[str, Any]]) -> str:
     """The rows as a Markdown table (pipes and newlines escaped)."""
+
     def esc(x: Any) -> str:
         text = f"{x:.4g}" if isinstance(x, float) else str(x)
         return text.replace("|", "\\|").replace("\n", "\\n")
@@ -222,21 +247,25 @@ class PrometheusSink:
         self.registry.register(self.gauges)
         self.steps = prometheus.Counter("fleetrl_learner_steps", "learner steps", registry=self.registry)
         self.samples = prometheus.Counter("fleetrl_learner_samples", "samples trained on", registry=self.registry)
-        self.step_s = prometheus.Histogram("fleetrl_learner_step_seconds", "timing/step_total_s",
-                                           buckets=self.STEP_BUCKETS, registry=self.registry)
+        self.step_s = prometheus.Histogram(
+            "fleetrl_learner_step_seconds", "timing/step_total_s", buckets=self.STEP_BUCKETS, registry=self.registry
+        )
         try:
             self.server, self.thread = prometheus.start_http_server(port, addr=addr, registry=self.registry)
         except OSError as e:
-            raise ConfigError(f"telemetry.prometheus_port={port}: cannot serve metrics on {addr}:{port} ({e}); "
-                              "choose a free port (or null), or check telemetry.prometheus_host") from None
+            raise ConfigError(
+                f"telemetry.prometheus_port={port}: cannot serve metrics on {addr}:{port} ({e}); "
+                "choose a free port (or null), or check telemetry.prometheus_host"
+            ) from None
         self.port = self.server.server_port
         log.info("serving Prometheus metrics on http://%s:%d/metrics", addr, self.port)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         from fleetrl.common.telemetry import tracing
 
-        values = {prometheus_name(k): (k, float(v)) for k, v in {"step": float(step), **metrics}.items()
-                  if math.isfinite(v)}
+        values = {
+            prometheus_name(k): (k, float(v)) for k, v in {"step": float(step), **metrics}.items() if math.isfinite(v)
+        }
         self.gauges.values = {**self.gauges.values, **values}
         exemplar = tracing.exemplar() or None
         if "batch/samples" not in metrics and "timing/step_total_s" not in metrics:

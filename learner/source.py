@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -69,8 +69,10 @@ class BrokerBatchSource:
                 raise Interrupted()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise FleetIdle(f"no groups arrived within learner.batch_wait_s={self.cfg.learner.batch_wait_s:g} s; "
-                                "check that rollout servers run (`fleetrl status --broker ADDR`) or raise that setting")
+                raise FleetIdle(
+                    f"no groups arrived within learner.batch_wait_s={self.cfg.learner.batch_wait_s:g} s; "
+                    "check that rollout servers run (`fleetrl status --broker ADDR`) or raise that setting"
+                )
             reply = self.client.lease_batch(n, wait_s=min(2.0, left), min_groups=n)
             if isinstance(reply, m.BatchLease):
                 return reply
@@ -100,7 +102,9 @@ class BrokerBatchSource:
             if len(out.groups) >= self.want:
                 break
         if not out.groups:  # every group was filtered: train on what came rather than not at all
-            log.warning("dynamic sampling filtered every group of %d leases; training on the last lease", len(out.leases))
+            log.warning(
+                "dynamic sampling filtered every group of %d leases; training on the last lease", len(out.leases)
+            )
             out.groups = list(last.groups)
         self.filtered_total += out.filtered
         out.wait_s = time.monotonic() - t0

@@ -21,8 +21,8 @@ Cost: one span per sampled group per step and per publish, tens of microseconds 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Sequence
 
 from opentelemetry import trace
 
@@ -36,8 +36,9 @@ class StepTraces:
     def __init__(self) -> None:
         self.pending: list[trace.Span] = []  # learner.train spans since the last publish
 
-    def trained(self, step_span: trace.Span, groups: Sequence[m.SampleGroup], step: int, version: int,
-                start_ns: int) -> None:
+    def trained(
+        self, step_span: trace.Span, groups: Sequence[m.SampleGroup], step: int, version: int, start_ns: int
+    ) -> None:
         """A ``learner.train`` span in each sampled group's trace, from ``start_ns`` to now; the first
         becomes the metric exemplar of this step."""
         if not tracing.enabled():
@@ -47,8 +48,14 @@ class StepTraces:
         for g in groups:
             if not tracing.sampled(g.trace):
                 continue
-            span = tracing.record_span("learner.train", start_ns, end_ns, parent=g.trace, links=link, attributes={
-                "fleetrl.group_id": g.group_id, "fleetrl.step": step, "fleetrl.policy_version": version})
+            span = tracing.record_span(
+                "learner.train",
+                start_ns,
+                end_ns,
+                parent=g.trace,
+                links=link,
+                attributes={"fleetrl.group_id": g.group_id, "fleetrl.step": step, "fleetrl.policy_version": version},
+            )
             if span is not None:
                 self.pending.append(span)
         if groups:
@@ -65,8 +72,10 @@ class StepTraces:
             yield []
             return
         tracer, attrs = tracing.get_tracer(), {"fleetrl.policy_version": version, "fleetrl.step": step}
-        spans = [tracer.start_span("learner.publish_weights", context=trace.set_span_in_context(parent), attributes=attrs)
-                 for parent in self.pending]
+        spans = [
+            tracer.start_span("learner.publish_weights", context=trace.set_span_in_context(parent), attributes=attrs)
+            for parent in self.pending
+        ]
         self.pending = []
         try:
             yield [tracing.inject(s) for s in spans[:ANNOUNCED_TRACES]]

@@ -1,14 +1,14 @@
 """`fleetrl learner`: one learner rank's training loop (also under torchrun / the deepspeed launcher).
 
-    learner = Learner(...)                     # model, DeepSpeed engine, the objective (OBJECTIVES), publisher
-    while not done:
-        leased = source.next()                 # batch leases from the broker (dynamic sampling inside)
-        batch = actor.plan(leased)             # packed once, on the device
-        stats = actor.step(batch, version)     # log-probs, advantages / pairs, losses, optimizer step
-        source.ack(leased, step)               # the broker may now forget (or commit) those groups
-        publisher.publish(...)                 # every sync.interval steps: weights to the rollout fleet
-        monitor.log(step, stats); checkpoint when due
-    leave the broker (`done` when training is over: rollouts started by hand then exit)
+learner = Learner(...)                     # model, DeepSpeed engine, the objective (OBJECTIVES), publisher
+while not done:
+    leased = source.next()                 # batch leases from the broker (dynamic sampling inside)
+    batch = actor.plan(leased)             # packed once, on the device
+    stats = actor.step(batch, version)     # log-probs, advantages / pairs, losses, optimizer step
+    source.ack(leased, step)               # the broker may now forget (or commit) those groups
+    publisher.publish(...)                 # every sync.interval steps: weights to the rollout fleet
+    monitor.log(step, stats); checkpoint when due
+leave the broker (`done` when training is over: rollouts started by hand then exit)
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import msgspec
 import numpy as np
@@ -29,11 +29,11 @@ import torch.distributed as tdist
 
 from fleetrl.broker.client.metrics import expected_receivers, status_metrics
 from fleetrl.common import faults
-from fleetrl.common.telemetry import tracing
 from fleetrl.common.config import load_config, save_resolved
 from fleetrl.common.config.preflight import require_model_dir
-from fleetrl.common.telemetry.logs import setup_logging
 from fleetrl.common.config.schema import JobConfig
+from fleetrl.common.telemetry import tracing
+from fleetrl.common.telemetry.logs import setup_logging
 from fleetrl.learner.checkpoint import Checkpointer, export_hf, rng_state, set_rng_state, tag_of
 from fleetrl.learner.completions import CompletionLog, reward_part_metrics, sample_advantages
 from fleetrl.learner.lifecycle import GracefulStop, connect_broker, leave_broker, write_ready
@@ -78,8 +78,9 @@ class Learner:
                 return AdapterFreeReference(self.module)
             return build_frozen(load_causal_lm(cfg.model.path, cfg, dtype), cfg, dtype, dist.device)
 
-        objective = OBJECTIVES[cfg.algorithm.type](Setup(cfg, self.run_dir, client, dist, self.engine, dtype,
-                                                         self.generator, load_reference, evaluate_model))
+        objective = OBJECTIVES[cfg.algorithm.type](
+            Setup(cfg, self.run_dir, client, dist, self.engine, dtype, self.generator, load_reference, evaluate_model)
+        )
         self.actor, self.source, self.critic = objective.actor, objective.source, objective.critic
         self.evaluator = objective.evaluator
         self.ckpt = Checkpointer(cfg, run_dir, dist.rank)
@@ -97,13 +98,19 @@ class Learner:
         self.stop_requested: Callable[[], bool] = lambda: False
         from fleetrl.learner.health import HealthMonitor
 
-        self.health = HealthMonitor(cfg.health, self.run_dir / "events.jsonl" if dist.is_main else None) \
-            if cfg.health.enabled else None
+        self.health = (
+            HealthMonitor(cfg.health, self.run_dir / "events.jsonl" if dist.is_main else None)
+            if cfg.health.enabled
+            else None
+        )
         self.last_events: list = []  # the health events of the newest step
         idle = self.health.rollback_rules_without_checkpoints(cfg.checkpoint.interval) if self.health else []
         if idle and dist.is_main:
-            log.warning("%s roll back, but checkpoint.interval=0 saves no checkpoint to roll back to: they will alert "
-                        "instead, and non_finite will stop (set checkpoint.interval, e.g. 100, to let them act)", ", ".join(idle))
+            log.warning(
+                "%s roll back, but checkpoint.interval=0 saves no checkpoint to roll back to: they will alert "
+                "instead, and non_finite will stop (set checkpoint.interval, e.g. 100, to let them act)",
+                ", ".join(idle),
+            )
         self.lr_scale = 1.0  # health.lr_factor ** rollbacks
         self.traces = StepTraces()
         self.completions = CompletionLog(cfg) if dist.is_main else None
@@ -116,8 +123,9 @@ class Learner:
     def train_step(self) -> dict[str, float]:
         t0, start_ns = time.perf_counter(), time.time_ns()
         leased = self.source.next(self.step + 1, self.stop_requested)
-        with tracing.span("learner.step", tracing.ROOT, {"fleetrl.step": self.step + 1},
-                            tracing.group_links(leased.groups), start_ns) as step_span:  # linked to every group
+        with tracing.span(
+            "learner.step", tracing.ROOT, {"fleetrl.step": self.step + 1}, tracing.group_links(leased.groups), start_ns
+        ) as step_span:  # linked to every group
             batch = self.actor.plan(leased)
             with faults.around("learner.update", learner=self, step=self.step + 1):
                 stats = self.actor.step(batch, self.version, self.pristine)
@@ -125,14 +133,21 @@ class Learner:
             self.step += 1
             self.source.ack(leased, self.step)
             self.traces.trained(step_span, leased.groups, self.step, self.version, start_ns)  # learner/tracing.py
-            self.trained_log.write({"step": self.step, "version": self.version, "group_ids": leased.ids,
-                                    **({"filtered_ids": leased.filtered_ids} if leased.filtered_ids else {})})
+            self.trained_log.write(
+                {
+                    "step": self.step,
+                    "version": self.version,
+                    "group_ids": leased.ids,
+                    **({"filtered_ids": leased.filtered_ids} if leased.filtered_ids else {}),
+                }
+            )
             main_only = self.broker_metrics() if self.dist.is_main and self.fleet else {}  # sizes the broadcast
             if self.dist.is_main:  # per reward function (rank 0's groups: keys may differ between ranks)
                 main_only.update(reward_part_metrics(leased.groups))
                 if self.completions is not None and self.completions.due(self.step) and leased.groups:
-                    self.monitor.log_completions(self.step, self.completions.rows(
-                        self.step, leased.groups, sample_advantages(batch)))
+                    self.monitor.log_completions(
+                        self.step, self.completions.rows(self.step, leased.groups, sample_advantages(batch))
+                    )
             if self.fleet and self.step % self.cfg.sync.interval == 0 and finite_update(stats):
                 main_only.update(self.publish())
             if self.evaluator is not None and self.step % self.cfg.run.eval_interval == 0:
@@ -140,16 +155,24 @@ class Learner:
             wall = time.perf_counter() - t0
             samples = int(stats["batch/samples"])
             self.samples_seen += samples
-            stats.update({
-                "timing/wait_batch_s": leased.wait_s, "timing/step_total_s": wall,
-                "throughput/samples_per_s": samples / max(wall, 1e-9),
-                "throughput/tokens_per_s": stats["batch/tokens"] / max(wall, 1e-9),
-                "batch/filtered_groups": float(leased.filtered), "batch/dropped_stale": float(leased.dropped_stale),
-            })
+            stats.update(
+                {
+                    "timing/wait_batch_s": leased.wait_s,
+                    "timing/step_total_s": wall,
+                    "throughput/samples_per_s": samples / max(wall, 1e-9),
+                    "throughput/tokens_per_s": stats["batch/tokens"] / max(wall, 1e-9),
+                    "batch/filtered_groups": float(leased.filtered),
+                    "batch/dropped_stale": float(leased.dropped_stale),
+                }
+            )
             stats = self._mean_over_ranks(stats)  # every rank has the same keys here
             stats.update(main_only)
-            stats.update({"policy/version": float(self.version),
-                          "batch/samples_total": float(self.samples_seen * self.dist.world)})
+            stats.update(
+                {
+                    "policy/version": float(self.version),
+                    "batch/samples_total": float(self.samples_seen * self.dist.world),
+                }
+            )
             return stats
 
     def broker_metrics(self) -> dict[str, float]:
@@ -176,9 +199,15 @@ class Learner:
         expected = self.fleet_size
         with self.traces.publishing(self.version, self.step) as traces:  # spans in the trained groups' traces
             announce = lambda info: self.client.publish_version(  # noqa: E731
-                self.version, self.step, msgspec.structs.replace(info, traces=traces))
-            return self.publisher.publish(self.version, self.step, self.full_params(),
-                                          announce if self.dist.is_main else (lambda info: None), expected)
+                self.version, self.step, msgspec.structs.replace(info, traces=traces)
+            )
+            return self.publisher.publish(
+                self.version,
+                self.step,
+                self.full_params(),
+                announce if self.dist.is_main else (lambda info: None),
+                expected,
+            )
 
     def full_params(self):
         """(name, full tensor) under the base model's names; with model.lora the merged weights (collective)."""
@@ -191,16 +220,28 @@ class Learner:
 
     def save(self) -> Path:
         healthy = self.health.on_checkpoint(self.step) if self.health is not None else True
-        state = {"step": self.step, "version": self.version, "rng": rng_state(), "generator": self.generator.get_state(),
-                 "actor": self.actor.state_dict(), "samples_seen": self.samples_seen,
-                 "history": self.monitor.history[-200:], "lr_scale": self.lr_scale,
-                 "health": self.health.state_dict() if self.health is not None else None,
-                 "source": self.source.state_dict()}
+        state = {
+            "step": self.step,
+            "version": self.version,
+            "rng": rng_state(),
+            "generator": self.generator.get_state(),
+            "actor": self.actor.state_dict(),
+            "samples_seen": self.samples_seen,
+            "history": self.monitor.history[-200:],
+            "lr_scale": self.lr_scale,
+            "health": self.health.state_dict() if self.health is not None else None,
+            "source": self.source.state_dict(),
+        }
         tokenizer = self.cfg.model.tokenizer or self.cfg.model.path
-        export = (lambda out: export_merged(self.module, out, tokenizer, self.dist.rank)) if self.lora else \
-            (lambda out: export_hf(self.module, self.full_params(), out, tokenizer, self.dist.rank))
+        export = (
+            (lambda out: export_merged(self.module, out, tokenizer, self.dist.rank))
+            if self.lora
+            else (lambda out: export_hf(self.module, self.full_params(), out, tokenizer, self.dist.rank))
+        )
         extra = self.critic.save if self.critic is not None else None  # <checkpoint>/critic/
-        path = self.ckpt.save(self.engine, self.step, state, {"version": self.version, "healthy": healthy}, export, extra)
+        path = self.ckpt.save(
+            self.engine, self.step, state, {"version": self.version, "healthy": healthy}, export, extra
+        )
         if self.cfg.broker.commit_on_checkpoint and self.fleet:
             self.client.commit(self.step)
         return path
@@ -229,8 +270,9 @@ class Learner:
         self.version = max(self.version, self._max_over_ranks(newest))
         if self.dist.is_main:
             self.broker_metrics()  # the round waits for the rollouts registered now (more join by catch-up rounds)
-        log.info("resumed from %s at step %d; publishing its weights as policy version %d", path, self.step,
-                 self.version + 1)
+        log.info(
+            "resumed from %s at step %d; publishing its weights as policy version %d", path, self.step, self.version + 1
+        )
         self.publish()
 
     def _max_over_ranks(self, value: int) -> int:
@@ -243,9 +285,24 @@ class Learner:
     def rollback(self, reason: str) -> bool:
         """Restore the newest healthy checkpoint with a lower LR; False if there is none (then alert or stop).
         The steps, in order, are in ``learner/rollback.py``."""
-        parts = RollbackParts(self.cfg, self.ckpt, self.engine, self.actor, self.critic, self.generator, self.source,
-                              self.health, self.client, self.dist, self.trained_log, self.fleet, self.step, self.version,
-                              publish=self.publish_new_version, set_lr_scale=self.set_lr_scale)
+        parts = RollbackParts(
+            self.cfg,
+            self.ckpt,
+            self.engine,
+            self.actor,
+            self.critic,
+            self.generator,
+            self.source,
+            self.health,
+            self.client,
+            self.dist,
+            self.trained_log,
+            self.fleet,
+            self.step,
+            self.version,
+            publish=self.publish_new_version,
+            set_lr_scale=self.set_lr_scale,
+        )
         return roll_back(parts, reason)
 
     def publish_new_version(self) -> int:
@@ -258,7 +315,9 @@ class Learner:
         self.lr_scale = scale
         peak = self.cfg.learner.lr * self.lr_scale
         self.scheduler.base_lrs = [peak for _ in self.scheduler.base_lrs]
-        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch) if hasattr(self.scheduler, "lr_lambdas") else 1.0
+        factor = (
+            self.scheduler.lr_lambdas[0](self.scheduler.last_epoch) if hasattr(self.scheduler, "lr_lambdas") else 1.0
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = peak * factor
 
@@ -305,8 +364,9 @@ def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None,
 
     ``evaluate_model``: the held-out evaluator (``learner/evaluate.py``), handed in by the application."""
     dist = init_distributed(cfg)
-    tracing.setup_tracing("learner", cfg.telemetry, run_dir, {"service.instance.id": f"learner-{dist.rank}",
-                                                                "fleetrl.rank": dist.rank})
+    tracing.setup_tracing(
+        "learner", cfg.telemetry, run_dir, {"service.instance.id": f"learner-{dist.rank}", "fleetrl.rank": dist.rank}
+    )
     own_client = client is None and cfg.needs_fleet  # offline DPO runs without a broker
     if own_client:
         client = connect_broker(cfg, run_dir, dist.rank)
@@ -330,14 +390,17 @@ def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None,
             action = learner.check_health(stats)
             learner.monitor.log(learner.step, stats)
             if action == "rollback" and not learner.rollback(f"rule fired at step {learner.step}"):
-                action = learner.health.rollback_unavailable(learner.step, learner.last_events,
-                                                             cfg.checkpoint.interval)
+                action = learner.health.rollback_unavailable(learner.step, learner.last_events, cfg.checkpoint.interval)
             if action == "stop":
                 log.error("health monitor stops the run at step %d:\n%s", learner.step, learner.health.report())
                 final = learner.save()
                 ending = (f"the health monitor stopped the run at step {learner.step}", True)
-                log.info("learner stopped by the health monitor at step %d (policy version %d); final checkpoint %s",
-                         learner.step, learner.version, final.name)
+                log.info(
+                    "learner stopped by the health monitor at step %d (policy version %d); final checkpoint %s",
+                    learner.step,
+                    learner.version,
+                    final.name,
+                )
                 return 3
             if learner.checkpoint_due():
                 learner.save()
@@ -345,12 +408,21 @@ def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None,
         final = learner.save() if not newest or newest[-1].name != tag_of(learner.step) else newest[-1]
         if stop.requested:
             ending = (f"stopped by {stop.signal_name} at step {learner.step}", False)
-            log.info("learner stopped (%s) at step %d (policy version %d); final checkpoint %s", stop.signal_name,
-                     learner.step, learner.version, final.name)
+            log.info(
+                "learner stopped (%s) at step %d (policy version %d); final checkpoint %s",
+                stop.signal_name,
+                learner.step,
+                learner.version,
+                final.name,
+            )
         else:
             ending = (f"training finished at step {learner.step}", True)
-            log.info("learner done at step %d (policy version %d); final checkpoint %s", learner.step,
-                     learner.version, final.name)
+            log.info(
+                "learner done at step %d (policy version %d); final checkpoint %s",
+                learner.step,
+                learner.version,
+                final.name,
+            )
         return 0
     finally:
         learner.close()
@@ -370,7 +442,8 @@ def main(args, evaluate_model=None) -> int:
     if int(os.environ.get("RANK", 0)) == 0 and not (run_dir / "config.yaml").exists():
         save_resolved(cfg, run_dir)
     extra = ([f"broker.address={args.broker}"] if args.broker else []) + (
-        [f"checkpoint.resume={args.resume}"] if args.resume else [])
+        [f"checkpoint.resume={args.resume}"] if args.resume else []
+    )
     if extra:
         cfg = load_config(args.config, [*args.overrides, *extra])
     return train(cfg, run_dir, evaluate_model=evaluate_model)

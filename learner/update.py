@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as tdist
@@ -62,8 +63,9 @@ def sync_max(n: int, device: torch.device) -> int:
     return int(t.item())
 
 
-def response_logprobs(model, mb: MicroBatch, temperature: float, entropy: bool | str = False
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_logprobs(
+    model, mb: MicroBatch, temperature: float, entropy: bool | str = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(y_t | prompt, y_<t) ``[b, T]`` of a micro-batch's response tokens (and the entropy there).
 
     ``entropy``: False (none), True (with its gradient, for an entropy bonus) or ``"metric"`` (only
@@ -82,8 +84,9 @@ def response_logprobs(model, mb: MicroBatch, temperature: float, entropy: bool |
 
 
 @torch.no_grad()
-def forward_passes(fn: Callable[[T], torch.Tensor], items: Sequence[T], device: torch.device,
-                   collective: bool = True) -> list[torch.Tensor]:
+def forward_passes(
+    fn: Callable[[T], torch.Tensor], items: Sequence[T], device: torch.device, collective: bool = True
+) -> list[torch.Tensor]:
     """``fn(item)`` for every item, without gradients; with ``collective``, dummy passes keep ranks matched."""
     n = sync_max(len(items), device) if collective else len(items)
     out = []
@@ -117,8 +120,15 @@ def local_grad_norm(module: torch.nn.Module) -> float:
     return float(torch.stack(grads).norm()) if grads else 0.0
 
 
-def accumulate_and_step(engine, items: Sequence[T], loss_fn: Callable[[T], Piece], device: torch.device,
-                        zero_stage: int, norm_key: str = "actor/grad_norm", timing: str = "timing/") -> dict[str, float]:
+def accumulate_and_step(
+    engine,
+    items: Sequence[T],
+    loss_fn: Callable[[T], Piece],
+    device: torch.device,
+    zero_stage: int,
+    norm_key: str = "actor/grad_norm",
+    timing: str = "timing/",
+) -> dict[str, float]:
     """Backward of ``loss * share`` (or ``* grad_scale``) for every item (dummy passes to match ranks), then one optimizer step.
 
     Returns the share-weighted metrics, ``norm_key`` (the grad norm), ``<timing>backward_s`` and
@@ -144,6 +154,11 @@ def accumulate_and_step(engine, items: Sequence[T], loss_fn: Callable[[T], Piece
     engine.step()
     norm = engine.get_global_grad_norm()
     result = {name: reduce_metric(name, [v for v, _ in vs], [s for _, s in vs]) for name, vs in part.items()}
-    result.update({f"{timing}step_s": time.perf_counter() - t, f"{timing}backward_s": t_bwd,
-                   norm_key: float(norm) if norm is not None else local_norm})
+    result.update(
+        {
+            f"{timing}step_s": time.perf_counter() - t,
+            f"{timing}backward_s": t_bwd,
+            norm_key: float(norm) if norm is not None else local_norm,
+        }
+    )
     return result

@@ -12,12 +12,13 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from fleetrl.common import faults
-from fleetrl.common.telemetry import tracing
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import JobConfig
+from fleetrl.common.telemetry import tracing
 from fleetrl.rollout.tracing import trace_load
 
 if TYPE_CHECKING:
@@ -27,8 +28,13 @@ log = logging.getLogger("fleetrl.rollout")
 
 
 class WeightApplier:
-    def __init__(self, cfg: JobConfig, engine: Any, receiver: WeightReceiver | None,
-                 on_loaded: Callable[[int], None] = lambda version: None):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        engine: Any,
+        receiver: WeightReceiver | None,
+        on_loaded: Callable[[int], None] = lambda version: None,
+    ):
         self.cfg, self.engine, self.receiver, self.on_loaded = cfg, engine, receiver, on_loaded
         self.version = 0  # the weights the engine holds: model.path until a new version is applied
         self.stats = {"weights/pause_ms": 0.0, "weights/updates_inflight": 0.0}
@@ -42,8 +48,12 @@ class WeightApplier:
             self._announced[version] = weights.traces
         if self.receiver is None:
             if version != self.version and not self._warned_no_receiver:
-                log.warning("policy version %d announced but this server has no weight receiver; it keeps "
-                            "generating with version %d", version, self.version)
+                log.warning(
+                    "policy version %d announced but this server has no weight receiver; it keeps "
+                    "generating with version %d",
+                    version,
+                    self.version,
+                )
                 self._warned_no_receiver = True
             return
         self.receiver.on_version(version, weights)
@@ -53,8 +63,10 @@ class WeightApplier:
         if self.receiver is None or self.receiver.pending_version() is None:
             return None
         start_ns, t0 = time.time_ns(), time.perf_counter()
-        load = functools.partial(faults.at("rollout.weight_load", self.receiver.apply,
-                                           pending=self.receiver.pending_version, owner=self), self.engine)
+        load = functools.partial(
+            faults.at("rollout.weight_load", self.receiver.apply, pending=self.receiver.pending_version, owner=self),
+            self.engine,
+        )
         try:
             version = self.engine.loop.call(self.engine.swap_weights(load, self.cfg.rollout.inflight_update))
         except ValueError as e:  # names, shapes or dtypes that do not fit: the engine changed nothing
@@ -63,11 +75,24 @@ class WeightApplier:
         pause_ms = 1000 * (time.perf_counter() - t0)
         if version is None or version == self.version:
             return None
-        trace_load(start_ns, self._announced.pop(version, []), {
-            "fleetrl.policy_version": version, "fleetrl.previous_version": self.version,
-            "fleetrl.inflight_update": self.cfg.rollout.inflight_update, "fleetrl.in_flight": in_flight})
-        log.info("policy version %d -> %d: new weights loaded in flight (%s, %d groups in flight, paused %.0f ms)",
-                 self.version, version, self.cfg.rollout.inflight_update, in_flight, pause_ms)
+        trace_load(
+            start_ns,
+            self._announced.pop(version, []),
+            {
+                "fleetrl.policy_version": version,
+                "fleetrl.previous_version": self.version,
+                "fleetrl.inflight_update": self.cfg.rollout.inflight_update,
+                "fleetrl.in_flight": in_flight,
+            },
+        )
+        log.info(
+            "policy version %d -> %d: new weights loaded in flight (%s, %d groups in flight, paused %.0f ms)",
+            self.version,
+            version,
+            self.cfg.rollout.inflight_update,
+            in_flight,
+            pause_ms,
+        )
         self.version = version
         faults.at("rollout.version_loaded", version)
         self.stats["weights/pause_ms"] = pause_ms

@@ -31,18 +31,19 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from fleetrl.common.config import ConfigError, load_config
 from fleetrl.common.config.preflight import default_success_threshold, require_model_dir
-from fleetrl.common.telemetry.logs import setup_logging
 from fleetrl.common.config.schema import JobConfig, ModelConfig, RewardSpec
 from fleetrl.common.data.tables import DataError, load_rows
-from fleetrl.rollout.engines import SamplingParams, create_engine
-from fleetrl.rollout.loop import check_chat_template, encode_prompt
-from fleetrl.rollout.envs import Episode, create_env
+from fleetrl.common.telemetry.logs import setup_logging
 from fleetrl.rollout import group_rule as env_groups
+from fleetrl.rollout.engines import SamplingParams, create_engine
+from fleetrl.rollout.envs import Episode, create_env
+from fleetrl.rollout.loop import check_chat_template, encode_prompt
 from fleetrl.rollout.rewards import RewardInput, RewardScorer
 
 log = logging.getLogger("fleetrl.eval")
@@ -68,14 +69,29 @@ def success_threshold(specs: Sequence[RewardSpec], explicit: float | None, key: 
     if default is not None:
         return default
     names = ", ".join(f"{s.name} (weight {s.weight:g})" for s in specs)
-    raise ConfigError(f"{key}: which reward counts as correct is ambiguous for the rewards {names}; set {key} "
-                      "(a response is correct when its reward >= that value)")
+    raise ConfigError(
+        f"{key}: which reward counts as correct is ambiguous for the rewards {names}; set {key} "
+        "(a response is correct when its reward >= that value)"
+    )
 
 
-def evaluate(model_dir: str, rows: Sequence[dict[str, Any]], *, cfg: JobConfig | None = None, n: int | None = None,
-             k: int = 1, samples: int | None = None, temperature: float | None = None,
-             max_new_tokens: int | None = None, reward: str | None = None, success: float | None = None,
-             device: str | None = None, seed: int = 0, batch_size: int = 32, engine: Any = None) -> dict[str, float]:
+def evaluate(
+    model_dir: str,
+    rows: Sequence[dict[str, Any]],
+    *,
+    cfg: JobConfig | None = None,
+    n: int | None = None,
+    k: int = 1,
+    samples: int | None = None,
+    temperature: float | None = None,
+    max_new_tokens: int | None = None,
+    reward: str | None = None,
+    success: float | None = None,
+    device: str | None = None,
+    seed: int = 0,
+    batch_size: int = 32,
+    engine: Any = None,
+) -> dict[str, float]:
     """Greedy accuracy and sampled pass@k on the first ``n`` rows (see the module docstring).
 
     ``None`` arguments come from ``cfg`` (defaults: `JobConfig()`): temperature and max_new_tokens
@@ -83,13 +99,35 @@ def evaluate(model_dir: str, rows: Sequence[dict[str, Any]], *, cfg: JobConfig |
     sampling. ``engine``: an `hf` engine to reuse (its weights are used; ``model_dir`` is then only
     reported). Returns ``eval/...`` metrics.
     """
-    return evaluate_detailed(model_dir, rows, cfg=cfg, n=n, k=k, samples=samples, temperature=temperature,
-                             max_new_tokens=max_new_tokens, reward=reward, success=success, device=device, seed=seed,
-                             batch_size=batch_size, engine=engine)[0]
+    return evaluate_detailed(
+        model_dir,
+        rows,
+        cfg=cfg,
+        n=n,
+        k=k,
+        samples=samples,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        reward=reward,
+        success=success,
+        device=device,
+        seed=seed,
+        batch_size=batch_size,
+        engine=engine,
+    )[0]
 
 
-def evaluate_model(model: Any, tokenizer: Any, rows: Sequence[dict[str, Any]], cfg: JobConfig, *, k: int = 0,
-                   batch_size: int = 256, seed: int = 0, success: float | None = None) -> dict[str, float]:
+def evaluate_model(
+    model: Any,
+    tokenizer: Any,
+    rows: Sequence[dict[str, Any]],
+    cfg: JobConfig,
+    *,
+    k: int = 0,
+    batch_size: int = 256,
+    seed: int = 0,
+    success: float | None = None,
+) -> dict[str, float]:
     """`evaluate` on a model in memory (the learner's periodic evaluation, `fleetrl sft`'s early stop,
     `benchmarks/vs_trl.py` for every system): the same engine, sampling, stop rules and rewards as a run's
     rollouts. The model is put in eval mode for the call and given back in the mode it had."""
@@ -103,17 +141,30 @@ def evaluate_model(model: Any, tokenizer: Any, rows: Sequence[dict[str, Any]], c
     model.eval()
     try:
         with torch.no_grad():
-            return evaluate(cfg.model.path, rows, cfg=cfg, k=k, engine=engine, batch_size=batch_size, seed=seed,
-                            success=success)
+            return evaluate(
+                cfg.model.path, rows, cfg=cfg, k=k, engine=engine, batch_size=batch_size, seed=seed, success=success
+            )
     finally:
         model.train(was_training)
 
 
-def evaluate_detailed(model_dir: str, rows: Sequence[dict[str, Any]], *, cfg: JobConfig | None = None,
-                      n: int | None = None, k: int = 1, samples: int | None = None, temperature: float | None = None,
-                      max_new_tokens: int | None = None, reward: str | None = None, success: float | None = None,
-                      device: str | None = None, seed: int = 0, batch_size: int = 32,
-                      engine: Any = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+def evaluate_detailed(
+    model_dir: str,
+    rows: Sequence[dict[str, Any]],
+    *,
+    cfg: JobConfig | None = None,
+    n: int | None = None,
+    k: int = 1,
+    samples: int | None = None,
+    temperature: float | None = None,
+    max_new_tokens: int | None = None,
+    reward: str | None = None,
+    success: float | None = None,
+    device: str | None = None,
+    seed: int = 0,
+    batch_size: int = 32,
+    engine: Any = None,
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """`evaluate`, plus one record per row (prompt, answer, greedy response, rewards)."""
     cfg = cfg or JobConfig()
     rows = list(rows[:n] if n is not None else rows)
@@ -123,34 +174,49 @@ def evaluate_detailed(model_dir: str, rows: Sequence[dict[str, Any]], *, cfg: Jo
     if k < 0 or (k and samples < k):
         raise ValueError(f"pass@{k} needs at least k samples per prompt (got samples={samples})")
     rcfg = cfg.rollout
-    base = dict(max_new_tokens=max_new_tokens or rcfg.max_new_tokens, stop=tuple(rcfg.stop),
-                stop_token_ids=tuple(rcfg.stop_token_ids))
+    base = dict(
+        max_new_tokens=max_new_tokens or rcfg.max_new_tokens,
+        stop=tuple(rcfg.stop),
+        stop_token_ids=tuple(rcfg.stop_token_ids),
+    )
     greedy = SamplingParams(temperature=0.0, **base)
-    sampled = SamplingParams(temperature=rcfg.temperature if temperature is None else temperature, top_p=rcfg.top_p,
-                             top_k=rcfg.top_k, seed=seed, **base)
+    sampled = SamplingParams(
+        temperature=rcfg.temperature if temperature is None else temperature,
+        top_p=rcfg.top_p,
+        top_k=rcfg.top_k,
+        seed=seed,
+        **base,
+    )
     specs = [RewardSpec(name=reward)] if reward else rcfg.rewards
     success = success_threshold(specs, success)
     check_columns(rows, cfg)
     own_engine = engine is None
     t0 = time.monotonic()
     if own_engine:
-        model_cfg = ModelConfig(path=model_dir, tokenizer=cfg.model.tokenizer, dtype=cfg.model.dtype,
-                                trust_remote_code=cfg.model.trust_remote_code)
+        model_cfg = ModelConfig(
+            path=model_dir,
+            tokenizer=cfg.model.tokenizer,
+            dtype=cfg.model.dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
         engine = create_engine("hf", model_cfg, rcfg, device or rcfg.device, seed)
     env = None
     try:
         check_chat_template(engine.tokenizer, cfg.data.apply_chat_template, model_dir)
         if rcfg.env.multi_turn:
             if rcfg.env.type == "openai":
-                raise ValueError("rollout.env.type=openai: episodes come from agents; evaluate with the environment "
-                                 "the agent implements (e.g. rollout.env.type=tool), or run.eval_interval=0")
+                raise ValueError(
+                    "rollout.env.type=openai: episodes come from agents; evaluate with the environment "
+                    "the agent implements (e.g. rollout.env.type=tool), or run.eval_interval=0"
+                )
             env = create_env(cfg, engine.tokenizer)
         with RewardScorer(specs, rcfg.reward_timeout_s, rcfg.reward_workers) as scorer:
             records = []
             for start in range(0, len(rows), batch_size):
                 chunk = rows[start : start + batch_size]
-                records += _eval_chunk(engine, scorer, cfg, chunk, greedy, sampled if k else None, samples, success,
-                                       env)
+                records += _eval_chunk(
+                    engine, scorer, cfg, chunk, greedy, sampled if k else None, samples, success, env
+                )
     finally:
         if env is not None:
             env_metrics = env.metrics()
@@ -159,8 +225,13 @@ def evaluate_detailed(model_dir: str, rows: Sequence[dict[str, Any]], *, cfg: Jo
             engine.close()
     metrics = summarize(records, k, samples, sampled.temperature)
     if env is not None:
-        metrics.update({f"eval/{k[4:]}": v for k, v in env_metrics.items()
-                        if k in ("env/turns_mean", "env/tool_calls_wellformed_frac", "env/tool_calls_per_episode")})
+        metrics.update(
+            {
+                f"eval/{k[4:]}": v
+                for k, v in env_metrics.items()
+                if k in ("env/turns_mean", "env/tool_calls_wellformed_frac", "env/tool_calls_per_episode")
+            }
+        )
     metrics["eval/success_threshold"] = success
     metrics["timing/eval_s"] = time.monotonic() - t0
     return metrics, records
@@ -170,13 +241,22 @@ def check_columns(rows: Sequence[dict[str, Any]], cfg: JobConfig) -> None:
     """The prompt column must be there (one line naming the key otherwise)."""
     key = cfg.data.prompt_key
     if key not in rows[0]:
-        raise DataError(f"the rows have no {key!r} column (columns: {sorted(rows[0])}); pass --prompt-key "
-                        "(or set data.prompt_key)")
+        raise DataError(
+            f"the rows have no {key!r} column (columns: {sorted(rows[0])}); pass --prompt-key (or set data.prompt_key)"
+        )
 
 
-def _eval_chunk(engine: Any, scorer: RewardScorer, cfg: JobConfig, rows: list[dict[str, Any]],
-                greedy: SamplingParams, sampled: SamplingParams | None, samples: int,
-                success: float, env: Any = None) -> list[dict[str, Any]]:
+def _eval_chunk(
+    engine: Any,
+    scorer: RewardScorer,
+    cfg: JobConfig,
+    rows: list[dict[str, Any]],
+    greedy: SamplingParams,
+    sampled: SamplingParams | None,
+    samples: int,
+    success: float,
+    env: Any = None,
+) -> list[dict[str, Any]]:
     """Generate and score one chunk of rows: one greedy response and ``samples`` sampled ones each."""
     data = cfg.data
     prompts = [row[data.prompt_key] for row in rows]
@@ -189,10 +269,16 @@ def _eval_chunk(engine: Any, scorer: RewardScorer, cfg: JobConfig, rows: list[di
         if sampled is not None:
             outs = [g + s for g, s in zip(outs, engine.generate_batch(ids, sampled, samples))]
     inputs = [
-        RewardInput(prompt=p, response=s.text, answer=a,
-                    metadata={c: v for c, v in row.items() if c != data.prompt_key},
-                    finish_reason=s.finish_reason, num_tokens=len(s.token_ids))
-        for p, a, row, gens in zip(prompts, answers, rows, outs) for s in gens
+        RewardInput(
+            prompt=p,
+            response=s.text,
+            answer=a,
+            metadata={c: v for c, v in row.items() if c != data.prompt_key},
+            finish_reason=s.finish_reason,
+            num_tokens=len(s.token_ids),
+        )
+        for p, a, row, gens in zip(prompts, answers, rows, outs)
+        for s in gens
     ]
     results = env_groups.score(scorer, inputs, [s for gens in outs for s in gens]).result()
     per_row = len(outs[0])
@@ -200,18 +286,34 @@ def _eval_chunk(engine: Any, scorer: RewardScorer, cfg: JobConfig, rows: list[di
     for i, (p, a, gens) in enumerate(zip(prompts, answers, outs)):
         res = results[i * per_row : (i + 1) * per_row]
         sampled_res = [r for r in res[1:] if r.scored]
-        records.append({
-            "prompt": p, "answer": a, "greedy": gens[0].text, "greedy_reward": res[0].reward if res[0].scored else None,
-            "greedy_correct": (res[0].reward >= success and not failed(gens[0])) if res[0].scored else None,
-            "greedy_tokens": len(gens[0].token_ids), "greedy_truncated": gens[0].finish_reason == "length",
-            "sample_rewards": [r.reward for r in sampled_res], "samples_scored": len(sampled_res),
-            "samples_correct": sum(r.reward >= success and not failed(g) for r, g in zip(res[1:], gens[1:]) if r.scored),
-            "sample_tokens": [len(g.token_ids) for g in gens[1:]],
-            "samples_truncated": sum(g.finish_reason == "length" for g in gens[1:]),
-            "distinct": {n: distinct_n([list(g.token_ids) for g in gens[1:]], n) for n in (1, 2)} if len(gens) > 2 else {},
-            "failed": sum(r.failed for r in res) + sum(failed(g) for g in gens), "unscored": sum(not r.scored for r in res),
-            **({"greedy_turns": gens[0].turns, "greedy_messages": gens[0].messages} if isinstance(gens[0], Episode) else {}),
-        })
+        records.append(
+            {
+                "prompt": p,
+                "answer": a,
+                "greedy": gens[0].text,
+                "greedy_reward": res[0].reward if res[0].scored else None,
+                "greedy_correct": (res[0].reward >= success and not failed(gens[0])) if res[0].scored else None,
+                "greedy_tokens": len(gens[0].token_ids),
+                "greedy_truncated": gens[0].finish_reason == "length",
+                "sample_rewards": [r.reward for r in sampled_res],
+                "samples_scored": len(sampled_res),
+                "samples_correct": sum(
+                    r.reward >= success and not failed(g) for r, g in zip(res[1:], gens[1:]) if r.scored
+                ),
+                "sample_tokens": [len(g.token_ids) for g in gens[1:]],
+                "samples_truncated": sum(g.finish_reason == "length" for g in gens[1:]),
+                "distinct": {n: distinct_n([list(g.token_ids) for g in gens[1:]], n) for n in (1, 2)}
+                if len(gens) > 2
+                else {},
+                "failed": sum(r.failed for r in res) + sum(failed(g) for g in gens),
+                "unscored": sum(not r.scored for r in res),
+                **(
+                    {"greedy_turns": gens[0].turns, "greedy_messages": gens[0].messages}
+                    if isinstance(gens[0], Episode)
+                    else {}
+                ),
+            }
+        )
     return records
 
 
@@ -220,8 +322,16 @@ def failed(sample: Any) -> bool:
     return isinstance(sample, Episode) and sample.failed
 
 
-def _episodes(engine: Any, env: Any, rows: list[dict[str, Any]], prompts: list[Any], answers: list[str | None],
-              greedy: SamplingParams, sampled: SamplingParams | None, samples: int) -> list[list[Any]]:
+def _episodes(
+    engine: Any,
+    env: Any,
+    rows: list[dict[str, Any]],
+    prompts: list[Any],
+    answers: list[str | None],
+    greedy: SamplingParams,
+    sampled: SamplingParams | None,
+    samples: int,
+) -> list[list[Any]]:
     """One greedy episode (and ``samples`` sampled ones) per row, through ``env`` on ``engine``'s loop.
     A failed episode scores as wrong (``greedy_correct`` is only true for a finished, scored episode)."""
     import asyncio
@@ -232,8 +342,10 @@ def _episodes(engine: Any, env: Any, rows: list[dict[str, Any]], prompts: list[A
         meta = {c: v for c, v in rows[i].items() if c not in ("prompt", "answer")}
         task = env.task(m.Prompt(f"eval:{i}", prompts[i], answers[i], meta))
         runs = [env.episode(engine, task, greedy, f"eval/{i}/greedy", None)]
-        runs += [env.episode(engine, task, dataclasses.replace(sampled, seed=sampled.seed + j), f"eval/{i}/{j}", None)
-                 for j in range(samples if sampled is not None else 0)]
+        runs += [
+            env.episode(engine, task, dataclasses.replace(sampled, seed=sampled.seed + j), f"eval/{i}/{j}", None)
+            for j in range(samples if sampled is not None else 0)
+        ]
         return list(await asyncio.gather(*runs))
 
     async def all_rows() -> list[list[Any]]:
@@ -284,28 +396,38 @@ def summarize(records: list[dict[str, Any]], k: int, samples: int, temperature: 
                 out[f"eval/distinct_{n}"] = sum(d[n] for d in with_groups) / len(with_groups)
         passable = [r for r in records if r["samples_scored"] >= k]
         for j in sorted({1, k}):
-            out[f"eval/pass@{j}"] = (sum(pass_at_k(r["samples_scored"], r["samples_correct"], j) for r in passable)
-                                     / len(passable)) if passable else 0.0
+            out[f"eval/pass@{j}"] = (
+                (sum(pass_at_k(r["samples_scored"], r["samples_correct"], j) for r in passable) / len(passable))
+                if passable
+                else 0.0
+            )
     return out
 
 
 def format_table(model_dir: str, metrics: dict[str, float]) -> str:
     m = metrics
-    lines = [f"model              {model_dir}", f"rows               {int(m['eval/n'])}",
-             f"correct            reward >= {m['eval/success_threshold']:g}  (--success)",
-             f"greedy accuracy    {m['eval/accuracy']:.4f}",
-             f"greedy reward mean {m['eval/reward_mean']:.4f}",
-             f"greedy length      mean {m['eval/response_len_mean']:.1f}  p50 {m['eval/response_len_p50']:.0f}  "
-             f"p90 {m['eval/response_len_p90']:.0f}  max {m['eval/response_len_max']:.0f} tokens; "
-             f"{100 * m['eval/truncated_frac']:.1f}% truncated at max_new_tokens"]
+    lines = [
+        f"model              {model_dir}",
+        f"rows               {int(m['eval/n'])}",
+        f"correct            reward >= {m['eval/success_threshold']:g}  (--success)",
+        f"greedy accuracy    {m['eval/accuracy']:.4f}",
+        f"greedy reward mean {m['eval/reward_mean']:.4f}",
+        f"greedy length      mean {m['eval/response_len_mean']:.1f}  p50 {m['eval/response_len_p50']:.0f}  "
+        f"p90 {m['eval/response_len_p90']:.0f}  max {m['eval/response_len_max']:.0f} tokens; "
+        f"{100 * m['eval/truncated_frac']:.1f}% truncated at max_new_tokens",
+    ]
     for key in sorted(k for k in m if k.startswith("eval/pass@")):
         lines.append(f"{key[5:]:<18} {m[key]:.4f}   ({int(m['eval/samples'])} samples at T={m['eval/temperature']:g})")
     if "eval/sample_len_mean" in m:
-        lines.append(f"sampled length     mean {m['eval/sample_len_mean']:.1f}  p90 {m['eval/sample_len_p90']:.0f} tokens; "
-                     f"{100 * m['eval/sample_truncated_frac']:.1f}% truncated")
+        lines.append(
+            f"sampled length     mean {m['eval/sample_len_mean']:.1f}  p90 {m['eval/sample_len_p90']:.0f} tokens; "
+            f"{100 * m['eval/sample_truncated_frac']:.1f}% truncated"
+        )
     if "eval/distinct_1" in m:
-        lines.append(f"diversity          distinct-1 {m['eval/distinct_1']:.3f}  distinct-2 {m['eval/distinct_2']:.3f} "
-                     "(across each prompt's samples)")
+        lines.append(
+            f"diversity          distinct-1 {m['eval/distinct_1']:.3f}  distinct-2 {m['eval/distinct_2']:.3f} "
+            "(across each prompt's samples)"
+        )
     if m.get("eval/unscored"):
         lines.append(f"unscored           {int(m['eval/unscored'])} responses (no reward scored them; not counted)")
     lines.append(f"time               {m['timing/eval_s']:.1f} s")
@@ -324,9 +446,20 @@ def main(args) -> int:
         raise ConfigError("no prompt set; pass --data FILE.jsonl (or set data.eval in --config)")
     try:
         metrics, records = evaluate_detailed(
-            model_dir, load_rows(data, "--data", cfg.data), cfg=cfg, n=args.n, k=args.k, samples=args.samples,
-            temperature=args.temperature, max_new_tokens=args.max_new_tokens, reward=args.reward,
-            success=args.success, device=args.device, seed=args.seed, batch_size=args.batch_size)
+            model_dir,
+            load_rows(data, "--data", cfg.data),
+            cfg=cfg,
+            n=args.n,
+            k=args.k,
+            samples=args.samples,
+            temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens,
+            reward=args.reward,
+            success=args.success,
+            device=args.device,
+            seed=args.seed,
+            batch_size=args.batch_size,
+        )
     except ConfigError:
         raise
     except ValueError as e:  # bad rows or k/samples: say what to change, no traceback
@@ -334,6 +467,7 @@ def main(args) -> int:
     print(format_table(model_dir, metrics))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"model": model_dir, "data": data, "metrics": metrics, "rows": records},
-                                             indent=1))
+        Path(args.out).write_text(
+            json.dumps({"model": model_dir, "data": data, "metrics": metrics, "rows": records}, indent=1)
+        )
     return 0

@@ -20,8 +20,9 @@ scored by ``rollout.rewards`` on their last assistant text, as single-turn sampl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, Sequence
+from typing import Any
 
 from fleetrl.rollout.engines.records import Generation
 from fleetrl.rollout.envs.base import EnvStats, Episode
@@ -37,8 +38,7 @@ def untaken(sample: Generation) -> bool:
     return isinstance(sample, Episode) and sample.error.startswith("no agent opened a session")
 
 
-def survivors(samples: Sequence[Generation], env_cfg: Any, group_size: int,
-              stats: EnvStats) -> list[Generation] | None:
+def survivors(samples: Sequence[Generation], env_cfg: Any, group_size: int, stats: EnvStats) -> list[Generation] | None:
     """The samples the group keeps, or None when too few survive (the group rule above)."""
     kept = [s for s in samples if not is_dropped(s, env_cfg.on_truncation)]
     lost = len(samples) - len(kept)
@@ -72,8 +72,11 @@ def score(scorer: Any, inputs: Sequence[RewardInput], samples: Sequence[Generati
         return scorer.submit(list(inputs))
     out: Future = Future()
     out.set_running_or_notify_cancel()
-    given = {i: RewardResult(reward=s.reward, parts={"env": s.reward}, failed=False)
-             for i, s in enumerate(samples) if i not in set(todo)}
+    given = {
+        i: RewardResult(reward=s.reward, parts={"env": s.reward}, failed=False)
+        for i, s in enumerate(samples)
+        if i not in set(todo)
+    }
 
     def merge(fut: Future) -> None:
         try:

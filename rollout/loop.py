@@ -19,10 +19,11 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from fleetrl.broker.client.errors import BrokerError, BrokerUnavailable
 from fleetrl.broker.client.roles import RolloutClient
@@ -41,8 +42,9 @@ log = logging.getLogger("fleetrl.rollout")
 # ------------------------------------------------------------------------------------ prompts
 
 
-def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], chat_template: bool,
-                  max_tokens: int) -> list[int]:
+def encode_prompt(
+    tokenizer: Any, prompt: str | list[dict[str, str]], chat_template: bool, max_tokens: int
+) -> list[int]:
     """Token ids of one prompt: the chat template applied (``data.apply_chat_template``) or the raw
     text, no special tokens besides those the template writes, truncated from the left.
 
@@ -60,11 +62,13 @@ def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], chat_templ
 def check_chat_template(tokenizer: Any, enabled: bool, where: str) -> None:
     """Refuse ``data.apply_chat_template: true`` with a tokenizer that has no template (at start-up)."""
     if enabled and not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"data.apply_chat_template is true but the tokenizer of {where} has no chat template; "
-                         "set data.apply_chat_template=false (raw prompts) or use a tokenizer with a template")
+        raise ConfigError(
+            f"data.apply_chat_template is true but the tokenizer of {where} has no chat template; "
+            "set data.apply_chat_template=false (raw prompts) or use a tokenizer with a template"
+        )
 
 
-def trace_context(batch: "Batch", prompt: m.Prompt, group_id: str) -> dict[str, str]:
+def trace_context(batch: Batch, prompt: m.Prompt, group_id: str) -> dict[str, str]:
     """The W3C trace context (traceparent, tracestate) one group carries; ``{}`` = none.
 
     The single hook for telemetry: when tracing is set up, this ends the ``prompt`` span that covers
@@ -104,14 +108,22 @@ class Batch:
 def reward_inputs(prompts: Sequence[m.Prompt], samples: Sequence[Sequence[Generation]]) -> list[RewardInput]:
     """One ``RewardInput`` per sample, prompt-major (the order of ``Batch.rewards``)."""
     return [
-        RewardInput(prompt=p.prompt, response=s.text, answer=p.answer, metadata=dict(p.metadata),
-                    finish_reason=s.finish_reason, num_tokens=len(s.token_ids))
-        for p, row in zip(prompts, samples) for s in row
+        RewardInput(
+            prompt=p.prompt,
+            response=s.text,
+            answer=p.answer,
+            metadata=dict(p.metadata),
+            finish_reason=s.finish_reason,
+            num_tokens=len(s.token_ids),
+        )
+        for p, row in zip(prompts, samples)
+        for s in row
     ]
 
 
-def build_groups(batch: Batch, results: Sequence[RewardResult], server_id: str,
-                 should_drop: Callable[[Sequence[RewardResult]], bool]) -> tuple[list[m.SampleGroup], list[str], list[str]]:
+def build_groups(
+    batch: Batch, results: Sequence[RewardResult], server_id: str, should_drop: Callable[[Sequence[RewardResult]], bool]
+) -> tuple[list[m.SampleGroup], list[str], list[str]]:
     """The batch's groups, one per prompt; the prompt ids whose group is dropped (``should_drop``); and those
     no reward could score at all. A sample no reward scored (all returned None) is left out of its group."""
     groups, dropped, unscored = [], [], []
@@ -132,18 +144,33 @@ def build_groups(batch: Batch, results: Sequence[RewardResult], server_id: str,
         episodes = [s for s in samples if isinstance(s, Episode)]
         own = env_groups.own_prompts(samples, ids)
         shared = env_groups.shared_prompt(own)  # None: the samples' prompts differ, each keeps its own
-        groups.append(m.build_group(
-            gid, prompt.prompt_id, oldest, own if shared is None else shared,
-            [(s.token_ids, s.logprobs) for s in samples], [r.reward for r in res],
-            [s.finish_reason for s in samples], token_versions=versions, loss_masks=loss_masks(samples),
-            per_sample_prompts=shared is None,
-            reward_parts=[dict(r.parts) for r in res], failed=[r.failed for r in res],
-            failed_parts=[list(r.failed_parts) for r in res] if any(r.failed_parts for r in res) else [],
-            lease_id=batch.lease.lease_id, server_id=server_id, trace=trace_context(batch, prompt, gid),
-            created_at=time.time(), baseline_reward=baseline_rewards[b] if baseline_rewards else None,
-            metadata={"server": server_id, "gen_s": round(batch.gen_s, 4),
-                      **({"turns": [e.turns for e in episodes]} if episodes else {})},
-        ))
+        groups.append(
+            m.build_group(
+                gid,
+                prompt.prompt_id,
+                oldest,
+                own if shared is None else shared,
+                [(s.token_ids, s.logprobs) for s in samples],
+                [r.reward for r in res],
+                [s.finish_reason for s in samples],
+                token_versions=versions,
+                loss_masks=loss_masks(samples),
+                per_sample_prompts=shared is None,
+                reward_parts=[dict(r.parts) for r in res],
+                failed=[r.failed for r in res],
+                failed_parts=[list(r.failed_parts) for r in res] if any(r.failed_parts for r in res) else [],
+                lease_id=batch.lease.lease_id,
+                server_id=server_id,
+                trace=trace_context(batch, prompt, gid),
+                created_at=time.time(),
+                baseline_reward=baseline_rewards[b] if baseline_rewards else None,
+                metadata={
+                    "server": server_id,
+                    "gen_s": round(batch.gen_s, 4),
+                    **({"turns": [e.turns for e in episodes]} if episodes else {}),
+                },
+            )
+        )
     return groups, dropped, unscored
 
 
@@ -163,8 +190,7 @@ def loss_masks(samples: Sequence[Generation]) -> list[list[int]] | None:
 def group_versions(samples: Sequence[Generation], admitted: int) -> tuple[int, list[list[int]] | None]:
     """A group's ``policy_version`` (its oldest token version; ``admitted`` when it has no token) and its
     per-token versions, or None when every token has that version (the wire's default)."""
-    per_sample = [s.versions if len(s.versions) == len(s.token_ids) else [admitted] * len(s.token_ids)
-                  for s in samples]
+    per_sample = [s.versions if len(s.versions) == len(s.token_ids) else [admitted] * len(s.token_ids) for s in samples]
     every = [v for versions in per_sample for v in versions]
     oldest = min(every, default=admitted)
     return oldest, (per_sample if any(v != oldest for v in every) else None)
@@ -206,8 +232,17 @@ class OpenLeases:
 class Stats:
     """Counters of one server, read by heartbeats (client thread) and metrics (finisher thread)."""
 
-    COUNTERS = ("batches", "groups_pushed", "groups_dropped", "groups_unscored", "groups_stale", "groups_rejected",
-                "prompts_returned", "tokens", "throttles")
+    COUNTERS = (
+        "batches",
+        "groups_pushed",
+        "groups_dropped",
+        "groups_unscored",
+        "groups_stale",
+        "groups_rejected",
+        "prompts_returned",
+        "tokens",
+        "throttles",
+    )
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -268,16 +303,26 @@ class Finisher:
     ``on_done(batch)`` runs (on this thread) once a batch is pushed, dropped or refused.
     """
 
-    def __init__(self, client: RolloutClient, scorer: Any, server_id: str, leases: OpenLeases, stats: Stats,
-                 metrics: MetricsFile, push_deadline_s: float, extra_metrics: Callable[[], dict[str, float]],
-                 on_done: Callable[[Batch], None] | None = None):
+    def __init__(
+        self,
+        client: RolloutClient,
+        scorer: Any,
+        server_id: str,
+        leases: OpenLeases,
+        stats: Stats,
+        metrics: MetricsFile,
+        push_deadline_s: float,
+        extra_metrics: Callable[[], dict[str, float]],
+        on_done: Callable[[Batch], None] | None = None,
+    ):
         self.client, self.scorer, self.server_id = client, scorer, server_id
         self.leases, self.stats, self.metrics = leases, stats, metrics
         self.push_deadline_s, self.extra_metrics = push_deadline_s, extra_metrics
         self.on_done = on_done or (lambda batch: None)
         # the ids the broker acknowledged, one line per push (what the chaos checker holds the broker to)
-        self.acked = MetricsFile(metrics.path.with_name(metrics.path.name.replace(".metrics.", ".acked."))
-                                 if metrics.path else None)
+        self.acked = MetricsFile(
+            metrics.path.with_name(metrics.path.name.replace(".metrics.", ".acked.")) if metrics.path else None
+        )
         self.error: BaseException | None = None
         self._queue: queue.Queue[Batch | None] = queue.Queue()
         self._abandon = threading.Event()
@@ -365,7 +410,9 @@ class Finisher:
             self.on_done(batch)
         self.stats.add(batches=len(batches), tokens=sum(b.num_tokens for b in batches), **counts)
         self.metrics.write(self.record(batches, [r for _, results, _ in built for r in results], push_s))
-        if (why := self.scorer.hopeless()) is not None:  # the last N samples failed or unscored: stop, naming the rewards
+        if (
+            why := self.scorer.hopeless()
+        ) is not None:  # the last N samples failed or unscored: stop, naming the rewards
             raise RewardsHopeless(why)
 
     def push(self, groups: list[m.SampleGroup], refused: list[str]) -> dict[str, int]:
@@ -380,8 +427,7 @@ class Finisher:
         except BrokerError as e:
             if len(groups) > 1:
                 return self._push_one_by_one(groups, refused)
-            log.error("the broker refused group %s (%s); its prompt goes back to the broker",
-                      groups[0].group_id, e)
+            log.error("the broker refused group %s (%s); its prompt goes back to the broker", groups[0].group_id, e)
             refused.append(groups[0].prompt_id)
             return {"groups_rejected": 1}
         counts = {"groups_pushed": 0, "groups_stale": 0, "groups_rejected": 0}

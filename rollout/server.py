@@ -36,21 +36,21 @@ from fleetrl.broker.client.errors import BrokerError, BrokerUnavailable
 from fleetrl.broker.client.roles import RolloutClient, SubscriptionLike
 from fleetrl.broker.client.sync import ZmqBrokerClient
 from fleetrl.common import faults
-from fleetrl.common.telemetry import tracing
 from fleetrl.common import messages as m
 from fleetrl.common.config import load_config
 from fleetrl.common.config.preflight import require_model_dir
-from fleetrl.common.telemetry.logs import setup_logging
-from fleetrl.common.telemetry.startup import STARTUP
-from fleetrl.common.telemetry.resources import ProcessResources
 from fleetrl.common.config.schema import JobConfig
+from fleetrl.common.telemetry import tracing
+from fleetrl.common.telemetry.logs import setup_logging
+from fleetrl.common.telemetry.resources import ProcessResources
+from fleetrl.common.telemetry.startup import STARTUP
+from fleetrl.rollout.apply import WeightApplier
+from fleetrl.rollout.assembly import GroupAssembly
 from fleetrl.rollout.engines import Generation, SamplingParams, create_engine
 from fleetrl.rollout.envs import Environment, create_env
 from fleetrl.rollout.fleet import exits_on_done, is_done_throttle, leave_fleet
-from fleetrl.rollout.loop import Batch, Finisher, MetricsFile, OpenLeases, Stats, return_leases
-from fleetrl.rollout.apply import WeightApplier
-from fleetrl.rollout.assembly import GroupAssembly
 from fleetrl.rollout.inflight import InFlight, InflightBudget, trace_carrier
+from fleetrl.rollout.loop import Batch, Finisher, MetricsFile, OpenLeases, Stats, return_leases
 from fleetrl.rollout.rewards.scorer import RewardScorer, RewardsHopeless
 from fleetrl.rollout.tracing import LeaseTrace
 
@@ -60,7 +60,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("fleetrl.rollout")
 
 EXIT_BROKER_UNAVAILABLE = 3
-EXIT_REWARDS_HOPELESS = 4  # rollout.reward_stop_after samples in a row unusable: a restart cannot help (`fleetrl run` does not)
+EXIT_REWARDS_HOPELESS = (
+    4  # rollout.reward_stop_after samples in a row unusable: a restart cannot help (`fleetrl run` does not)
+)
 CATCHUP_S = 5.0  # seconds between GetVersion polls (catch-up for dropped announcements and pause state)
 WAIT_SLICE_S = 0.25  # longest sleep without looking at announcements and the stop flag
 POLL_SLICE_S = 0.05  # while samples are generating: how often announcements are looked at
@@ -79,9 +81,20 @@ class RolloutServer:
     ``run()`` registers, loops until stopped and returns the exit code. It closes none of them.
     """
 
-    def __init__(self, cfg: JobConfig, client: RolloutClient, engine: Any, scorer: RewardScorer, *, server_index: int = 0,
-                 run_dir: str | Path | None = None, receiver: WeightReceiver | None = None,
-                 stop_event: threading.Event | None = None, env: Environment | None = None, endpoint: Any = None):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        client: RolloutClient,
+        engine: Any,
+        scorer: RewardScorer,
+        *,
+        server_index: int = 0,
+        run_dir: str | Path | None = None,
+        receiver: WeightReceiver | None = None,
+        stop_event: threading.Event | None = None,
+        env: Environment | None = None,
+        endpoint: Any = None,
+    ):
         self.cfg, self.client, self.engine, self.scorer, self.receiver = cfg, client, engine, scorer, receiver
         # how each sample is produced (rollout.env); built and checked here unless the caller brings one
         self.env = env if env is not None else create_env(cfg, engine.tokenizer)
@@ -141,8 +154,17 @@ class RolloutServer:
         self.sub = self.client.subscribe()
         self.client.start_heartbeat(self.heartbeat_stats, reg.heartbeat_s or self.cfg.broker.heartbeat_s)
         push_deadline = max(self.cfg.broker.prompt_lease_s, 3 * self.cfg.broker.request_timeout_s)
-        self.finisher = Finisher(self.client, self.scorer, self.client_id, self.leases, self.stats, self.metrics,
-                                 push_deadline, self.batch_stats, on_done=self._pushed)
+        self.finisher = Finisher(
+            self.client,
+            self.scorer,
+            self.client_id,
+            self.leases,
+            self.stats,
+            self.metrics,
+            push_deadline,
+            self.batch_stats,
+            on_done=self._pushed,
+        )
         STARTUP.mark("broker")
         self.on_current(reg.policy_version, reg.weights, reg.paused)
         STARTUP.mark("initial policy")
@@ -152,10 +174,17 @@ class RolloutServer:
         if self.run_dir is not None:
             write_ready(self.run_dir, self.server_index, self.client_id, self.version)
         log.info("%s", STARTUP.line())
-        log.info("ready: %s registered with broker %s (broker at version %d%s), up to %d prompts x %d samples "
-                 "in flight, in-flight updates: %s", self.client_id, reg.broker_id, reg.policy_version,
-                 ", paused" if reg.paused else "", self.budget.most, self.cfg.rollout.group_size,
-                 self.cfg.rollout.inflight_update)
+        log.info(
+            "ready: %s registered with broker %s (broker at version %d%s), up to %d prompts x %d samples "
+            "in flight, in-flight updates: %s",
+            self.client_id,
+            reg.broker_id,
+            reg.policy_version,
+            ", paused" if reg.paused else "",
+            self.budget.most,
+            self.cfg.rollout.group_size,
+            self.cfg.rollout.inflight_update,
+        )
 
     def step(self) -> m.PromptLease | None:
         """One iteration: announcements and weights, admit prompts up to the budget, hand finished
@@ -196,8 +225,13 @@ class RolloutServer:
         reason = self.stop_reason or ("stop requested" if self.stopping else "error")
         if give_back and self.finisher is not None:  # registered and the broker answers: leave the fleet now
             leave_fleet(self.client, reason)
-        log.info("stopped (%s): %d groups pushed, %d dropped, %d prompts returned", reason,
-                 t["rollout/groups_pushed"], t["rollout/groups_dropped"], t["rollout/prompts_returned"])
+        log.info(
+            "stopped (%s): %d groups pushed, %d dropped, %d prompts returned",
+            reason,
+            t["rollout/groups_pushed"],
+            t["rollout/groups_dropped"],
+            t["rollout/prompts_returned"],
+        )
 
     def drain_inflight(self) -> None:
         """Finish every admitted group (no new admissions): the graceful half of a stop."""
@@ -267,9 +301,12 @@ class RolloutServer:
             self.inflight[key] = item
             self.budget.admitted()
             for j in range(n):
-                params = self.greedy_params if j == g else faults.at("rollout.sampling", self.params, version=self.version)
-                episode = self.env.episode(self.engine, task, params, f"{self.client_id}/{key}/{j}",
-                                           trace_carrier(trace, prompt.prompt_id))
+                params = (
+                    self.greedy_params if j == g else faults.at("rollout.sampling", self.params, version=self.version)
+                )
+                episode = self.env.episode(
+                    self.engine, task, params, f"{self.client_id}/{key}/{j}", trace_carrier(trace, prompt.prompt_id)
+                )
                 future = self.engine.loop.submit(episode)
                 future.add_done_callback(functools.partial(self._sample_done, key, j))
             admitted.append(item)
@@ -300,8 +337,9 @@ class RolloutServer:
     def _finished(self, key: int, item: InFlight) -> None:
         del self.inflight[key]
         if item.failed is not None:
-            log.error("generation failed for prompt %s (%s); it goes back to the broker", item.prompt.prompt_id,
-                      item.failed)
+            log.error(
+                "generation failed for prompt %s (%s); it goes back to the broker", item.prompt.prompt_id, item.failed
+            )
             self._give_back(item)
             return
         batch = self.assembly.build(key, item)
@@ -317,8 +355,11 @@ class RolloutServer:
             self.client.return_prompts(item.lease.lease_id, [item.prompt.prompt_id])
             self.stats.add(prompts_returned=1)
         except (BrokerError, BrokerUnavailable) as e:
-            log.warning("could not return prompt %s (%s); the broker re-issues it when its lease expires",
-                        item.prompt.prompt_id, e)
+            log.warning(
+                "could not return prompt %s (%s); the broker re-issues it when its lease expires",
+                item.prompt.prompt_id,
+                e,
+            )
         self.leases.close(item.lease.lease_id, [item.prompt.prompt_id])
         self._pushed(None)
 
@@ -410,8 +451,13 @@ class RolloutServer:
 
     def heartbeat_stats(self) -> tuple[int, dict[str, float]]:
         """(policy version, stats) for the broker's status: called from the client's thread."""
-        stats = {**self.stats.heartbeat(), **self.weight_stats(), "rollout/policy_version": float(self.version),
-                 "rollout/paused": float(self.paused), "rollout/inflight": float(self.budget.unpushed)}
+        stats = {
+            **self.stats.heartbeat(),
+            **self.weight_stats(),
+            "rollout/policy_version": float(self.version),
+            "rollout/paused": float(self.paused),
+            "rollout/inflight": float(self.budget.unpushed),
+        }
         return self.version, stats
 
 
@@ -475,9 +521,12 @@ def main(args) -> int:
     stop = threading.Event()
     install_signals(stop)
     client_id = default_client_id("rollout", index, client_identity(cfg.broker.curve, "rollout"))
-    tracing.setup_tracing("rollout", cfg.telemetry, args.run_dir,
-                            {"service.instance.id": f"rollout-{index}", "fleetrl.client_id": client_id,
-                             "fleetrl.server_index": index})
+    tracing.setup_tracing(
+        "rollout",
+        cfg.telemetry,
+        args.run_dir,
+        {"service.instance.id": f"rollout-{index}", "fleetrl.client_id": client_id, "fleetrl.server_index": index},
+    )
     device = resolve_device(cfg.rollout.device)
     STARTUP.mark("config")
     engine = scorer = client = receiver = env = None
@@ -489,20 +538,41 @@ def main(args) -> int:
         STARTUP.mark("rewards")
         receiver = engine.weight_receiver(cfg, device, client_id)
         address = broker_address(cfg, args.broker, args.run_dir)
-        client = ZmqBrokerClient(address, client_id, "rollout", rank=index, timeout_s=cfg.broker.request_timeout_s,
-                              curve=cfg.broker.curve, info={"engine": cfg.rollout.engine, "device": device,
-                                                            "receivers": str(getattr(receiver, "receivers", 1))})
+        client = ZmqBrokerClient(
+            address,
+            client_id,
+            "rollout",
+            rank=index,
+            timeout_s=cfg.broker.request_timeout_s,
+            curve=cfg.broker.curve,
+            info={"engine": cfg.rollout.engine, "device": device, "receivers": str(getattr(receiver, "receivers", 1))},
+        )
         endpoint = None
         if cfg.rollout.openai.enabled:
             from fleetrl.rollout.endpoint.server import Endpoint
 
             endpoint = Endpoint(cfg, engine, env, index, args.run_dir)
-        server = RolloutServer(cfg, client, engine, scorer, server_index=index, run_dir=args.run_dir,
-                               receiver=receiver, stop_event=stop, env=env, endpoint=endpoint)
+        server = RolloutServer(
+            cfg,
+            client,
+            engine,
+            scorer,
+            server_index=index,
+            run_dir=args.run_dir,
+            receiver=receiver,
+            stop_event=stop,
+            env=env,
+            endpoint=endpoint,
+        )
         return server.run()
     except BrokerUnavailable as e:
-        hint = "" if "request_timeout_s" in str(e) else (
-            f" (check broker.address / --broker, or raise broker.request_timeout_s={cfg.broker.request_timeout_s:g})")
+        hint = (
+            ""
+            if "request_timeout_s" in str(e)
+            else (
+                f" (check broker.address / --broker, or raise broker.request_timeout_s={cfg.broker.request_timeout_s:g})"
+            )
+        )
         log.error("giving up, the broker is unreachable: %s%s", e, hint)
         return EXIT_BROKER_UNAVAILABLE
     except RewardsHopeless as e:

@@ -13,7 +13,8 @@ so an engine that traces, like vLLM, nests its spans under it), ``rollout.reward
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from opentelemetry import trace
 
@@ -24,22 +25,34 @@ from fleetrl.common.telemetry import tracing
 class LeaseTrace:
     def __init__(self, lease: m.PromptLease, server_id: str, version: int, start_ns: int):
         tracer, now = tracing.get_tracer(), time.time_ns()
-        lease_attrs = {"fleetrl.lease_id": lease.lease_id, "fleetrl.prompts": len(lease.prompts),
-                       "fleetrl.server_id": server_id, "fleetrl.policy_version": version}
+        lease_attrs = {
+            "fleetrl.lease_id": lease.lease_id,
+            "fleetrl.prompts": len(lease.prompts),
+            "fleetrl.server_id": server_id,
+            "fleetrl.policy_version": version,
+        }
         self.roots: dict[str, trace.Span] = {}
         self.contexts: dict[str, Any] = {}  # prompt id -> context of its group's root (kept after it ends)
         self.generating: dict[str, trace.Span] = {}
         for p in lease.prompts:
-            root = tracer.start_span("rollout.group", context=tracing.ROOT, start_time=start_ns, attributes={
-                "fleetrl.prompt_id": p.prompt_id, "fleetrl.lease_id": lease.lease_id, "fleetrl.server_id": server_id,
-                "fleetrl.policy_version": version})
+            root = tracer.start_span(
+                "rollout.group",
+                context=tracing.ROOT,
+                start_time=start_ns,
+                attributes={
+                    "fleetrl.prompt_id": p.prompt_id,
+                    "fleetrl.lease_id": lease.lease_id,
+                    "fleetrl.server_id": server_id,
+                    "fleetrl.policy_version": version,
+                },
+            )
             ctx = self.contexts[p.prompt_id] = trace.set_span_in_context(root)
             self.roots[p.prompt_id] = root
             tracer.start_span("rollout.lease", context=ctx, start_time=start_ns, attributes=lease_attrs).end(now)
             self.generating[p.prompt_id] = tracer.start_span("rollout.generate", context=ctx, start_time=now)
 
     @classmethod
-    def start(cls, lease: m.PromptLease, server_id: str, version: int, start_ns: int) -> "LeaseTrace | None":
+    def start(cls, lease: m.PromptLease, server_id: str, version: int, start_ns: int) -> LeaseTrace | None:
         """The lease's spans, or None when tracing is off (then nothing else here is called)."""
         return cls(lease, server_id, version, start_ns) if tracing.enabled() else None
 
@@ -50,8 +63,14 @@ class LeaseTrace:
             span.set_attributes(attributes)
             span.end()
 
-    def record(self, name: str, start_s: float, end_s: float, prompt_ids: Sequence[str] | None = None,
-               **attributes: int | float | str) -> None:
+    def record(
+        self,
+        name: str,
+        start_s: float,
+        end_s: float,
+        prompt_ids: Sequence[str] | None = None,
+        **attributes: int | float | str,
+    ) -> None:
         """A span in the trace of each of ``prompt_ids`` (default: every prompt of the lease) from two
         ``time.monotonic()`` readings."""
         start_ns, end_ns = tracing.wall_ns(start_s), tracing.wall_ns(end_s)
@@ -84,16 +103,20 @@ class LeaseTrace:
             span.end()
 
 
-def genai_attributes(model: str, params: Any, prompt_ids: Sequence[int], samples: Sequence[Any],
-                     version: int) -> dict[str, Any]:
+def genai_attributes(
+    model: str, params: Any, prompt_ids: Sequence[int], samples: Sequence[Any], version: int
+) -> dict[str, Any]:
     """The ``rollout.generate`` attributes: the OTel GenAI conventions (``gen_ai.*``) plus ours.
 
     ``params``: the ``SamplingParams``; ``samples``: the ``Generation`` of every request of the group.
     """
     return {
-        "gen_ai.operation.name": "text_completion", "gen_ai.request.model": model,
-        "gen_ai.request.temperature": float(params.temperature), "gen_ai.request.top_p": float(params.top_p),
-        "gen_ai.request.max_tokens": int(params.max_new_tokens), "gen_ai.request.choice.count": len(samples),
+        "gen_ai.operation.name": "text_completion",
+        "gen_ai.request.model": model,
+        "gen_ai.request.temperature": float(params.temperature),
+        "gen_ai.request.top_p": float(params.top_p),
+        "gen_ai.request.max_tokens": int(params.max_new_tokens),
+        "gen_ai.request.choice.count": len(samples),
         "gen_ai.usage.input_tokens": len(prompt_ids) * len(samples),
         "gen_ai.usage.output_tokens": sum(len(s.token_ids) for s in samples),
         "gen_ai.response.finish_reasons": [s.finish_reason for s in samples],

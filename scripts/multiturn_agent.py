@@ -22,9 +22,14 @@ import time
 import httpx
 import openai
 
-CALC_TOOL = {"type": "function", "function": {
-    "name": "calc", "description": "Evaluate an arithmetic expression and return the result.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+CALC_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calc",
+        "description": "Evaluate an arithmetic expression and return the result.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
 
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
@@ -36,6 +41,7 @@ def calc(expression: str) -> str:
         if isinstance(n, ast.BinOp) and type(n.op) in OPS:
             return OPS[type(n.op)](ev(n.left), ev(n.right))
         raise ValueError("unsupported expression")
+
     value = ev(ast.parse(expression, mode="eval").body)
     return str(int(value) if float(value).is_integer() else value)
 
@@ -67,26 +73,36 @@ def solve(client: openai.OpenAI, question: str, max_turns: int = 3) -> tuple[str
     return "", stats
 
 
-def run_session(http: httpx.Client, server: str, api_key: str, server_reward: bool, totals: dict[str, float],
-                lock: threading.Lock) -> bool:
-    r = http.post(f"{server}/fleetrl/sessions", json={"wait_s": 10}, headers={"Authorization": f"Bearer {api_key}"},
-                  timeout=30)
+def run_session(
+    http: httpx.Client, server: str, api_key: str, server_reward: bool, totals: dict[str, float], lock: threading.Lock
+) -> bool:
+    r = http.post(
+        f"{server}/fleetrl/sessions", json={"wait_s": 10}, headers={"Authorization": f"Bearer {api_key}"}, timeout=30
+    )
     if r.status_code == 503:
         return True  # no task right now (paused, between leases): ask again
     r.raise_for_status()
     session = r.json()
-    client = openai.OpenAI(base_url=session["base_url"], api_key=api_key, max_retries=2,  # <- the only change
-                           http_client=http)  # one HTTP client for every session: see main()
+    client = openai.OpenAI(
+        base_url=session["base_url"],
+        api_key=api_key,
+        max_retries=2,  # <- the only change
+        http_client=http,
+    )  # one HTTP client for every session: see main()
     try:
         answer, stats = solve(client, session["task"]["prompt"])
     except openai.APIError as e:
-        http.post(f"{server}/fleetrl/sessions/{session['session_id']}/abandon",
-                  headers={"Authorization": f"Bearer {api_key}"})
+        http.post(
+            f"{server}/fleetrl/sessions/{session['session_id']}/abandon", headers={"Authorization": f"Bearer {api_key}"}
+        )
         print(f"session {session['session_id']} abandoned: {e}", file=sys.stderr)
         return True
     reward = float(answer.strip() == str(session["task"]["answer"]))
-    http.post(f"{server}/fleetrl/sessions/{session['session_id']}/close",
-              json={} if server_reward else {"reward": reward}, headers={"Authorization": f"Bearer {api_key}"})
+    http.post(
+        f"{server}/fleetrl/sessions/{session['session_id']}/close",
+        json={} if server_reward else {"reward": reward},
+        headers={"Authorization": f"Bearer {api_key}"},
+    )
     with lock:
         totals["sessions"] += 1
         totals["correct"] += reward
@@ -109,8 +125,9 @@ def main() -> int:
     deadline = time.monotonic() + 60 * args.minutes
     # One HTTP client (thread-safe, pooled) for every call: a new httpx/openai client per session builds an SSL
     # context each time (~15-35 ms of CPU), which made the agent, not the server, the demo's bottleneck.
-    http = httpx.Client(timeout=60, limits=httpx.Limits(max_connections=2 * args.workers,
-                                                        max_keepalive_connections=2 * args.workers))
+    http = httpx.Client(
+        timeout=60, limits=httpx.Limits(max_connections=2 * args.workers, max_keepalive_connections=2 * args.workers)
+    )
 
     def worker() -> None:
         failures = 0
@@ -133,9 +150,13 @@ def main() -> int:
         with lock:
             now = dict(totals)
         n = now["sessions"] - last["sessions"]
-        line = {"time": time.time(), "elapsed_s": round(time.monotonic() - t0), **now,
-                "success_window": (now["correct"] - last["correct"]) / n if n else None,
-                "turns_per_session": (now.get("turns", 0) - last.get("turns", 0)) / n if n else None}
+        line = {
+            "time": time.time(),
+            "elapsed_s": round(time.monotonic() - t0),
+            **now,
+            "success_window": (now["correct"] - last["correct"]) / n if n else None,
+            "turns_per_session": (now.get("turns", 0) - last.get("turns", 0)) / n if n else None,
+        }
         last = now
         if args.out and n:
             with open(args.out, "a") as f:

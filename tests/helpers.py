@@ -17,11 +17,18 @@ import yaml
 from fleetrl.common import messages as m
 
 
-def make_group(prompt_id: str, version: int = 0, n: int = 2, t: int = 4, rewards=None, gid: str | None = None,
-               token: int = 5) -> m.SampleGroup:
+def make_group(
+    prompt_id: str, version: int = 0, n: int = 2, t: int = 4, rewards=None, gid: str | None = None, token: int = 5
+) -> m.SampleGroup:
     rewards = rewards if rewards is not None else [float(i) for i in range(n)]
-    return m.build_group(gid or uuid.uuid4().hex, prompt_id, version, [1, 2, 3],
-                         [(np.full(t, token), -np.ones(t)) for _ in rewards], rewards)
+    return m.build_group(
+        gid or uuid.uuid4().hex,
+        prompt_id,
+        version,
+        [1, 2, 3],
+        [(np.full(t, token), -np.ones(t)) for _ in rewards],
+        rewards,
+    )
 
 
 def write_job(tmp_path: Path, data_path: str, **sections) -> Path:
@@ -43,15 +50,27 @@ class BrokerProcess:
         self.proc: subprocess.Popen | None = None
         self.endpoint: dict = {}
 
-    def start(self, timeout: float = 30.0) -> "BrokerProcess":
+    def start(self, timeout: float = 30.0) -> BrokerProcess:
         ep = self.run_dir / "broker.json"
         ep.unlink(missing_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log = open(self.run_dir / "broker.log", "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleetrl.app.cli", "broker", "--config", str(self.config), "--run-dir",
-             str(self.run_dir), *self.overrides], stdout=self.log, stderr=subprocess.STDOUT,
-            preexec_fn=self._apply_limits if self.limits else None)
+            [
+                sys.executable,
+                "-m",
+                "fleetrl.app.cli",
+                "broker",
+                "--config",
+                str(self.config),
+                "--run-dir",
+                str(self.run_dir),
+                *self.overrides,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=self._apply_limits if self.limits else None,
+        )
         deadline = time.monotonic() + timeout
         while not ep.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -137,16 +137,22 @@ def test_common_names_no_component_by_string():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 text = node.value.strip()
-                if text.startswith(("fleetrl.broker", "fleetrl.rollout", "fleetrl.learner", "fleetrl.app")) \
-                        and " " not in text:
+                if (
+                    text.startswith(("fleetrl.broker", "fleetrl.rollout", "fleetrl.learner", "fleetrl.app"))
+                    and " " not in text
+                ):
                     named.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text}")
     assert named == []
 
 
 def test_the_walk_catches_what_it_should(tmp_path):
     """The checks can fail: an upward import, a peer import and a circle in a made-up tree are all found."""
-    fake = {"fleetrl.common.a": "from fleetrl.broker import b\n", "fleetrl.broker.b": "import fleetrl.common.a\n",
-            "fleetrl.rollout.c": "def f():\n    from fleetrl.learner.d import x\n", "fleetrl.learner.d": "x = 1\n"}
+    fake = {
+        "fleetrl.common.a": "from fleetrl.broker import b\n",
+        "fleetrl.broker.b": "import fleetrl.common.a\n",
+        "fleetrl.rollout.c": "def f():\n    from fleetrl.learner.d import x\n",
+        "fleetrl.learner.d": "x = 1\n",
+    }
     paths = {}
     for name, src in fake.items():
         p = tmp_path / (name.replace(".", "_") + ".py")

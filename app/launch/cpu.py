@@ -62,8 +62,10 @@ class CpuMeter:
 
     def line(self, result: dict) -> str:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in result["per_child"].items())
-        return (f"fleetrl run: CPU during RL {result['cores_busy']:.2f} of {result['cores']} cores ({parts}); "
-                f"other processes used {100 * result['others_cpu_share']:.0f}% of the machine")
+        return (
+            f"fleetrl run: CPU during RL {result['cores_busy']:.2f} of {result['cores']} cores ({parts}); "
+            f"other processes used {100 * result['others_cpu_share']:.0f}% of the machine"
+        )
 
     @staticmethod
     def save(result: dict, run_dir: Path) -> None:

@@ -27,10 +27,10 @@ from typing import Any
 
 import yaml
 
+from fleetrl.app.launch.world import Layout
 from fleetrl.common.config import ConfigError, dump_yaml, load_config
 from fleetrl.common.config.cluster import check_placement
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.app.launch.world import Layout
 
 CONFIG_DIR = "/etc/fleetrl"
 KEYS_DIR = "/fleetrl-keys"
@@ -60,8 +60,11 @@ def volume_paths(run_dir: str | None, mount_path: str, name: str) -> tuple[str, 
 
 
 def _meta(name: str, ns: str, role: str, app: str) -> dict[str, Any]:
-    return {"name": name, "namespace": ns, "labels": {"app.kubernetes.io/name": "fleetrl", "fleetrl/job": app,
-                                                        "fleetrl/role": role}}
+    return {
+        "name": name,
+        "namespace": ns,
+        "labels": {"app.kubernetes.io/name": "fleetrl", "fleetrl/job": app, "fleetrl/role": role},
+    }
 
 
 def _selector(app: str, role: str) -> dict[str, str]:
@@ -75,46 +78,85 @@ class Renderer:
         self.name, self.ns = self.layout.name, c.k8s.namespace
         self.run_dir, self.run_mount = volume_paths(run_dir or c.run_dir, c.k8s.mount_path, self.name)
         if not c.image:
-            raise ConfigError("fleetrl launch k8s needs cluster.image: an image with fleetrl installed (and the model "
-                              "and data, or put them on the run-directory volume)")
+            raise ConfigError(
+                "fleetrl launch k8s needs cluster.image: an image with fleetrl installed (and the model "
+                "and data, or put them on the run-directory volume)"
+            )
 
     def container(self, role: str, gpus: int, cpus: int, ports: dict[str, int], mem_gb: int) -> dict[str, Any]:
         c = self.cfg.cluster
-        env = [{"name": "FLEETRL_K8S_NAME", "value": self.name},
-               {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-               {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-               {"name": "HF_HUB_OFFLINE", "value": "1"}]
+        env = [
+            {"name": "FLEETRL_K8S_NAME", "value": self.name},
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "HF_HUB_OFFLINE", "value": "1"},
+        ]
         if c.interface:
-            env += [{"name": "NCCL_SOCKET_IFNAME", "value": c.interface}, {"name": "GLOO_SOCKET_IFNAME", "value": c.interface}]
+            env += [
+                {"name": "NCCL_SOCKET_IFNAME", "value": c.interface},
+                {"name": "GLOO_SOCKET_IFNAME", "value": c.interface},
+            ]
         resources: dict[str, Any] = {"requests": {"cpu": str(max(1, cpus)), "memory": f"{mem_gb}Gi"}}
         if gpus:
             resources["limits"] = {"nvidia.com/gpu": gpus}
-        mounts = [{"name": "job", "mountPath": CONFIG_DIR, "readOnly": True},
-                  {"name": "run", "mountPath": self.run_mount}, {"name": "shm", "mountPath": "/dev/shm"}]
+        mounts = [
+            {"name": "job", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "run", "mountPath": self.run_mount},
+            {"name": "shm", "mountPath": "/dev/shm"},
+        ]
         if c.k8s.curve_secret:
             mounts.append({"name": "keys", "mountPath": KEYS_DIR, "readOnly": True})
-        return {"name": role, "image": c.image, "imagePullPolicy": c.k8s.image_pull_policy,
-                "command": [c.python or "python", "-m", "fleetrl.app.launch.supervisor", "--role", role,
-                            "--config", f"{CONFIG_DIR}/job.yaml", "--run-dir", self.run_dir],
-                "env": env, "resources": resources, "volumeMounts": mounts,
-                "ports": [{"name": n, "containerPort": p} for n, p in ports.items()]}
+        return {
+            "name": role,
+            "image": c.image,
+            "imagePullPolicy": c.k8s.image_pull_policy,
+            "command": [
+                c.python or "python",
+                "-m",
+                "fleetrl.app.launch.supervisor",
+                "--role",
+                role,
+                "--config",
+                f"{CONFIG_DIR}/job.yaml",
+                "--run-dir",
+                self.run_dir,
+            ],
+            "env": env,
+            "resources": resources,
+            "volumeMounts": mounts,
+            "ports": [{"name": n, "containerPort": p} for n, p in ports.items()],
+        }
 
-    def pod_spec(self, role: str, gpus: int, cpus: int, ports: dict[str, int], restart: str,
-                 mem_gb: int = BROKER_MEM_GB) -> dict[str, Any]:
+    def pod_spec(
+        self, role: str, gpus: int, cpus: int, ports: dict[str, int], restart: str, mem_gb: int = BROKER_MEM_GB
+    ) -> dict[str, Any]:
         c = self.cfg.cluster.k8s
-        volumes = [{"name": "job", "configMap": {"name": f"{self.name}-job"}},
-                   {"name": "run", "persistentVolumeClaim": {"claimName": c.pvc or f"{self.name}-run"}},
-                   {"name": "shm", "emptyDir": {"medium": "Memory"}}]  # NCCL and vLLM need more than the 64 MiB default
+        volumes = [
+            {"name": "job", "configMap": {"name": f"{self.name}-job"}},
+            {"name": "run", "persistentVolumeClaim": {"claimName": c.pvc or f"{self.name}-run"}},
+            {"name": "shm", "emptyDir": {"medium": "Memory"}},
+        ]  # NCCL and vLLM need more than the 64 MiB default
         if c.curve_secret:
             volumes.append({"name": "keys", "secret": {"secretName": c.curve_secret}})
-        return {"restartPolicy": restart, "containers": [self.container(role, gpus, cpus, ports, mem_gb)], "volumes": volumes}
+        return {
+            "restartPolicy": restart,
+            "containers": [self.container(role, gpus, cpus, ports, mem_gb)],
+            "volumes": volumes,
+        }
 
     def template(self, role: str, spec: dict[str, Any]) -> dict[str, Any]:
-        return {"metadata": {"labels": {"app.kubernetes.io/name": "fleetrl", **_selector(self.name, role)}}, "spec": spec}
+        return {
+            "metadata": {"labels": {"app.kubernetes.io/name": "fleetrl", **_selector(self.name, role)}},
+            "spec": spec,
+        }
 
     def config_map(self) -> dict[str, Any]:
-        return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(f"{self.name}-job", self.ns, "config", self.name),
-                "data": {"job.yaml": dump_yaml(self.cfg)}}
+        return {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": _meta(f"{self.name}-job", self.ns, "config", self.name),
+            "data": {"job.yaml": dump_yaml(self.cfg)},
+        }
 
     def pvc(self) -> list[dict[str, Any]]:
         c = self.cfg.cluster.k8s
@@ -123,44 +165,96 @@ class Renderer:
         spec: dict[str, Any] = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": c.storage}}}
         if c.storage_class:
             spec["storageClassName"] = c.storage_class
-        return [{"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                 "metadata": _meta(f"{self.name}-run", self.ns, "run-dir", self.name), "spec": spec}]
+        return [
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": _meta(f"{self.name}-run", self.ns, "run-dir", self.name),
+                "spec": spec,
+            }
+        ]
 
     def broker(self) -> list[dict[str, Any]]:
         p = self.layout.base_port
         ports = {"requests": p, "announce": p + 1}
         name = f"{self.name}-broker"
-        service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, self.ns, "broker", self.name),
-                   "spec": {"selector": _selector(self.name, "broker"),
-                            "ports": [{"name": n, "port": v, "targetPort": v} for n, v in ports.items()]}}
-        deploy = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, self.ns, "broker", self.name),
-                  "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
-                           "selector": {"matchLabels": _selector(self.name, "broker")},
-                           "template": self.template("broker", self.pod_spec("broker", 0, 1, ports, "Always"))}}
+        service = {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(name, self.ns, "broker", self.name),
+            "spec": {
+                "selector": _selector(self.name, "broker"),
+                "ports": [{"name": n, "port": v, "targetPort": v} for n, v in ports.items()],
+            },
+        }
+        deploy = {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": _meta(name, self.ns, "broker", self.name),
+            "spec": {
+                "replicas": 1,
+                "strategy": {"type": "Recreate"},
+                "selector": {"matchLabels": _selector(self.name, "broker")},
+                "template": self.template("broker", self.pod_spec("broker", 0, 1, ports, "Always")),
+            },
+        }
         return [service, deploy]
 
     def rollout(self) -> list[dict[str, Any]]:
         r = self.cfg.cluster.rollout
         cpus = max(1, r.cpus_per_server * self.layout.servers_per_node)
-        spec = self.pod_spec("rollout", r.gpus_per_node, cpus, {}, "Always",
-                             _mem_gb(r.mem_gb_per_server, self.layout.servers_per_node))
-        return [{"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(f"{self.name}-rollout", self.ns, "rollout", self.name),
-                 "spec": {"replicas": r.nodes, "selector": {"matchLabels": _selector(self.name, "rollout")},
-                          "template": self.template("rollout", spec)}}]
+        spec = self.pod_spec(
+            "rollout", r.gpus_per_node, cpus, {}, "Always", _mem_gb(r.mem_gb_per_server, self.layout.servers_per_node)
+        )
+        return [
+            {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": _meta(f"{self.name}-rollout", self.ns, "rollout", self.name),
+                "spec": {
+                    "replicas": r.nodes,
+                    "selector": {"matchLabels": _selector(self.name, "rollout")},
+                    "template": self.template("rollout", spec),
+                },
+            }
+        ]
 
     def learner(self) -> list[dict[str, Any]]:
         c, p = self.cfg.cluster.learner, self.layout.base_port
         name = f"{self.name}-learner"
         ports = {"rendezvous": p + 2, "weights": p + 3}
-        headless = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, self.ns, "learner", self.name),
-                    "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": _selector(self.name, "learner"),
-                             "ports": [{"name": n, "port": v, "targetPort": v} for n, v in ports.items()]}}
-        spec = self.pod_spec("learner", c.gpus_per_node, c.cpus_per_rank * self.layout.ranks_per_node, ports, "Never",
-                             _mem_gb(c.mem_gb_per_rank, self.layout.ranks_per_node))
+        headless = {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(name, self.ns, "learner", self.name),
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,
+                "selector": _selector(self.name, "learner"),
+                "ports": [{"name": n, "port": v, "targetPort": v} for n, v in ports.items()],
+            },
+        }
+        spec = self.pod_spec(
+            "learner",
+            c.gpus_per_node,
+            c.cpus_per_rank * self.layout.ranks_per_node,
+            ports,
+            "Never",
+            _mem_gb(c.mem_gb_per_rank, self.layout.ranks_per_node),
+        )
         spec["subdomain"] = name
-        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(name, self.ns, "learner", self.name),
-               "spec": {"completionMode": "Indexed", "completions": c.nodes, "parallelism": c.nodes, "backoffLimit": 0,
-                        "template": self.template("learner", spec)}}
+        job = {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": _meta(name, self.ns, "learner", self.name),
+            "spec": {
+                "completionMode": "Indexed",
+                "completions": c.nodes,
+                "parallelism": c.nodes,
+                "backoffLimit": 0,
+                "template": self.template("learner", spec),
+            },
+        }
         return [headless, job]
 
     def objects(self) -> list[dict[str, Any]]:

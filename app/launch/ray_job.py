@@ -28,12 +28,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from fleetrl.common.config import ConfigError, load_config
-from fleetrl.common.net import free_port
 from fleetrl.app.launch.run import Child, child_env
 from fleetrl.app.launch.slurm import prepare, resolve_run_dir
 from fleetrl.app.launch.supervisor import log_event
 from fleetrl.app.launch.world import Layout, world_map
+from fleetrl.common.config import ConfigError, load_config
+from fleetrl.common.net import free_port
 
 READY_TIMEOUT_S = 600.0
 
@@ -42,8 +42,10 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise ConfigError("`fleetrl launch ray` needs Ray: pip install 'fleetrl[ray]' (or pip install ray) on this "
-                          "machine and on every node of the cluster") from None
+        raise ConfigError(
+            "`fleetrl launch ray` needs Ray: pip install 'fleetrl[ray]' (or pip install ray) on this "
+            "machine and on every node of the cluster"
+        ) from None
     return ray
 
 
@@ -80,24 +82,59 @@ class ProcessActor:
         job = ["--config", self.plan["config"], "--run-dir", str(self.run_dir)]
         env = {**child_env(int(self.plan["threads"][self.role])), **world.env()}
         if self.role == "broker":
-            argv, ready = [*cli, "broker", *job, "broker.host=0.0.0.0", "broker.insecure_bind=true",  # see World.overrides
-                           "broker.port=0", "broker.pub_port=0"], "broker.json"
+            argv, ready = (
+                [
+                    *cli,
+                    "broker",
+                    *job,
+                    "broker.host=0.0.0.0",
+                    "broker.insecure_bind=true",  # see World.overrides
+                    "broker.port=0",
+                    "broker.pub_port=0",
+                ],
+                "broker.json",
+            )
         elif self.role == "rollout":
             index = world.rollout_indices[0]
-            argv = [*cli, "rollout", *job, "--server-index", str(index), "--broker", world.broker_address,
-                    f"broker.address={world.broker_address}"]
+            argv = [
+                *cli,
+                "rollout",
+                *job,
+                "--server-index",
+                str(index),
+                "--broker",
+                world.broker_address,
+                f"broker.address={world.broker_address}",
+            ]
             ready = f"rollout-{index}.ready"
         else:
-            argv = [*cli, "learner", *job, f"broker.address={world.broker_address}", f"sync.master_addr={world.sync_addr}",
-                    "sync.master_port=0", "checkpoint.resume=auto"]
+            argv = [
+                *cli,
+                "learner",
+                *job,
+                f"broker.address={world.broker_address}",
+                f"sync.master_addr={world.sync_addr}",
+                "sync.master_port=0",
+                "checkpoint.resume=auto",
+            ]
             ready = "learner.ready" if world.rank == 0 else None
         logs = self.run_dir / "logs" / self.name
         attempt = len(list(logs.glob("attempt-*"))) if logs.exists() else 0
-        self.child = Child(self.name, argv, logs / f"attempt-{attempt}" / "output.log", env,
-                           self.run_dir / ready if ready else None)
+        self.child = Child(
+            self.name, argv, logs / f"attempt-{attempt}" / "output.log", env, self.run_dir / ready if ready else None
+        )
         self.child.start()
-        log_event(self.run_dir, host=self.node_ip, role=self.role, child=self.name, event="started", attempt=attempt,
-                  pid=self.child.proc.pid, actor_pid=os.getpid(), restarted=self.restarted)
+        log_event(
+            self.run_dir,
+            host=self.node_ip,
+            role=self.role,
+            child=self.name,
+            event="started",
+            attempt=attempt,
+            pid=self.child.proc.pid,
+            actor_pid=os.getpid(),
+            restarted=self.restarted,
+        )
         threading.Thread(target=self._watch, daemon=True).start()
         return self.child.proc.pid
 
@@ -107,20 +144,31 @@ class ProcessActor:
         while child.returncode is None:
             if not logged and child.ready_file is not None and child.ready_file.exists():
                 logged = True
-                log_event(self.run_dir, host=self.node_ip, role=self.role, child=self.name,
-                          event="rejoined" if self.restarted else "ready",
-                          start_s=round(time.monotonic() - child.started_at, 3))
+                log_event(
+                    self.run_dir,
+                    host=self.node_ip,
+                    role=self.role,
+                    child=self.name,
+                    event="rejoined" if self.restarted else "ready",
+                    start_s=round(time.monotonic() - child.started_at, 3),
+                )
             time.sleep(0.2)
         code = child.returncode
         if code != 0 and not getattr(self, "stopping", False):
             log_event(self.run_dir, host=self.node_ip, role=self.role, child=self.name, event="died", code=code)
-            print(f"fleetrl {self.name}: exited with code {code}; its log {child.log} ends with:\n{child.tail()}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"fleetrl {self.name}: exited with code {code}; its log {child.log} ends with:\n{child.tail()}",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(1)
 
     def info(self) -> dict:
-        out = {"node_ip": self.node_ip, "actor_pid": os.getpid(),
-               "pid": self.child.proc.pid if self.child and self.child.proc else None}
+        out = {
+            "node_ip": self.node_ip,
+            "actor_pid": os.getpid(),
+            "pid": self.child.proc.pid if self.child and self.child.proc else None,
+        }
         endpoint = self.run_dir / "broker.json"
         if self.role == "broker" and endpoint.exists():
             address = json.loads(endpoint.read_text())["address"]
@@ -131,8 +179,10 @@ class ProcessActor:
         deadline = time.monotonic() + timeout_s
         while self.child.ready_file is not None and not self.child.ready_file.exists():
             if self.child.returncode is not None:
-                raise RuntimeError(f"{self.name} exited with code {self.child.returncode} while starting; its log "
-                                   f"{self.child.log} ends with:\n{self.child.tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited with code {self.child.returncode} while starting; its log "
+                    f"{self.child.log} ends with:\n{self.child.tail()}"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name} did not report ready in {timeout_s:g} s; see {self.child.log}")
             time.sleep(0.2)
@@ -155,9 +205,13 @@ class RayJob:
         self.ray, self.cfg, self.run_dir = ray, cfg, run_dir
         self.layout = Layout.from_config(cfg, str(run_dir))
         c = cfg.cluster
-        self.plan = {"run_dir": str(run_dir), "config": str(config_path), "cwd": os.getcwd(), "layout": asdict(self.layout),
-                     "threads": {"broker": 1, "rollout": max(1, c.rollout.cpus_per_server),
-                                 "learner": c.learner.cpus_per_rank}}
+        self.plan = {
+            "run_dir": str(run_dir),
+            "config": str(config_path),
+            "cwd": os.getcwd(),
+            "layout": asdict(self.layout),
+            "threads": {"broker": 1, "rollout": max(1, c.rollout.cpus_per_server), "learner": c.learner.cpus_per_rank},
+        }
         self.remote = ray.remote(max_concurrency=8)(ProcessActor)
         self.gpus_per_server = rollout_gpus_per_server(cfg)
         self.actors: dict[str, object] = {}
@@ -167,8 +221,12 @@ class RayJob:
         self.pg = None
 
     def opts(self, name: str, **kw) -> dict:
-        return {"name": f"{self.layout.name}-{name}", "namespace": self.cfg.cluster.ray.namespace,
-                "runtime_env": {"env_vars": {"FLEETRL_ALLOC_START": str(self.alloc_start)}}, **kw}
+        return {
+            "name": f"{self.layout.name}-{name}",
+            "namespace": self.cfg.cluster.ray.namespace,
+            "runtime_env": {"env_vars": {"FLEETRL_ALLOC_START": str(self.alloc_start)}},
+            **kw,
+        }
 
     def create_actors(self) -> None:
         """Every actor at once, so that Ray starts their worker processes in parallel with the broker's
@@ -179,22 +237,33 @@ class RayJob:
         run = {"run_dir": str(self.run_dir)}
         if self.cfg.needs_fleet:
             self.actors["broker"] = self.remote.options(**self.opts("broker", num_cpus=1, max_restarts=0)).remote(
-                "broker", "broker", self.plan, run, True)
+                "broker", "broker", self.plan, run, True
+            )
         r = self.cfg.cluster.rollout
         for i in range(self.layout.num_servers if self.cfg.needs_fleet else 0):
             name = f"rollout-{i}"
-            self.actors[name] = self.remote.options(**self.opts(
-                name, num_cpus=r.cpus_per_server, num_gpus=self.gpus_per_server, max_restarts=r.max_restarts)).remote(
-                "rollout", name, self.plan, {**run, "server_index": i, "rank": i}, False)
+            self.actors[name] = self.remote.options(
+                **self.opts(
+                    name, num_cpus=r.cpus_per_server, num_gpus=self.gpus_per_server, max_restarts=r.max_restarts
+                )
+            ).remote("rollout", name, self.plan, {**run, "server_index": i, "rank": i}, False)
         c, world = self.cfg.cluster.learner, self.layout.world_size
         bundle = {"CPU": c.cpus_per_rank, **({"GPU": 1} if c.gpus_per_node else {})}
-        self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK", name=f"{self.layout.name}-learner")
+        self.pg = placement_group(
+            [dict(bundle) for _ in range(world)], strategy="PACK", name=f"{self.layout.name}-learner"
+        )
         for rank in range(world):
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
             name = "learner" if rank == 0 else f"learner-{rank}"
-            self.actors[name] = self.remote.options(**self.opts(
-                f"learner-{rank}", num_cpus=c.cpus_per_rank, num_gpus=1 if c.gpus_per_node else 0, max_restarts=0,
-                scheduling_strategy=strategy)).remote("learner", name, self.plan, {**run, "rank": rank}, False)
+            self.actors[name] = self.remote.options(
+                **self.opts(
+                    f"learner-{rank}",
+                    num_cpus=c.cpus_per_rank,
+                    num_gpus=1 if c.gpus_per_node else 0,
+                    max_restarts=0,
+                    scheduling_strategy=strategy,
+                )
+            ).remote("learner", name, self.plan, {**run, "rank": rank}, False)
 
     def broker_address(self) -> str:
         """Wait for the broker actor's process; record its address for restarted rollout actors."""
@@ -206,15 +275,25 @@ class RayJob:
 
     def start_rest(self, broker: str) -> None:
         """Rollout servers with the broker's address; learner ranks with rank 0's MASTER_ADDR/PORT."""
-        rollouts = [a.start.remote({"broker_address": broker}) for n, a in self.actors.items() if n.startswith("rollout")]
+        rollouts = [
+            a.start.remote({"broker_address": broker}) for n, a in self.actors.items() if n.startswith("rollout")
+        ]
         ranks = [self.actors["learner" if r == 0 else f"learner-{r}"] for r in range(self.layout.world_size)]
         self.ray.get(self.pg.ready(), timeout=READY_TIMEOUT_S)
         master_addr, master_port = self.ray.get(ranks[0].pick_master.remote())
-        ctx = {"broker_address": broker, "world_size": len(ranks), "master_addr": master_addr, "master_port": master_port}
+        ctx = {
+            "broker_address": broker,
+            "world_size": len(ranks),
+            "master_addr": master_addr,
+            "master_port": master_port,
+        }
         self.ray.get([a.start.remote({**ctx, "rank": r}) for r, a in enumerate(ranks)] + rollouts)
 
     def run(self) -> int:
-        old = {s: signal.signal(s, lambda *a: setattr(self, "stop_requested", True)) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = {
+            s: signal.signal(s, lambda *a: setattr(self, "stop_requested", True))
+            for s in (signal.SIGINT, signal.SIGTERM)
+        }
         try:
             self.create_actors()
             broker = self.broker_address()
@@ -241,8 +320,11 @@ class RayJob:
             if not ready_logged and self.all_ready():
                 ready_logged = True
                 log_event(self.run_dir, event="all_ready", kind="ray", processes=len(self.actors))
-                print(f"fleetrl launch ray: all {len(self.actors)} processes registered "
-                      f"{time.time() - self.alloc_start:.1f} s after the launcher started", flush=True)
+                print(
+                    f"fleetrl launch ray: all {len(self.actors)} processes registered "
+                    f"{time.time() - self.alloc_start:.1f} s after the launcher started",
+                    flush=True,
+                )
             done, _ = self.ray.wait(list(waits), timeout=0.5)
             for ref in done:
                 name = waits.pop(ref)
@@ -254,8 +336,11 @@ class RayJob:
                     restarts[name] += 1
                     log_event(self.run_dir, role="rollout", child=name, event="died", why=why, restart=restarts[name])
                     if restarts[name] <= self.cfg.cluster.rollout.max_restarts:
-                        print(f"fleetrl launch ray: {name} died ({why}); Ray restarts it "
-                              f"({restarts[name]}/{self.cfg.cluster.rollout.max_restarts})", flush=True)
+                        print(
+                            f"fleetrl launch ray: {name} died ({why}); Ray restarts it "
+                            f"({restarts[name]}/{self.cfg.cluster.rollout.max_restarts})",
+                            flush=True,
+                        )
                         waits[self.actors[name].wait.remote()] = name
                     else:
                         print(f"fleetrl launch ray: {name} died and is out of restarts; the fleet goes on", flush=True)
@@ -267,22 +352,31 @@ class RayJob:
                     return 0
                 cause = f"exited with code {code}" if code is not None else f"died ({why})"
                 role = "learner rank" if name.startswith("learner") else name
-                print(f"fleetrl launch ray: FAILED: {role} {name} {cause}; see {self.run_dir}/logs/{name}/",
-                      file=sys.stderr, flush=True)
-                (self.run_dir / "launch" / "result.json").write_text(json.dumps(
-                    {"state": "failed", "cause": f"{name} {cause}", "role": name.split("-")[0]}))
+                print(
+                    f"fleetrl launch ray: FAILED: {role} {name} {cause}; see {self.run_dir}/logs/{name}/",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                (self.run_dir / "launch" / "result.json").write_text(
+                    json.dumps({"state": "failed", "cause": f"{name} {cause}", "role": name.split("-")[0]})
+                )
                 return 1
         print("fleetrl launch ray: stopping (the learner checkpoints)", flush=True)
         return 130
 
     def all_ready(self) -> bool:
-        files = [self.run_dir / "learner.ready", self.run_dir / "broker.json",
-                 *(self.run_dir / f"rollout-{i}.ready" for i in range(self.layout.num_servers))]
+        files = [
+            self.run_dir / "learner.ready",
+            self.run_dir / "broker.json",
+            *(self.run_dir / f"rollout-{i}.ready" for i in range(self.layout.num_servers)),
+        ]
         return all(f.exists() for f in files)
 
     def shutdown(self) -> None:
         (self.run_dir / "launch" / "done").touch()
-        order = sorted(self.actors.items(), key=lambda kv: 0 if kv[0].startswith("learner") else 2 if kv[0] == "broker" else 1)
+        order = sorted(
+            self.actors.items(), key=lambda kv: 0 if kv[0].startswith("learner") else 2 if kv[0] == "broker" else 1
+        )
         for name, actor in order:
             try:
                 self.ray.get(actor.stop.remote(180 if name.startswith("learner") else 30), timeout=240)
@@ -302,19 +396,27 @@ def main(args) -> int:
     run_dir = resolve_run_dir(cfg, args.run_dir)
     config_path, _ = prepare(cfg, run_dir)
     if args.dry_run:
-        print(f"# dry run: resolved config in {config_path}; the job would start 1 broker, "
-              f"{Layout.from_config(cfg, str(run_dir)).num_servers} rollout actor(s) and {cfg.learner.num_ranks} learner "
-              f"rank(s) in a PACK placement group; nothing started", flush=True)
+        print(
+            f"# dry run: resolved config in {config_path}; the job would start 1 broker, "
+            f"{Layout.from_config(cfg, str(run_dir)).num_servers} rollout actor(s) and {cfg.learner.num_ranks} learner "
+            f"rank(s) in a PACK placement group; nothing started",
+            flush=True,
+        )
         return 0
     ray = import_ray()
     address = args.address or cfg.cluster.ray.address
-    init = {"address": address} if address else {"address": "local", "num_cpus": cfg.cluster.ray.num_cpus,
-                                                 "include_dashboard": False}  # "local": a new cluster, always
+    init = (
+        {"address": address}
+        if address
+        else {"address": "local", "num_cpus": cfg.cluster.ray.num_cpus, "include_dashboard": False}
+    )  # "local": a new cluster, always
     for stale in [run_dir / "learner.ready", run_dir / "broker.json", *run_dir.glob("rollout-*.ready")]:
         stale.unlink(missing_ok=True)  # a previous run's signals must not count
     ray.init(namespace=cfg.cluster.ray.namespace, log_to_driver=False, **init)
-    print(f"fleetrl launch ray: {cfg.run.name} -> {run_dir} on {'Ray at ' + address if address else 'a local Ray'}",
-          flush=True)
+    print(
+        f"fleetrl launch ray: {cfg.run.name} -> {run_dir} on {'Ray at ' + address if address else 'a local Ray'}",
+        flush=True,
+    )
     try:
         return RayJob(ray, cfg, run_dir, config_path).run()
     finally:

@@ -36,19 +36,23 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fleetrl.common.config import ConfigError, load_config, save_resolved
 from fleetrl.app.checks import check_job, resume_problem
+from fleetrl.common.config import ConfigError, load_config, save_resolved
 from fleetrl.common.config.names import defaults_used
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.common.telemetry.startup import STARTUP
 from fleetrl.common.net import free_port
+from fleetrl.common.telemetry.startup import STARTUP
 
 POLL_S = 0.25
 READY_POLL_S = 0.02  # how often start-up looks for a ready file: a stat call, so the wait adds <= 20 ms
-EXIT_REWARDS_HOPELESS = 4  # a rollout server's exit code when its rewards stopped giving usable scores (rollout/server.py)
+EXIT_REWARDS_HOPELESS = (
+    4  # a rollout server's exit code when its rewards stopped giving usable scores (rollout/server.py)
+)
 DONE_GRACE_S = 20.0  # after the learner finished: how long rollouts get to exit on its `done` before SIGTERM
 # (a vLLM rollout finishes its groups, then shuts its engine core down: ~6 s on a loaded 2-core box)
-LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d \w \S+ \S+: (.*)$")  # common/telemetry/logs.py's format: time, level, process, logger
+LOG_LINE = re.compile(
+    r"^\d\d:\d\d:\d\d \w \S+ \S+: (.*)$"
+)  # common/telemetry/logs.py's format: time, level, process, logger
 FINAL_WORDS = re.compile(r"\b(stopped|done|left)\b")  # the last line each component logs says what it did
 
 
@@ -83,8 +87,15 @@ class Child:
             self.ready_file.unlink(missing_ok=True)
         # process_group=0: a group of its own, so a terminal's Ctrl-C (SIGINT to the launcher's group) reaches
         # only the launcher, which stops the children in order (the broker last)
-        self.proc = subprocess.Popen(self.argv, stdout=self.log_handle, stderr=subprocess.STDOUT, env=self.env,
-                                     preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL, process_group=0)
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=self.log_handle,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            preexec_fn=_die_with_parent,
+            stdin=subprocess.DEVNULL,
+            process_group=0,
+        )
         self.started_at = time.monotonic()
 
     @property
@@ -178,10 +189,17 @@ def child_env(threads: int, broker_wait_s: float = 0.0) -> dict[str, str]:
     env = dict(os.environ)
     if broker_wait_s:
         env["FLEETRL_BROKER_WAIT_S"] = f"{broker_wait_s:g}"
-    env.update(FLEETRL_CHILD="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
-               HF_DATASETS_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1",  # children write log files: no bars
-               PYTHONUNBUFFERED="1")
+    env.update(
+        FLEETRL_CHILD="1",
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        HF_HUB_DISABLE_PROGRESS_BARS="1",
+        HF_DATASETS_DISABLE_PROGRESS_BARS="1",
+        TQDM_DISABLE="1",  # children write log files: no bars
+        PYTHONUNBUFFERED="1",
+    )
     return env
 
 
@@ -194,18 +212,37 @@ def plan_children(cfg: JobConfig, run_dir: Path, config_path: Path) -> list[Chil
     wait = cfg.run.ready_timeout_s  # clients start with the broker and wait this long for its broker.json
     children = []
     if cfg.needs_fleet:
-        children.append(Child("broker", [*py, "broker", *job], logs / "broker.log", child_env(1), run_dir / "broker.json"))
+        children.append(
+            Child("broker", [*py, "broker", *job], logs / "broker.log", child_env(1), run_dir / "broker.json")
+        )
         for i in range(cfg.rollout.num_servers):
-            children.append(Child(f"rollout-{i}", [*py, "rollout", *job, "--server-index", str(i)],
-                                  logs / f"rollout-{i}.log", child_env(rollout_threads, wait),
-                                  run_dir / f"rollout-{i}.ready"))
+            children.append(
+                Child(
+                    f"rollout-{i}",
+                    [*py, "rollout", *job, "--server-index", str(i)],
+                    logs / f"rollout-{i}.log",
+                    child_env(rollout_threads, wait),
+                    run_dir / f"rollout-{i}.ready",
+                )
+            )
     if cfg.learner.num_ranks > 1:
-        learner = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.learner.num_ranks),
-                   "--master-port", str(free_port()), "-m", "fleetrl.app.learner", *job]
+        learner = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(cfg.learner.num_ranks),
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "fleetrl.app.learner",
+            *job,
+        ]
     else:
         learner = [*py, "learner", *job]
-    children.append(Child("learner", learner, logs / "learner.log", child_env(learner_threads, wait),
-                          run_dir / "learner.ready"))
+    children.append(
+        Child("learner", learner, logs / "learner.log", child_env(learner_threads, wait), run_dir / "learner.ready")
+    )
     return children
 
 
@@ -228,13 +265,17 @@ class Launcher:
         deadline = time.monotonic() + self.cfg.run.ready_timeout_s
         while not (child.ready_file and child.ready_file.exists()):
             if not child.alive:
-                raise LaunchError(f"{child.name} exited with code {child.returncode} while starting; "
-                                  f"its log ({child.log}) ends with:\n{child.tail()}")
+                raise LaunchError(
+                    f"{child.name} exited with code {child.returncode} while starting; "
+                    f"its log ({child.log}) ends with:\n{child.tail()}"
+                )
             if self.stop_requested:
                 raise KeyboardInterrupt
             if time.monotonic() > deadline:
-                raise LaunchError(f"{child.name} did not report ready within run.ready_timeout_s="
-                                  f"{self.cfg.run.ready_timeout_s:g} s; see its log {child.log}:\n{child.tail()}")
+                raise LaunchError(
+                    f"{child.name} did not report ready within run.ready_timeout_s="
+                    f"{self.cfg.run.ready_timeout_s:g} s; see its log {child.log}:\n{child.tail()}"
+                )
             time.sleep(READY_POLL_S)
         child.ready_at = time.time()
 
@@ -254,22 +295,27 @@ class Launcher:
             if child.alive or code in (0, None) or (child is learner and code == 0):
                 continue
             if code == EXIT_REWARDS_HOPELESS:  # the rewards cannot score this data: a restart scores nothing again
-                raise LaunchError(f"{child.name} stopped: its rewards gave no usable score for "
-                                  f"rollout.reward_stop_after={self.cfg.rollout.reward_stop_after} samples in a row; "
-                                  f"its log ({child.log}) says:\n{child.tail(6)}")
+                raise LaunchError(
+                    f"{child.name} stopped: its rewards gave no usable score for "
+                    f"rollout.reward_stop_after={self.cfg.rollout.reward_stop_after} samples in a row; "
+                    f"its log ({child.log}) says:\n{child.tail(6)}"
+                )
             if self.cfg.run.restart_policy == "on-failure" and child.restarts < self.cfg.run.max_restarts:
                 self.restart(child, code)
             else:
-                raise LaunchError(f"{child.name} died with exit code {code}; its log ({child.log}) ends with:\n"
-                                  f"{child.tail()}")
+                raise LaunchError(
+                    f"{child.name} died with exit code {code}; its log ({child.log}) ends with:\n{child.tail()}"
+                )
 
     def ready_line(self) -> str:
         """``3 processes ready in 4.9 s (checks done at 1.0 s; broker ready at 1.6, ...)``, every time counted
         from this launcher's exec (each child's log has its own phases on its ``start-up: ready`` line)."""
         t0 = STARTUP.start
         ready = ", ".join(f"{c.name} at {c.ready_at - t0:.1f}" for c in self.children if c.ready_at is not None)
-        return (f"{len(self.children)} processes ready in {time.time() - t0:.1f} s (checks done at "
-                f"{STARTUP.last - t0:.1f} s; ready: {ready} s)")
+        return (
+            f"{len(self.children)} processes ready in {time.time() - t0:.1f} s (checks done at "
+            f"{STARTUP.last - t0:.1f} s; ready: {ready} s)"
+        )
 
     def broker_address(self) -> str:
         """The address the broker bound (its ``broker.json``), or "?" when it wrote none."""
@@ -289,12 +335,20 @@ class Launcher:
             child.argv = [*child.argv, f"broker.port={port}", f"broker.pub_port={pub_port}"]
         if child.name == "learner" and "checkpoint.resume=auto" not in child.argv:
             child.argv = [*child.argv, "checkpoint.resume=auto"]
-        event = {"time": time.time(), "event": "restart", "child": child.name, "exit_code": code,
-                 "restart": child.restarts}
+        event = {
+            "time": time.time(),
+            "event": "restart",
+            "child": child.name,
+            "exit_code": code,
+            "restart": child.restarts,
+        }
         with (self.run_dir / "events.jsonl").open("a") as f:
             f.write(json.dumps(event) + "\n")
-        print(f"fleetrl run: {child.name} died (exit code {code}); restarting it "
-              f"({child.restarts}/{self.cfg.run.max_restarts})", flush=True)
+        print(
+            f"fleetrl run: {child.name} died (exit code {code}); restarting it "
+            f"({child.restarts}/{self.cfg.run.max_restarts})",
+            flush=True,
+        )
         child.start()
 
     # ------------------------------------------------------------------------------ stopping
@@ -335,8 +389,11 @@ class Launcher:
         if child.proc is None:
             return
         if killed:
-            how = (f"killed after {seconds:.1f} s (second interrupt)" if self.force else
-                   f"killed: still running {seconds:.1f} s after SIGTERM (run.stop_timeout_s={self.cfg.run.stop_timeout_s:g})")
+            how = (
+                f"killed after {seconds:.1f} s (second interrupt)"
+                if self.force
+                else f"killed: still running {seconds:.1f} s after SIGTERM (run.stop_timeout_s={self.cfg.run.stop_timeout_s:g})"
+            )
         else:
             how = f"exit {child.returncode}"
         words = child.last_words()
@@ -361,8 +418,11 @@ class Launcher:
             self.start_all()
             print(f"fleetrl run: {self.ready_line()}; run directory {self.run_dir}", flush=True)
             if any(c.name == "broker" for c in self.children):
-                print(f"fleetrl run: broker at {self.broker_address()}; watch it with `fleetrl status --broker "
-                      f"{self.run_dir}`", flush=True)
+                print(
+                    f"fleetrl run: broker at {self.broker_address()}; watch it with `fleetrl status --broker "
+                    f"{self.run_dir}`",
+                    flush=True,
+                )
             rl_start = time.monotonic()
             cpu = CpuMeter()
             cpu.begin(self._pids())
@@ -376,14 +436,19 @@ class Launcher:
                     time.sleep(POLL_S)
                 line.update()
             if self.stop_requested:
-                print(f"fleetrl run: stopping: the learner finishes its step and checkpoints, then the rollouts and "
-                      f"the broker stop (within run.stop_timeout_s={self.cfg.run.stop_timeout_s:g}; Ctrl-C again "
-                      "kills them)", flush=True)
+                print(
+                    f"fleetrl run: stopping: the learner finishes its step and checkpoints, then the rollouts and "
+                    f"the broker stop (within run.stop_timeout_s={self.cfg.run.stop_timeout_s:g}; Ctrl-C again "
+                    "kills them)",
+                    flush=True,
+                )
                 self.shutdown()
                 return 130
             code = learner.returncode
             if code != 0:
-                raise LaunchError(f"learner exited with code {code}; its log ({learner.log}) ends with:\n{learner.tail()}")
+                raise LaunchError(
+                    f"learner exited with code {code}; its log ({learner.log}) ends with:\n{learner.tail()}"
+                )
             summary = line.summary(time.monotonic() - rl_start)
             used = cpu.result()
             cpu.save(used, self.run_dir)
@@ -440,8 +505,10 @@ def main(args) -> int:
         print(f"fleetrl run: note: {note}", file=sys.stderr)
     run_dir = run_dir or make_run_dir(cfg, args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"fleetrl run: {cfg.run.name} -> {run_dir}{' (resuming from its newest checkpoint)' if resumed else ''}",
-          flush=True)
+    print(
+        f"fleetrl run: {cfg.run.name} -> {run_dir}{' (resuming from its newest checkpoint)' if resumed else ''}",
+        flush=True,
+    )
     (run_dir / "launch.json").write_text(json.dumps({"pid": os.getpid(), "argv": sys.argv}))
     return Launcher(cfg, run_dir, status=not args.no_status, resumed=resumed).run()
 

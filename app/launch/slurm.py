@@ -26,13 +26,15 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from fleetrl.app.launch.world import Layout
 from fleetrl.common.config import ConfigError, dump_yaml, load_config
 from fleetrl.common.config.cluster import check_placement
 from fleetrl.common.config.schema import JobConfig
-from fleetrl.app.launch.world import Layout
 
-INSTALL_HINT = ("install the Slurm client tools on this machine (Debian/Ubuntu: apt-get install slurm-client; "
-                "with the cluster's slurm.conf or SLURM_CONF) or run on a login node")
+INSTALL_HINT = (
+    "install the Slurm client tools on this machine (Debian/Ubuntu: apt-get install slurm-client; "
+    "with the cluster's slurm.conf or SLURM_CONF) or run on a login node"
+)
 
 
 def resolve_run_dir(cfg: JobConfig, override: str | None = None) -> Path:
@@ -50,12 +52,18 @@ def role_request(cfg: JobConfig, layout: Layout, role: str) -> dict[str, int | N
     set: no ``--mem``, so Slurm gives the partition's default; the broker never sets one)."""
     c = cfg.cluster
     if role == "learner":
-        return {"gpus": c.learner.gpus_per_node, "cpus": c.learner.cpus_per_rank * layout.ranks_per_node,
-                "mem_gb": _times(c.learner.mem_gb_per_rank, layout.ranks_per_node)}
+        return {
+            "gpus": c.learner.gpus_per_node,
+            "cpus": c.learner.cpus_per_rank * layout.ranks_per_node,
+            "mem_gb": _times(c.learner.mem_gb_per_rank, layout.ranks_per_node),
+        }
     if role == "rollout":
         servers = max(1, layout.servers_per_node)
-        return {"gpus": c.rollout.gpus_per_node, "cpus": max(1, c.rollout.cpus_per_server * servers),
-                "mem_gb": _times(c.rollout.mem_gb_per_server, servers)}
+        return {
+            "gpus": c.rollout.gpus_per_node,
+            "cpus": max(1, c.rollout.cpus_per_server * servers),
+            "mem_gb": _times(c.rollout.mem_gb_per_server, servers),
+        }
     return {"gpus": 0, "cpus": 1, "mem_gb": None}
 
 
@@ -75,16 +83,23 @@ def role_steps(cfg: JobConfig, layout: Layout) -> list[dict]:
     return [{**s, "options": step_options(role_request(cfg, layout, s["role"]))} for s in steps if s["nodes"] > 0]
 
 
-def sbatch_options(cfg: JobConfig, layout: Layout, run_dir: Path, nodes: int, name: str, requeue: bool,
-                   steps: list[dict] | None = None) -> list[str]:
+def sbatch_options(
+    cfg: JobConfig, layout: Layout, run_dir: Path, nodes: int, name: str, requeue: bool, steps: list[dict] | None = None
+) -> list[str]:
     """The allocation: one task per node with the most any role on a node needs; roles without GPUs (the
     broker) do not raise the GPU count. Each srun step then asks for its own role's share (`step_options`)."""
     c = cfg.cluster
     steps = role_steps(cfg, layout) if steps is None else steps
     needs = [role_request(cfg, layout, s["role"]) for s in steps]
     gpus = max((n["gpus"] for n in needs), default=0)
-    opts = [f"--job-name={name}", f"--nodes={nodes}", "--ntasks-per-node=1", f"--time={c.time_limit}",
-            f"--output={run_dir}/launch/slurm-%j.out", "--open-mode=append"]
+    opts = [
+        f"--job-name={name}",
+        f"--nodes={nodes}",
+        "--ntasks-per-node=1",
+        f"--time={c.time_limit}",
+        f"--output={run_dir}/launch/slurm-%j.out",
+        "--open-mode=append",
+    ]
     opts += [f"--partition={c.partition}"] if c.partition else []
     opts += [f"--account={c.account}"] if c.account else []
     opts += [f"--gpus-per-node={gpus}"] if gpus else []
@@ -105,30 +120,69 @@ def srun_prefix(cfg: JobConfig, run_dir: Path) -> list[str]:
     return prefix
 
 
-def build_plan(cfg: JobConfig, run_dir: Path, config_path: Path, python: str, steps: list[dict],
-               env: dict[str, str] | None = None, kind: str = "job") -> dict:
+def build_plan(
+    cfg: JobConfig,
+    run_dir: Path,
+    config_path: Path,
+    python: str,
+    steps: list[dict],
+    env: dict[str, str] | None = None,
+    kind: str = "job",
+) -> dict:
     layout = Layout.from_config(cfg, str(run_dir))
-    return {"kind": kind, "run_dir": str(run_dir), "config": str(config_path), "python": python,
-            "layout": asdict(layout), "steps": steps, "srun": srun_prefix(cfg, run_dir), "env": env or {},
-            "requeue": kind == "job" and cfg.cluster.slurm.requeue}
+    return {
+        "kind": kind,
+        "run_dir": str(run_dir),
+        "config": str(config_path),
+        "python": python,
+        "layout": asdict(layout),
+        "steps": steps,
+        "srun": srun_prefix(cfg, run_dir),
+        "env": env or {},
+        "requeue": kind == "job" and cfg.cluster.slurm.requeue,
+    }
 
 
 def render_script(options: list[str], plan: dict, plan_path: Path) -> str:
     """The sbatch script: options, then the job driver, which starts and watches the steps listed below."""
-    lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in options), "",
-             f"# fleetrl {plan['kind']} for {plan['run_dir']}: rendered by `fleetrl launch slurm`; plan in {plan_path}.",
-             "# The job driver starts one srun step per role (the per-node supervisor on each of the role's nodes):"]
-    sup = [plan["python"], "-m", "fleetrl.app.launch.supervisor", "--config", plan["config"], "--run-dir",
-           plan["run_dir"]]
+    lines = [
+        "#!/bin/bash",
+        *(f"#SBATCH {o}" for o in options),
+        "",
+        f"# fleetrl {plan['kind']} for {plan['run_dir']}: rendered by `fleetrl launch slurm`; plan in {plan_path}.",
+        "# The job driver starts one srun step per role (the per-node supervisor on each of the role's nodes):",
+    ]
+    sup = [
+        plan["python"],
+        "-m",
+        "fleetrl.app.launch.supervisor",
+        "--config",
+        plan["config"],
+        "--run-dir",
+        plan["run_dir"],
+    ]
     for step in plan["steps"]:
-        argv = [*plan["srun"], *step.get("options", []), f"--nodes={step['nodes']}", f"--ntasks={step['nodes']}",
-                f"--nodelist=<{step['role']} nodes>", f"--job-name=fleetrl-{step['role']}", *sup, "--role", step["role"]]
+        argv = [
+            *plan["srun"],
+            *step.get("options", []),
+            f"--nodes={step['nodes']}",
+            f"--ntasks={step['nodes']}",
+            f"--nodelist=<{step['role']} nodes>",
+            f"--job-name=fleetrl-{step['role']}",
+            *sup,
+            "--role",
+            step["role"],
+        ]
         lines.append(f"#   {shlex.join(argv)}")
-    lines += ["# It ends the job when the learner finishes, fails it naming the cause when the broker or a learner",
-              "# rank dies, and turns the walltime warning (SIGUSR1) into checkpoint -> clean exit -> requeue.",
-              "set -euo pipefail", f"mkdir -p {shlex.quote(plan['run_dir'])}/launch",
-              *(f"export {k}={shlex.quote(v)}" for k, v in plan["env"].items()),
-              f"exec {shlex.quote(plan['python'])} -m fleetrl.app.launch.slurm_job {shlex.quote(str(plan_path))}", ""]
+    lines += [
+        "# It ends the job when the learner finishes, fails it naming the cause when the broker or a learner",
+        "# rank dies, and turns the walltime warning (SIGUSR1) into checkpoint -> clean exit -> requeue.",
+        "set -euo pipefail",
+        f"mkdir -p {shlex.quote(plan['run_dir'])}/launch",
+        *(f"export {k}={shlex.quote(v)}" for k, v in plan["env"].items()),
+        f"exec {shlex.quote(plan['python'])} -m fleetrl.app.launch.slurm_job {shlex.quote(str(plan_path))}",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -173,21 +227,28 @@ def render_add_rollout(run_dir: Path, count: int, overrides: list[str]) -> tuple
     """Render a job of ``count`` rollout servers that join the fleet of the job in ``run_dir``."""
     world_path = run_dir / "launch" / "world.json"
     if not world_path.exists():
-        raise ConfigError(f"{run_dir} has no running job (no launch/world.json yet): submit it with "
-                          "`fleetrl launch slurm --config JOB`, and add rollouts once squeue shows it running")
+        raise ConfigError(
+            f"{run_dir} has no running job (no launch/world.json yet): submit it with "
+            "`fleetrl launch slurm --config JOB`, and add rollouts once squeue shows it running"
+        )
     world = json.loads(world_path.read_text())
     config_path = run_dir / "config.yaml"
     cfg = load_config(config_path, overrides)
     layout = Layout.from_config(cfg, str(run_dir))
     first = next_rollout_indices(run_dir, count, layout.num_servers)
     nodes = math.ceil(count / layout.servers_per_node)
-    env = {"FLEETRL_BROKER_ADDRESS": world["broker_address"], "FLEETRL_SYNC_ADDR": world["sync_address"],
-           "FLEETRL_ROLLOUT_OFFSET": str(first), "FLEETRL_ROLLOUT_SERVERS": str(count)}
+    env = {
+        "FLEETRL_BROKER_ADDRESS": world["broker_address"],
+        "FLEETRL_SYNC_ADDR": world["sync_address"],
+        "FLEETRL_ROLLOUT_OFFSET": str(first),
+        "FLEETRL_ROLLOUT_SERVERS": str(count),
+    }
     python = cfg.cluster.python or sys.executable
     steps = [{"role": "rollout", "nodes": nodes, "options": step_options(role_request(cfg, layout, "rollout"))}]
     plan = build_plan(cfg, run_dir, config_path, python, steps, env, "add-rollout")
-    opts = sbatch_options(cfg, layout, run_dir, nodes, f"fleetrl-{cfg.run.name}-rollout+{count}", requeue=False,
-                          steps=steps)
+    opts = sbatch_options(
+        cfg, layout, run_dir, nodes, f"fleetrl-{cfg.run.name}-rollout+{count}", requeue=False, steps=steps
+    )
     return _write(run_dir, f"add-rollout-{first}", plan, opts)
 
 
@@ -218,6 +279,7 @@ def main(args) -> int:
         print(f"# dry run: wrote {path} and {path.with_suffix('.plan.json')}; submitted nothing", flush=True)
         return 0
     job_id = submit(path)
-    print(f"fleetrl launch slurm: submitted job {job_id} ({path}); output in {path.parent}/slurm-{job_id}.out",
-          flush=True)
+    print(
+        f"fleetrl launch slurm: submitted job {job_id} ({path}); output in {path.parent}/slurm-{job_id}.out", flush=True
+    )
     return 0

@@ -70,16 +70,35 @@ class Driver:
 
     def srun_argv(self, step: dict) -> list[str]:
         nodes = self.role_nodes()[step["role"]][: step["nodes"]]
-        return [*self.plan["srun"], *step.get("options", []), f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", f"--nodelist={','.join(nodes)}",
-                f"--job-name=fleetrl-{step['role']}", self.plan["python"], "-m", "fleetrl.app.launch.supervisor",
-                "--role", step["role"], "--config", self.plan["config"], "--run-dir", str(self.run_dir)]
+        return [
+            *self.plan["srun"],
+            *step.get("options", []),
+            f"--nodes={len(nodes)}",
+            f"--ntasks={len(nodes)}",
+            f"--nodelist={','.join(nodes)}",
+            f"--job-name=fleetrl-{step['role']}",
+            self.plan["python"],
+            "-m",
+            "fleetrl.app.launch.supervisor",
+            "--role",
+            step["role"],
+            "--config",
+            self.plan["config"],
+            "--run-dir",
+            str(self.run_dir),
+        ]
 
     def write_world(self) -> None:
         roles = self.role_nodes()
         p = self.layout.base_port
-        world = {"job_id": self.job_id, "nodes": roles, "broker_address": f"tcp://{roles['broker'][0]}:{p}",
-                 "sync_address": f"{roles['learner'][0]}:{p + 3}", "alloc_start": self.alloc_start,
-                 "restart_count": int(self.env.get("SLURM_RESTART_COUNT", 0) or 0)}
+        world = {
+            "job_id": self.job_id,
+            "nodes": roles,
+            "broker_address": f"tcp://{roles['broker'][0]}:{p}",
+            "sync_address": f"{roles['learner'][0]}:{p + 3}",
+            "alloc_start": self.alloc_start,
+            "restart_count": int(self.env.get("SLURM_RESTART_COUNT", 0) or 0),
+        }
         path = self.run_dir / "launch" / "world.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "launch" / "done").unlink(missing_ok=True)
@@ -90,7 +109,10 @@ class Driver:
     def ready_files(self) -> list[Path]:
         if self.plan["kind"] == "add-rollout":
             first = int(self.env["FLEETRL_ROLLOUT_OFFSET"])
-            return [self.run_dir / f"rollout-{i}.ready" for i in range(first, first + int(self.env["FLEETRL_ROLLOUT_SERVERS"]))]
+            return [
+                self.run_dir / f"rollout-{i}.ready"
+                for i in range(first, first + int(self.env["FLEETRL_ROLLOUT_SERVERS"]))
+            ]
         files = [self.run_dir / "learner.ready"]
         if any(s.role == "broker" for s in self.steps):
             files += [self.run_dir / "broker.json"]
@@ -110,8 +132,14 @@ class Driver:
             self.write_world()
             for f in [*self.ready_files(), *(self.run_dir / "launch").glob("failed-*.json")]:
                 f.unlink(missing_ok=True)
-        log_event(self.run_dir, event="job_start", kind=self.plan["kind"], job_id=self.job_id, nodes=self.nodes,
-                  restart_count=self.env.get("SLURM_RESTART_COUNT", "0"))
+        log_event(
+            self.run_dir,
+            event="job_start",
+            kind=self.plan["kind"],
+            job_id=self.job_id,
+            nodes=self.nodes,
+            restart_count=self.env.get("SLURM_RESTART_COUNT", "0"),
+        )
         for step in self.steps:
             print(f"fleetrl job: starting {step.role}: {' '.join(step.argv)}", flush=True)
             step.start(self.env)
@@ -126,10 +154,18 @@ class Driver:
         while not (self.walltime or self.cancel):
             pending = None if pending is None else [f for f in pending if not f.exists()]
             if pending == []:
-                log_event(self.run_dir, event="all_ready", kind=self.plan["kind"], job_id=self.job_id,
-                          processes=len(self.ready_files()))
-                print(f"fleetrl job: all {len(self.ready_files())} processes registered "
-                      f"{time.time() - self.alloc_start:.1f} s after the allocation started", flush=True)
+                log_event(
+                    self.run_dir,
+                    event="all_ready",
+                    kind=self.plan["kind"],
+                    job_id=self.job_id,
+                    processes=len(self.ready_files()),
+                )
+                print(
+                    f"fleetrl job: all {len(self.ready_files())} processes registered "
+                    f"{time.time() - self.alloc_start:.1f} s after the allocation started",
+                    flush=True,
+                )
                 pending = None
             for step in list(self.steps):
                 code = step.poll()
@@ -146,33 +182,44 @@ class Driver:
                     return 0
                 return self.fail(step, code)
             time.sleep(POLL_S)
-        print(f"fleetrl job: {'walltime warning (SIGUSR1)' if self.walltime else 'cancelled'}: "
-              "stopping the learner (it checkpoints), then the rest", flush=True)
+        print(
+            f"fleetrl job: {'walltime warning (SIGUSR1)' if self.walltime else 'cancelled'}: "
+            "stopping the learner (it checkpoints), then the rest",
+            flush=True,
+        )
         return 0
 
     def fail(self, step: Step, code: int) -> int:
         time.sleep(1.0)  # the supervisor writes its failed-*.json before its step ends; let it land
-        causes = [json.loads(p.read_text()) for p in sorted((self.run_dir / "launch").glob(f"failed-{step.role}-*.json"))]
+        causes = [
+            json.loads(p.read_text()) for p in sorted((self.run_dir / "launch").glob(f"failed-{step.role}-*.json"))
+        ]
         if causes:
             c = causes[0]
             cause = f"{c['child']} on {c['host']} exited with code {c['code']}"
             detail = f"; its log {c['log']} ends with:\n{c['tail']}" if c.get("log") else f": {c['message']}"
         else:
-            cause, detail = f"the {step.role} step exited with code {code}", " (no supervisor report; see the step output above)"
+            cause, detail = (
+                f"the {step.role} step exited with code {code}",
+                " (no supervisor report; see the step output above)",
+            )
         print(f"fleetrl job: FAILED: {cause}{detail}", file=sys.stderr, flush=True)
         self.write_result("failed", cause, step.role)
         return 1
 
     def write_result(self, state: str, cause: str = "", role: str = "") -> None:
         path = self.run_dir / "launch" / ("result.json" if self.plan["kind"] == "job" else f"result-{self.job_id}.json")
-        path.write_text(json.dumps({"state": state, "cause": cause, "role": role, "job_id": self.job_id,
-                                    "time": time.time()}))
+        path.write_text(
+            json.dumps({"state": state, "cause": cause, "role": role, "job_id": self.job_id, "time": time.time()})
+        )
 
     def stop_steps(self) -> None:
         """Ask every running step to stop (SIGUSR1 reaches each supervisor), the learner first; force after a wait."""
         if self.plan["kind"] == "job":
             (self.run_dir / "launch" / "done").touch()
-        order = sorted((s for s in self.steps if s.poll() is None), key=lambda s: {"learner": 0, "rollout": 1}.get(s.role, 2))
+        order = sorted(
+            (s for s in self.steps if s.poll() is None), key=lambda s: {"learner": 0, "rollout": 1}.get(s.role, 2)
+        )
         for step in order:
             step.proc.send_signal(signal.SIGUSR1)
             deadline = time.monotonic() + (STOP_WAIT_S if step.role == "learner" else 60)

@@ -65,8 +65,10 @@ def describe_event(event: dict, cause: dict | None = None) -> str:
         return f"restarted {event.get('child')} (exit {event.get('exit_code')}, restart {event.get('restart')})"
     if event.get("rule") == "rollback":
         why = f" ({cause.get('rule')} on {cause.get('metric')})" if cause and cause.get("rule") != "rollback" else ""
-        return (f"rolled back @ {event.get('step')}{why}, rollback {fmt(event.get('value'), '{:.0f}')}"
-                f"/{fmt(event.get('threshold'), '{:.0f}')}")
+        return (
+            f"rolled back @ {event.get('step')}{why}, rollback {fmt(event.get('value'), '{:.0f}')}"
+            f"/{fmt(event.get('threshold'), '{:.0f}')}"
+        )
     return f"{event.get('rule')} -> {event.get('action')} @ {event.get('step')}"
 
 
@@ -90,7 +92,7 @@ class StatusLine:
         self.live = None
         self.last_print = 0.0
 
-    def __enter__(self) -> "StatusLine":
+    def __enter__(self) -> StatusLine:
         if self.tty:
             from rich.live import Live
 
@@ -111,8 +113,9 @@ class StatusLine:
                 self.rewards.append(r)
             if "eval/accuracy" in row:
                 self.eval_acc = num(row["eval/accuracy"])
-            self.times.append((num(row.get("time"), time.time()), num(row.get("step"), 0.0),
-                               num(row.get("batch/samples_total"), 0.0)))
+            self.times.append(
+                (num(row.get("time"), time.time()), num(row.get("step"), 0.0), num(row.get("batch/samples_total"), 0.0))
+            )
         for event in self.event_tail.poll():
             self.events.append(describe_event(event, self.cause))
             self.cause = event if event.get("action") == "rollback" else self.cause
@@ -130,8 +133,9 @@ class StatusLine:
             tail = self.rollout_tails.setdefault(path.name, MetricsTail(path))
             for row in tail.poll():
                 if "reward/samples_total" in row:
-                    self.reward_totals[path.name] = {k: num(row.get(f"reward/{k}_total"), 0.0)
-                                                     for k in ("samples", "failed", "unscored")}
+                    self.reward_totals[path.name] = {
+                        k: num(row.get(f"reward/{k}_total"), 0.0) for k in ("samples", "failed", "unscored")
+                    }
 
     def reward_trouble(self) -> str:
         """``reward failed on 12/40 samples, unscored 3/40`` over all rollout servers, or "" when none."""
@@ -162,12 +166,18 @@ class StatusLine:
         if self.cfg.learner.max_minutes and self.started is not None:  # the time budget ends the run first
             left = max(0.0, self.started + 60 * self.cfg.learner.max_minutes - num(r.get("time"), time.time()))
             eta = left if eta != eta else min(eta, left)
-        parts = [f"step {fmt(step, '{:.0f}')}/{self.total}", f"v{fmt(r.get('policy/version', 0), '{:.0f}')}",
-                 f"reward {fmt(sum(self.rewards) / max(1, len(self.rewards)), '{:.3f}')}"]
+        parts = [
+            f"step {fmt(step, '{:.0f}')}/{self.total}",
+            f"v{fmt(r.get('policy/version', 0), '{:.0f}')}",
+            f"reward {fmt(sum(self.rewards) / max(1, len(self.rewards)), '{:.3f}')}",
+        ]
         if self.eval_acc is not None:
             parts.append(f"eval {fmt(100 * self.eval_acc, '{:.1f}')}%")
-        for key, label, spec in (("actor/kl", "kl", "{:.4f}"), ("off_policy/staleness_mean", "stale", "{:.2f}"),
-                                 ("broker/queue_depth", "queue", "{:.0f}")):
+        for key, label, spec in (
+            ("actor/kl", "kl", "{:.4f}"),
+            ("off_policy/staleness_mean", "stale", "{:.2f}"),
+            ("broker/queue_depth", "queue", "{:.0f}"),
+        ):
             if key in r:
                 parts.append(f"{label} {fmt(r[key], spec)}")
         parts.append(f"{fmt(samples_s, '{:.1f}')} samples/s")
@@ -183,5 +193,7 @@ class StatusLine:
         samples = sum(num(r.get("batch/samples"), 0.0) for r in rows)
         rate = samples / wall_s if wall_s > 0 else 0.0
         steps = sum(1 for r in rows if "batch/samples" in r)  # not the step-0 evaluation row
-        return (f"fleetrl run: done — {steps} steps, {fmt(samples, '{:.0f}')} samples in {wall_s:.1f} s of RL "
-                f"({fmt(rate, '{:.1f}')} samples/s); last: {self.render()}")
+        return (
+            f"fleetrl run: done — {steps} steps, {fmt(samples, '{:.0f}')} samples in {wall_s:.1f} s of RL "
+            f"({fmt(rate, '{:.1f}')} samples/s); last: {self.render()}"
+        )

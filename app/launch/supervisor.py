@@ -34,10 +34,10 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from fleetrl.common.config import load_config
-from fleetrl.common.config.schema import JobConfig
 from fleetrl.app.launch.run import Child, child_env
 from fleetrl.app.launch.world import Layout, World, world_map
+from fleetrl.common.config import load_config
+from fleetrl.common.config.schema import JobConfig
 
 POLL_S = 0.2
 EXIT_BROKER_UNREACHABLE = 4
@@ -88,7 +88,8 @@ def wait_for_broker(address: str, timeout_s: float, interface: str | None) -> No
         f"the broker at {address} is unreachable from {socket.gethostname()} (local address {local}, interface "
         f"{ifname}{'' if not interface else f', cluster.interface={interface}'}) after {timeout_s:g} s: {error}; check "
         f"that the broker started (RUN/logs/broker), that {host} resolves to an address this node can reach, "
-        f"and that port {port} is open between nodes (cluster.base_port), or raise cluster.broker_wait_s")
+        f"and that port {port} is open between nodes (cluster.base_port), or raise cluster.broker_wait_s"
+    )
 
 
 class Supervisor:
@@ -110,8 +111,11 @@ class Supervisor:
         w, cli = self.world, [self.python, "-m", "fleetrl.app.cli"]
         env = {**child_env(1), **w.env()}
         if w.role == "broker":
-            return [Child("broker", [*cli, "broker", *self._job(), *w.overrides()], Path(), env,
-                          self.run_dir / "broker.json")]
+            return [
+                Child(
+                    "broker", [*cli, "broker", *self._job(), *w.overrides()], Path(), env, self.run_dir / "broker.json"
+                )
+            ]
         if w.role == "rollout":
             threads = max(1, self.cfg.cluster.rollout.cpus_per_server)
             children = []
@@ -119,10 +123,19 @@ class Supervisor:
                 child_env_i = {**child_env(threads), **w.env()}
                 if gpus:
                     child_env_i["CUDA_VISIBLE_DEVICES"] = gpus
-                argv = [*cli, "rollout", *self._job(), "--server-index", str(index), "--broker", w.broker_address,
-                        *w.overrides()]
-                children.append(Child(f"rollout-{index}", argv, Path(), child_env_i,
-                                      self.run_dir / f"rollout-{index}.ready"))
+                argv = [
+                    *cli,
+                    "rollout",
+                    *self._job(),
+                    "--server-index",
+                    str(index),
+                    "--broker",
+                    w.broker_address,
+                    *w.overrides(),
+                ]
+                children.append(
+                    Child(f"rollout-{index}", argv, Path(), child_env_i, self.run_dir / f"rollout-{index}.ready")
+                )
             return children
         return [self._learner(env)]
 
@@ -136,9 +149,24 @@ class Supervisor:
         else:
             for key in ("RANK", "LOCAL_RANK"):
                 env.pop(key, None)
-            argv = [self.python, "-m", "torch.distributed.run", "--nnodes", str(w.nnodes), "--node-rank",
-                    str(w.node_rank), "--nproc-per-node", str(w.nproc_per_node), "--master-addr", w.master_addr,
-                    "--master-port", str(w.master_port), "-m", "fleetrl.app.learner", *args]
+            argv = [
+                self.python,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(w.nnodes),
+                "--node-rank",
+                str(w.node_rank),
+                "--nproc-per-node",
+                str(w.nproc_per_node),
+                "--master-addr",
+                w.master_addr,
+                "--master-port",
+                str(w.master_port),
+                "-m",
+                "fleetrl.app.learner",
+                *args,
+            ]
         name = "learner" if w.node_rank == 0 else f"learner-node{w.node_rank}"
         ready = self.run_dir / "learner.ready" if w.node_rank == 0 else None
         return Child(name, argv, Path(), env, ready)
@@ -149,8 +177,15 @@ class Supervisor:
         attempt = self.attempts[child.name]
         child.log = self.run_dir / "logs" / child.name / f"attempt-{attempt}" / "output.log"
         child.start()
-        log_event(self.run_dir, host=self.world.host, role=self.world.role, child=child.name, event="started",
-                  attempt=attempt, pid=child.proc.pid)
+        log_event(
+            self.run_dir,
+            host=self.world.host,
+            role=self.world.role,
+            child=child.name,
+            event="started",
+            attempt=attempt,
+            pid=child.proc.pid,
+        )
 
     def _on_signal(self, signum, frame) -> None:
         self.stop_signal = signum
@@ -191,17 +226,30 @@ class Supervisor:
             if self.world.role == "rollout" and all(c.name in self.given_up for c in self.children):
                 return 0 if self.job_done() else 1
             time.sleep(POLL_S)
-        log_event(self.run_dir, host=self.world.host, role=self.world.role, event="stopping",
-                  signal=signal.Signals(self.stop_signal).name)
+        log_event(
+            self.run_dir,
+            host=self.world.host,
+            role=self.world.role,
+            event="stopping",
+            signal=signal.Signals(self.stop_signal).name,
+        )
         return 0
 
     def on_ready(self, child: Child) -> None:
-        event = {"host": self.world.host, "role": self.world.role, "child": child.name, "event": "ready",
-                 "attempt": self.attempts[child.name], "start_s": round(time.monotonic() - child.started_at, 3)}
+        event = {
+            "host": self.world.host,
+            "role": self.world.role,
+            "child": child.name,
+            "event": "ready",
+            "attempt": self.attempts[child.name],
+            "start_s": round(time.monotonic() - child.started_at, 3),
+        }
         if child.name in self.died_at:
             event.update(event="rejoined", since_death_s=round(time.time() - self.died_at.pop(child.name), 3))
-            print(f"fleetrl supervisor: {child.name} is back in the fleet {event['since_death_s']:.1f} s after it died",
-                  flush=True)
+            print(
+                f"fleetrl supervisor: {child.name} is back in the fleet {event['since_death_s']:.1f} s after it died",
+                flush=True,
+            )
         log_event(self.run_dir, **event)
 
     def on_critical_exit(self, child: Child, code: int) -> int:
@@ -215,23 +263,37 @@ class Supervisor:
     def on_rollout_exit(self, child: Child, code: int) -> bool:
         """Restart a crashed rollout server (bounded); True when it was restarted."""
         now = time.time()
-        log_event(self.run_dir, host=self.world.host, role="rollout", child=child.name, event="died", code=code,
-                  attempt=self.attempts[child.name])
+        log_event(
+            self.run_dir,
+            host=self.world.host,
+            role="rollout",
+            child=child.name,
+            event="died",
+            code=code,
+            attempt=self.attempts[child.name],
+        )
         limit = self.cfg.cluster.rollout.max_restarts
         if code == 0 or self.job_done() or self.attempts[child.name] >= limit:
             self.given_up.add(child.name)
             why = "finished" if code == 0 or self.job_done() else f"gave up after {limit} restart(s)"
             log_event(self.run_dir, host=self.world.host, role="rollout", child=child.name, event="gave_up", why=why)
             if why != "finished":
-                print(f"fleetrl supervisor: {child.name} died with exit code {code}; {why}; its log {child.log} ends "
-                      f"with:\n{child.tail()}", file=sys.stderr, flush=True)
+                print(
+                    f"fleetrl supervisor: {child.name} died with exit code {code}; {why}; its log {child.log} ends "
+                    f"with:\n{child.tail()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return False
         if child.log_handle is not None:
             child.log_handle.close()
         self.attempts[child.name] += 1
         self.died_at[child.name] = now
-        print(f"fleetrl supervisor: {child.name} died with exit code {code}; restarting it "
-              f"({self.attempts[child.name]}/{limit})", flush=True)
+        print(
+            f"fleetrl supervisor: {child.name} died with exit code {code}; restarting it "
+            f"({self.attempts[child.name]}/{limit})",
+            flush=True,
+        )
         self.start(child)
         return True
 
@@ -239,15 +301,25 @@ class Supervisor:
         return (self.run_dir / "launch" / "done").exists()
 
     def fail(self, who: str, code: int, message: str, child: Child | None) -> None:
-        record = {"role": self.world.role, "child": who, "host": self.world.host, "code": code, "message": message,
-                  "log": str(child.log) if child else None, "tail": child.tail() if child else ""}
+        record = {
+            "role": self.world.role,
+            "child": who,
+            "host": self.world.host,
+            "code": code,
+            "message": message,
+            "log": str(child.log) if child else None,
+            "tail": child.tail() if child else "",
+        }
         path = self.run_dir / "launch" / f"failed-{self.world.role}-{self.world.host}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record))
         log_event(self.run_dir, host=self.world.host, role=self.world.role, child=who, event="failed", code=code)
         if child is not None:
-            print(f"fleetrl supervisor: {message}; its log {child.log} ends with:\n{child.tail()}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"fleetrl supervisor: {message}; its log {child.log} ends with:\n{child.tail()}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def stop_all(self) -> None:
         order = sorted(self.children, key=lambda c: 0 if c.name.startswith("learner") else 1)

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import re
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 ROLES = ("broker", "rollout", "learner")
 
@@ -89,15 +90,25 @@ class Layout:
     namespace: str = "default"
 
     @classmethod
-    def from_config(cls, cfg: Any, run_dir: str) -> "Layout":
+    def from_config(cls, cfg: Any, run_dir: str) -> Layout:
         from fleetrl.common.config.cluster import learner_ranks_per_node, rollout_gpus_per_server, servers_per_node
 
         c = cfg.cluster
-        return cls(base_port=c.base_port, learner_nodes=c.learner.nodes, ranks_per_node=learner_ranks_per_node(cfg),
-                   learner_gpus_per_node=c.learner.gpus_per_node, rollout_nodes=c.rollout.nodes,
-                   servers_per_node=servers_per_node(cfg), gpus_per_server=rollout_gpus_per_server(cfg),
-                   share_nodes=c.share_nodes, broker_own_node=c.slurm.broker_own_node, interface=c.interface,
-                   run_dir=str(run_dir), name=k8s_name(cfg.run.name), namespace=c.k8s.namespace)
+        return cls(
+            base_port=c.base_port,
+            learner_nodes=c.learner.nodes,
+            ranks_per_node=learner_ranks_per_node(cfg),
+            learner_gpus_per_node=c.learner.gpus_per_node,
+            rollout_nodes=c.rollout.nodes,
+            servers_per_node=servers_per_node(cfg),
+            gpus_per_server=rollout_gpus_per_server(cfg),
+            share_nodes=c.share_nodes,
+            broker_own_node=c.slurm.broker_own_node,
+            interface=c.interface,
+            run_dir=str(run_dir),
+            name=k8s_name(cfg.run.name),
+            namespace=c.k8s.namespace,
+        )
 
     @property
     def world_size(self) -> int:
@@ -116,12 +127,17 @@ class Layout:
     def split(self, nodes: list[str]) -> dict[str, list[str]]:
         """The allocation's nodes by role, in the fixed order the sbatch script asked for them."""
         if len(nodes) < self.nodes_needed():
-            raise WorldError(f"the allocation has {len(nodes)} node(s) ({','.join(nodes)}) but the layout needs "
-                             f"{self.nodes_needed()}; submit with `fleetrl launch slurm`, which asks for them")
+            raise WorldError(
+                f"the allocation has {len(nodes)} node(s) ({','.join(nodes)}) but the layout needs "
+                f"{self.nodes_needed()}; submit with `fleetrl launch slurm`, which asks for them"
+            )
         off = int(self.broker_own_node)
-        learner = nodes[off:off + self.learner_nodes]
-        rollout = nodes[off:off + self.rollout_nodes] if self.share_nodes else \
-            nodes[off + self.learner_nodes:off + self.learner_nodes + self.rollout_nodes]
+        learner = nodes[off : off + self.learner_nodes]
+        rollout = (
+            nodes[off : off + self.rollout_nodes]
+            if self.share_nodes
+            else nodes[off + self.learner_nodes : off + self.learner_nodes + self.rollout_nodes]
+        )
         return {"broker": nodes[:1], "learner": learner, "rollout": rollout}
 
 
@@ -139,34 +155,39 @@ def k8s_name(run_name: str) -> str:
 class World:
     """Where one process sits and every address it needs."""
 
-    source: str                 # slurm | torchrun | k8s | ray | local
-    role: str                   # broker | rollout | learner
-    role_rank: int              # this node's index within its role (Ray, torchrun: the process's rank)
-    host: str                   # this node
-    broker_address: str         # where clients send requests
-    broker_pub_address: str     # where announcements come from
-    broker_port: int            # what the broker binds (0 = a free port)
+    source: str  # slurm | torchrun | k8s | ray | local
+    role: str  # broker | rollout | learner
+    role_rank: int  # this node's index within its role (Ray, torchrun: the process's rank)
+    host: str  # this node
+    broker_address: str  # where clients send requests
+    broker_pub_address: str  # where announcements come from
+    broker_port: int  # what the broker binds (0 = a free port)
     broker_pub_port: int
-    master_addr: str            # learner rendezvous (MASTER_ADDR / MASTER_PORT)
+    master_addr: str  # learner rendezvous (MASTER_ADDR / MASTER_PORT)
     master_port: int
-    node_rank: int              # learner node rank (torchrun --node-rank)
+    node_rank: int  # learner node rank (torchrun --node-rank)
     nnodes: int
     nproc_per_node: int
     world_size: int
-    rank: int | None            # the process's learner rank, when one process stands for it
+    rank: int | None  # the process's learner rank, when one process stands for it
     local_rank: int | None
-    sync_addr: str              # weight-sync TCPStore (learner rank 0)
+    sync_addr: str  # weight-sync TCPStore (learner rank 0)
     sync_port: int
     interface: str | None
     run_dir: str
-    rollout_indices: tuple[int, ...] = ()   # rollout servers this node runs (global indices)
-    rollout_gpus: tuple[str, ...] = ()      # CUDA_VISIBLE_DEVICES of each ("" = CPU)
+    rollout_indices: tuple[int, ...] = ()  # rollout servers this node runs (global indices)
+    rollout_gpus: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES of each ("" = CPU)
     extra: dict[str, str] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
         """Environment for the role's processes (torch.distributed rendezvous, socket interface, run dir)."""
-        env = {"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port), "WORLD_SIZE": str(self.world_size),
-               "FLEETRL_RUN_DIR": self.run_dir, "FLEETRL_BROKER_ADDRESS": self.broker_address}
+        env = {
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "WORLD_SIZE": str(self.world_size),
+            "FLEETRL_RUN_DIR": self.run_dir,
+            "FLEETRL_BROKER_ADDRESS": self.broker_address,
+        }
         if self.rank is not None:
             env["RANK"] = str(self.rank)
             env["LOCAL_RANK"] = str(self.local_rank or 0)
@@ -176,13 +197,21 @@ class World:
 
     def overrides(self) -> list[str]:
         """Config overrides that put the role's processes at these addresses."""
-        common = [f"broker.address={self.broker_address}", f"sync.master_addr={self.sync_addr}",
-                  f"sync.master_port={self.sync_port}"]
+        common = [
+            f"broker.address={self.broker_address}",
+            f"sync.master_addr={self.sync_addr}",
+            f"sync.master_port={self.sync_port}",
+        ]
         if self.role == "broker":
             # Other nodes must reach it. Without broker.curve that is a plaintext bind, which the broker refuses
             # unless told explicitly (and then warns at every start): say so here; with CURVE it is ignored.
-            return ["broker.host=0.0.0.0", "broker.insecure_bind=true", f"broker.port={self.broker_port}",
-                    f"broker.pub_port={self.broker_pub_port}", *common]
+            return [
+                "broker.host=0.0.0.0",
+                "broker.insecure_bind=true",
+                f"broker.port={self.broker_port}",
+                f"broker.pub_port={self.broker_pub_port}",
+                *common,
+            ]
         return common
 
 
@@ -218,14 +247,27 @@ def _common(env: Mapping[str, str], layout: Layout, broker_host: str, learner0: 
     address = env.get("FLEETRL_BROKER_ADDRESS") or f"tcp://{broker_host}:{p}"
     pub = f"{address.rsplit(':', 1)[0]}:{p + 1}" if not env.get("FLEETRL_BROKER_ADDRESS") else ""
     sync_addr, _, sync_port = (env.get("FLEETRL_SYNC_ADDR") or f"{learner0}:{p + 3}").rpartition(":")
-    return dict(broker_address=address, broker_pub_address=pub, broker_port=p, broker_pub_port=p + 1,
-                master_addr=learner0, master_port=p + 2, nnodes=layout.learner_nodes,
-                nproc_per_node=layout.ranks_per_node, world_size=layout.world_size, sync_addr=sync_addr,
-                sync_port=int(sync_port), interface=layout.interface, run_dir=env.get("FLEETRL_RUN_DIR", layout.run_dir))
+    return dict(
+        broker_address=address,
+        broker_pub_address=pub,
+        broker_port=p,
+        broker_pub_port=p + 1,
+        master_addr=learner0,
+        master_port=p + 2,
+        nnodes=layout.learner_nodes,
+        nproc_per_node=layout.ranks_per_node,
+        world_size=layout.world_size,
+        sync_addr=sync_addr,
+        sync_port=int(sync_port),
+        interface=layout.interface,
+        run_dir=env.get("FLEETRL_RUN_DIR", layout.run_dir),
+    )
 
 
 def _from_slurm(env: Mapping[str, str], role: str, layout: Layout) -> World:
-    het = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in env.items() if re.fullmatch(r"SLURM_JOB_NODELIST_HET_GROUP_\d+", k))
+    het = sorted(
+        (int(k.rsplit("_", 1)[1]), v) for k, v in env.items() if re.fullmatch(r"SLURM_JOB_NODELIST_HET_GROUP_\d+", k)
+    )
     lists = [v for _, v in het] or [env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""]
     nodes = [n for text in lists for n in expand_hostlist(text)]
     if not nodes:
@@ -237,24 +279,45 @@ def _from_slurm(env: Mapping[str, str], role: str, layout: Layout) -> World:
     roles = {"broker": nodes[:1], "learner": nodes[:1], "rollout": nodes} if add_job else layout.split(nodes)
     mine = roles[role]
     if procid >= len(mine):
-        raise WorldError(f"SLURM_PROCID={procid} but the {role} role has {len(mine)} node(s) ({','.join(mine)}); "
-                         "start one task per node of the role")
+        raise WorldError(
+            f"SLURM_PROCID={procid} but the {role} role has {len(mine)} node(s) ({','.join(mine)}); "
+            "start one task per node of the role"
+        )
     host = env.get("SLURMD_NODENAME") or mine[procid]
     base = _common(env, layout, roles["broker"][0], roles["learner"][0])
     slots = _rollout_slots(env, layout, procid, host in roles["learner"]) if role == "rollout" else {}
     single = layout.ranks_per_node == 1
-    return World(source="slurm", role=role, role_rank=procid, host=host, node_rank=procid if role == "learner" else 0,
-                 rank=procid if role == "learner" and single else None, local_rank=0 if single else None,
-                 **base, **slots)
+    return World(
+        source="slurm",
+        role=role,
+        role_rank=procid,
+        host=host,
+        node_rank=procid if role == "learner" else 0,
+        rank=procid if role == "learner" and single else None,
+        local_rank=0 if single else None,
+        **base,
+        **slots,
+    )
 
 
 def _from_torchrun(env: Mapping[str, str], layout: Layout) -> World:
     rank = int(env["RANK"])
     base = _common(env, layout, env.get("FLEETRL_BROKER_HOST", "127.0.0.1"), env["MASTER_ADDR"])
-    base.update(master_port=int(env.get("MASTER_PORT", base["master_port"])), world_size=int(env.get("WORLD_SIZE", 1)),
-                nproc_per_node=int(env.get("LOCAL_WORLD_SIZE", layout.ranks_per_node)))
-    return World(source="torchrun", role="learner", role_rank=rank, host=env.get("HOSTNAME", env["MASTER_ADDR"]),
-                 node_rank=int(env.get("GROUP_RANK", 0)), rank=rank, local_rank=int(env.get("LOCAL_RANK", 0)), **base)
+    base.update(
+        master_port=int(env.get("MASTER_PORT", base["master_port"])),
+        world_size=int(env.get("WORLD_SIZE", 1)),
+        nproc_per_node=int(env.get("LOCAL_WORLD_SIZE", layout.ranks_per_node)),
+    )
+    return World(
+        source="torchrun",
+        role="learner",
+        role_rank=rank,
+        host=env.get("HOSTNAME", env["MASTER_ADDR"]),
+        node_rank=int(env.get("GROUP_RANK", 0)),
+        rank=rank,
+        local_rank=int(env.get("LOCAL_RANK", 0)),
+        **base,
+    )
 
 
 def _from_k8s(env: Mapping[str, str], role: str, layout: Layout) -> World:
@@ -265,18 +328,32 @@ def _from_k8s(env: Mapping[str, str], role: str, layout: Layout) -> World:
     base = _common(env, layout, f"{name}-broker.{ns}.svc", learner0)
     if role == "learner":
         if "JOB_COMPLETION_INDEX" not in env:
-            raise WorldError("a learner pod needs JOB_COMPLETION_INDEX (an Indexed Job); render with `fleetrl launch k8s`")
+            raise WorldError(
+                "a learner pod needs JOB_COMPLETION_INDEX (an Indexed Job); render with `fleetrl launch k8s`"
+            )
         index = int(env["JOB_COMPLETION_INDEX"])
         single = layout.ranks_per_node == 1
-        return World(source="k8s", role=role, role_rank=index, host=pod, node_rank=index,
-                     rank=index if single else None, local_rank=0 if single else None, **base)
+        return World(
+            source="k8s",
+            role=role,
+            role_rank=index,
+            host=pod,
+            node_rank=index,
+            rank=index if single else None,
+            local_rank=0 if single else None,
+            **base,
+        )
     slots = {}
     if role == "rollout":  # a Deployment's pods have no index: a stable one from the pod name
         index = zlib.crc32(pod.encode()) % 1_000_000
         g = layout.gpus_per_server
-        slots = {"rollout_indices": tuple(index * 100 + j for j in range(layout.servers_per_node)),
-                 "rollout_gpus": tuple(",".join(str(j * g + k) for k in range(g)) for j in range(layout.servers_per_node))}
-    return World(source="k8s", role=role, role_rank=0, host=pod, node_rank=0, rank=None, local_rank=None, **base, **slots)
+        slots = {
+            "rollout_indices": tuple(index * 100 + j for j in range(layout.servers_per_node)),
+            "rollout_gpus": tuple(",".join(str(j * g + k) for k in range(g)) for j in range(layout.servers_per_node)),
+        }
+    return World(
+        source="k8s", role=role, role_rank=0, host=pod, node_rank=0, rank=None, local_rank=None, **base, **slots
+    )
 
 
 def _from_ray(ctx: Mapping[str, Any], role: str, layout: Layout, env: Mapping[str, str]) -> World:
@@ -289,13 +366,29 @@ def _from_ray(ctx: Mapping[str, Any], role: str, layout: Layout, env: Mapping[st
     slots = {}
     if role == "rollout":
         slots = {"rollout_indices": (int(ctx.get("server_index", rank)),), "rollout_gpus": ("",)}
-    return World(source="ray", role=role, role_rank=rank, host=ctx.get("node_ip", "127.0.0.1"),
-                 broker_address=broker, broker_pub_address="", broker_port=0, broker_pub_port=0,
-                 master_addr=master_addr, master_port=int(ctx.get("master_port", 0)), node_rank=0, nnodes=1,
-                 nproc_per_node=1, world_size=int(ctx.get("world_size", layout.world_size)),
-                 rank=rank if role == "learner" else None, local_rank=0 if role == "learner" else None,
-                 sync_addr=master_addr, sync_port=0, interface=layout.interface,
-                 run_dir=str(ctx.get("run_dir") or layout.run_dir), **slots)
+    return World(
+        source="ray",
+        role=role,
+        role_rank=rank,
+        host=ctx.get("node_ip", "127.0.0.1"),
+        broker_address=broker,
+        broker_pub_address="",
+        broker_port=0,
+        broker_pub_port=0,
+        master_addr=master_addr,
+        master_port=int(ctx.get("master_port", 0)),
+        node_rank=0,
+        nnodes=1,
+        nproc_per_node=1,
+        world_size=int(ctx.get("world_size", layout.world_size)),
+        rank=rank if role == "learner" else None,
+        local_rank=0 if role == "learner" else None,
+        sync_addr=master_addr,
+        sync_port=0,
+        interface=layout.interface,
+        run_dir=str(ctx.get("run_dir") or layout.run_dir),
+        **slots,
+    )
 
 
 def _from_local(env: Mapping[str, str], role: str, layout: Layout) -> World:
@@ -305,6 +398,14 @@ def _from_local(env: Mapping[str, str], role: str, layout: Layout) -> World:
         total = int(env.get("FLEETRL_ROLLOUT_SERVERS", layout.num_servers))
         offset = int(env.get("FLEETRL_ROLLOUT_OFFSET", 0))
         slots = {"rollout_indices": tuple(range(offset, offset + total)), "rollout_gpus": ("",) * total}
-    return World(source="local", role=role, role_rank=0, host="127.0.0.1", node_rank=0,
-                 rank=0 if role == "learner" and layout.world_size == 1 else None,
-                 local_rank=0 if role == "learner" and layout.world_size == 1 else None, **base, **slots)
+    return World(
+        source="local",
+        role=role,
+        role_rank=0,
+        host="127.0.0.1",
+        node_rank=0,
+        rank=0 if role == "learner" and layout.world_size == 1 else None,
+        local_rank=0 if role == "learner" and layout.world_size == 1 else None,
+        **base,
+        **slots,
+    )

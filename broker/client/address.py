@@ -39,8 +39,10 @@ def resolve_address(cfg_broker, run_dir: str | os.PathLike | None = None, overri
     if cfg_broker.port == 0:
         from fleetrl.common.config import ConfigError
 
-        raise ConfigError("broker.port is 0 (the broker picks a free port), so its address cannot be derived; "
-                          "pass --broker ADDR, set broker.address, or --run-dir of the broker (its broker.json)")
+        raise ConfigError(
+            "broker.port is 0 (the broker picks a free port), so its address cannot be derived; "
+            "pass --broker ADDR, set broker.address, or --run-dir of the broker (its broker.json)"
+        )
     return f"tcp://{cfg_broker.host}:{cfg_broker.port}"
 
 

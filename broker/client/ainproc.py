@@ -35,8 +35,7 @@ class AsyncInprocBrokerClient:
     async def push_groups(self, groups: list[m.SampleGroup], deadline_s: float = 600.0) -> list[m.GroupAck]:
         return await asyncio.to_thread(self.sync.push_groups, groups, deadline_s)
 
-    async def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None,
-                             unscored: bool = False) -> m.Ack:
+    async def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False) -> m.Ack:
         return await asyncio.to_thread(self.sync.return_prompts, lease_id, prompt_ids, unscored)
 
     async def leave(self, reason: str = "", done: bool = False, timeout_s: float = 5.0) -> m.Ack:

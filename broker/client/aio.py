@@ -15,7 +15,8 @@ import itertools
 import logging
 import random
 import time
-from typing import Any, Awaitable, Callable, Literal, TypeVar, cast
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, TypeVar, cast
 
 import zmq
 import zmq.auth
@@ -34,9 +35,18 @@ RETRY_LATER = ("unavailable",)
 
 
 class AsyncBrokerClient:
-    def __init__(self, address: str, client_id: str, role: str, rank: int = 0, *, timeout_s: float = 30.0,
-                 curve: CurveConfig | None = None, info: dict[str, str] | None = None,
-                 ctx: zmq.Context | None = None):
+    def __init__(
+        self,
+        address: str,
+        client_id: str,
+        role: str,
+        rank: int = 0,
+        *,
+        timeout_s: float = 30.0,
+        curve: CurveConfig | None = None,
+        info: dict[str, str] | None = None,
+        ctx: zmq.Context | None = None,
+    ):
         self.address, self.client_id, self.role, self.rank = address, client_id, role, rank
         self.timeout_s, self.curve, self.info = timeout_s, curve, info or {}
         self.ctx = ctx or zmq.Context.instance()
@@ -53,8 +63,10 @@ class AsyncBrokerClient:
     def _secure(self, sock: zmq.Socket) -> None:
         curve = self.curve
         if curve is None or not (curve.client_secret_key and curve.server_public_key):
-            raise ValueError("broker.curve is set, so this client needs broker.curve.client_secret_key "
-                             "(from `fleetrl keys generate`) and broker.curve.server_public_key")
+            raise ValueError(
+                "broker.curve is set, so this client needs broker.curve.client_secret_key "
+                "(from `fleetrl keys generate`) and broker.curve.server_public_key"
+            )
         from fleetrl.broker.security.auth import check_secret_file
 
         check_secret_file(curve.client_secret_key, "broker.curve.client_secret_key")
@@ -72,8 +84,9 @@ class AsyncBrokerClient:
         return sock
 
     def _register_request(self, rid: int) -> m.Register:
-        return m.Register(req_id=rid, client_id=self.client_id, role=cast(m.Role, self.role), rank=self.rank,
-                          info=self.info)
+        return m.Register(
+            req_id=rid, client_id=self.client_id, role=cast(m.Role, self.role), rank=self.rank, info=self.info
+        )
 
     async def connect(self, timeout_s: float | None = None) -> m.Registered:
         """Connect and register (the ready handshake); raises BrokerUnavailable/Unauthorized/BrokerError."""
@@ -85,8 +98,9 @@ class AsyncBrokerClient:
                 monitor = raw.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
                 self._monitor = LoopSocket(monitor, self._on_monitor)
             raw.connect(self.address)
-            register = self.request(self._register_request, timeout_s=timeout_s or self.timeout_s, retries=0,
-                                    reregister=False)
+            register = self.request(
+                self._register_request, timeout_s=timeout_s or self.timeout_s, retries=0, reregister=False
+            )
             reply = await (self._race_auth(register) if self._auth_failed is not None else register)
         except BaseException:
             await self.close()
@@ -103,14 +117,17 @@ class AsyncBrokerClient:
 
     async def _race_auth(self, register: Awaitable[T]) -> T:
         task = asyncio.ensure_future(register)
-        done, _ = await asyncio.wait({task, cast("asyncio.Future[Any]", self._auth_failed)},
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {task, cast("asyncio.Future[Any]", self._auth_failed)}, return_when=asyncio.FIRST_COMPLETED
+        )
         if task in done:
             return task.result()
         task.cancel()
-        raise BrokerUnauthorized(f"the broker at {self.address} refused this client's CURVE key "
-                                 f"({self.curve.client_secret_key if self.curve else ''}); add its public key to the broker's "
-                                 "broker.curve.authorized_keys_dir/<role>/")
+        raise BrokerUnauthorized(
+            f"the broker at {self.address} refused this client's CURVE key "
+            f"({self.curve.client_secret_key if self.curve else ''}); add its public key to the broker's "
+            "broker.curve.authorized_keys_dir/<role>/"
+        )
 
     async def close(self) -> None:
         for fut in self._pending.values():
@@ -149,8 +166,16 @@ class AsyncBrokerClient:
             self._pending.pop(req_id, None)
             return None
 
-    async def request(self, make: Callable[[int], m.Message], *, timeout_s: float | None = None, retries: int = 2,
-                      raise_errors: bool = True, reregister: bool = True, retry_later: bool = True) -> Any:
+    async def request(
+        self,
+        make: Callable[[int], m.Message],
+        *,
+        timeout_s: float | None = None,
+        retries: int = 2,
+        raise_errors: bool = True,
+        reregister: bool = True,
+        retry_later: bool = True,
+    ) -> Any:
         """Send ``make(req_id)``; wait for its reply, retrying with backoff on timeouts and (``retry_later``)
         ``unavailable``, registering again once on ``unregistered`` (``reregister``)."""
         timeout = timeout_s or self.timeout_s
@@ -176,7 +201,8 @@ class AsyncBrokerClient:
             return reply
         raise BrokerUnavailable(
             f"no reply from the broker at {self.address} within {timeout:g} s ({retries + 1} attempt(s)); check that it "
-            "runs and that broker.address (or --broker) points to it, or raise broker.request_timeout_s")
+            "runs and that broker.address (or --broker) points to it, or raise broker.request_timeout_s"
+        )
 
     async def _reregister(self) -> None:
         log.info("the broker forgot client %s (it restarted or evicted it); registering again", self.client_id)
@@ -184,7 +210,9 @@ class AsyncBrokerClient:
         self.reregistered += 1
 
     async def lease_prompts(self, n: int, policy_version: int) -> m.PromptLease | m.Throttle:
-        return await self.request(lambda r: m.LeasePrompts(req_id=r, client_id=self.client_id, n=n, policy_version=policy_version))
+        return await self.request(
+            lambda r: m.LeasePrompts(req_id=r, client_id=self.client_id, n=n, policy_version=policy_version)
+        )
 
     def _limits(self) -> tuple[int, int]:
         reg = self.registered
@@ -197,8 +225,11 @@ class AsyncBrokerClient:
         group_bytes = cast(m.SampleGroup, body)  # the group's encoded bytes (msgspec.Raw), sent as they are
         frame_len = len(m.encode(m.PushGroup(req_id=0, client_id=self.client_id, group=group_bytes)))
         if limit and frame_len > limit:
-            raise BrokerError("too_large", f"group {group.group_id} is {frame_len} bytes, over "
-                                           f"broker.max_message_bytes={limit}; generate shorter responses or raise that setting")
+            raise BrokerError(
+                "too_large",
+                f"group {group.group_id} is {frame_len} bytes, over "
+                f"broker.max_message_bytes={limit}; generate shorter responses or raise that setting",
+            )
         give_up = time.monotonic() + deadline_s
         while True:
             try:
@@ -226,8 +257,11 @@ class AsyncBrokerClient:
         frame_len += sum(len(b) for b in bodies) + (0 if n < 16 else 2 if n < 65536 else 4)
         if limit and frame_len > limit:
             if len(groups) == 1:
-                raise BrokerError("too_large", f"group {groups[0].group_id} is {frame_len} bytes, over "
-                                               f"broker.max_message_bytes={limit}; generate shorter responses or raise it")
+                raise BrokerError(
+                    "too_large",
+                    f"group {groups[0].group_id} is {frame_len} bytes, over "
+                    f"broker.max_message_bytes={limit}; generate shorter responses or raise it",
+                )
             half = len(groups) // 2
             return await self.push_groups(groups[:half], deadline_s) + await self.push_groups(groups[half:], deadline_s)
         give_up = time.monotonic() + deadline_s
@@ -252,23 +286,42 @@ class AsyncBrokerClient:
         return [acks[g.group_id] for g in groups]
 
     async def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False) -> m.Ack:
-        return await self.request(lambda r: m.ReturnPrompts(req_id=r, client_id=self.client_id, lease_id=lease_id,
-                                                            prompt_ids=list(prompt_ids or []), unscored=unscored))
+        return await self.request(
+            lambda r: m.ReturnPrompts(
+                req_id=r,
+                client_id=self.client_id,
+                lease_id=lease_id,
+                prompt_ids=list(prompt_ids or []),
+                unscored=unscored,
+            )
+        )
 
     async def leave(self, reason: str = "", done: bool = False, timeout_s: float = 5.0) -> m.Ack:
         """Leave the fleet now (graceful exit); ``done``: a learner that finished. One short try: a client on its
         way out does not wait long for a broker that is gone (it is then dropped after client_timeout_s)."""
-        return await self.request(lambda r: m.Leave(req_id=r, client_id=self.client_id, reason=reason, done=done),
-                                  timeout_s=timeout_s, retries=0)
+        return await self.request(
+            lambda r: m.Leave(req_id=r, client_id=self.client_id, reason=reason, done=done),
+            timeout_s=timeout_s,
+            retries=0,
+        )
 
     async def lease_batch(self, n: int, wait_s: float = 0.0, min_groups: int = 1) -> m.BatchLease | m.Throttle:
         return await self.request(
             lambda r: m.LeaseBatch(req_id=r, client_id=self.client_id, n=n, wait_s=wait_s, min_groups=min_groups),
-            timeout_s=self.timeout_s + wait_s)
+            timeout_s=self.timeout_s + wait_s,
+        )
 
     async def ack_batch(self, lease_id: str, group_ids: list[str], step: int, keep_rest: bool = False) -> m.Ack:
-        return await self.request(lambda r: m.AckBatch(req_id=r, client_id=self.client_id, lease_id=lease_id, step=step,
-                                                       group_ids=list(group_ids), keep_rest=keep_rest))
+        return await self.request(
+            lambda r: m.AckBatch(
+                req_id=r,
+                client_id=self.client_id,
+                lease_id=lease_id,
+                step=step,
+                group_ids=list(group_ids),
+                keep_rest=keep_rest,
+            )
+        )
 
     async def commit(self, step: int) -> m.Ack:
         return await self.request(lambda r: m.Commit(req_id=r, client_id=self.client_id, step=step))
@@ -277,17 +330,27 @@ class AsyncBrokerClient:
         return await self.request(lambda r: m.Rewind(req_id=r, client_id=self.client_id, step=step))
 
     async def publish_version(self, version: int, step: int, weights: m.WeightsInfo) -> m.Ack:
-        return await self.request(lambda r: m.PublishVersion(req_id=r, client_id=self.client_id, version=version,
-                                                             step=step, weights=weights))
+        return await self.request(
+            lambda r: m.PublishVersion(req_id=r, client_id=self.client_id, version=version, step=step, weights=weights)
+        )
 
     async def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1) -> m.Ack:
-        return await self.request(lambda r: m.Control(  # the broker refuses an unknown action (a typed error)
-            req_id=r, client_id=self.client_id, action=cast(ControlAction, action), reason=reason,
-            min_version=min_version, max_version=max_version))
+        return await self.request(
+            lambda r: m.Control(  # the broker refuses an unknown action (a typed error)
+                req_id=r,
+                client_id=self.client_id,
+                action=cast(ControlAction, action),
+                reason=reason,
+                min_version=min_version,
+                max_version=max_version,
+            )
+        )
 
     async def heartbeat(self, policy_version: int, stats: dict[str, float] | None = None) -> m.Ack:
-        return await self.request(lambda r: m.Heartbeat(req_id=r, client_id=self.client_id, policy_version=policy_version,
-                                                        stats=stats or {}), retries=0)
+        return await self.request(
+            lambda r: m.Heartbeat(req_id=r, client_id=self.client_id, policy_version=policy_version, stats=stats or {}),
+            retries=0,
+        )
 
     async def current_version(self) -> m.CurrentVersion:
         return await self.request(lambda r: m.GetVersion(req_id=r, client_id=self.client_id))
@@ -302,7 +365,7 @@ class AsyncBrokerClient:
         host = self.address.rsplit(":", 1)[0]
         return f"{host}:{self.registered.pub_port}"
 
-    def subscribe(self) -> "AsyncSubscription":
+    def subscribe(self) -> AsyncSubscription:
         address = self.pub_address()
         if address is None:
             raise BrokerUnavailable("the broker announced no PUB port; connect() first")

@@ -10,11 +10,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, cast
+from collections.abc import Callable
+from typing import Any, cast
 
-from fleetrl.broker.security.auth import Principal
 from fleetrl.broker.client.aio import ControlAction
 from fleetrl.broker.client.errors import BrokerError
+from fleetrl.broker.security.auth import Principal
 from fleetrl.broker.server.state import BrokerState
 from fleetrl.common import messages as m
 
@@ -28,8 +29,9 @@ class InprocBroker:
         self.subscribers: list[deque] = []
         self._ids = 0
 
-    def handle(self, req_factory: Callable[[int], m.Request], wait_s: float = 0.0,
-               principal: Principal | None = None) -> m.Message:
+    def handle(
+        self, req_factory: Callable[[int], m.Request], wait_s: float = 0.0, principal: Principal | None = None
+    ) -> m.Message:
         deadline = self.clock() + wait_s
         with self.lock:
             self._ids += 1
@@ -53,7 +55,7 @@ class InprocBroker:
                 self.state.spool.flush()
         return reply
 
-    def client(self, client_id: str, role: str, rank: int = 0) -> "InprocBrokerClient":
+    def client(self, client_id: str, role: str, rank: int = 0) -> InprocBrokerClient:
         return InprocBrokerClient(self, client_id, role, rank)
 
 
@@ -92,19 +94,23 @@ class InprocBrokerClient:
         return reply
 
     def connect(self, timeout_s: float | None = None) -> m.Registered:
-        self.registered = self._call(lambda r: m.Register(req_id=r, client_id=self.client_id,
-                                                          role=cast(m.Role, self.role), rank=self.rank))
+        self.registered = self._call(
+            lambda r: m.Register(req_id=r, client_id=self.client_id, role=cast(m.Role, self.role), rank=self.rank)
+        )
         return self.registered
 
     def start_heartbeat(self, stats: Callable[[], tuple[int, dict[str, float]]], interval_s: float) -> None:
         pass  # every call already refreshes liveness in-process
 
     def lease_prompts(self, n: int, policy_version: int) -> m.PromptLease | m.Throttle:
-        return self._call(lambda r: m.LeasePrompts(req_id=r, client_id=self.client_id, n=n, policy_version=policy_version))
+        return self._call(
+            lambda r: m.LeasePrompts(req_id=r, client_id=self.client_id, n=n, policy_version=policy_version)
+        )
 
     def push_group(self, group: m.SampleGroup, deadline_s: float = 600.0) -> m.Ack:
-        while isinstance(reply := self._call(lambda r: m.PushGroup(req_id=r, client_id=self.client_id, group=group)),
-                         m.Throttle):
+        while isinstance(
+            reply := self._call(lambda r: m.PushGroup(req_id=r, client_id=self.client_id, group=group)), m.Throttle
+        ):
             time.sleep(min(1.0, reply.retry_after_s))  # like the socket client: a throttled push is pushed again
         return reply
 
@@ -120,19 +126,36 @@ class InprocBrokerClient:
         return [acks[g.group_id] for g in groups]
 
     def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False) -> m.Ack:
-        return self._call(lambda r: m.ReturnPrompts(req_id=r, client_id=self.client_id, lease_id=lease_id,
-                                                    prompt_ids=list(prompt_ids or []), unscored=unscored))
+        return self._call(
+            lambda r: m.ReturnPrompts(
+                req_id=r,
+                client_id=self.client_id,
+                lease_id=lease_id,
+                prompt_ids=list(prompt_ids or []),
+                unscored=unscored,
+            )
+        )
 
     def leave(self, reason: str = "", done: bool = False) -> m.Ack:
         return self._call(lambda r: m.Leave(req_id=r, client_id=self.client_id, reason=reason, done=done))
 
     def lease_batch(self, n: int, wait_s: float = 0.0, min_groups: int = 1) -> m.BatchLease | m.Throttle:
-        return self._call(lambda r: m.LeaseBatch(req_id=r, client_id=self.client_id, n=n, wait_s=wait_s,
-                                                 min_groups=min_groups), wait_s)
+        return self._call(
+            lambda r: m.LeaseBatch(req_id=r, client_id=self.client_id, n=n, wait_s=wait_s, min_groups=min_groups),
+            wait_s,
+        )
 
     def ack_batch(self, lease_id: str, group_ids: list[str], step: int, keep_rest: bool = False) -> m.Ack:
-        return self._call(lambda r: m.AckBatch(req_id=r, client_id=self.client_id, lease_id=lease_id, step=step,
-                                               group_ids=list(group_ids), keep_rest=keep_rest))
+        return self._call(
+            lambda r: m.AckBatch(
+                req_id=r,
+                client_id=self.client_id,
+                lease_id=lease_id,
+                step=step,
+                group_ids=list(group_ids),
+                keep_rest=keep_rest,
+            )
+        )
 
     def commit(self, step: int) -> m.Ack:
         return self._call(lambda r: m.Commit(req_id=r, client_id=self.client_id, step=step))
@@ -141,16 +164,26 @@ class InprocBrokerClient:
         return self._call(lambda r: m.Rewind(req_id=r, client_id=self.client_id, step=step))
 
     def publish_version(self, version: int, step: int, weights: m.WeightsInfo) -> m.Ack:
-        return self._call(lambda r: m.PublishVersion(req_id=r, client_id=self.client_id, version=version, step=step,
-                                                     weights=weights))
+        return self._call(
+            lambda r: m.PublishVersion(req_id=r, client_id=self.client_id, version=version, step=step, weights=weights)
+        )
 
     def control(self, action: str, reason: str = "", min_version: int = 0, max_version: int = -1) -> m.Ack:
-        return self._call(lambda r: m.Control(req_id=r, client_id=self.client_id, action=cast(ControlAction, action),
-                                              reason=reason, min_version=min_version, max_version=max_version))
+        return self._call(
+            lambda r: m.Control(
+                req_id=r,
+                client_id=self.client_id,
+                action=cast(ControlAction, action),
+                reason=reason,
+                min_version=min_version,
+                max_version=max_version,
+            )
+        )
 
     def heartbeat(self, policy_version: int, stats: dict[str, float] | None = None) -> m.Ack:
-        return self._call(lambda r: m.Heartbeat(req_id=r, client_id=self.client_id, policy_version=policy_version,
-                                                stats=stats or {}))
+        return self._call(
+            lambda r: m.Heartbeat(req_id=r, client_id=self.client_id, policy_version=policy_version, stats=stats or {})
+        )
 
     def current_version(self) -> m.CurrentVersion:
         return self._call(lambda r: m.GetVersion(req_id=r, client_id=self.client_id))

@@ -56,8 +56,9 @@ def fleet_metrics(status: m.Status) -> dict[str, float]:
         "fleet/groups_dropped": total("rollout/groups_dropped"),
         "fleet/throttles": total("rollout/throttles"),
         "fleet/paused": total("rollout/paused"),
-        "fleet/version_lag_max": max((status.policy_version - s.get("rollout/policy_version", 0.0) for s in stats),
-                                     default=0.0),
+        "fleet/version_lag_max": max(
+            (status.policy_version - s.get("rollout/policy_version", 0.0) for s in stats), default=0.0
+        ),
         "fleet/weights_load_s_max": float(max((s.get("weights/load_s", 0.0) for s in stats), default=0.0)),
         **fleet_resources(stats),
     }
@@ -68,8 +69,13 @@ def fleet_resources(stats: list[dict[str, float]]) -> dict[str, float]:
     a key only the servers that report it count in, and a key no server reports is left out (no GPU: no
     GPU keys)."""
     out: dict[str, float] = {}
-    for key, how in (("cpu_percent", "max"), ("cpu_percent", "mean"), ("rss_mb", "max"), ("gpu_util_percent", "mean"),
-                     ("gpu_mem_mb", "max")):
+    for key, how in (
+        ("cpu_percent", "max"),
+        ("cpu_percent", "mean"),
+        ("rss_mb", "max"),
+        ("gpu_util_percent", "mean"),
+        ("gpu_mem_mb", "max"),
+    ):
         values = [s[f"resource/rollout/{key}"] for s in stats if f"resource/rollout/{key}" in s]
         if values:
             out[f"resource/rollout/{key}_{how}"] = max(values) if how == "max" else sum(values) / len(values)

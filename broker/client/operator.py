@@ -27,11 +27,13 @@ def main(args) -> int:
         print("fleetrl control discard: give the closed range with --min-version and --max-version", file=sys.stderr)
         return 2
     try:
-        with ZmqBrokerClient(args.broker, default_client_id("operator", 0, identity), "operator",
-                             timeout_s=args.timeout, curve=curve) as client:
+        with ZmqBrokerClient(
+            args.broker, default_client_id("operator", 0, identity), "operator", timeout_s=args.timeout, curve=curve
+        ) as client:
             client.connect()
-            ack = client.control(args.action, args.reason, args.min_version or 0,
-                                 -1 if args.max_version is None else args.max_version)
+            ack = client.control(
+                args.action, args.reason, args.min_version or 0, -1 if args.max_version is None else args.max_version
+            )
     except (BrokerUnavailable, BrokerError) as e:
         print(f"fleetrl control {args.action}: {e}", file=sys.stderr)
         return 1

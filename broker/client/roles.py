@@ -18,7 +18,8 @@ implementation method by method.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 from fleetrl.common import messages as m
 
@@ -129,8 +130,9 @@ class AsyncRolloutClient(AsyncSession, Protocol):
 
     async def push_groups(self, groups: list[m.SampleGroup], deadline_s: float = 600.0) -> list[m.GroupAck]: ...
 
-    async def return_prompts(self, lease_id: str, prompt_ids: list[str] | None = None,
-                             unscored: bool = False) -> m.Ack: ...
+    async def return_prompts(
+        self, lease_id: str, prompt_ids: list[str] | None = None, unscored: bool = False
+    ) -> m.Ack: ...
 
     async def leave(self, reason: str = "", done: bool = False, timeout_s: float = 5.0) -> m.Ack: ...
 

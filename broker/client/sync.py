@@ -12,7 +12,8 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from typing import Any, Callable, Coroutine, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import zmq
 
@@ -28,14 +29,24 @@ T = TypeVar("T")
 class ZmqBrokerClient:
     """Every role's calls (``roles.py``) over ZeroMQ: the async client runs on an event loop in a daemon thread."""
 
-    def __init__(self, address: str, client_id: str, role: str, rank: int = 0, *, timeout_s: float = 30.0,
-                 curve: CurveConfig | None = None, info: dict[str, str] | None = None):
+    def __init__(
+        self,
+        address: str,
+        client_id: str,
+        role: str,
+        rank: int = 0,
+        *,
+        timeout_s: float = 30.0,
+        curve: CurveConfig | None = None,
+        info: dict[str, str] | None = None,
+    ):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"broker-client-{client_id}", daemon=True)
         self._thread.start()
         self._ctx = zmq.Context()
-        self.client = AsyncBrokerClient(address, client_id, role, rank, timeout_s=timeout_s, curve=curve, info=info,
-                                        ctx=self._ctx)
+        self.client = AsyncBrokerClient(
+            address, client_id, role, rank, timeout_s=timeout_s, curve=curve, info=info, ctx=self._ctx
+        )
         self.client_id = client_id
         self._heartbeat: concurrent.futures.Future[None] | None = None
         self._subs: list[AsyncSubscription] = []
@@ -119,7 +130,7 @@ class ZmqBrokerClient:
         """A raw request (tests and tools): ``make(req_id)`` -> the reply (see AsyncBrokerClient.request)."""
         return self._run(self.client.request(make, **kw))
 
-    def subscribe(self) -> "Subscription":
+    def subscribe(self) -> Subscription:
         sub = self._run(self._subscribe())
         self._subs.append(sub)
         return Subscription(self, sub)
@@ -145,7 +156,7 @@ class ZmqBrokerClient:
             self._thread.join(timeout=5)
             self._ctx.term()
 
-    def __enter__(self) -> "ZmqBrokerClient":
+    def __enter__(self) -> ZmqBrokerClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:

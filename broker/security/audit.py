@@ -50,7 +50,11 @@ class AuditLogError(ConfigError):
 def truncate(value: Any, depth: int = 0) -> Any:
     """``value`` with every string cut to MAX_FIELD_CHARS and containers bounded (16 levels, 64 items)."""
     if isinstance(value, str):
-        return value if len(value) <= MAX_FIELD_CHARS else f"{value[:MAX_FIELD_CHARS]}...(+{len(value) - MAX_FIELD_CHARS} chars)"
+        return (
+            value
+            if len(value) <= MAX_FIELD_CHARS
+            else f"{value[:MAX_FIELD_CHARS]}...(+{len(value) - MAX_FIELD_CHARS} chars)"
+        )
     if isinstance(value, (bytes, bytearray)):
         return f"<{len(value)} bytes>"
     if depth >= 16:
@@ -120,8 +124,14 @@ class AuditLog:
         state = self._peers.get(peer)
         if state is None or now - state[0] >= WINDOW_S:
             if state is not None and state[2]:
-                summary = {"time": when, "event": "audit_suppressed", "peer": peer, "suppressed": int(state[2]),
-                           "window_s": WINDOW_S, "limit": PEER_LINES}
+                summary = {
+                    "time": when,
+                    "event": "audit_suppressed",
+                    "peer": peer,
+                    "suppressed": int(state[2]),
+                    "window_s": WINDOW_S,
+                    "limit": PEER_LINES,
+                }
             state = self._peers[peer] = [now, 0, 0]
         self._peers.move_to_end(peer)
         while len(self._peers) > MAX_PEERS:
@@ -138,8 +148,18 @@ class AuditLog:
             try:
                 for peer, (_, _, suppressed) in self._peers.items():  # what was still held back: summed up once
                     if suppressed:
-                        self._file.write(json.dumps({"event": "audit_suppressed", "peer": peer, "suppressed": int(suppressed),
-                                                     "window_s": WINDOW_S, "limit": PEER_LINES}) + "\n")
+                        self._file.write(
+                            json.dumps(
+                                {
+                                    "event": "audit_suppressed",
+                                    "peer": peer,
+                                    "suppressed": int(suppressed),
+                                    "window_s": WINDOW_S,
+                                    "limit": PEER_LINES,
+                                }
+                            )
+                            + "\n"
+                        )
                 self._file.close()
             except OSError:
                 pass

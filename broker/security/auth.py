@@ -81,16 +81,22 @@ def load_key_table(directory: str | None) -> dict[bytes, KeyEntry]:
     namespaces overlap (``a`` and ``a-b``)."""
     key = "broker.curve.authorized_keys_dir"
     if not directory:
-        raise ConfigError(f"{key} is not set: with broker.curve the broker needs an allowlist of client keys, one "
-                          f"subdirectory per role ({', '.join(ROLES)}); create it with `fleetrl keys generate DIR`")
+        raise ConfigError(
+            f"{key} is not set: with broker.curve the broker needs an allowlist of client keys, one "
+            f"subdirectory per role ({', '.join(ROLES)}); create it with `fleetrl keys generate DIR`"
+        )
     root = Path(directory)
     if not root.is_dir():
-        raise ConfigError(f"{key}={directory!r} is not a directory; create it with `fleetrl keys generate DIR` "
-                          "(it writes DIR/clients/<role>/<identity>.key)")
+        raise ConfigError(
+            f"{key}={directory!r} is not a directory; create it with `fleetrl keys generate DIR` "
+            "(it writes DIR/clients/<role>/<identity>.key)"
+        )
     flat = sorted(p.name for p in root.glob("*.key"))
     if flat:
-        raise ConfigError(f"{key}={directory!r} holds keys outside a role subdirectory ({', '.join(flat[:5])}); move "
-                          f"each into {directory}/<role>/ with role one of {', '.join(ROLES)}")
+        raise ConfigError(
+            f"{key}={directory!r} holds keys outside a role subdirectory ({', '.join(flat[:5])}); move "
+            f"each into {directory}/<role>/ with role one of {', '.join(ROLES)}"
+        )
     table: dict[bytes, KeyEntry] = {}
     for sub in sorted(p for p in root.iterdir() if p.is_dir()):
         if sub.name not in ROLES:
@@ -104,8 +110,10 @@ def load_key_table(directory: str | None) -> dict[bytes, KeyEntry]:
                 raise ConfigError(f"{key}: {path} repeats the key of {table[public].path}; give each key one role")
             table[public] = KeyEntry(sub.name, path.stem, str(path))
     if not table:
-        raise ConfigError(f"{key}={directory!r} holds no keys; put client public keys into {directory}/<role>/ "
-                          f"(roles: {', '.join(ROLES)}) or generate them with `fleetrl keys generate`")
+        raise ConfigError(
+            f"{key}={directory!r} holds no keys; put client public keys into {directory}/<role>/ "
+            f"(roles: {', '.join(ROLES)}) or generate them with `fleetrl keys generate`"
+        )
     _check_namespaces(table)
     return table
 
@@ -114,9 +122,11 @@ def _check_namespaces(table: dict[bytes, KeyEntry]) -> None:
     idents = sorted(table.values(), key=lambda e: e.identity)
     for a, b in zip(idents, idents[1:]):
         if b.identity == a.identity or b.identity.startswith(a.identity + "-"):
-            raise ConfigError(f"broker.curve.authorized_keys_dir: identities {a.identity!r} ({a.path}) and "
-                              f"{b.identity!r} ({b.path}) overlap: client ids of the second would belong to the "
-                              "first; rename one of the key files")
+            raise ConfigError(
+                f"broker.curve.authorized_keys_dir: identities {a.identity!r} ({a.path}) and "
+                f"{b.identity!r} ({b.path}) overlap: client ids of the second would belong to the "
+                "first; rename one of the key files"
+            )
 
 
 def check_secret_file(path: str, key: str) -> None:
@@ -134,8 +144,9 @@ class RoleAuthenticator(ThreadAuthenticator):
     announcement socket (ZAP domain ``pub``) only ``pub_roles`` may subscribe: announcements carry the
     broadcast rounds' secrets."""
 
-    def __init__(self, ctx: zmq.Context, table: dict[bytes, KeyEntry], on_refused=None,
-                 pub_roles: tuple[str, ...] = ROLES):
+    def __init__(
+        self, ctx: zmq.Context, table: dict[bytes, KeyEntry], on_refused=None, pub_roles: tuple[str, ...] = ROLES
+    ):
         super().__init__(ctx)
         self.table, self.on_refused, self.pub_roles = table, on_refused, pub_roles
         self.refused = 0
@@ -177,11 +188,15 @@ def check_bind(bcfg: BrokerConfig) -> str | None:
     if bcfg.curve is not None or is_loopback(bcfg.host):
         return None
     if not bcfg.insecure_bind:
-        raise ConfigError(f"broker.host={bcfg.host!r} is not a loopback address and broker.curve is not set: anyone who "
-                          "reaches the port could lease, push and control the job. Turn on broker.curve (see "
-                          "docs/broker.md#security), bind 127.0.0.1, or set broker.insecure_bind=true to accept the risk")
-    return (f"broker.insecure_bind: serving plaintext on {bcfg.host} without authentication; every client that "
-            "reaches this port is trusted with every role")
+        raise ConfigError(
+            f"broker.host={bcfg.host!r} is not a loopback address and broker.curve is not set: anyone who "
+            "reaches the port could lease, push and control the job. Turn on broker.curve (see "
+            "docs/broker.md#security), bind 127.0.0.1, or set broker.insecure_bind=true to accept the risk"
+        )
+    return (
+        f"broker.insecure_bind: serving plaintext on {bcfg.host} without authentication; every client that "
+        "reaches this port is trusted with every role"
+    )
 
 
 def raise_open_files_limit() -> int:
@@ -198,4 +213,3 @@ def raise_open_files_limit() -> int:
         except (ValueError, OSError):  # pragma: no cover - a container that forbids it
             pass
     return soft
-

@@ -62,7 +62,7 @@ class Guard:
     held: int = 0  # bytes all connections held at the last check
 
     @classmethod
-    def attach(cls, sock: zmq.Socket, bcfg: BrokerConfig, counters: Counter, open_files: int) -> "Guard":
+    def attach(cls, sock: zmq.Socket, bcfg: BrokerConfig, counters: Counter, open_files: int) -> Guard:
         limit = bcfg.max_connections or max(16, open_files - 64)
         g = cls(bcfg, limit, counters)
         g.monitor = sock.get_monitor_socket(EVENTS)
@@ -111,7 +111,11 @@ class Guard:
         doomed: dict[int, str] = {}
         for c in self.conns.values():
             received = self._received(c.fd)
-            allowance = BASE_ALLOWANCE + PER_MESSAGE * c.messages + 2 * PER_MESSAGE * (now - c.since) / self.bcfg.zmq_heartbeat_s
+            allowance = (
+                BASE_ALLOWANCE
+                + PER_MESSAGE * c.messages
+                + 2 * PER_MESSAGE * (now - c.since) / self.bcfg.zmq_heartbeat_s
+            )
             c.held = max(0, received - c.delivered - int(allowance)) if received is not None else 0
             if c.held > self.per_connection:
                 doomed[c.fd] = f"holds {c.held} bytes of unfinished frames (over {self.per_connection})"
@@ -126,8 +130,12 @@ class Guard:
                 doomed[c.fd] = f"holds {c.held} bytes while all connections hold {total} (broker.max_buffered_bytes)"
                 total -= c.held
         alive = [c for c in self.conns.values() if c.fd not in doomed and c.fd not in busy]
-        for c in sorted(alive, key=lambda c: c.last_request)[: max(0, len(self.conns) - len(doomed) - self.max_connections)]:
-            doomed[c.fd] = f"one of the idlest of {len(self.conns)} connections (broker.max_connections={self.max_connections})"
+        for c in sorted(alive, key=lambda c: c.last_request)[
+            : max(0, len(self.conns) - len(doomed) - self.max_connections)
+        ]:
+            doomed[c.fd] = (
+                f"one of the idlest of {len(self.conns)} connections (broker.max_connections={self.max_connections})"
+            )
         for fd, why in doomed.items():
             self._close(fd, why)
         return list(doomed.items())
@@ -141,7 +149,9 @@ class Guard:
             return None
         if len(info) < TCPI_BYTES_RECEIVED + 8:  # pragma: no cover - an old kernel: only the idle rules apply
             self.tcp_info = False
-            log.warning("TCP_INFO has no tcpi_bytes_received here; unfinished frames are bounded by idle_timeout_s only")
+            log.warning(
+                "TCP_INFO has no tcpi_bytes_received here; unfinished frames are bounded by idle_timeout_s only"
+            )
             return None
         return struct.unpack_from("<Q", info, TCPI_BYTES_RECEIVED)[0]
 
@@ -168,4 +178,3 @@ def _on_fd(fd: int, op):
         return op(s)
     finally:
         s.detach()
-

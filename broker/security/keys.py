@@ -57,8 +57,12 @@ def main(args) -> int:
     pairs = generate(args.dir, roles)
     for name, (public, secret) in pairs.items():
         print(f"{name}: public {public}, secret {secret}")
-    print(f"broker: broker.curve.server_secret_key={pairs['server'][1]} server_public_key={pairs['server'][0]} "
-          f"authorized_keys_dir={Path(args.dir) / 'clients'}")
-    print("clients: broker.curve.client_secret_key=<DIR>/<identity>.key_secret (copy it, mode 0600, and server.key "
-          "to each machine)")
+    print(
+        f"broker: broker.curve.server_secret_key={pairs['server'][1]} server_public_key={pairs['server'][0]} "
+        f"authorized_keys_dir={Path(args.dir) / 'clients'}"
+    )
+    print(
+        "clients: broker.curve.client_secret_key=<DIR>/<identity>.key_secret (copy it, mode 0600, and server.key "
+        "to each machine)"
+    )
     return 0

@@ -49,8 +49,10 @@ def authorize(principal: Principal, role: str, req: m.Request, version: int) -> 
     if role in allowed and not principal.authenticated and not isinstance(req, m.Control):
         return None  # the common case without CURVE: nothing more to check
     if not principal.owns(req.client_id):
-        return (f"client_id {req.client_id!r} does not belong to key {principal.identity!r}; a key acts only for "
-                f"client ids {principal.identity!r} and {principal.identity!r}-*")
+        return (
+            f"client_id {req.client_id!r} does not belong to key {principal.identity!r}; a key acts only for "
+            f"client ids {principal.identity!r} and {principal.identity!r}-*"
+        )
     if isinstance(req, m.Register) and principal.authenticated and req.role not in (principal.role, "monitor"):
         return f"key {principal.identity!r} has role {principal.role}; it cannot register as {req.role}"
     if role not in allowed:
@@ -66,7 +68,9 @@ def learner_control(req: m.Control, version: int) -> str | None:
     if req.action == "stop":
         return "Control(stop) needs role operator; a learner may only pause, resume and discard during a rollback"
     if req.action == "discard" and not (0 <= req.min_version and 0 <= req.max_version <= version):
-        return (f"a learner may discard only a closed range of versions it published, [min, max] with "
-                f"0 <= min and max <= {version} (the current version); got [{req.min_version}, {req.max_version}]"
-                " (needs role operator otherwise)")
+        return (
+            f"a learner may discard only a closed range of versions it published, [min, max] with "
+            f"0 <= min and max <= {version} (the current version); got [{req.min_version}, {req.max_version}]"
+            " (needs role operator otherwise)"
+        )
     return None

@@ -21,8 +21,11 @@ class Admission:
         bcfg = cfg.broker
         self.q, self.prompts, self.batches = q, prompts, batches
         static = admission_capacity(cfg.learner.groups_per_step, cfg.sync.interval, bcfg.max_staleness)
-        self.measured = (MeasuredCapacity(cfg.learner.groups_per_step * cfg.sync.interval, bcfg.max_staleness)
-                         if bcfg.queue_capacity is None and bcfg.admission == "measured" else None)
+        self.measured = (
+            MeasuredCapacity(cfg.learner.groups_per_step * cfg.sync.interval, bcfg.max_staleness)
+            if bcfg.queue_capacity is None and bcfg.admission == "measured"
+            else None
+        )
         self.fixed_capacity = bcfg.queue_capacity or static
         self.max_held = bcfg.max_held_groups or max(16 * self.fixed_capacity * (8 if self.measured else 1), 10_000)
 

@@ -10,8 +10,8 @@ Register info and heartbeat stats are refused beyond ``broker.max_client_info_by
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from fleetrl.common.config.schema import BrokerConfig
 
@@ -29,7 +29,9 @@ class ClientState:
     stats: dict[str, float] = field(default_factory=dict)
     info: dict[str, str] = field(default_factory=dict)
     groups_pushed: int = 0
-    admit_from: int = 0  # a rollout leases prompts only once it holds at least this version (the current one at Register)
+    admit_from: int = (
+        0  # a rollout leases prompts only once it holds at least this version (the current one at Register)
+    )
 
 
 def info_size(values: Mapping[str, object]) -> int:
@@ -44,8 +46,10 @@ def receivers_error(info: Mapping[str, str]) -> str:
     """Why a Register's ``info["receivers"]`` (weight receivers behind the client) is unusable, or ''."""
     value = info.get("receivers", "1")
     if not value.isdigit() or not 1 <= int(value) <= MAX_RECEIVERS:
-        return (f"Register.info['receivers'] must be a whole number of weight receivers, 1..{MAX_RECEIVERS} "
-                f"(one per tensor-parallel worker), got {value!r}")
+        return (
+            f"Register.info['receivers'] must be a whole number of weight receivers, 1..{MAX_RECEIVERS} "
+            f"(one per tensor-parallel worker), got {value!r}"
+        )
     return ""
 
 
@@ -85,8 +89,10 @@ class ClientTable:
     def too_large(self, values: Mapping[str, object], what: str) -> str | None:
         size = info_size(values)
         if size > self.bcfg.max_client_info_bytes:
-            return (f"{what} of {size} bytes is over broker.max_client_info_bytes={self.bcfg.max_client_info_bytes}; "
-                    "send fewer or shorter entries, or raise that setting")
+            return (
+                f"{what} of {size} bytes is over broker.max_client_info_bytes={self.bcfg.max_client_info_bytes}; "
+                "send fewer or shorter entries, or raise that setting"
+            )
         return None
 
     def register(self, client: ClientState, now: float) -> str | None:
@@ -94,8 +100,10 @@ class ClientTable:
         if client.client_id not in self.clients and len(self.clients) >= self.bcfg.max_clients:
             oldest = next(iter(self.clients.values()))
             if self.alive(oldest, now):
-                return (f"the broker holds {len(self.clients)} live clients (broker.max_clients="
-                        f"{self.bcfg.max_clients}); retry later or raise that setting")
+                return (
+                    f"the broker holds {len(self.clients)} live clients (broker.max_clients="
+                    f"{self.bcfg.max_clients}); retry later or raise that setting"
+                )
             del self.clients[oldest.client_id]
             self.evicted += 1
         client.last_seen = now

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 from fleetrl.broker.server import spool as sp
 from fleetrl.broker.server.journal import Journal
@@ -43,9 +43,18 @@ SECRET_ROLES = (None, "rollout")  # who is given a broadcast round's secret (Non
 class Controls:
     """Versions, pauses, stops and discards: the queue (what a discard drops), the journal, the announcements."""
 
-    def __init__(self, cfg: JobConfig, q: GroupQueue, journal: Journal, drop: Drop,
-                 announcements: list[tuple[bytes, m.Message]], measured: MeasuredCapacity | None,
-                 counters: Counter[str], rejected: Counter[str], wall: Callable[[], float]):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        q: GroupQueue,
+        journal: Journal,
+        drop: Drop,
+        announcements: list[tuple[bytes, m.Message]],
+        measured: MeasuredCapacity | None,
+        counters: Counter[str],
+        rejected: Counter[str],
+        wall: Callable[[], float],
+    ):
         self.bcfg, self.max_clock_skew_s = cfg.broker, cfg.sync.max_clock_skew_s
         self.q, self.journal, self.drop, self.announcements = q, journal, drop, announcements
         self.measured, self.counters, self.rejected, self.wall = measured, counters, rejected, wall
@@ -86,28 +95,37 @@ class Controls:
             self.rejected["bad_version"] += 1
             return m.Error(req_id=req.req_id, code="bad_request", reason=problem)
         stamped = max(self.wall(), self.weights.published_at + 1e-6)
-        weights = m.WeightsInfo(**{**{f: getattr(req.weights, f) for f in m.WeightsInfo.__struct_fields__},
-                                   "published_at": stamped})
+        weights = m.WeightsInfo(
+            **{**{f: getattr(req.weights, f) for f in m.WeightsInfo.__struct_fields__}, "published_at": stamped}
+        )
         self.journal.write([sp.VersionSet(req.version, req.step, weights)])
         if req.version < self.version:
             self.counters["version_rewinds"] += 1
-            log.warning("policy version goes back from %d to %d (learner resumed or rolled back)", self.version, req.version)
+            log.warning(
+                "policy version goes back from %d to %d (learner resumed or rolled back)", self.version, req.version
+            )
         self.version, self.version_step, self.weights, self.version_known = req.version, req.step, weights, True
         if self.measured is not None:
             self.measured.published(req.version)
-        self.announcements.append((m.TOPIC_VERSION, m.VersionAnnouncement(version=req.version, step=req.step, weights=weights)))
+        self.announcements.append(
+            (m.TOPIC_VERSION, m.VersionAnnouncement(version=req.version, step=req.step, weights=weights))
+        )
         return m.Ack(req_id=req.req_id, ref=str(req.version))
 
     def _check_publish(self, req: m.PublishVersion) -> str | None:
         if not 0 <= req.version <= m.MAX_POLICY_VERSION:
             return f"policy version {req.version} is outside [0, {m.MAX_POLICY_VERSION}]"
         if self.version_known and req.version > self.version + self.bcfg.max_version_jump:
-            return (f"policy version {req.version} jumps more than broker.max_version_jump={self.bcfg.max_version_jump} "
-                    f"past the current version {self.version}")
+            return (
+                f"policy version {req.version} jumps more than broker.max_version_jump={self.bcfg.max_version_jump} "
+                f"past the current version {self.version}"
+            )
         skew = self.max_clock_skew_s
         if req.weights.published_at > self.wall() + skew:
-            return (f"published_at {req.weights.published_at:.0f} lies more than sync.max_clock_skew_s={skew:g} s in "
-                    "the broker's future; fix the learner machine's clock")
+            return (
+                f"published_at {req.weights.published_at:.0f} lies more than sync.max_clock_skew_s={skew:g} s in "
+                "the broker's future; fix the learner machine's clock"
+            )
         return None
 
     # ----------------------------------------------------------------------------- control
@@ -116,15 +134,27 @@ class Controls:
         count = 0
         if req.action == "discard":
             if req.min_version < 0 or req.max_version < 0:
-                return m.Error(req_id=req.req_id, code="bad_request", reason=(
-                    f"discard takes a closed range of versions [min_version, max_version], both >= 0 (there is no "
-                    f"open end any more); got [{req.min_version}, {req.max_version}]"))
+                return m.Error(
+                    req_id=req.req_id,
+                    code="bad_request",
+                    reason=(
+                        f"discard takes a closed range of versions [min_version, max_version], both >= 0 (there is no "
+                        f"open end any more); got [{req.min_version}, {req.max_version}]"
+                    ),
+                )
             if req.min_version <= req.max_version and req.max_version > self.version:
-                return m.Error(req_id=req.req_id, code="bad_request", reason=(
-                    f"discard covers only published versions: max_version {req.max_version} is past the current "
-                    f"version {self.version}; give --max-version {self.version} or less"))
+                return m.Error(
+                    req_id=req.req_id,
+                    code="bad_request",
+                    reason=(
+                        f"discard covers only published versions: max_version {req.max_version} is past the current "
+                        f"version {self.version}; give --max-version {self.version} or less"
+                    ),
+                )
             if req.min_version <= req.max_version:  # min > max: an empty range (a rollback to the current version)
-                count = self._discard(req.min_version, req.max_version, provisional=role == "operator" and self.operator_paused)
+                count = self._discard(
+                    req.min_version, req.max_version, provisional=role == "operator" and self.operator_paused
+                )
         elif role == "learner":
             self._learner_hold(req)
         elif req.action == "pause":
@@ -136,9 +166,21 @@ class Controls:
             self.pause_holds.clear()
         elif req.action == "stop":
             self.stopping = True
-        self.announcements.append((m.TOPIC_CONTROL, m.ControlAnnouncement(
-            action=req.action, reason=req.reason, min_version=req.min_version, max_version=req.max_version)))
-        log.info("control %s from %s (%s)%s", req.action, req.client_id, req.reason, f": {count} groups discarded" if count else "")
+        self.announcements.append(
+            (
+                m.TOPIC_CONTROL,
+                m.ControlAnnouncement(
+                    action=req.action, reason=req.reason, min_version=req.min_version, max_version=req.max_version
+                ),
+            )
+        )
+        log.info(
+            "control %s from %s (%s)%s",
+            req.action,
+            req.client_id,
+            req.reason,
+            f": {count} groups discarded" if count else "",
+        )
         return m.Ack(req_id=req.req_id, ref=req.action, count=count)
 
     def _learner_hold(self, req: m.Control) -> None:
@@ -162,8 +204,11 @@ class Controls:
         """An operator's resume: the ranges discarded during its pause are lifted (spooled as the set that stays)."""
         kept = self.kept_discards.ranges()
         self.journal.write([sp.DiscardsSet(kept)])
-        log.warning("resume lifts the %d version range(s) discarded during the operator's pause; still discarded: %s",
-                    self.provisional, kept or "none")
+        log.warning(
+            "resume lifts the %d version range(s) discarded during the operator's pause; still discarded: %s",
+            self.provisional,
+            kept or "none",
+        )
         self.discarded, self.provisional = VersionRanges(kept), 0
 
     def lift_dead_holds(self, dead: set[str]) -> None:

@@ -42,8 +42,18 @@ class Verdict:
 class Ingest:
     """Pushed groups in: the queue, the prompt leases they answer, the journal, admission and the versions."""
 
-    def __init__(self, cfg: JobConfig, vocab_size: int, q: GroupQueue, prompts: PromptSource, journal: Journal,
-                 admission: Admission, controls: Controls, counters: Counter[str], rejected: Counter[str]):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        vocab_size: int,
+        q: GroupQueue,
+        prompts: PromptSource,
+        journal: Journal,
+        admission: Admission,
+        controls: Controls,
+        counters: Counter[str],
+        rejected: Counter[str],
+    ):
         self.bcfg, self.group_size, self.vocab_size = cfg.broker, cfg.rollout.group_size, vocab_size
         self.q, self.prompts, self.journal, self.admission, self.controls = q, prompts, journal, admission, controls
         self.counters, self.rejected = counters, rejected
@@ -86,8 +96,10 @@ class Ingest:
             problem = m.check_group(g, self.vocab_size, max_abs_reward=bcfg.max_abs_reward, max_version=max_version)
             leased = self.prompts.known(g.prompt_id)
             if problem is None and not leased and not bcfg.accept_unleased:
-                problem = (f"group {g.group_id} answers prompt {g.prompt_id!r}, which this broker never leased; "
-                           "push groups for leased prompts (or set broker.accept_unleased=true for imports)")
+                problem = (
+                    f"group {g.group_id} answers prompt {g.prompt_id!r}, which this broker never leased; "
+                    "push groups for leased prompts (or set broker.accept_unleased=true for imports)"
+                )
             if problem:
                 self.rejected["invalid_group"] += 1
                 out.append(Verdict(g, "rejected", problem))
@@ -95,22 +107,42 @@ class Ingest:
             n = len(g.rewards)
             if leased and not self.prompts.room(g.prompt_id, answering[g.prompt_id] + n, group_size):
                 self.rejected["prompt_overanswered"] += 1
-                out.append(Verdict(g, "rejected", (
-                    f"group {g.group_id}: prompt {g.prompt_id!r} has had its {group_size} samples (rollout.group_size) "
-                    "for each time it was handed out; push one group per leased prompt")))
+                out.append(
+                    Verdict(
+                        g,
+                        "rejected",
+                        (
+                            f"group {g.group_id}: prompt {g.prompt_id!r} has had its {group_size} samples (rollout.group_size) "
+                            "for each time it was handed out; push one group per leased prompt"
+                        ),
+                    )
+                )
                 continue
             if held >= adm.max_held or (not leased and load >= adm.capacity):
-                out.append(Verdict(g, "throttled", f"the broker holds {held} groups (capacity {adm.capacity}, at most "
-                                                   f"broker.max_held_groups={adm.max_held}); push again later"))
+                out.append(
+                    Verdict(
+                        g,
+                        "throttled",
+                        f"the broker holds {held} groups (capacity {adm.capacity}, at most "
+                        f"broker.max_held_groups={adm.max_held}); push again later",
+                    )
+                )
                 continue
             seen.add(g.group_id)
             if self.controls.discarded.touches(g):
-                out.append(Verdict(g, "stale", f"policy versions of group {g.group_id} (oldest {g.policy_version}) "
-                                               "were rolled back by the learner",
-                                   "discarded"))
+                out.append(
+                    Verdict(
+                        g,
+                        "stale",
+                        f"policy versions of group {g.group_id} (oldest {g.policy_version}) "
+                        "were rolled back by the learner",
+                        "discarded",
+                    )
+                )
             elif g.policy_version < oldest:
-                out.append(Verdict(g, "stale", f"policy version {g.policy_version} is older than {oldest}",
-                                   "dropped_stale"))
+                out.append(
+                    Verdict(g, "stale", f"policy version {g.policy_version} is older than {oldest}", "dropped_stale")
+                )
             else:
                 out.append(Verdict(g, "accepted"))
                 held, load = held + 1, load + (0 if leased else 1)

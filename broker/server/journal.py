@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fleetrl.broker.server import spool as sp
 
@@ -35,8 +36,12 @@ class Journal:
         except sp.SpoolUnavailable as e:
             self.counters["spool_unavailable"] += 1
             if not self.failing:
-                log.error("ALERT: the spool at %s cannot be written (%s); pushes and leases are answered `unavailable` "
-                          "until it can, and serving resumes by itself when space returns", self.spool.dir, e)
+                log.error(
+                    "ALERT: the spool at %s cannot be written (%s); pushes and leases are answered `unavailable` "
+                    "until it can, and serving resumes by itself when space returns",
+                    self.spool.dir,
+                    e,
+                )
                 self.audit_event({"event": "spool_unavailable", "error": str(e)})
             self.failing = str(e)
             raise

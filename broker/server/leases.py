@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from fleetrl.broker.server import spool as sp
 from fleetrl.broker.server.queue import GroupQueue
@@ -146,8 +146,11 @@ class BatchLeases:
 
     def release(self, client_id: str) -> int:
         """A learner left: the groups of its open leases go back to the front of the queue; returns how many."""
-        back = [g for lid in [lid for lid, lease in self.leases.items() if lease.client_id == client_id]
-                for g in self._retire(lid).group_ids]
+        back = [
+            g
+            for lid in [lid for lid, lease in self.leases.items() if lease.client_id == client_id]
+            for g in self._retire(lid).group_ids
+        ]
         return self.q.requeue_front(back)
 
     # ---------------------------------------------------------------- expiry

@@ -11,12 +11,12 @@ from __future__ import annotations
 import random
 import uuid
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
 from collections.abc import Set
+from dataclasses import dataclass, field
 from typing import Any
 
-from fleetrl.common.messages import Prompt
 from fleetrl.common.data.tables import DataError
+from fleetrl.common.messages import Prompt
 
 RECENT = 1 << 18  # prompt ids remembered as handed out (groups for others are refused unless broker.accept_unleased)
 
@@ -26,16 +26,22 @@ def rows_to_prompts(rows: list[dict[str, Any]], prompt_key: str, answer_key: str
     if not rows:
         raise DataError(f"{source}: the prompt set is empty")
     if prompt_key not in rows[0]:
-        raise DataError(f"{source}: rows have no {prompt_key!r} column (columns: {sorted(rows[0])}); set data.prompt_key")
+        raise DataError(
+            f"{source}: rows have no {prompt_key!r} column (columns: {sorted(rows[0])}); set data.prompt_key"
+        )
     out = []
     for i, row in enumerate(rows):
         text = row.get(prompt_key)
         if not isinstance(text, (str, list)) or not text:
-            raise DataError(f"{source}: row {i} has no usable {prompt_key!r} (a non-empty string or a list of messages); "
-                            "fix the row, set data.prompt_key, or leave such rows out with a data.map hook")
+            raise DataError(
+                f"{source}: row {i} has no usable {prompt_key!r} (a non-empty string or a list of messages); "
+                "fix the row, set data.prompt_key, or leave such rows out with a data.map hook"
+            )
         answer = row.get(answer_key)
         metadata = {k: v for k, v in row.items() if k != prompt_key}  # the answer's column too: batched rewards read it
-        out.append(Prompt(prompt_id=str(i), prompt=text, answer=None if answer is None else str(answer), metadata=metadata))
+        out.append(
+            Prompt(prompt_id=str(i), prompt=text, answer=None if answer is None else str(answer), metadata=metadata)
+        )
     return out
 
 
@@ -197,5 +203,7 @@ class PromptSource:
 
     def expire(self, now: float, dead_clients: Set[str] = frozenset()) -> int:
         """Re-issue the prompts of expired leases and of leases held by dead clients."""
-        expired = [lid for lid, lease in self.leases.items() if lease.expires_at <= now or lease.client_id in dead_clients]
+        expired = [
+            lid for lid, lease in self.leases.items() if lease.expires_at <= now or lease.client_id in dead_clients
+        ]
         return sum(self.give_back(lid) for lid in expired)

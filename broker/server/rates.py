@@ -46,6 +46,10 @@ class WireStats:
         self.rate_out.add(now, n)
 
     def stats(self, now: float) -> dict[str, float]:
-        return {"broker/bytes_in": float(self.bytes_in), "broker/bytes_out": float(self.bytes_out),
-                "broker/bytes_in_per_s": self.rate_in.per_s(now), "broker/bytes_out_per_s": self.rate_out.per_s(now),
-                **self.resources.sample()}
+        return {
+            "broker/bytes_in": float(self.bytes_in),
+            "broker/bytes_out": float(self.bytes_out),
+            "broker/bytes_in_per_s": self.rate_in.per_s(now),
+            "broker/bytes_out_per_s": self.rate_out.per_s(now),
+            **self.resources.sample(),
+        }

@@ -32,16 +32,16 @@ import zmq.auth
 from fleetrl.broker.security import auth
 from fleetrl.broker.security.audit import AuditLog
 from fleetrl.broker.security.guard import Guard
-from fleetrl.broker.server.rates import WireStats
 from fleetrl.broker.server.prompts import PromptSource, rows_to_prompts
+from fleetrl.broker.server.rates import WireStats
 from fleetrl.broker.server.spool import Spool
 from fleetrl.broker.server.state import BrokerState
 from fleetrl.broker.zio import LoopSocket
 from fleetrl.common import messages as m
-from fleetrl.common.telemetry import tracing
 from fleetrl.common.config import load_config, save_resolved
 from fleetrl.common.config.schema import CurveConfig, JobConfig
 from fleetrl.common.data.tables import load_rows
+from fleetrl.common.telemetry import tracing
 from fleetrl.common.telemetry.logs import setup_logging
 from fleetrl.common.telemetry.startup import STARTUP
 
@@ -49,7 +49,9 @@ log = logging.getLogger("fleetrl.broker")
 
 TICK_S = 0.05
 GUARD_S = 0.05  # how often the connection guard looks (every tick)
-MAX_WAIT_S = 60.0  # longest a LeaseBatch is held: a larger wait_s (inf included) is cut to it, so every request is answered
+MAX_WAIT_S = (
+    60.0  # longest a LeaseBatch is held: a larger wait_s (inf included) is cut to it, so every request is answered
+)
 PUB_ROLES = ("rollout", "learner", "operator")  # who may subscribe to announcements (they carry round secrets)
 
 
@@ -66,8 +68,12 @@ def read_vocab_size(cfg: JobConfig) -> int:
 
 def build_state(cfg: JobConfig, audit=None) -> BrokerState:
     prompts = PromptSource(
-        rows_to_prompts(load_rows(cfg.data.train, "data.train", cfg.data), cfg.data.prompt_key, cfg.data.answer_key, cfg.data.train),
-        cfg.data.shuffle, cfg.data.seed, cfg.data.epochs,
+        rows_to_prompts(
+            load_rows(cfg.data.train, "data.train", cfg.data), cfg.data.prompt_key, cfg.data.answer_key, cfg.data.train
+        ),
+        cfg.data.shuffle,
+        cfg.data.seed,
+        cfg.data.epochs,
     )
     spool = Spool(cfg.broker.spool_dir, cfg.broker.fsync, cfg.broker.fsync_interval_s) if cfg.broker.spool_dir else None
     return BrokerState(cfg, prompts, read_vocab_size(cfg), spool, audit=audit)
@@ -141,7 +147,9 @@ class BrokerServer:
         self.auth = auth.RoleAuthenticator(self.ctx, table, self._refused_key, PUB_ROLES)
         self.auth.start()
         roles = sorted({e.role for e in table.values()})
-        log.info("CURVE on: %d client keys in %s (roles: %s)", len(table), bcfg.curve.authorized_keys_dir, ", ".join(roles))
+        log.info(
+            "CURVE on: %d client keys in %s (roles: %s)", len(table), bcfg.curve.authorized_keys_dir, ", ".join(roles)
+        )
 
     def _refused_key(self, key: str, domain: str) -> None:
         self.state.counters["keys_refused"] += 1
@@ -182,9 +190,15 @@ class BrokerServer:
                 router.close(linger=0)
             self.close()
             raise
-        log.info("broker %s serving requests on %s, announcements on %s (capacity %d groups, max_staleness %d%s)",
-                 self.state.broker_id, self.address, self.pub_address, self.state.capacity, self.cfg.broker.max_staleness,
-                 ", CURVE on" if self.cfg.broker.curve else "")
+        log.info(
+            "broker %s serving requests on %s, announcements on %s (capacity %d groups, max_staleness %d%s)",
+            self.state.broker_id,
+            self.address,
+            self.pub_address,
+            self.state.capacity,
+            self.cfg.broker.max_staleness,
+            ", CURVE on" if self.cfg.broker.curve else "",
+        )
 
     def close(self) -> None:
         if self.guard is not None:
@@ -223,7 +237,9 @@ class BrokerServer:
             self.guard.delivered(fd, sum(len(f) for f in frames[1:]), now)
         if len(frames) != 2:
             self.state.rejected["bad_frame"] += 1
-            return ident, m.Error(req_id=0, code="bad_frame", reason=f"expected one payload frame, got {len(frames) - 1}")
+            return ident, m.Error(
+                req_id=0, code="bad_frame", reason=f"expected one payload frame, got {len(frames) - 1}"
+            )
         payload = frames[1].buffer
         header = m.peek_header(payload)
         req_id = header[1] if header else 0
@@ -259,16 +275,26 @@ class BrokerServer:
         bcfg = self.cfg.broker
         if len(payload) > bcfg.max_message_bytes:
             self.state.rejected["too_large"] += 1
-            return m.Error(req_id=req_id, code="too_large", reason=(
-                f"frame of {len(payload)} bytes is over broker.max_message_bytes={bcfg.max_message_bytes}; "
-                "send smaller groups or raise that setting"))
+            return m.Error(
+                req_id=req_id,
+                code="too_large",
+                reason=(
+                    f"frame of {len(payload)} bytes is over broker.max_message_bytes={bcfg.max_message_bytes}; "
+                    "send smaller groups or raise that setting"
+                ),
+            )
         if header and header[0] == m.PushGroups.__struct_config__.tag:
             count = m.peek_push_count(payload)
             if count is not None and count > bcfg.max_groups_per_push:
                 self.state.rejected["too_many_groups"] += 1
-                return m.Error(req_id=req_id, code="too_large", reason=(
-                    f"{count} groups in one PushGroups, over broker.max_groups_per_push={bcfg.max_groups_per_push}; "
-                    "push them in several frames"))
+                return m.Error(
+                    req_id=req_id,
+                    code="too_large",
+                    reason=(
+                        f"{count} groups in one PushGroups, over broker.max_groups_per_push={bcfg.max_groups_per_push}; "
+                        "push them in several frames"
+                    ),
+                )
         return None
 
     def _serve_waiting(self, now: float) -> list[tuple[bytes, m.Message]]:
@@ -342,8 +368,10 @@ class BrokerServer:
                 self.tick(time.monotonic())
             except Exception:  # noqa: BLE001 - timers must survive anything; the broker keeps serving
                 self.state.counters["timer_errors"] += 1
-                log.exception("broker timer tick failed (%d so far); retrying on the next tick",
-                              self.state.counters["timer_errors"])
+                log.exception(
+                    "broker timer tick failed (%d so far); retrying on the next tick",
+                    self.state.counters["timer_errors"],
+                )
 
     def tick(self, now: float) -> None:
         self.state.expire(now)
@@ -396,9 +424,18 @@ def trace_ingest(req: m.PushGroup | m.PushGroups, reply: m.Message, start_ns: in
     end_ns = time.time_ns()
     for g, status in zip(groups, statuses):
         if tracing.sampled(g.trace):
-            tracing.record_span("broker.ingest", start_ns, end_ns, parent=g.trace, attributes={
-                "fleetrl.group_id": g.group_id, "fleetrl.status": status, "fleetrl.client_id": req.client_id,
-                "fleetrl.policy_version": g.policy_version})
+            tracing.record_span(
+                "broker.ingest",
+                start_ns,
+                end_ns,
+                parent=g.trace,
+                attributes={
+                    "fleetrl.group_id": g.group_id,
+                    "fleetrl.status": status,
+                    "fleetrl.client_id": req.client_id,
+                    "fleetrl.policy_version": g.policy_version,
+                },
+            )
 
 
 def trace_batch_lease(reply: m.BatchLease) -> None:
@@ -406,17 +443,34 @@ def trace_batch_lease(reply: m.BatchLease) -> None:
     now = time.time_ns()
     for g in reply.groups:
         if tracing.sampled(g.trace):
-            tracing.record_span("broker.batch_lease", now, now, parent=g.trace, attributes={
-                "fleetrl.group_id": g.group_id, "fleetrl.lease_id": reply.lease_id, "fleetrl.groups": len(reply.groups),
-                "fleetrl.policy_version": g.policy_version})
+            tracing.record_span(
+                "broker.batch_lease",
+                now,
+                now,
+                parent=g.trace,
+                attributes={
+                    "fleetrl.group_id": g.group_id,
+                    "fleetrl.lease_id": reply.lease_id,
+                    "fleetrl.groups": len(reply.groups),
+                    "fleetrl.policy_version": g.policy_version,
+                },
+            )
 
 
 def write_endpoint_file(run_dir: str | Path, server: BrokerServer) -> Path:
     """``broker.json`` in the run dir: where clients connect (also the launcher's ready signal)."""
     path = Path(run_dir) / "broker.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"address": server.address, "pub_address": server.pub_address, "pid": os.getpid(),
-                               "broker_id": server.state.broker_id}))
+    tmp.write_text(
+        json.dumps(
+            {
+                "address": server.address,
+                "pub_address": server.pub_address,
+                "pid": os.getpid(),
+                "broker_id": server.state.broker_id,
+            }
+        )
+    )
     tmp.replace(path)
     return path
 
@@ -452,8 +506,12 @@ async def run_broker(cfg: JobConfig, run_dir: str | None) -> int:
         server.ctx.term()
         if audit is not None:
             audit.close()
-        log.info("broker stopped: %d groups in, %d out, %d still queued", state.counters["groups_in"],
-                 state.counters["groups_out"], len(state.queued))
+        log.info(
+            "broker stopped: %d groups in, %d out, %d still queued",
+            state.counters["groups_in"],
+            state.counters["groups_out"],
+            len(state.queued),
+        )
     return 0
 
 

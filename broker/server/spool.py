@@ -124,8 +124,20 @@ class DiscardsSet(Record, tag=12):  # an operator's resume lifted the ranges dis
     ranges: list[tuple[int, int]]
 
 
-AnyRecord = (GroupAccepted | GroupsDone | GroupsAcked | Committed | Rewound | PromptsLeased | PromptsRequeued | VersionSet
-             | SeenIds | VersionsDiscarded | BatchLeased | DiscardsSet)
+AnyRecord = (
+    GroupAccepted
+    | GroupsDone
+    | GroupsAcked
+    | Committed
+    | Rewound
+    | PromptsLeased
+    | PromptsRequeued
+    | VersionSet
+    | SeenIds
+    | VersionsDiscarded
+    | BatchLeased
+    | DiscardsSet
+)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyRecord)
 _TAGS = len(typing.get_args(AnyRecord))
@@ -136,15 +148,17 @@ _ARRAY = re.compile(rb"[\x91-\x9f]")  # a record body opens with a msgpack fixar
 class Recovered:
     """Durable state rebuilt from the spool, and what the replay had to skip."""
 
-    groups: "OrderedDict[str, SampleGroup]" = field(default_factory=OrderedDict)  # live, in arrival order
+    groups: OrderedDict[str, SampleGroup] = field(default_factory=OrderedDict)  # live, in arrival order
     uncommitted: dict[str, list[tuple[int, str]]] = field(default_factory=dict)  # client -> [(step, gid)]
-    open_prompts: "OrderedDict[str, Prompt]" = field(default_factory=OrderedDict)  # leased or requeued, unfulfilled
-    seen: "OrderedDict[str, None]" = field(default_factory=OrderedDict)
+    open_prompts: OrderedDict[str, Prompt] = field(default_factory=OrderedDict)  # leased or requeued, unfulfilled
+    seen: OrderedDict[str, None] = field(default_factory=OrderedDict)
     epoch: int = 0
     pos: int = 0
     version: VersionSet | None = None
     discarded: list[tuple[int, int]] = field(default_factory=list)  # closed version ranges; -1: an old open end
-    batch_leases: "OrderedDict[str, tuple[str, list[str]]]" = field(default_factory=OrderedDict)  # lease -> (client, gids)
+    batch_leases: OrderedDict[str, tuple[str, list[str]]] = field(
+        default_factory=OrderedDict
+    )  # lease -> (client, gids)
     records: int = 0  # kept
     skipped_bytes: int = 0  # damaged bytes skipped (and quarantined)
     damaged: int = 0  # damaged regions
@@ -267,8 +281,13 @@ def write_owner_only(path: Path, data: bytes) -> None:
 class Spool:
     """Writer + replayer of the segment files in ``directory``."""
 
-    def __init__(self, directory: str | Path, fsync: str = "interval", fsync_interval_s: float = 1.0,
-                 segment_bytes: int = 256 << 20):
+    def __init__(
+        self,
+        directory: str | Path,
+        fsync: str = "interval",
+        fsync_interval_s: float = 1.0,
+        segment_bytes: int = 256 << 20,
+    ):
         self.dir = Path(directory)
         _owner_only_dir(self.dir)
         self.fsync_policy, self.fsync_interval_s, self.segment_bytes = fsync, fsync_interval_s, segment_bytes
@@ -289,8 +308,10 @@ class Spool:
                 what = "a symlink" if path.is_symlink() else "a directory" if path.is_dir() else "not a regular file"
                 raise SpoolError(f"spool segment {path} is {what}; move it out of broker.spool_dir ({self.dir})")
             if not path.stem.split("-", 1)[1].isdigit():
-                raise SpoolError(f"spool file {path} is not a segment (segment-<index>.log); move it out of "
-                                 f"broker.spool_dir ({self.dir})")
+                raise SpoolError(
+                    f"spool file {path} is not a segment (segment-<index>.log); move it out of "
+                    f"broker.spool_dir ({self.dir})"
+                )
         return out
 
     def _path(self, index: int) -> Path:
@@ -312,10 +333,18 @@ class Spool:
             if damaged and damaged[-1][1] == len(data):  # a damaged tail: appends continue after the cut
                 with path.open("r+b") as f:
                     f.truncate(damaged[-1][0])
-            state.needs_rewrite |= any(end < len(data) for _, end in damaged) or (bool(damaged) and path != segments[-1])
+            state.needs_rewrite |= any(end < len(data) for _, end in damaged) or (
+                bool(damaged) and path != segments[-1]
+            )
         if state.damaged:
-            log.warning("spool %s: kept %d records, skipped %d damaged bytes in %d region(s), quarantined to %s",
-                        self.dir, state.records, state.skipped_bytes, state.damaged, self.dir / "quarantine")
+            log.warning(
+                "spool %s: kept %d records, skipped %d damaged bytes in %d region(s), quarantined to %s",
+                self.dir,
+                state.records,
+                state.skipped_bytes,
+                state.damaged,
+                self.dir / "quarantine",
+            )
         self._open(int(segments[-1].stem.split("-")[1]) if segments else 1)
         return state
 
@@ -327,7 +356,9 @@ class Spool:
         state.skipped_bytes += end - start
         state.damaged += 1
         state.quarantined.append(str(side))
-        log.warning("spool %s: %d damaged bytes at offset %d skipped (copied to %s)", path.name, end - start, start, side)
+        log.warning(
+            "spool %s: %d damaged bytes at offset %d skipped (copied to %s)", path.name, end - start, start, side
+        )
 
     # -------------------------------------------------------------------- writes
     def _open(self, index: int) -> None:
@@ -400,7 +431,7 @@ class Spool:
             try:
                 view = memoryview(data)
                 while view:
-                    view = view[os.write(fd, view):]
+                    view = view[os.write(fd, view) :]
                 os.fsync(fd)
             finally:
                 os.close(fd)

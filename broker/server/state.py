@@ -22,20 +22,21 @@ import logging
 import time
 import uuid
 from collections import Counter
-from typing import Any, Callable, Literal, cast
+from collections.abc import Callable
+from typing import Any, Literal, cast
 
-from fleetrl.broker.server import spool as sp
 from fleetrl.broker.security.auth import Principal
-from fleetrl.broker.server.client_table import ClientState, ClientTable, receivers_error
+from fleetrl.broker.security.permissions import REGISTRATION_FREE, authorize
+from fleetrl.broker.server import spool as sp
 from fleetrl.broker.server.admission import Admission
+from fleetrl.broker.server.client_table import ClientState, ClientTable, receivers_error
 from fleetrl.broker.server.control import Controls
 from fleetrl.broker.server.ingest import Ingest
-from fleetrl.broker.server.rates import Rate
 from fleetrl.broker.server.journal import Journal
 from fleetrl.broker.server.leases import BatchLeases, Unauthorized
-from fleetrl.broker.security.permissions import REGISTRATION_FREE, authorize
 from fleetrl.broker.server.prompts import PromptSource
 from fleetrl.broker.server.queue import GroupQueue
+from fleetrl.broker.server.rates import Rate
 from fleetrl.broker.server.staleness import min_fresh_version, rollout_is_fresh, staleness
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import JobConfig
@@ -48,9 +49,17 @@ AckStatus = Literal["accepted", "duplicate", "stale", "rejected", "throttled"]  
 
 
 class BrokerState:
-    def __init__(self, cfg: JobConfig, prompts: PromptSource, vocab_size: int = 0, spool: sp.Spool | None = None,
-                 broker_id: str | None = None, clock: Callable[[], float] = time.monotonic,
-                 audit: Audit | None = None, wall: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        prompts: PromptSource,
+        vocab_size: int = 0,
+        spool: sp.Spool | None = None,
+        broker_id: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        audit: Audit | None = None,
+        wall: Callable[[], float] = time.time,
+    ):
         self.cfg, self.bcfg = cfg, cfg.broker
         self.prompts, self.vocab_size, self.spool, self.audit, self.wall = prompts, vocab_size, spool, audit, wall
         self.broker_id = broker_id or uuid.uuid4().hex[:12]
@@ -67,10 +76,20 @@ class BrokerState:
         self.batches = BatchLeases(self.bcfg, self.q, self.journal.write, self.counters)
         self.clients = ClientTable(self.bcfg)
         self.admission = Admission(cfg, self.q, prompts, self.batches)
-        self.controls = Controls(cfg, self.q, self.journal, self.drop, self.announcements, self.admission.measured,
-                                 self.counters, self.rejected, wall)
-        self.ingest = Ingest(cfg, vocab_size, self.q, prompts, self.journal, self.admission, self.controls,
-                             self.counters, self.rejected)
+        self.controls = Controls(
+            cfg,
+            self.q,
+            self.journal,
+            self.drop,
+            self.announcements,
+            self.admission.measured,
+            self.counters,
+            self.rejected,
+            wall,
+        )
+        self.ingest = Ingest(
+            cfg, vocab_size, self.q, prompts, self.journal, self.admission, self.controls, self.counters, self.rejected
+        )
         self.recovery: dict[str, int] = {}
         self.learner_done = ""  # why the learner finished ("" = training goes on); a learner registering clears it
         if spool is not None:
@@ -107,11 +126,22 @@ class BrokerState:
             self.prompts.requeue(p)
         self.controls.restore(rec)
         if rec.records:
-            log.info("recovered from the spool: %d records, %d queued groups, %d uncommitted, %d open prompts, version %d"
-                     "%s", rec.records, len(self.q), len(acked), len(rec.open_prompts), self.version,
-                     f"; skipped {rec.skipped_bytes} damaged bytes in {rec.damaged} region(s), quarantined"
-                     if rec.damaged else "")
-        self.recovery = {"records_kept": rec.records, "bytes_skipped": rec.skipped_bytes, "regions_quarantined": rec.damaged}
+            log.info(
+                "recovered from the spool: %d records, %d queued groups, %d uncommitted, %d open prompts, version %d%s",
+                rec.records,
+                len(self.q),
+                len(acked),
+                len(rec.open_prompts),
+                self.version,
+                f"; skipped {rec.skipped_bytes} damaged bytes in {rec.damaged} region(s), quarantined"
+                if rec.damaged
+                else "",
+            )
+        self.recovery = {
+            "records_kept": rec.records,
+            "bytes_skipped": rec.skipped_bytes,
+            "regions_quarantined": rec.damaged,
+        }
         if rec.needs_rewrite and self.spool is not None:  # damage inside the log: rewrite it, next replay starts clean
             self.spool.compact(self.snapshot())
 
@@ -125,7 +155,7 @@ class BrokerState:
         for client, entries in self.batches.uncommitted.items():
             for step, gid in entries:
                 recs.append(sp.GroupsAcked(client, step, [gid]))
-        recs.append(sp.SeenIds(list(self.q.seen)[-sp.SEEN_WINDOW:]))
+        recs.append(sp.SeenIds(list(self.q.seen)[-sp.SEEN_WINDOW :]))
         recs.extend(sp.VersionsDiscarded(lo, hi) for lo, hi in self.controls.discarded.ranges())
         recs.extend(sp.BatchLeased(lid, lease.client_id, lease.group_ids) for lid, lease in self.batches.leases.items())
         return recs
@@ -147,8 +177,11 @@ class BrokerState:
         try:
             reply = handler(req, now, role=role)
         except sp.SpoolUnavailable as e:
-            return m.Error(req_id=req.req_id, code="unavailable", reason=(
-                f"the broker's spool cannot be written ({e}); nothing was changed: retry later"))
+            return m.Error(
+                req_id=req.req_id,
+                code="unavailable",
+                reason=(f"the broker's spool cannot be written ({e}); nothing was changed: retry later"),
+            )
         except Unauthorized as e:
             return self._refuse(req, principal, role or "?", str(e))
         if isinstance(req, AUDITED) and reply is not None:
@@ -168,9 +201,14 @@ class BrokerState:
             role = client.role if client is not None else "unregistered"
         if client is None and not isinstance(req, REGISTRATION_FREE):
             self.rejected["unregistered"] += 1
-            return m.Error(req_id=req.req_id, code="unregistered", reason=(
-                f"the broker holds no record of client {req.client_id!r} (it restarted, or evicted a silent client); "
-                "send Register again")), role
+            return m.Error(
+                req_id=req.req_id,
+                code="unregistered",
+                reason=(
+                    f"the broker holds no record of client {req.client_id!r} (it restarted, or evicted a silent client); "
+                    "send Register again"
+                ),
+            ), role
         reason = authorize(principal, role, req, self.version)
         if reason is None:
             return None, role
@@ -179,8 +217,16 @@ class BrokerState:
     def _refuse(self, req: m.Request, principal: Principal | None, role: str, reason: str) -> m.Error:
         self.rejected["unauthorized"] += 1
         self.counters[f"refused/{type(req).__name__}"] += 1
-        self._audit_event({"event": "refused", "request": type(req).__name__, "client_id": req.client_id,
-                           "identity": principal.identity if principal else "", "role": role, "reason": reason})
+        self._audit_event(
+            {
+                "event": "refused",
+                "request": type(req).__name__,
+                "client_id": req.client_id,
+                "identity": principal.identity if principal else "",
+                "role": role,
+                "reason": reason,
+            }
+        )
         return m.Error(req_id=req.req_id, code="unauthorized", reason=reason)
 
     def _audit_request(self, req: m.Request, principal: Principal | None, role: str | None, reply: m.Message) -> None:
@@ -188,9 +234,16 @@ class BrokerState:
         if isinstance(req, m.PublishVersion):
             fields["transport"] = req.weights.transport
         outcome = reply.code if isinstance(reply, m.Error) else "ok"
-        self._audit_event({"event": type(req).__name__, "client_id": req.client_id, "outcome": outcome,
-                           "identity": principal.identity if principal and principal.authenticated else req.client_id,
-                           "role": role or "trusted", **fields})
+        self._audit_event(
+            {
+                "event": type(req).__name__,
+                "client_id": req.client_id,
+                "outcome": outcome,
+                "identity": principal.identity if principal and principal.authenticated else req.client_id,
+                "role": role or "trusted",
+                **fields,
+            }
+        )
 
     def _audit_event(self, record: dict[str, Any]) -> None:
         if self.audit is not None:
@@ -207,8 +260,11 @@ class BrokerState:
     def _on_Register(self, req: m.Register, now: float, role: str | None = None) -> m.Message:
         if req.protocol != m.PROTOCOL_VERSION:
             self.rejected["protocol_mismatch"] += 1
-            return m.Error(req_id=req.req_id, code="protocol_mismatch",
-                           reason=f"client speaks protocol {req.protocol}, broker {m.PROTOCOL_VERSION}; install matching fleetrl versions")
+            return m.Error(
+                req_id=req.req_id,
+                code="protocol_mismatch",
+                reason=f"client speaks protocol {req.protocol}, broker {m.PROTOCOL_VERSION}; install matching fleetrl versions",
+            )
         too_large = self.clients.too_large(req.info, "Register.info")
         if too_large:
             self.rejected["too_large"] += 1
@@ -228,11 +284,19 @@ class BrokerState:
         if shown == "learner" and self.learner_done:
             log.info("learner %s registered: training goes on after `done` (%s)", req.client_id, self.learner_done)
             self.learner_done = ""
-        return m.Registered(req_id=req.req_id, broker_id=self.broker_id, policy_version=self.version,
-                            vocab_size=self.vocab_size, heartbeat_s=self.bcfg.heartbeat_s,
-                            weights=self.controls.weights_for(role or shown), paused=self.paused,
-                            pub_port=self.pub_port, max_message_bytes=self.bcfg.max_message_bytes,
-                            max_groups_per_push=self.bcfg.max_groups_per_push, role=role or shown)
+        return m.Registered(
+            req_id=req.req_id,
+            broker_id=self.broker_id,
+            policy_version=self.version,
+            vocab_size=self.vocab_size,
+            heartbeat_s=self.bcfg.heartbeat_s,
+            weights=self.controls.weights_for(role or shown),
+            paused=self.paused,
+            pub_port=self.pub_port,
+            max_message_bytes=self.bcfg.max_message_bytes,
+            max_groups_per_push=self.bcfg.max_groups_per_push,
+            role=role or shown,
+        )
 
     def _on_Heartbeat(self, req: m.Heartbeat, now: float, role: str | None = None) -> m.Message:
         too_large = self.clients.too_large(req.stats, "Heartbeat.stats")
@@ -247,7 +311,9 @@ class BrokerState:
     def _on_LeasePrompts(self, req: m.LeasePrompts, now: float, role: str | None = None) -> m.Message:
         c = self._touch(req.client_id, now, "rollout", req.policy_version)
         if req.n <= 0:
-            return m.Error(req_id=req.req_id, code="bad_request", reason=f"LeasePrompts.n must be positive, got {req.n}")
+            return m.Error(
+                req_id=req.req_id, code="bad_request", reason=f"LeasePrompts.n must be positive, got {req.n}"
+            )
         throttle = self._lease_throttle(req, c)
         if throttle is not None:
             self.counters["throttled"] += 1
@@ -257,8 +323,11 @@ class BrokerState:
         prompts = self.prompts.take(min(req.n, self.capacity - self.load()))
         if not prompts:
             if self.prompts.exhausted and not self.prompts.leases:
-                return m.Error(req_id=req.req_id, code="data_exhausted",
-                               reason=f"all {self.prompts.epochs} epoch(s) of the prompt set were served; raise data.epochs")
+                return m.Error(
+                    req_id=req.req_id,
+                    code="data_exhausted",
+                    reason=f"all {self.prompts.epochs} epoch(s) of the prompt set were served; raise data.epochs",
+                )
             return m.Throttle(req_id=req.req_id, retry_after_s=1.0, reason="waiting for leased prompts to come back")
         try:
             self.journal.write([sp.PromptsLeased(prompts, self.prompts.epoch, self.prompts.pos)])
@@ -267,8 +336,13 @@ class BrokerState:
             raise
         lease = self.prompts.open_lease(req.client_id, prompts, now, self.bcfg.prompt_lease_s)
         self.counters["prompts_leased"] += len(prompts)
-        return m.PromptLease(req_id=req.req_id, lease_id=lease.lease_id, prompts=prompts,
-                             expires_in_s=self.bcfg.prompt_lease_s, policy_version=self.version)
+        return m.PromptLease(
+            req_id=req.req_id,
+            lease_id=lease.lease_id,
+            prompts=prompts,
+            expires_in_s=self.bcfg.prompt_lease_s,
+            policy_version=self.version,
+        )
 
     def _lease_throttle(self, req: m.LeasePrompts, c: ClientState) -> tuple[float, str] | None:
         """(retry_after_s, reason) when this rollout gets no prompts now."""
@@ -278,11 +352,15 @@ class BrokerState:
         if self.learner_done:  # nobody trains on new groups: say so (a server that missed `done` learns it here)
             return 2.0, f"done: {self.learner_done}"
         if ctl.version_known and req.policy_version > self.version + self.bcfg.version_slack:
-            return 1.0, (f"policy version {req.policy_version} is ahead of the broker's {self.version}; "
-                         "load the version the broker announces")
+            return 1.0, (
+                f"policy version {req.policy_version} is ahead of the broker's {self.version}; "
+                "load the version the broker announces"
+            )
         if req.policy_version < c.admit_from:
-            return 0.5, (f"a rollout that (re)joined leases once it holds the current weights (version {c.admit_from}); "
-                         f"it holds {req.policy_version}")
+            return 0.5, (
+                f"a rollout that (re)joined leases once it holds the current weights (version {c.admit_from}); "
+                f"it holds {req.policy_version}"
+            )
         if not rollout_is_fresh(self.version, req.policy_version, self.bcfg.max_staleness):
             return 0.2, f"policy version {req.policy_version} is too stale (current {self.version}); load new weights"
         if self.capacity - self.load() <= 0:
@@ -308,36 +386,58 @@ class BrokerState:
         return m.Ack(req_id=req.req_id, ref=req.lease_id, count=n)
 
     def _on_PushGroup(self, req: m.PushGroup, now: float, role: str | None = None) -> m.Message:
-        (status, reason), = self.ingest.push([req.group], self._touch(req.client_id, now, "rollout"), now)
+        ((status, reason),) = self.ingest.push([req.group], self._touch(req.client_id, now, "rollout"), now)
         if status == "rejected":
             return m.Error(req_id=req.req_id, code="invalid_group", reason=reason)
         if status == "throttled":
             return m.Throttle(req_id=req.req_id, retry_after_s=1.0, reason=reason)
-        return m.Ack(req_id=req.req_id, ref=req.group.group_id, count=int(status == "accepted"),
-                     duplicate=status == "duplicate")
+        return m.Ack(
+            req_id=req.req_id, ref=req.group.group_id, count=int(status == "accepted"), duplicate=status == "duplicate"
+        )
 
     def _on_PushGroups(self, req: m.PushGroups, now: float, role: str | None = None) -> m.Message:
         if len(req.groups) > self.bcfg.max_groups_per_push:
             self.rejected["too_many_groups"] += 1
-            return m.Error(req_id=req.req_id, code="too_large", reason=(
-                f"{len(req.groups)} groups in one PushGroups, over broker.max_groups_per_push="
-                f"{self.bcfg.max_groups_per_push}; push them in several frames"))
+            return m.Error(
+                req_id=req.req_id,
+                code="too_large",
+                reason=(
+                    f"{len(req.groups)} groups in one PushGroups, over broker.max_groups_per_push="
+                    f"{self.bcfg.max_groups_per_push}; push them in several frames"
+                ),
+            )
         results = self.ingest.push(req.groups, self._touch(req.client_id, now, "rollout"), now)
-        return m.GroupAcks(req_id=req.req_id, acks=[m.GroupAck(group_id=g.group_id, status=cast(AckStatus, s), reason=r)
-                                                    for g, (s, r) in zip(req.groups, results)])
+        return m.GroupAcks(
+            req_id=req.req_id,
+            acks=[
+                m.GroupAck(group_id=g.group_id, status=cast(AckStatus, s), reason=r)
+                for g, (s, r) in zip(req.groups, results)
+            ],
+        )
 
     def drop(self, gids: list[str], reason: str, requeue_prompts: bool, also: list[sp.Record] | None = None) -> None:
         """Forget groups for good, maybe re-issuing their prompts; spooled first, with ``also`` in the same write."""
-        prompts = [p for gid in gids if requeue_prompts and (g := self.q.groups.get(gid)) is not None
-                   and (p := self.prompts.lookup(g.prompt_id)) is not None]
-        self.journal.write(list(also or []) + ([sp.GroupsDone(gids)] if gids else []) + ([sp.PromptsRequeued(prompts)] if prompts else []))
+        prompts = [
+            p
+            for gid in gids
+            if requeue_prompts
+            and (g := self.q.groups.get(gid)) is not None
+            and (p := self.prompts.lookup(g.prompt_id)) is not None
+        ]
+        self.journal.write(
+            list(also or [])
+            + ([sp.GroupsDone(gids)] if gids else [])
+            + ([sp.PromptsRequeued(prompts)] if prompts else [])
+        )
         self.q.forget(gids)
         self.counters[reason] += len(gids)
         for p in prompts:
             self.prompts.requeue(p)
 
     # ------------------------------------------------------------- learner side
-    def _on_LeaseBatch(self, req: m.LeaseBatch, now: float, role: str | None = None, final: bool = False) -> m.Message | None:
+    def _on_LeaseBatch(
+        self, req: m.LeaseBatch, now: float, role: str | None = None, final: bool = False
+    ) -> m.Message | None:
         """Fill a batch lease, dropping stale groups on the way; None = wait for more groups."""
         self._touch(req.client_id, now, "learner")
         if req.n <= 0:
@@ -360,8 +460,13 @@ class BrokerState:
         self.rate_out.add(now, len(ids))
         if self.measured is not None:
             self.measured.taken_by_learner(len(ids))
-        return m.BatchLease(req_id=req.req_id, lease_id=lease.lease_id, groups=[self.q.groups[g] for g in ids],
-                            expires_in_s=self.bcfg.batch_lease_s, dropped_stale=len(stale))
+        return m.BatchLease(
+            req_id=req.req_id,
+            lease_id=lease.lease_id,
+            groups=[self.q.groups[g] for g in ids],
+            expires_in_s=self.bcfg.batch_lease_s,
+            dropped_stale=len(stale),
+        )
 
     def lease_batch_final(self, req: m.LeaseBatch, now: float) -> m.Message:
         """Answer a waiting LeaseBatch at its deadline with whatever is there."""
@@ -393,8 +498,13 @@ class BrokerState:
     def _on_GetVersion(self, req: m.GetVersion, now: float, role: str | None = None) -> m.Message:
         if req.client_id and self.clients.get(req.client_id) is not None:
             self._touch(req.client_id, now)
-        return m.CurrentVersion(req_id=req.req_id, version=self.version, step=self.controls.version_step,
-                                weights=self.controls.weights_for(role), paused=self.paused)
+        return m.CurrentVersion(
+            req_id=req.req_id,
+            version=self.version,
+            step=self.controls.version_step,
+            weights=self.controls.weights_for(role),
+            paused=self.paused,
+        )
 
     def _on_GetStatus(self, req: m.GetStatus, now: float, role: str | None = None) -> m.Message:
         return self.status(req.req_id, now)
@@ -409,8 +519,14 @@ class BrokerState:
         if req.done and who == "learner":
             self.learner_done = req.reason or f"{req.client_id} finished"
             self.announcements.append((m.TOPIC_CONTROL, m.ControlAnnouncement(action="done", reason=self.learner_done)))
-        log.info("%s %s left (%s)%s%s", who, req.client_id, req.reason or "no reason given",
-                 f"; {reissued} prompt(s) re-issued" if reissued else "", f"; {back} group(s) requeued" if back else "")
+        log.info(
+            "%s %s left (%s)%s%s",
+            who,
+            req.client_id,
+            req.reason or "no reason given",
+            f"; {reissued} prompt(s) re-issued" if reissued else "",
+            f"; {back} group(s) requeued" if back else "",
+        )
         return m.Ack(req_id=req.req_id, ref=req.client_id, count=reissued + back)
 
     def announce_shutdown(self, reason: str = "the broker is shutting down") -> None:
@@ -425,16 +541,22 @@ class BrokerState:
         dead = self.clients.dead(now)
         reissued = self._reissue(now, dead)
         self.counters["clients_evicted"] += len(self.clients.evict_dead(now))
-        self.controls.lift_dead_holds(dead | {cid for cid in self.controls.pause_holds if self.clients.get(cid) is None})
+        self.controls.lift_dead_holds(
+            dead | {cid for cid in self.controls.pause_holds if self.clients.get(cid) is None}
+        )
         return {"prompts_reissued": reissued, "groups_redelivered": self.batches.redeliver_expired(now)}
 
     def _reissue(self, now: float, clients: set[str]) -> int:
         """Re-issue expired prompt leases and those held by ``clients`` (journalled first); how many prompts."""
-        expired = [lid for lid, lease in self.prompts.leases.items() if lease.expires_at <= now or lease.client_id in clients]
+        expired = [
+            lid for lid, lease in self.prompts.leases.items() if lease.expires_at <= now or lease.client_id in clients
+        ]
         if not expired:
             return 0
         try:
-            self.journal.write([sp.PromptsRequeued([p for lid in expired for p in self.prompts.leases[lid].prompts.values()])])
+            self.journal.write(
+                [sp.PromptsRequeued([p for lid in expired for p in self.prompts.leases[lid].prompts.values()])]
+            )
         except sp.SpoolUnavailable:
             return 0  # retried on the next tick
         reissued = sum(self.prompts.give_back(lid) for lid in expired)
@@ -445,21 +567,39 @@ class BrokerState:
     def status(self, req_id: int, now: float) -> m.Status:
         cs = self.clients
         return m.Status(
-            req_id=req_id, broker_id=self.broker_id, uptime_s=now - self.started, policy_version=self.version,
-            queue_depth=len(self.q), groups_in_flight=self.in_flight, prompts_leased=self.prompts.leased,
-            groups_in=self.counters["groups_in"], groups_out=self.counters["groups_out"],
-            groups_in_per_s=self.ingest.rate_in.per_s(now), groups_out_per_s=self.rate_out.per_s(now),
-            dropped_stale=self.counters["dropped_stale"], duplicates=self.counters["duplicates"],
-            rejected=dict(self.rejected), staleness_hist={str(k): v for k, v in sorted(self.staleness_hist.items())},
+            req_id=req_id,
+            broker_id=self.broker_id,
+            uptime_s=now - self.started,
+            policy_version=self.version,
+            queue_depth=len(self.q),
+            groups_in_flight=self.in_flight,
+            prompts_leased=self.prompts.leased,
+            groups_in=self.counters["groups_in"],
+            groups_out=self.counters["groups_out"],
+            groups_in_per_s=self.ingest.rate_in.per_s(now),
+            groups_out_per_s=self.rate_out.per_s(now),
+            dropped_stale=self.counters["dropped_stale"],
+            duplicates=self.counters["duplicates"],
+            rejected=dict(self.rejected),
+            staleness_hist={str(k): v for k, v in sorted(self.staleness_hist.items())},
             clients=[
-                m.ClientInfo(client_id=c.client_id, role=c.role, rank=c.rank, policy_version=c.policy_version,
-                             last_seen_s=round(now - c.last_seen, 3), alive=cs.alive(c, now),
-                             stats={**c.stats, "groups_pushed": float(c.groups_pushed)} if c.groups_pushed else c.stats,
-                             receivers=int(c.info.get("receivers", 1)))
+                m.ClientInfo(
+                    client_id=c.client_id,
+                    role=c.role,
+                    rank=c.rank,
+                    policy_version=c.policy_version,
+                    last_seen_s=round(now - c.last_seen, 3),
+                    alive=cs.alive(c, now),
+                    stats={**c.stats, "groups_pushed": float(c.groups_pushed)} if c.groups_pushed else c.stats,
+                    receivers=int(c.info.get("receivers", 1)),
+                )
                 for c in cs.clients.values()
             ],
-            paused=self.paused, data_epoch=self.prompts.epoch, data_cursor=self.prompts.pos,
-            throttled=self.counters["throttled"], uncommitted=sum(len(e) for e in self.uncommitted.values()),
+            paused=self.paused,
+            data_epoch=self.prompts.epoch,
+            data_cursor=self.prompts.pos,
+            throttled=self.counters["throttled"],
+            uncommitted=sum(len(e) for e in self.uncommitted.values()),
             counters={k: v for k, v in self.counters.items() if k not in STATUS_FIELDS and v},
             stats={**self.status_stats(now), "broker/capacity": float(self.capacity)},
         )

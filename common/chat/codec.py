@@ -22,7 +22,8 @@ the model is trained on exactly the token layout the rollouts produce).
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from fleetrl.common.chat.errors import Message, TemplateMismatch
 
@@ -46,15 +47,18 @@ class ChatCodec:
 
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None):
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("a multi-turn environment needs a tokenizer with a chat template (the observations "
-                             "are written with it); use a model whose tokenizer has one, or rollout.env.type=single_turn")
+            raise ValueError(
+                "a multi-turn environment needs a tokenizer with a chat template (the observations "
+                "are written with it); use a model whose tokenizer has one, or rollout.env.type=single_turn"
+            )
         self.tokenizer, self.tools = tokenizer, tools or None
         self.closer = self._closer()
 
     def render(self, messages: Sequence[Message], generation_prompt: bool) -> str:
         kwargs = {"tools": self.tools} if self.tools else {}
-        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt,
-                                                  tokenize=False, **kwargs)
+        return self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=generation_prompt, tokenize=False, **kwargs
+        )
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
@@ -70,9 +74,11 @@ class ChatCodec:
         closed = self.render(base + [{"role": "assistant", "content": DUMMY}], False)
         at = closed.find(DUMMY)
         if not closed.startswith(opened) or at < 0:
-            raise TemplateMismatch("the chat template does not write an assistant message after its generation "
-                                   f"prompt (prompt ends {opened[-40:]!r}, the message renders as {closed[-60:]!r})")
-        return closed[at + len(DUMMY):]
+            raise TemplateMismatch(
+                "the chat template does not write an assistant message after its generation "
+                f"prompt (prompt ends {opened[-40:]!r}, the message renders as {closed[-60:]!r})"
+            )
+        return closed[at + len(DUMMY) :]
 
     def turn_tail(self, gen: Sampled) -> list[int]:
         """Tokens closing an assistant turn that the model did not sample (mask 0)."""
@@ -81,7 +87,7 @@ class ChatCodec:
         if gen.finish_reason == "stop" and gen.token_ids:
             last = self.tokenizer.decode([gen.token_ids[-1]], skip_special_tokens=False)
             if last and self.closer.startswith(last):
-                return self.encode(self.closer[len(last):])
+                return self.encode(self.closer[len(last) :])
         return self.encode(self.closer)
 
     def observation(self, conversation: Sequence[Message], new: Sequence[Message]) -> list[int]:
@@ -91,7 +97,7 @@ class ChatCodec:
         after = self.render(list(conversation) + list(new), True)
         if not after.startswith(before):
             raise TemplateMismatch(mismatch_message(self, before, after, len(conversation)))
-        return self.encode(after[len(before):])
+        return self.encode(after[len(before) :])
 
     def encode_conversation(self, messages: Sequence[Message]) -> tuple[list[int], list[int], list[int]]:
         """(prompt ids, response ids, loss mask) of a whole conversation, built as an episode builds it:
@@ -123,10 +129,12 @@ def mismatch_message(codec: ChatCodec, before: str, after: str, n_messages: int)
     at = _first_difference(before, after)
     tok_before, tok_after = codec.encode(before), codec.encode(after)
     tok_at = _first_difference(tok_before, tok_after)
-    return (f"the chat template is not prefix-stable: rendering {n_messages} message(s) and then more changes the "
-            f"earlier text at character {at} (token {tok_at}): {before[max(0, at - 30):at + 30]!r} became "
-            f"{after[max(0, at - 30):at + 30]!r}. Token-in/token-out needs a template that only appends; fix the "
-            "template (data / tokenizer), or the environment's messages")
+    return (
+        f"the chat template is not prefix-stable: rendering {n_messages} message(s) and then more changes the "
+        f"earlier text at character {at} (token {tok_at}): {before[max(0, at - 30) : at + 30]!r} became "
+        f"{after[max(0, at - 30) : at + 30]!r}. Token-in/token-out needs a template that only appends; fix the "
+        "template (data / tokenizer), or the environment's messages"
+    )
 
 
 GENERIC_EXAMPLE: list[Message] = [

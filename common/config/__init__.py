@@ -27,5 +27,15 @@ from fleetrl.common.config.loader import (
 )
 from fleetrl.common.config.schema import JobConfig
 
-__all__ = ["ConfigError", "JobConfig", "apply_overrides", "config_docs", "dump_yaml", "load_config", "parse_value",
-           "save_resolved", "to_dict", "validate"]
+__all__ = [
+    "ConfigError",
+    "JobConfig",
+    "apply_overrides",
+    "config_docs",
+    "dump_yaml",
+    "load_config",
+    "parse_value",
+    "save_resolved",
+    "to_dict",
+    "validate",
+]

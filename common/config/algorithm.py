@@ -19,8 +19,9 @@ from msgspec import field
 
 from fleetrl.common.config.base import Section, doc
 
-AdvEstimatorName = Literal["grpo", "grpo_var_floor", "drgrpo", "rloo", "remax", "reinforce_pp",
-                           "reinforce_pp_baseline", "gae"]
+AdvEstimatorName = Literal[
+    "grpo", "grpo_var_floor", "drgrpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "gae"
+]
 PolicyLossName = Literal["ppo_clip", "dapo", "gspo"]
 KlEstimatorName = Literal[
     "k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs", "k1+", "kl+", "k2+", "mse+", "k3+", "low_var_kl+", "abs+"
@@ -48,15 +49,20 @@ class OffPolicyConfig(Section):
     ] = "token"
     gspo_level: Annotated[
         Literal["sequence", "token"],
-        doc("policy_loss gspo only: its importance weights per sequence (GSPO's length-normalised rho_i) or per "
-            "token (token-level TIS / decoupled weights, min(pi_old/mu, C) per token)."),
+        doc(
+            "policy_loss gspo only: its importance weights per sequence (GSPO's length-normalised rho_i) or per "
+            "token (token-level TIS / decoupled weights, min(pi_old/mu, C) per token)."
+        ),
     ] = "sequence"
     cap: Annotated[
         float, doc("Cap C of the importance weights: tis truncates them at C, decoupled drops tokens above C.", gt=0)
     ] = 2.0
     batch_normalize: Annotated[
-        bool, doc("Divide the applied weights by their micro-batch mean (mean weight 1): over valid tokens at "
-                  "level token, over non-empty sequences at level sequence.")
+        bool,
+        doc(
+            "Divide the applied weights by their micro-batch mean (mean weight 1): over valid tokens at "
+            "level token, over non-empty sequences at level sequence."
+        ),
     ] = False
 
 
@@ -74,8 +80,10 @@ class KlConfig(Section):
     ] = "none"
     estimator: Annotated[
         KlEstimatorName,
-        doc("KL estimator: k1, k2, k3, abs (aliases kl, mse, low_var_kl); a trailing + keeps the value and takes "
-            "k2's gradient (straight-through, for placement: loss; k2+ is k2 itself, for symmetry)."),
+        doc(
+            "KL estimator: k1, k2, k3, abs (aliases kl, mse, low_var_kl); a trailing + keeps the value and takes "
+            "k2's gradient (straight-through, for placement: loss; k2+ is k2 itself, for symmetry)."
+        ),
     ] = "k3"
     coef: Annotated[float, doc("KL coefficient (initial value when adaptive).", ge=0)] = 0.001
     adaptive: Annotated[AdaptiveKlConfig | None, doc("Adaptive KL controller (null = fixed coefficient).")] = None
@@ -105,16 +113,17 @@ class RlAlgorithm(Section, tag_field="type", tag="rl"):
         int | None, doc("Fixed length of seq-mean-token-sum-norm (null = rollout.max_new_tokens).")
     ] = None
     clip_low: Annotated[
-        float | None, doc("Clip epsilon below 1 (ratio >= 1 - clip_low); null = the loss's default (ppo_clip/dapo 0.2, gspo 3e-4).")
+        float | None,
+        doc("Clip epsilon below 1 (ratio >= 1 - clip_low); null = the loss's default (ppo_clip/dapo 0.2, gspo 3e-4)."),
     ] = None
     clip_high: Annotated[
         float | None, doc("Clip epsilon above 1; null = the loss's default (ppo_clip 0.2, dapo 0.28, gspo 4e-4).")
     ] = None
     dual_clip: Annotated[float | None, doc("Dual-clip constant c > 1 for negative advantages (null = off).")] = None
     norm_by_std: Annotated[bool, doc("GRPO: divide the group-centred reward by the group std.")] = True
-    std_eps: Annotated[float, doc("GRPO: epsilon added to the group std before dividing (1e-6 as DeepSeekMath).", ge=0)] = (
-        1e-6
-    )
+    std_eps: Annotated[
+        float, doc("GRPO: epsilon added to the group std before dividing (1e-6 as DeepSeekMath).", ge=0)
+    ] = 1e-6
     var_floor: Annotated[float, doc("grpo_var_floor: the group variance is floored at this before the sqrt.", ge=0)] = (
         1e-6
     )
@@ -128,7 +137,9 @@ class RlAlgorithm(Section, tag_field="type", tag="rl"):
         default_factory=OffPolicyConfig
     )
     kl: Annotated[KlConfig, doc("KL penalty towards the frozen reference model.")] = field(default_factory=KlConfig)
-    critic: Annotated[CriticConfig, doc("Value model settings (adv_estimator: gae).")] = field(default_factory=CriticConfig)
+    critic: Annotated[CriticConfig, doc("Value model settings (adv_estimator: gae).")] = field(
+        default_factory=CriticConfig
+    )
 
     def __post_init__(self) -> None:
         if self.dual_clip is not None and self.dual_clip <= 1:

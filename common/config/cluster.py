@@ -29,13 +29,14 @@ GiB = Annotated[int, doc("GiB", ge=1)]
 class LearnerNodes(Section):
     nodes: Annotated[int, doc("Nodes the learner ranks run on (torchrun across them).", ge=1)] = 1
     gpus_per_node: Annotated[int, doc("GPUs per learner node: one rank per GPU (0 = CPU ranks).", ge=0)] = 0
-    ranks_per_node: Annotated[
-        int, doc("Learner ranks per node when gpus_per_node is 0 (CPU ranks).", ge=1)
-    ] = 1
+    ranks_per_node: Annotated[int, doc("Learner ranks per node when gpus_per_node is 0 (CPU ranks).", ge=1)] = 1
     cpus_per_rank: Annotated[int, doc("CPU cores reserved for each learner rank.", ge=1)] = 1
     mem_gb_per_rank: Annotated[
-        GiB | None, doc("Host memory (GiB) for each learner rank: Slurm --mem and the k8s memory request (null = no "
-                        "--mem, the partition's default; k8s requests 16).")
+        GiB | None,
+        doc(
+            "Host memory (GiB) for each learner rank: Slurm --mem and the k8s memory request (null = no "
+            "--mem, the partition's default; k8s requests 16)."
+        ),
     ] = None
 
 
@@ -47,8 +48,11 @@ class RolloutNodes(Section):
     ] = None
     cpus_per_server: Annotated[int, doc("CPU cores reserved for each rollout server.", ge=0)] = 1
     mem_gb_per_server: Annotated[
-        GiB | None, doc("Host memory (GiB) for each rollout server: Slurm --mem and the k8s memory request (null = "
-                        "no --mem, the partition's default; k8s requests 16).")
+        GiB | None,
+        doc(
+            "Host memory (GiB) for each rollout server: Slurm --mem and the k8s memory request (null = "
+            "no --mem, the partition's default; k8s requests 16)."
+        ),
     ] = None
     max_restarts: Annotated[
         int, doc("Restarts of one crashed rollout server by its node's supervisor before it is given up.", ge=0)
@@ -97,7 +101,9 @@ class K8sConfig(Section):
 
 class ClusterConfig(Section):
     learner: Annotated[LearnerNodes, doc("Nodes and GPUs of the learner ranks.")] = field(default_factory=LearnerNodes)
-    rollout: Annotated[RolloutNodes, doc("Nodes and GPUs of the rollout servers.")] = field(default_factory=RolloutNodes)
+    rollout: Annotated[RolloutNodes, doc("Nodes and GPUs of the rollout servers.")] = field(
+        default_factory=RolloutNodes
+    )
     share_nodes: Annotated[
         bool, doc("Put every role on the same nodes (one-node jobs, CPU tests); else roles get nodes of their own.")
     ] = False
@@ -108,8 +114,10 @@ class ClusterConfig(Section):
         str | None, doc("Container image: the pods' image on Kubernetes, `srun --container-image` on Slurm (pyxis).")
     ] = None
     base_port: Annotated[
-        int, doc("First of the 4 fixed ports (broker, announcements, learner rendezvous, weight-sync store).", ge=1,
-                 le=65532)
+        int,
+        doc(
+            "First of the 4 fixed ports (broker, announcements, learner rendezvous, weight-sync store).", ge=1, le=65532
+        ),
     ] = 29500
     interface: Annotated[
         str | None, doc("Network interface for NCCL/gloo (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); null = auto.")
@@ -180,26 +188,37 @@ def placement_errors(cfg, ephemeral: tuple[int, int] | None = None) -> list[str]
     low, high = ephemeral or ephemeral_range()
     last = c.base_port + PORTS_USED - 1
     if c.base_port < 1024:
-        errors.append(f"cluster.base_port={c.base_port}: ports below 1024 need root on every node; use 1024..{low - PORTS_USED}")
+        errors.append(
+            f"cluster.base_port={c.base_port}: ports below 1024 need root on every node; use 1024..{low - PORTS_USED}"
+        )
     elif last >= low and c.base_port <= high:
-        errors.append(f"cluster.base_port={c.base_port}: ports {c.base_port}..{last} overlap the ephemeral range "
-                      f"{low}-{high}, where the OS picks client ports (a bind can collide); choose cluster.base_port "
-                      f"between 1024 and {low - PORTS_USED}")
+        errors.append(
+            f"cluster.base_port={c.base_port}: ports {c.base_port}..{last} overlap the ephemeral range "
+            f"{low}-{high}, where the OS picks client ports (a bind can collide); choose cluster.base_port "
+            f"between 1024 and {low - PORTS_USED}"
+        )
     capacity = c.learner.nodes * learner_ranks_per_node(cfg)
     if cfg.learner.num_ranks != capacity:
         unit = "GPUs" if c.learner.gpus_per_node else "CPU ranks"
-        per = (f"cluster.learner.gpus_per_node={c.learner.gpus_per_node}" if c.learner.gpus_per_node
-               else f"cluster.learner.ranks_per_node={c.learner.ranks_per_node}")
-        errors.append(f"learner.num_ranks={cfg.learner.num_ranks} but cluster.learner.nodes={c.learner.nodes} x {per} "
-                      f"gives {capacity} {unit}; make learner.num_ranks equal cluster.learner.nodes x {per.split('=')[0]}")
+        per = (
+            f"cluster.learner.gpus_per_node={c.learner.gpus_per_node}"
+            if c.learner.gpus_per_node
+            else f"cluster.learner.ranks_per_node={c.learner.ranks_per_node}"
+        )
+        errors.append(
+            f"learner.num_ranks={cfg.learner.num_ranks} but cluster.learner.nodes={c.learner.nodes} x {per} "
+            f"gives {capacity} {unit}; make learner.num_ranks equal cluster.learner.nodes x {per.split('=')[0]}"
+        )
     if cfg.learner.device == "cuda" and not c.learner.gpus_per_node:
         errors.append("learner.device=cuda but cluster.learner.gpus_per_node=0; give the learner nodes GPUs")
     errors += _rollout_errors(cfg)
     try:
         limit = time_limit_s(c.time_limit)
         if c.slurm.signal_s >= limit:
-            errors.append(f"cluster.slurm.signal_s={c.slurm.signal_s} is not shorter than cluster.time_limit="
-                          f"{c.time_limit} ({limit} s); the checkpoint signal would come before the job starts")
+            errors.append(
+                f"cluster.slurm.signal_s={c.slurm.signal_s} is not shorter than cluster.time_limit="
+                f"{c.time_limit} ({limit} s); the checkpoint signal would come before the job starts"
+            )
     except ValueError as e:
         errors.append(str(e))
     return errors
@@ -209,17 +228,25 @@ def _rollout_errors(cfg) -> list[str]:
     r, errors = cfg.cluster.rollout, []
     per = rollout_gpus_per_server(cfg)
     if cfg.rollout.engine == "vllm" and r.gpus_per_node == 0 and r.nodes > 0:
-        errors.append("rollout.engine=vllm needs GPUs but cluster.rollout.gpus_per_node=0; set it (or rollout.engine=hf)")
+        errors.append(
+            "rollout.engine=vllm needs GPUs but cluster.rollout.gpus_per_node=0; set it (or rollout.engine=hf)"
+        )
     elif per > r.gpus_per_node:
-        errors.append(f"rollout.vllm.tensor_parallel_size={per} needs more GPUs than cluster.rollout.gpus_per_node="
-                      f"{r.gpus_per_node}; lower the tensor-parallel size or use bigger nodes")
+        errors.append(
+            f"rollout.vllm.tensor_parallel_size={per} needs more GPUs than cluster.rollout.gpus_per_node="
+            f"{r.gpus_per_node}; lower the tensor-parallel size or use bigger nodes"
+        )
     elif per and servers_per_node(cfg) * per > r.gpus_per_node:
-        errors.append(f"cluster.rollout.servers_per_node={servers_per_node(cfg)} x {per} GPU(s) each is more than "
-                      f"cluster.rollout.gpus_per_node={r.gpus_per_node}; lower servers_per_node or set it to null")
+        errors.append(
+            f"cluster.rollout.servers_per_node={servers_per_node(cfg)} x {per} GPU(s) each is more than "
+            f"cluster.rollout.gpus_per_node={r.gpus_per_node}; lower servers_per_node or set it to null"
+        )
     if r.servers_per_node is not None and r.servers_per_node < 1:
         errors.append(f"cluster.rollout.servers_per_node={r.servers_per_node}: must be >= 1 (or null)")
     if r.nodes == 0 and cfg.needs_fleet:
-        errors.append("cluster.rollout.nodes=0 leaves an RL job without rollout servers; set cluster.rollout.nodes >= 1")
+        errors.append(
+            "cluster.rollout.nodes=0 leaves an RL job without rollout servers; set cluster.rollout.nodes >= 1"
+        )
     return errors
 
 

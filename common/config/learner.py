@@ -13,9 +13,18 @@ from msgspec import Meta, field
 
 from fleetrl.common.config.base import Section, doc
 
-HealthRuleName = Literal["reward_drop", "reward_floor", "reward_checkpoint_decline", "kl_ceiling", "mismatch_kl_ceiling",
-                         "entropy_floor", "length_collapse", "grad_spike", "non_finite",
-                         "reward_hacking"]
+HealthRuleName = Literal[
+    "reward_drop",
+    "reward_floor",
+    "reward_checkpoint_decline",
+    "kl_ceiling",
+    "mismatch_kl_ceiling",
+    "entropy_floor",
+    "length_collapse",
+    "grad_spike",
+    "non_finite",
+    "reward_hacking",
+]
 """The names of ``learner/health_rules.py``'s registry; a test keeps the two equal."""
 
 
@@ -25,9 +34,9 @@ HealthRuleName = Literal["reward_drop", "reward_floor", "reward_checkpoint_decli
 class LearnerConfig(Section):
     num_ranks: Annotated[int, doc("Learner processes `fleetrl run` starts (torchrun when > 1).", ge=1)] = 1
     device: Annotated[Literal["auto", "cpu", "cuda"], doc("Training device; auto picks cuda when available.")] = "auto"
-    precision: Annotated[Literal["auto", "fp32", "bf16"], doc("Training precision; auto = bf16 on GPU, fp32 on CPU.")] = (
-        "auto"
-    )
+    precision: Annotated[
+        Literal["auto", "fp32", "bf16"], doc("Training precision; auto = bf16 on GPU, fp32 on CPU.")
+    ] = "auto"
     zero_stage: Annotated[int, doc("DeepSpeed ZeRO stage (0-3).", ge=0, le=3)] = 0
     total_steps: Annotated[int, doc("Optimizer steps of the run.", ge=1)] = 100
     max_minutes: Annotated[
@@ -64,19 +73,25 @@ class HealthRule(Section):
     name: Annotated[HealthRuleName, doc("Rule from the health registry (docs/monitoring.md).")]
     action: Annotated[
         Literal["alert", "stop", "rollback"],
-        doc("When the rule fires: alert (log and record), stop (checkpoint and end the run), or rollback "
-            "(restore the newest healthy checkpoint with a lower learning rate)."),
+        doc(
+            "When the rule fires: alert (log and record), stop (checkpoint and end the run), or rollback "
+            "(restore the newest healthy checkpoint with a lower learning rate)."
+        ),
     ] = "alert"
     metric: Annotated[str | None, doc("Metric the rule watches (null = the rule's default, e.g. reward/mean).")] = None
     window: Annotated[
         Annotated[int, Meta(ge=1)] | None,
-        doc("Steps the rule averages or looks back over, >= 1 (checkpoints for reward_checkpoint_decline; "
-            "null = the rule's default)."),
+        doc(
+            "Steps the rule averages or looks back over, >= 1 (checkpoints for reward_checkpoint_decline; "
+            "null = the rule's default)."
+        ),
     ] = None
     threshold: Annotated[
         float | None,
-        doc("The rule's limit: a drop, floor, ceiling, fraction or factor depending on the rule "
-            "(null = the rule's default; reward_floor needs one)."),
+        doc(
+            "The rule's limit: a drop, floor, ceiling, fraction or factor depending on the rule "
+            "(null = the rule's default; reward_floor needs one)."
+        ),
     ] = None
 
 

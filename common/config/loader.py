@@ -66,8 +66,11 @@ def variants_of(tp: Any) -> dict[str, type[Section]] | None:
     tp = strip_annotated(tp)
     if typing.get_origin(tp) not in (Union, types.UnionType):
         return None
-    tags = {a.__struct_config__.tag: a for a in typing.get_args(tp)
-            if isinstance(a, type) and issubclass(a, Section) and a.__struct_config__.tag is not None}
+    tags = {
+        a.__struct_config__.tag: a
+        for a in typing.get_args(tp)
+        if isinstance(a, type) and issubclass(a, Section) and a.__struct_config__.tag is not None
+    }
     return cast("dict[str, type[Section]]", tags) if len(tags) > 1 else None
 
 
@@ -99,9 +102,11 @@ def _legacy_hints(raw: dict[str, Any]) -> None:
     if not isinstance(alg, dict):
         return
     if alg.get("policy_loss") == "dpo" or (alg.get("type") == "dpo" and "dpo" in alg):
-        raise ConfigError("algorithm.policy_loss=dpo and the algorithm.dpo section are now one objective: set "
-                          "algorithm.type=dpo and move the dpo keys up (algorithm.loss, algorithm.beta, "
-                          "algorithm.label_smoothing); see configs/dpo_online.yaml")
+        raise ConfigError(
+            "algorithm.policy_loss=dpo and the algorithm.dpo section are now one objective: set "
+            "algorithm.type=dpo and move the dpo keys up (algorithm.loss, algorithm.beta, "
+            "algorithm.label_smoothing); see configs/dpo_online.yaml"
+        )
 
 
 def _check_keys(raw: Any, struct: type[Section], prefix: str) -> None:
@@ -208,8 +213,9 @@ def _rephrase(err: msgspec.ValidationError, raw: dict[str, Any]) -> ConfigError:
     message = f"{dotted}: bad value {bad!r}: {what[0].lower()}{what[1:]}"
     choices = _literal_choices(JobConfig, dotted, raw)
     if choices:
-        close = [c for c in choices if c.startswith(str(bad))] or difflib.get_close_matches(str(bad), choices, n=1,
-                                                                                           cutoff=0.5)
+        close = [c for c in choices if c.startswith(str(bad))] or difflib.get_close_matches(
+            str(bad), choices, n=1, cutoff=0.5
+        )
         message += f"; valid values: {', '.join(choices)}"
         if close:
             message += f" (did you mean {close[0]!r}?)"
@@ -233,8 +239,9 @@ def validate(raw: dict[str, Any], notes: list[str] | None = None) -> JobConfig:
         raise _rephrase(e, raw) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                notes: list[str] | None = None) -> JobConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, notes: list[str] | None = None
+) -> JobConfig:
     """Read a YAML job (defaults when ``path`` is None), apply overrides, validate. ``notes``: see validate."""
     raw = read_yaml(path) if path is not None else {}
     apply_overrides(raw, list(overrides or []))

@@ -64,8 +64,12 @@ def apply_aliases(raw: dict[str, Any], note: bool = True, notes: list[str] | Non
             raise ConfigError(f"{alias} (the TRL/verl name of {target}) and {target} are both set; keep one")
         set_key(raw, target, value)
         extra = ""
-        if target == "algorithm.kl.coef" and isinstance(value, (int, float)) and value > 0 \
-                and get_key(raw, "algorithm.kl.placement") is None:
+        if (
+            target == "algorithm.kl.coef"
+            and isinstance(value, (int, float))
+            and value > 0
+            and get_key(raw, "algorithm.kl.placement") is None
+        ):
             set_key(raw, "algorithm.kl.placement", "loss")
             extra = " and algorithm.kl.placement=loss (a KL loss term, as TRL's GRPO)"
         said.append(f"{alias}={value} is read as {target}={value}{extra}; write fleetrl's key to drop this note")
@@ -106,43 +110,59 @@ def apply_batch_aliases(raw: dict[str, Any]) -> str:
         return ""
     alg = raw.get("algorithm")
     if isinstance(alg, dict) and alg.get("type") == "dpo":
-        raise ConfigError(f"{', '.join(given)}: TRL's batch sizes count completions; a DPO step counts pairs: set "
-                            "learner.groups_per_step (pairs per step across all ranks) instead")
+        raise ConfigError(
+            f"{', '.join(given)}: TRL's batch sizes count completions; a DPO step counts pairs: set "
+            "learner.groups_per_step (pairs per step across all ranks) instead"
+        )
     for key in ("learner.groups_per_step", *(["learner.mini_batches"] if "per_device_train_batch_size" in raw else [])):
         if get_key(raw, key) is not None:
-            raise ConfigError(f"{', '.join(given)} (TRL's batch sizes, in completions) and {key} are both set; "
-                                f"keep one (fleetrl's {key} counts groups of rollout.group_size)")
+            raise ConfigError(
+                f"{', '.join(given)} (TRL's batch sizes, in completions) and {key} are both set; "
+                f"keep one (fleetrl's {key} counts groups of rollout.group_size)"
+            )
     if "gradient_accumulation_steps" in raw and "per_device_train_batch_size" not in raw:
-        raise ConfigError("gradient_accumulation_steps counts with per_device_train_batch_size only (fleetrl "
-                            "splits micro-batches by tokens, learner.max_tokens_per_microbatch); set "
-                            "per_device_train_batch_size too, or learner.groups_per_step and learner.mini_batches")
+        raise ConfigError(
+            "gradient_accumulation_steps counts with per_device_train_batch_size only (fleetrl "
+            "splits micro-batches by tokens, learner.max_tokens_per_microbatch); set "
+            "per_device_train_batch_size too, or learner.groups_per_step and learner.mini_batches"
+        )
     defaults = JobConfig()
     group = _count(raw, "rollout.group_size", defaults.rollout.group_size)
     ranks = _count(raw, "learner.num_ranks", defaults.learner.num_ranks)
     per_device, accum = _count(raw, "per_device_train_batch_size", 0), _count(raw, "gradient_accumulation_steps", 1)
     per_rank = per_device * accum  # completions per rank and optimizer step (0: not given)
-    how = (f"per_device_train_batch_size={per_device} x gradient_accumulation_steps={accum} = {per_rank} completions "
-           f"per rank and optimizer step")
+    how = (
+        f"per_device_train_batch_size={per_device} x gradient_accumulation_steps={accum} = {per_rank} completions "
+        f"per rank and optimizer step"
+    )
     if per_rank % group:
-        raise ConfigError(f"{how} is not a whole number of groups of rollout.group_size={group} (a group is trained "
-                            f"on one rank); make it a multiple of {group}, or set learner.groups_per_step")
+        raise ConfigError(
+            f"{how} is not a whole number of groups of rollout.group_size={group} (a group is trained "
+            f"on one rank); make it a multiple of {group}, or set learner.groups_per_step"
+        )
     step = per_rank * ranks  # completions per optimizer step
     generation = _count(raw, "generation_batch_size", step)
     unit = step or group * ranks  # what a generation batch must be a multiple of
     if generation % unit:
-        what = (f"optimizer steps of {step} completions ({how}, x learner.num_ranks={ranks})" if step else
-                f"groups per learner rank (rollout.group_size={group} x learner.num_ranks={ranks})")
-        raise ConfigError(f"generation_batch_size={generation} is not a whole number of {what}; make it a multiple "
-                            f"of {unit}")
+        what = (
+            f"optimizer steps of {step} completions ({how}, x learner.num_ranks={ranks})"
+            if step
+            else f"groups per learner rank (rollout.group_size={group} x learner.num_ranks={ranks})"
+        )
+        raise ConfigError(
+            f"generation_batch_size={generation} is not a whole number of {what}; make it a multiple of {unit}"
+        )
     set_key(raw, "learner.groups_per_step", generation // group)
     said = f"learner.groups_per_step={generation // group}"
     if step:
         set_key(raw, "learner.mini_batches", generation // step)
         said += f", learner.mini_batches={generation // step}"
     detail = f"{how}, x learner.num_ranks={ranks} = {step} per optimizer step; " if step else ""
-    return (f"{', '.join(given)} (TRL's, in completions) read as {said}: {detail}{generation} completions a learner "
-            f"step = {generation // group} groups of rollout.group_size={group} (memory: "
-            "learner.max_tokens_per_microbatch, not a per-device count); write fleetrl's keys to drop this note")
+    return (
+        f"{', '.join(given)} (TRL's, in completions) read as {said}: {detail}{generation} completions a learner "
+        f"step = {generation // group} groups of rollout.group_size={group} (memory: "
+        "learner.max_tokens_per_microbatch, not a per-device count); write fleetrl's keys to drop this note"
+    )
 
 
 def job_setting(path: str | Path | None, overrides: list[str], key: str) -> Any:
@@ -170,13 +190,24 @@ def defaults_used(cfg: JobConfig, path: str | Path | None, overrides: list[str] 
         if key == "rollout.rewards" and not cfg.needs_fleet:
             continue
         if get_key(raw, key) is None:
-            value = [r.name for r in cfg.rollout.rewards] if key == "rollout.rewards" else get_key(msgspec.to_builtins(cfg), key)
+            value = (
+                [r.name for r in cfg.rollout.rewards]
+                if key == "rollout.rewards"
+                else get_key(msgspec.to_builtins(cfg), key)
+            )
             notes.append(f"{key} is not set, so the default {value} is used; set it in the job file to drop this note")
     return notes
 
 
-PATH_KEYS = ("model.path", "model.tokenizer", "data.train", "data.eval", "data.preference", "data.preference_eval",
-             "algorithm.critic.path")  # local paths or `datasets` / hub names
+PATH_KEYS = (
+    "model.path",
+    "model.tokenizer",
+    "data.train",
+    "data.eval",
+    "data.preference",
+    "data.preference_eval",
+    "algorithm.critic.path",
+)  # local paths or `datasets` / hub names
 
 
 def _absolute(value: Any, function: bool = False) -> Any:

@@ -22,14 +22,24 @@ def model_dir_problem(path: str, key: str) -> str | None:
     if not p.exists():
         local = f"models/{path.rstrip('/').split('/')[-1].lower()}"
         # a hub id looks like org/name, and its "org" is no folder here (`models/nope` is a typo, not a hub id)
-        hub_like = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not Path(path.split("/")[0]).is_dir()
-        hub = (f"; if it is a hub id, download it first (`hf download {path} --local-dir {local}`, with huggingface_hub "
-               f"installed) and set {key}={local}" if hub_like else "")
-        return (f"{key}={path!r} does not exist; fleetrl loads models from local directories only (jobs run offline, "
-                f"HF_HUB_OFFLINE=1): fix the path or create a model there (`fleetrl init-model --out {path}`){hub}")
+        hub_like = (
+            path.count("/") == 1 and not path.startswith((".", "/", "~")) and not Path(path.split("/")[0]).is_dir()
+        )
+        hub = (
+            f"; if it is a hub id, download it first (`hf download {path} --local-dir {local}`, with huggingface_hub "
+            f"installed) and set {key}={local}"
+            if hub_like
+            else ""
+        )
+        return (
+            f"{key}={path!r} does not exist; fleetrl loads models from local directories only (jobs run offline, "
+            f"HF_HUB_OFFLINE=1): fix the path or create a model there (`fleetrl init-model --out {path}`){hub}"
+        )
     if not (p / "config.json").is_file():
-        return (f"{key}={path!r} is not a Hugging Face model directory (no config.json); set {key} to the directory "
-                "save_pretrained wrote")
+        return (
+            f"{key}={path!r} is not a Hugging Face model directory (no config.json); set {key} to the directory "
+            "save_pretrained wrote"
+        )
     if not any(any(p.glob(g)) for g in WEIGHT_GLOBS):
         return f"{key}={path!r} has no weights (no *.safetensors or pytorch_model*.bin); set {key} to a complete model"
     return None
@@ -40,14 +50,20 @@ def tokenizer_problem(path: str, key: str) -> str | None:
     if key == "model.tokenizer" and not p.is_dir():
         return f"{key}={path!r} is not a directory; set it to a tokenizer directory, or null to use model.path's"
     if not any((p / f).is_file() for f in TOKENIZER_FILES):
-        return (f"{key}={path!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save the tokenizer there "
-                "(tokenizer.save_pretrained) or set model.tokenizer")
+        return (
+            f"{key}={path!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save the tokenizer there "
+            "(tokenizer.save_pretrained) or set model.tokenizer"
+        )
     return None
 
 
 def has_chat_template(tokenizer_dir: str) -> bool:
     p = Path(tokenizer_dir).expanduser()
-    if (p / "chat_template.jinja").is_file() or (p / "chat_template.json").is_file() or any(p.glob("chat_template*.jinja")):
+    if (
+        (p / "chat_template.jinja").is_file()
+        or (p / "chat_template.json").is_file()
+        or any(p.glob("chat_template*.jinja"))
+    ):
         return True
     try:
         return bool(json.loads((p / "tokenizer_config.json").read_text()).get("chat_template"))

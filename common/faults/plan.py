@@ -40,7 +40,8 @@ import dataclasses
 import logging
 import math
 import os
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 log = logging.getLogger("fleetrl.faults")
 
@@ -68,8 +69,10 @@ class FaultPlan:
         if self.kinds and self.at < 1:
             raise ValueError(f"FLEETRL_FAULT_AT={self.at}: faults start at a learner step / policy version >= 1")
         if self.duration < 1 or not 0 < self.fraction <= 1 or self.lr_factor <= 0 or self.temperature < 0:
-            raise ValueError("FLEETRL_FAULT_FOR must be >= 1, FLEETRL_FAULT_FRACTION in (0, 1], "
-                             "FLEETRL_FAULT_LR_FACTOR > 0 and FLEETRL_FAULT_TEMPERATURE >= 0")
+            raise ValueError(
+                "FLEETRL_FAULT_FOR must be >= 1, FLEETRL_FAULT_FRACTION in (0, 1], "
+                "FLEETRL_FAULT_LR_FACTOR > 0 and FLEETRL_FAULT_TEMPERATURE >= 0"
+            )
         if self.noise <= 0:
             raise ValueError(f"FLEETRL_FAULT_NOISE={self.noise}: the noise scale must be > 0")
 
@@ -81,21 +84,31 @@ class FaultPlan:
         return kind in self.kinds and self.at <= clock < self.at + self.duration
 
     @classmethod
-    def from_env(cls, given: Mapping[str, str] | None = None) -> "FaultPlan":
+    def from_env(cls, given: Mapping[str, str] | None = None) -> FaultPlan:
         env: Mapping[str, str] = os.environ if given is None else given
         kinds = frozenset(k.strip() for k in env.get("FLEETRL_FAULT", "").split(",") if k.strip())
         if not kinds:
             return cls()
-        return cls(kinds, int(env.get("FLEETRL_FAULT_AT", "0")), int(env.get("FLEETRL_FAULT_FOR", "10")),
-                   float(env.get("FLEETRL_FAULT_LR_FACTOR", "50")), float(env.get("FLEETRL_FAULT_FRACTION", "0.25")),
-                   float(env.get("FLEETRL_FAULT_TEMPERATURE", "0.1")), float(env.get("FLEETRL_FAULT_NOISE", "0.05")),
-                   env.get("FLEETRL_FAULT_DTYPE", "float8_e5m2"))
+        return cls(
+            kinds,
+            int(env.get("FLEETRL_FAULT_AT", "0")),
+            int(env.get("FLEETRL_FAULT_FOR", "10")),
+            float(env.get("FLEETRL_FAULT_LR_FACTOR", "50")),
+            float(env.get("FLEETRL_FAULT_FRACTION", "0.25")),
+            float(env.get("FLEETRL_FAULT_TEMPERATURE", "0.1")),
+            float(env.get("FLEETRL_FAULT_NOISE", "0.05")),
+            env.get("FLEETRL_FAULT_DTYPE", "float8_e5m2"),
+        )
 
 
 PLAN = FaultPlan.from_env()
 if PLAN:
-    log.warning("fault injection is ON (a testing aid): %s from %d for %d steps/versions", sorted(PLAN.kinds),
-                PLAN.at, PLAN.duration)
+    log.warning(
+        "fault injection is ON (a testing aid): %s from %d for %d steps/versions",
+        sorted(PLAN.kinds),
+        PLAN.at,
+        PLAN.duration,
+    )
 
 
 ROLLOUT_VERSION = 0
@@ -143,8 +156,9 @@ def is_degenerate(response: str) -> bool:
     return len(response.strip()) <= 1
 
 
-def poison_scores(scores: list[list[Any]], responses: list[str], nan_score: Callable[[float], Any],
-                  version: int | None = None) -> None:
+def poison_scores(
+    scores: list[list[Any]], responses: list[str], nan_score: Callable[[float], Any], version: int | None = None
+) -> None:
     """Rollout reward faults on one scored batch, in place: ``scores[part][sample]``.
 
     ``reward_hack`` sets every part of a degenerate response to 1.0; ``nan_reward`` replaces the
@@ -187,8 +201,11 @@ class WeightFaults:
         def faulty_load(engine: Any) -> int | None:
             pending = version_of()
             stale = "stale_fleet" in PLAN.kinds
-            before = {k: v.detach().clone() for k, v in engine.model.state_dict().items()} \
-                if stale and self.saved is None else None
+            before = (
+                {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+                if stale and self.saved is None
+                else None
+            )
             version = load(engine)
             if version is None:
                 return version
@@ -196,8 +213,9 @@ class WeightFaults:
                 if self.saved is None:
                     self.saved = before
                 engine.model.load_state_dict(self.saved)
-                log.warning("fault stale_fleet: version %s received, the engine keeps the weights of the fault's start",
-                            pending)
+                log.warning(
+                    "fault stale_fleet: version %s received, the engine keeps the weights of the fault's start", pending
+                )
             if PLAN.active("corrupt_weights", version) or PLAN.active("engine_dtype", version):
                 _perturb(engine.model, version)
             return version
@@ -221,6 +239,8 @@ def _perturb(model: Any, version: int) -> None:
                 p.add_(noise * (PLAN.noise * p.detach().float().std().nan_to_num(0.0)).to(p.dtype))
             if PLAN.active("engine_dtype", version):
                 p.copy_(p.to(low).to(p.dtype))
-    log.warning("fault %s at version %d: the engine's weights differ from the learner's", ",".join(
-        k for k in ("corrupt_weights", "engine_dtype") if PLAN.active(k, version)), version)
-
+    log.warning(
+        "fault %s at version %d: the engine's weights differ from the learner's",
+        ",".join(k for k in ("corrupt_weights", "engine_dtype") if PLAN.active(k, version)),
+        version,
+    )

@@ -28,7 +28,8 @@ import contextlib
 import dataclasses
 import os
 import weakref
-from typing import Any, Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import fleetrl.common.faults.pins as pins  # as modules: set_plan() replaces plan.PLAN (tests)
 import fleetrl.common.faults.plan as plan
@@ -74,7 +75,7 @@ def _spool_write(view: memoryview, fd: int) -> memoryview:
     """A chaos run: stop with half of the record written; returns what is left to write."""
     if "broker.spool_write" not in pins.POINTS:
         return view
-    view = view[os.write(fd, view[: len(view) // 2]):]
+    view = view[os.write(fd, view[: len(view) // 2]) :]
     pins.pin("broker.spool_write")
     return view
 

@@ -19,20 +19,31 @@ DEALER socket can have many requests in flight.
 """
 
 from fleetrl.common.messages.base import (  # noqa: F401
-    ErrorCode,
     FLOAT32_MAX,
-    FinishReason,
     LOGPROB_DTYPE,
     MASK_DTYPE,
     MAX_ID_CHARS,
     MAX_POLICY_VERSION,
-    Message,
     PROTOCOL_VERSION,
-    ProtocolError,
-    Role,
     TOKEN_DTYPE,
     TOPIC_CONTROL,
     TOPIC_VERSION,
+    ErrorCode,
+    FinishReason,
+    Message,
+    ProtocolError,
+    Role,
+)
+from fleetrl.common.messages.codec import (  # noqa: F401
+    decode_announcement,
+    decode_group,
+    decode_reply,
+    decode_request,
+    encode,
+    encode_raw,
+    peek_header,
+    peek_push_count,
+    to_dict,
 )
 from fleetrl.common.messages.groups import (  # noqa: F401
     Prompt,
@@ -45,20 +56,8 @@ from fleetrl.common.messages.groups import (  # noqa: F401
     unpack_logprobs,
     unpack_tokens,
 )
-from fleetrl.common.messages.weights import (  # noqa: F401
-    BucketSeal,
-    CatchupOffer,
-    JoinRecord,
-    ParamSpec,
-    RoundPlan,
-    WeightsInfo,
-    decode_join,
-    decode_offer,
-    decode_seal,
-    decode_plan,
-    encode_record,
-)
 from fleetrl.common.messages.protocol import (  # noqa: F401
+    PUSH_GROUP_TAGS,
     Ack,
     AckBatch,
     Announcement,
@@ -75,9 +74,8 @@ from fleetrl.common.messages.protocol import (  # noqa: F401
     GroupAcks,
     Heartbeat,
     LeaseBatch,
-    Leave,
     LeasePrompts,
-    PUSH_GROUP_TAGS,
+    Leave,
     PromptLease,
     PublishVersion,
     PushGroup,
@@ -92,14 +90,16 @@ from fleetrl.common.messages.protocol import (  # noqa: F401
     Throttle,
     VersionAnnouncement,
 )
-from fleetrl.common.messages.codec import (  # noqa: F401
-    decode_announcement,
-    decode_group,
-    decode_reply,
-    decode_request,
-    encode,
-    encode_raw,
-    peek_header,
-    peek_push_count,
-    to_dict,
+from fleetrl.common.messages.weights import (  # noqa: F401
+    BucketSeal,
+    CatchupOffer,
+    JoinRecord,
+    ParamSpec,
+    RoundPlan,
+    WeightsInfo,
+    decode_join,
+    decode_offer,
+    decode_plan,
+    decode_seal,
+    encode_record,
 )

@@ -4,23 +4,30 @@ zero-copy array helpers and the deep checks of a group the broker runs at ingest
 from __future__ import annotations
 
 import math
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from fleetrl.common.messages.base import (
-    FLOAT32_MAX, LOGPROB_DTYPE, MASK_DTYPE, MAX_POLICY_VERSION, TOKEN_DTYPE, FinishReason, Id,
+    FLOAT32_MAX,
+    LOGPROB_DTYPE,
+    MASK_DTYPE,
+    MAX_POLICY_VERSION,
+    TOKEN_DTYPE,
+    FinishReason,
+    Id,
 )
 
 MAX_METADATA_DEPTH = 16  # nesting of a group's metadata / reward_parts: deeper is refused at ingest
+
 
 class Prompt(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """One prompt of the data set. ``prompt_id`` is stable across re-issues ("<epoch>:<index>")."""
 
     prompt_id: Id
-    prompt: Union[str, list[dict[str, str]]]  # raw text, or chat messages [{role, content}]
-    answer: Union[str, None] = None
+    prompt: str | list[dict[str, str]]  # raw text, or chat messages [{role, content}]
+    answer: str | None = None
     metadata: dict[str, Any] = {}
 
 
@@ -78,7 +85,9 @@ class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
         if n == 0:
             raise ValueError(f"group {gid} has no responses; push groups of at least one response")
         if len(self.rewards) != n:
-            raise ValueError(f"group {gid} has {n} responses but {len(self.rewards)} rewards; send one reward per response")
+            raise ValueError(
+                f"group {gid} has {n} responses but {len(self.rewards)} rewards; send one reward per response"
+            )
         for name in ("finish_reasons", "reward_parts", "failed", "failed_parts"):
             if getattr(self, name) and len(getattr(self, name)) != n:
                 raise ValueError(f"group {gid} has {n} responses but {len(getattr(self, name))} {name}")
@@ -86,33 +95,53 @@ class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
             raise ValueError(f"group {gid} has a negative response length")
         total = 4 * sum(self.lengths)
         if len(self.tokens) != total:
-            raise ValueError(f"group {gid} lengths sum to {total // 4} tokens but tokens holds {len(self.tokens)} bytes "
-                             f"({len(self.tokens) / 4:g} int32)")
+            raise ValueError(
+                f"group {gid} lengths sum to {total // 4} tokens but tokens holds {len(self.tokens)} bytes "
+                f"({len(self.tokens) / 4:g} int32)"
+            )
         if len(self.logprobs) != total:
-            raise ValueError(f"group {gid} has {total // 4} tokens but {len(self.logprobs) / 4:g} log-probs; "
-                             "send one behaviour log-prob per sampled token")
+            raise ValueError(
+                f"group {gid} has {total // 4} tokens but {len(self.logprobs) / 4:g} log-probs; "
+                "send one behaviour log-prob per sampled token"
+            )
         if len(self.loss_mask) and len(self.loss_mask) != total // 4:
-            raise ValueError(f"group {gid} has {total // 4} tokens but a loss_mask of {len(self.loss_mask)} bytes; "
-                             "send one uint8 per token, or none")
+            raise ValueError(
+                f"group {gid} has {total // 4} tokens but a loss_mask of {len(self.loss_mask)} bytes; "
+                "send one uint8 per token, or none"
+            )
         if len(self.token_versions) and len(self.token_versions) != total:
-            raise ValueError(f"group {gid} has {total // 4} tokens but token_versions of {len(self.token_versions)} "
-                             "bytes; send one int32 per token, or none")
+            raise ValueError(
+                f"group {gid} has {total // 4} tokens but token_versions of {len(self.token_versions)} "
+                "bytes; send one int32 per token, or none"
+            )
         if not all(map(math.isfinite, self.rewards)):
-            raise ValueError(f"group {gid} has a reward that is not finite ({self.rewards}); rewards must be finite numbers")
+            raise ValueError(
+                f"group {gid} has a reward that is not finite ({self.rewards}); rewards must be finite numbers"
+            )
         if max(map(abs, self.rewards)) > FLOAT32_MAX:
-            raise ValueError(f"group {gid} has a reward beyond the float32 range ({max(map(abs, self.rewards)):g}); "
-                             "rewards are trained in float32, where it would be inf")
-        if self.baseline_reward is not None and not (math.isfinite(self.baseline_reward)
-                                                      and abs(self.baseline_reward) <= FLOAT32_MAX):
-            raise ValueError(f"group {gid} has a baseline_reward that is not a finite float32 ({self.baseline_reward}); "
-                             "send the greedy response's reward, or none")
+            raise ValueError(
+                f"group {gid} has a reward beyond the float32 range ({max(map(abs, self.rewards)):g}); "
+                "rewards are trained in float32, where it would be inf"
+            )
+        if self.baseline_reward is not None and not (
+            math.isfinite(self.baseline_reward) and abs(self.baseline_reward) <= FLOAT32_MAX
+        ):
+            raise ValueError(
+                f"group {gid} has a baseline_reward that is not a finite float32 ({self.baseline_reward}); "
+                "send the greedy response's reward, or none"
+            )
         if not len(self.prompt_tokens) or len(self.prompt_tokens) % 4:
             raise ValueError(f"group {gid} prompt_tokens is {len(self.prompt_tokens)} bytes, not int32 ids")
-        if self.prompt_lengths and (len(self.prompt_lengths) != n or min(self.prompt_lengths) < 1
-                                    or 4 * sum(self.prompt_lengths) != len(self.prompt_tokens)):
-            raise ValueError(f"group {gid} has prompt_lengths {self.prompt_lengths[:8]} for {n} responses and "
-                             f"{len(self.prompt_tokens) // 4} prompt tokens; send one length >= 1 per response "
-                             "summing to the prompt tokens, or none (one shared prompt)")
+        if self.prompt_lengths and (
+            len(self.prompt_lengths) != n
+            or min(self.prompt_lengths) < 1
+            or 4 * sum(self.prompt_lengths) != len(self.prompt_tokens)
+        ):
+            raise ValueError(
+                f"group {gid} has prompt_lengths {self.prompt_lengths[:8]} for {n} responses and "
+                f"{len(self.prompt_tokens) // 4} prompt tokens; send one length >= 1 per response "
+                "summing to the prompt tokens, or none (one shared prompt)"
+            )
         if not 0 <= self.policy_version <= MAX_POLICY_VERSION:
             raise ValueError(f"group {gid} has policy_version {self.policy_version} outside [0, {MAX_POLICY_VERSION}]")
 
@@ -170,9 +199,19 @@ class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
         return np.frombuffer(self.token_versions, dtype=TOKEN_DTYPE)
 
 
-def build_group(group_id: str, prompt_id: str, policy_version: int, prompt_ids: Any, responses: list[tuple[Any, Any]],
-                rewards: list[float], finish_reasons: list[str] | None = None, loss_masks: list[Any] | None = None,
-                token_versions: list[Any] | None = None, per_sample_prompts: bool = False, **fields: Any) -> SampleGroup:
+def build_group(
+    group_id: str,
+    prompt_id: str,
+    policy_version: int,
+    prompt_ids: Any,
+    responses: list[tuple[Any, Any]],
+    rewards: list[float],
+    finish_reasons: list[str] | None = None,
+    loss_masks: list[Any] | None = None,
+    token_versions: list[Any] | None = None,
+    per_sample_prompts: bool = False,
+    **fields: Any,
+) -> SampleGroup:
     """A SampleGroup from per-response (token ids, log-probs) pairs (lists or arrays).
 
     ``loss_masks`` / ``token_versions``: one array per response (or None for the defaults).
@@ -190,11 +229,19 @@ def build_group(group_id: str, prompt_id: str, policy_version: int, prompt_ids: 
     else:
         prompt_bytes = np.asarray(prompt_ids, dtype=TOKEN_DTYPE).tobytes()
     arrays: dict[str, Any] = dict(  # bytes for the memoryview fields (decoded groups hold memoryviews: both buffers)
-        prompt_tokens=prompt_bytes, tokens=b"".join(t.tobytes() for t in tokens),
-        logprobs=b"".join(lp.tobytes() for lp in logprobs), finish_reasons=list(finish_reasons or []))
+        prompt_tokens=prompt_bytes,
+        tokens=b"".join(t.tobytes() for t in tokens),
+        logprobs=b"".join(lp.tobytes() for lp in logprobs),
+        finish_reasons=list(finish_reasons or []),
+    )
     return SampleGroup(
-        group_id=group_id, prompt_id=prompt_id, policy_version=policy_version, lengths=[len(t) for t in tokens],
-        rewards=[float(r) for r in rewards], **arrays, **fields,
+        group_id=group_id,
+        prompt_id=prompt_id,
+        policy_version=policy_version,
+        lengths=[len(t) for t in tokens],
+        rewards=[float(r) for r in rewards],
+        **arrays,
+        **fields,
     )
 
 
@@ -221,8 +268,9 @@ def unpack_logprobs(buf: bytes) -> np.ndarray:
     return np.frombuffer(buf, dtype=LOGPROB_DTYPE)
 
 
-def check_group(group: SampleGroup, vocab_size: int = 0, *, max_abs_reward: float | None = None,
-                max_version: int | None = None) -> str | None:
+def check_group(
+    group: SampleGroup, vocab_size: int = 0, *, max_abs_reward: float | None = None, max_version: int | None = None
+) -> str | None:
     """Deeper checks than decoding does; returns a reason or None. The broker runs it on every group.
 
     Decoding already guarantees matching lengths, rewards finite in float32 and a bounded version.
@@ -235,12 +283,18 @@ def check_group(group: SampleGroup, vocab_size: int = 0, *, max_abs_reward: floa
     """
     gid = group.group_id
     if min(group.lengths) == 0:
-        return (f"group {gid} has an empty response (0 tokens); every response must hold at least one sampled "
-                "token (an engine that stops at once returns its stop token)")
+        return (
+            f"group {gid} has an empty response (0 tokens); every response must hold at least one sampled "
+            "token (an engine that stops at once returns its stop token)"
+        )
     if max_abs_reward is not None and max(map(abs, group.rewards)) > max_abs_reward:
-        return (f"group {gid} has a reward of magnitude {max(map(abs, group.rewards)):g} over "
-                f"broker.max_abs_reward={max_abs_reward:g}; scale the rewards or raise that setting")
-    hi = max(int(np.frombuffer(group.prompt_tokens, dtype="<u4").max()), int(np.frombuffer(group.tokens, dtype="<u4").max()))
+        return (
+            f"group {gid} has a reward of magnitude {max(map(abs, group.rewards)):g} over "
+            f"broker.max_abs_reward={max_abs_reward:g}; scale the rewards or raise that setting"
+        )
+    hi = max(
+        int(np.frombuffer(group.prompt_tokens, dtype="<u4").max()), int(np.frombuffer(group.tokens, dtype="<u4").max())
+    )
     if hi >= 2**31:
         return f"group {gid} has a negative token id {hi - 2**32}"
     if vocab_size and hi >= vocab_size:
@@ -251,12 +305,16 @@ def check_group(group: SampleGroup, vocab_size: int = 0, *, max_abs_reward: floa
     if len(group.token_versions):
         versions = np.frombuffer(group.token_versions, dtype=TOKEN_DTYPE)
         if int(versions.min()) < group.policy_version:
-            return (f"group {gid} has a token version below its policy_version {group.policy_version}; "
-                    "policy_version must be the oldest version of any token")
+            return (
+                f"group {gid} has a token version below its policy_version {group.policy_version}; "
+                "policy_version must be the oldest version of any token"
+            )
         newest = int(versions.max())
     if max_version is not None and newest > max_version:
-        return (f"group {gid} claims policy version {newest}, ahead of the broker's newest version {max_version}; "
-                "a rollout can only hold versions the broker announced")
+        return (
+            f"group {gid} claims policy version {newest}, ahead of the broker's newest version {max_version}; "
+            "a rollout can only hold versions the broker announced"
+        )
     logp = np.frombuffer(group.logprobs, dtype=LOGPROB_DTYPE)
     lp_lo, lp_hi = float(logp.min()), float(logp.max())  # NaN propagates through both
     if not (math.isfinite(lp_lo) and math.isfinite(lp_hi)):

@@ -14,6 +14,7 @@ from fleetrl.common.messages.base import PROTOCOL_VERSION, ErrorCode, Id, Messag
 from fleetrl.common.messages.groups import Prompt, SampleGroup
 from fleetrl.common.messages.weights import WeightsInfo
 
+
 class ClientInfo(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     client_id: Id
     role: str
@@ -139,8 +140,21 @@ class Leave(Message, tag=15):  # Rollout/Learner -> Broker: this client stops no
 
 
 Request = (
-    Register | Heartbeat | LeasePrompts | PushGroup | PushGroups | ReturnPrompts | LeaseBatch | AckBatch | Commit
-    | Rewind | PublishVersion | Control | GetStatus | GetVersion | Leave
+    Register
+    | Heartbeat
+    | LeasePrompts
+    | PushGroup
+    | PushGroups
+    | ReturnPrompts
+    | LeaseBatch
+    | AckBatch
+    | Commit
+    | Rewind
+    | PublishVersion
+    | Control
+    | GetStatus
+    | GetVersion
+    | Leave
 )
 
 

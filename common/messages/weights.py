@@ -8,6 +8,7 @@ from typing import Literal
 
 import msgspec
 
+
 class ParamSpec(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     name: str
     shape: list[int]
@@ -23,7 +24,9 @@ class WeightsInfo(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     master_port: int = 0
     buckets: list[list[ParamSpec]] = []  # broadcast: parameters of each flat bucket, in order
     round_id: int = 0  # broadcast: which round of the group to join
-    published_at: float = 0.0  # stamped by the broker when it relays the version: orders versions across resumes and rollbacks
+    published_at: float = (
+        0.0  # stamped by the broker when it relays the version: orders versions across resumes and rollbacks
+    )
     secret: str = ""  # broadcast: the round's secret (hex); only holders find the round's keys on the TCPStore
     traces: list[dict[str, str]] = []  # W3C contexts of the publish spans in (some of) the trained groups' traces
     signer: str = ""  # broadcast: the learner's Ed25519 public key (hex); plans and buckets must verify under it

@@ -11,8 +11,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 class FunctionRefError(ValueError):
@@ -67,8 +68,9 @@ def load_function(ref: str) -> Callable[..., Any]:
         ) from None
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise FunctionRefError(f"module {module_name!r} has no attribute {attr!r}; check the name after ':' in "
-                                   f"{ref!r}")
+            raise FunctionRefError(
+                f"module {module_name!r} has no attribute {attr!r}; check the name after ':' in {ref!r}"
+            )
         obj = getattr(obj, part)
     if not callable(obj):
         raise FunctionRefError(f"{ref!r} is a {type(obj).__name__}, not a function")

@@ -32,7 +32,7 @@ class Nvml:
         self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
 
     @classmethod
-    def open(cls, pid: int | None = None) -> "Nvml | None":
+    def open(cls, pid: int | None = None) -> Nvml | None:
         try:
             import pynvml  # the nvidia-ml-py package
 
@@ -79,8 +79,10 @@ class ProcessResources:
                 return dict(self._values)
             (t0, cpu0), cpu = self._last, self._cpu_s()
             self._last, self._at = (now, cpu), now
-            values = {f"{self.prefix}/cpu_percent": 100.0 * (cpu - cpu0) / max(now - t0, 1e-6),
-                      f"{self.prefix}/rss_mb": self.proc.memory_info().rss / MB}
+            values = {
+                f"{self.prefix}/cpu_percent": 100.0 * (cpu - cpu0) / max(now - t0, 1e-6),
+                f"{self.prefix}/rss_mb": self.proc.memory_info().rss / MB,
+            }
             if self.nvml is not None:
                 try:
                     values.update(self.nvml.sample(self.prefix))

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -42,12 +43,19 @@ def span_record(span: ReadableSpan) -> dict[str, Any]:
         "end_ns": span.end_time,
         "status": span.status.status_code.name,
         "attributes": dict(span.attributes or {}),
-        "links": [{"trace_id": _hex_trace(link.context.trace_id), "span_id": _hex_span(link.context.span_id),
-                   "attributes": dict(link.attributes or {})} for link in span.links],
+        "links": [
+            {
+                "trace_id": _hex_trace(link.context.trace_id),
+                "span_id": _hex_span(link.context.span_id),
+                "attributes": dict(link.attributes or {}),
+            }
+            for link in span.links
+        ],
     }
     if span.events:
-        out["events"] = [{"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})}
-                         for e in span.events]
+        out["events"] = [
+            {"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})} for e in span.events
+        ]
     return out
 
 

@@ -30,9 +30,10 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -43,12 +44,16 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from fleetrl.common.telemetry.trace_files import (  # noqa: F401 - re-exported: telemetry.read_spans, ...
-    TRACES_DIR, JsonlSpanExporter, read_spans, span_record, trace_files,
+    TRACES_DIR,
+    JsonlSpanExporter,
+    read_spans,
+    span_record,
+    trace_files,
 )
 
 if TYPE_CHECKING:
-    from fleetrl.common.messages import SampleGroup
     from fleetrl.common.config.schema import TelemetryConfig
+    from fleetrl.common.messages import SampleGroup
 
 log = logging.getLogger("fleetrl.telemetry")
 
@@ -60,7 +65,7 @@ EXPORT_DELAY_MS = 1000  # spans reach the exporter within about this long
 _propagator = TraceContextTextMapPropagator()
 _NOOP = trace.NoOpTracer()
 _lock = threading.Lock()
-_active: "_Tracing | None" = None
+_active: _Tracing | None = None
 
 
 class UrandomIdGenerator(IdGenerator):
@@ -112,8 +117,10 @@ def _exporter(service: str, cfg: TelemetryConfig, run_dir: str | Path | None) ->
         if run_dir is None:
             from fleetrl.common.config import ConfigError
 
-            raise ConfigError(f"telemetry.exporter=jsonl writes spans into the run directory, but this {service} has "
-                              "none; pass --run-dir or choose telemetry.exporter=none|console|otlp")
+            raise ConfigError(
+                f"telemetry.exporter=jsonl writes spans into the run directory, but this {service} has "
+                "none; pass --run-dir or choose telemetry.exporter=none|console|otlp"
+            )
         path = Path(run_dir) / TRACES_DIR / f"{service}-{os.getpid()}.jsonl"
         return JsonlSpanExporter(path), path
     if cfg.exporter == "console":
@@ -127,8 +134,9 @@ def _exporter(service: str, cfg: TelemetryConfig, run_dir: str | Path | None) ->
     return OTLPSpanExporter(endpoint=endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"), None
 
 
-def setup_tracing(service: str, cfg: TelemetryConfig, run_dir: str | Path | None = None,
-                  attributes: Mapping[str, Any] | None = None) -> trace.Tracer:
+def setup_tracing(
+    service: str, cfg: TelemetryConfig, run_dir: str | Path | None = None, attributes: Mapping[str, Any] | None = None
+) -> trace.Tracer:
     """The tracer of this process (``service.name = fleetrl-<service>``), built on the first call.
 
     ``attributes`` become resource attributes of every span (``service.instance.id``, rank, server
@@ -147,13 +155,19 @@ def setup_tracing(service: str, cfg: TelemetryConfig, run_dir: str | Path | None
         if cfg.exporter == "none":
             return _NOOP
         exporter, path = _exporter(service, cfg, run_dir)
-        resource = Resource.create({
-            "service.name": f"fleetrl-{service}", "service.namespace": "fleetrl",
-            "service.instance.id": f"{service}-{socket.gethostname()}-{os.getpid()}",
-            "host.name": socket.gethostname(), "process.pid": os.getpid(), **dict(attributes or {}),
-        })
-        provider = TracerProvider(resource=resource, id_generator=UrandomIdGenerator(),
-                                  span_limits=SpanLimits(max_links=MAX_LINKS))
+        resource = Resource.create(
+            {
+                "service.name": f"fleetrl-{service}",
+                "service.namespace": "fleetrl",
+                "service.instance.id": f"{service}-{socket.gethostname()}-{os.getpid()}",
+                "host.name": socket.gethostname(),
+                "process.pid": os.getpid(),
+                **dict(attributes or {}),
+            }
+        )
+        provider = TracerProvider(
+            resource=resource, id_generator=UrandomIdGenerator(), span_limits=SpanLimits(max_links=MAX_LINKS)
+        )
         provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=EXPORT_DELAY_MS))
         _active = _Tracing(service, provider, path)
     log.info("tracing %s spans to %s", service, path or (cfg.otlp_endpoint if cfg.exporter == "otlp" else cfg.exporter))
@@ -220,8 +234,16 @@ def remote_context(carrier: Mapping[str, str] | None) -> trace.SpanContext:
     anything else goes through the propagator.
     """
     tp = carrier.get("traceparent", "") if carrier else ""
-    if carrier and len(tp) == 55 and tp.startswith("00-") and "tracestate" not in carrier and tp[35] == tp[52] == "-" \
-            and _HEX.issuperset(tp[3:35]) and _HEX.issuperset(tp[36:52]) and _HEX.issuperset(tp[53:]):
+    if (
+        carrier
+        and len(tp) == 55
+        and tp.startswith("00-")
+        and "tracestate" not in carrier
+        and tp[35] == tp[52] == "-"
+        and _HEX.issuperset(tp[3:35])
+        and _HEX.issuperset(tp[36:52])
+        and _HEX.issuperset(tp[53:])
+    ):
         trace_id, span_id = int(tp[3:35], 16), int(tp[36:52], 16)
         if trace_id and span_id:
             return trace.SpanContext(trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(int(tp[53:], 16)))
@@ -256,9 +278,13 @@ def group_links(groups: Iterable[SampleGroup]) -> list[trace.Link]:
 
 
 @contextmanager
-def span(name: str, parent: Context | Mapping[str, str] | trace.Span | None = None,
-         attributes: Mapping[str, Any] | None = None, links: Sequence[trace.Link] = (),
-         start_ns: int | None = None) -> Iterator[trace.Span]:
+def span(
+    name: str,
+    parent: Context | Mapping[str, str] | trace.Span | None = None,
+    attributes: Mapping[str, Any] | None = None,
+    links: Sequence[trace.Link] = (),
+    start_ns: int | None = None,
+) -> Iterator[trace.Span]:
     """A span around a block, current inside it (children nest under it).
 
     ``parent``: None = the current span, :data:`ROOT` = a new trace, a carrier dict or a span.
@@ -267,20 +293,27 @@ def span(name: str, parent: Context | Mapping[str, str] | trace.Span | None = No
     if not enabled():
         yield trace.INVALID_SPAN
         return
-    with get_tracer().start_as_current_span(name, context=_parent(parent), attributes=dict(attributes or {}),
-                                            links=links, start_time=start_ns) as s:
+    with get_tracer().start_as_current_span(
+        name, context=_parent(parent), attributes=dict(attributes or {}), links=links, start_time=start_ns
+    ) as s:
         yield s
 
 
-def record_span(name: str, start_ns: int, end_ns: int | None = None,
-                parent: Context | Mapping[str, str] | trace.Span | None = None,
-                attributes: Mapping[str, Any] | None = None, links: Sequence[trace.Link] = ()) -> trace.Span | None:
+def record_span(
+    name: str,
+    start_ns: int,
+    end_ns: int | None = None,
+    parent: Context | Mapping[str, str] | trace.Span | None = None,
+    attributes: Mapping[str, Any] | None = None,
+    links: Sequence[trace.Link] = (),
+) -> trace.Span | None:
     """A finished span from timestamps taken earlier (work done in another thread, or only worth a
     span once it succeeded). ``end_ns`` defaults to now; None when tracing is off."""
     if not enabled():
         return None
-    s = get_tracer().start_span(name, context=_parent(parent), attributes=dict(attributes or {}), links=links,
-                                start_time=start_ns)
+    s = get_tracer().start_span(
+        name, context=_parent(parent), attributes=dict(attributes or {}), links=links, start_time=start_ns
+    )
     s.end(end_time=end_ns if end_ns is not None else time.time_ns())
     return s
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
 
 def local_address_towards(host: str, port: int) -> str:
     """The address of this machine's interface that reaches ``host`` (no packet is sent)."""

@@ -41,9 +41,9 @@ import math
 import re
 import secrets
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
-
+from typing import Any
 
 from fleetrl.common.messages import ParamSpec
 
@@ -53,10 +53,21 @@ CLOSED = 1 << 40  # added to a round's join counter to close it; a later join re
 
 # torch dtype name -> (bytes per element, safetensors dtype code)
 DTYPES: dict[str, tuple[int, str]] = {
-    "float64": (8, "F64"), "float32": (4, "F32"), "bfloat16": (2, "BF16"), "float16": (2, "F16"),
-    "float8_e4m3fn": (1, "F8_E4M3"), "float8_e5m2": (1, "F8_E5M2"),
-    "int64": (8, "I64"), "int32": (4, "I32"), "int16": (2, "I16"), "int8": (1, "I8"),
-    "uint64": (8, "U64"), "uint32": (4, "U32"), "uint16": (2, "U16"), "uint8": (1, "U8"), "bool": (1, "BOOL"),
+    "float64": (8, "F64"),
+    "float32": (4, "F32"),
+    "bfloat16": (2, "BF16"),
+    "float16": (2, "F16"),
+    "float8_e4m3fn": (1, "F8_E4M3"),
+    "float8_e5m2": (1, "F8_E5M2"),
+    "int64": (8, "I64"),
+    "int32": (4, "I32"),
+    "int16": (2, "I16"),
+    "int8": (1, "I8"),
+    "uint64": (8, "U64"),
+    "uint32": (4, "U32"),
+    "uint16": (2, "U16"),
+    "uint8": (1, "U8"),
+    "bool": (1, "BOOL"),
 }
 
 
@@ -158,8 +169,10 @@ def check_plan(buckets: Sequence[Sequence[ParamSpec]], expected: Mapping[str, tu
                 return f"the plan sends {spec.name!r} twice"
             seen.add(spec.name)
             if spec.name not in expected:
-                return (f"the learner sends {spec.name!r}, which this rollout's model does not have; "
-                        "learner and rollout must load the same architecture (model.path)")
+                return (
+                    f"the learner sends {spec.name!r}, which this rollout's model does not have; "
+                    "learner and rollout must load the same architecture (model.path)"
+                )
             shape = tuple(expected[spec.name][0])
             if tuple(spec.shape) != shape:
                 return f"the learner sends {spec.name!r} with shape {tuple(spec.shape)} but this model has {shape}"
@@ -222,7 +235,7 @@ class RoundKeys:
     def abort(self) -> str:
         return self.root + "abort"
 
-    def reform(self, attempt: int) -> "RoundKeys":
+    def reform(self, attempt: int) -> RoundKeys:
         """The keys of the round re-formed after a failure of this one (same secret, a derived id)."""
         return RoundKeys(self.secret, (self.round_id + 1) * 16 + attempt + (1 << 48))
 

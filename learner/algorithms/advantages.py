@@ -29,18 +29,17 @@ zeros move with the batch mean like every other token.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from fleetrl.common.plugins.registry import Registry
 from fleetrl.common.config.algorithm import RlAlgorithm
+from fleetrl.common.plugins.registry import Registry
 from fleetrl.learner.algorithms.common import group_stats, masked_whiten
 
 AdvEstimator = Callable[..., "tuple[Tensor, Tensor]"]
 ADV_ESTIMATORS: Registry[AdvEstimator] = Registry("advantage estimator", config_key="algorithm.adv_estimator")
-
 
 
 def _sequence_rewards(token_rewards_BT: Tensor, m_BT: Tensor) -> Tensor:
@@ -54,7 +53,11 @@ def _broadcast(adv_B: Tensor, m_BT: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _group_centred(
-    token_rewards_BT: Tensor, mask_BT: Tensor, group_index_B: Tensor, norm_by_std: bool, std_eps: float = 0.0,
+    token_rewards_BT: Tensor,
+    mask_BT: Tensor,
+    group_index_B: Tensor,
+    norm_by_std: bool,
+    std_eps: float = 0.0,
     var_floor: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(R_i - mean_g) [/ (std_g + eps)] per sequence, 0 for groups without signal; also returns the mask.
@@ -93,8 +96,9 @@ def grpo_var_floor(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: RlA
     from dividing tiny differences by a tiny std. Config: ``var_floor`` (1e-6), ``std_eps`` (1e-6),
     ``norm_by_std``. Groups of one and all-equal groups give 0 (verl gives a singleton its raw reward).
     """
-    adv_B, m_BT = _group_centred(token_rewards_BT, mask_BT, group_index_B, cfg.norm_by_std, cfg.std_eps,
-                                 var_floor=cfg.var_floor)
+    adv_B, m_BT = _group_centred(
+        token_rewards_BT, mask_BT, group_index_B, cfg.norm_by_std, cfg.std_eps, var_floor=cfg.var_floor
+    )
     return _broadcast(adv_B, m_BT)
 
 
@@ -112,8 +116,10 @@ def remax(token_rewards_BT, mask_BT, group_index_B, values_BT, cfg: RlAlgorithm,
     ``adv_estimator: remax``). Returns are the G_it.
     """
     if baselines_B is None:
-        raise ValueError("adv_estimator remax needs each group's greedy-response reward (baselines_B); the rollout "
-                         "server sends it when algorithm.adv_estimator=remax")
+        raise ValueError(
+            "adv_estimator remax needs each group's greedy-response reward (baselines_B); the rollout "
+            "server sends it when algorithm.adv_estimator=remax"
+        )
     m_BT = mask_BT.to(token_rewards_BT.dtype)
     returns_BT = discounted_returns(token_rewards_BT, mask_BT, cfg.gamma)
     adv_BT = torch.where(m_BT > 0, returns_BT - baselines_B.to(token_rewards_BT.dtype)[:, None], 0.0)

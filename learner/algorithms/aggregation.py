@@ -23,7 +23,7 @@ sizes weigh what their tokens or sequences weigh. ``denom=None`` (the default) i
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as tdist
@@ -49,31 +49,33 @@ def _valid_seq_mean(per_seq_B: Tensor, m_BT: Tensor, denom: float | None) -> Ten
 
 
 @AGGREGATIONS.register("token-mean")
-def token_mean(loss_BT: Tensor, m_BT: Tensor, norm_len: int | None = None,
-               denom: float | None = None) -> Tensor:
+def token_mean(loss_BT: Tensor, m_BT: Tensor, norm_len: int | None = None, denom: float | None = None) -> Tensor:
     """sum_{i,t} m_it l_it / sum_{i,t} m_it: every valid token weighs the same."""
     total = (loss_BT * m_BT).sum()
     return total / (m_BT.sum().clamp_min(1) if denom is None else _as_denom(denom, total))
 
 
 @AGGREGATIONS.register("seq-mean-token-sum")
-def seq_mean_token_sum(loss_BT: Tensor, m_BT: Tensor, norm_len: int | None = None,
-                       denom: float | None = None) -> Tensor:
+def seq_mean_token_sum(
+    loss_BT: Tensor, m_BT: Tensor, norm_len: int | None = None, denom: float | None = None
+) -> Tensor:
     """mean_i sum_t m_it l_it: longer sequences weigh more (grows with length)."""
     return _valid_seq_mean((loss_BT * m_BT).sum(-1), m_BT, denom)
 
 
 @AGGREGATIONS.register("seq-mean-token-mean")
-def seq_mean_token_mean(loss_BT: Tensor, m_BT: Tensor, norm_len: int | None = None,
-                        denom: float | None = None) -> Tensor:
+def seq_mean_token_mean(
+    loss_BT: Tensor, m_BT: Tensor, norm_len: int | None = None, denom: float | None = None
+) -> Tensor:
     """mean_i (sum_t m_it l_it / |y_i|): every sequence weighs the same, whatever its length."""
     per_seq_B = (loss_BT * m_BT).sum(-1) / m_BT.sum(-1).clamp_min(1)
     return _valid_seq_mean(per_seq_B, m_BT, denom)
 
 
 @AGGREGATIONS.register("seq-mean-token-sum-norm")
-def seq_mean_token_sum_norm(loss_BT: Tensor, m_BT: Tensor, norm_len: int | None = None,
-                            denom: float | None = None) -> Tensor:
+def seq_mean_token_sum_norm(
+    loss_BT: Tensor, m_BT: Tensor, norm_len: int | None = None, denom: float | None = None
+) -> Tensor:
     """mean_i (sum_t m_it l_it / L) with a fixed L: every token weighs the same in every batch and the
     value does not grow with batch size or response length (Dr. GRPO's length-unbiased form)."""
     if norm_len is None:
@@ -84,8 +86,9 @@ def seq_mean_token_sum_norm(loss_BT: Tensor, m_BT: Tensor, norm_len: int | None 
     return _valid_seq_mean((loss_BT * m_BT).sum(-1) / norm_len, m_BT, denom)
 
 
-def aggregate(loss_BT: Tensor, mask_BT: Tensor, mode: str, norm_len: int | None = None,
-              denom: float | None = None) -> Tensor:
+def aggregate(
+    loss_BT: Tensor, mask_BT: Tensor, mode: str, norm_len: int | None = None, denom: float | None = None
+) -> Tensor:
     """Aggregate per-token losses ``loss_BT`` ``[B, T]`` under ``mask_BT`` ``[B, T]`` into a scalar.
 
     ``mode`` is one of ``AGGREGATIONS`` (an unknown one raises listing the valid names); ``norm_len``

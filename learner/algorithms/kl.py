@@ -26,7 +26,7 @@ nor the gradient) or as a reward penalty (``apply_kl_penalty``, before advantage
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -95,8 +95,15 @@ for _names, _fn in ((("k1+", "kl+"), k1), (("k2+", "mse+"), k2), (("k3+", "low_v
     KL_ESTIMATORS.register(*_names)(_straight_through(_fn))
 
 
-def kl_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: str, loss_agg: str,
-            norm_len: int | None = None, denom: float | None = None) -> tuple[Tensor, Tensor]:
+def kl_loss(
+    logp: Tensor,
+    ref_logp: Tensor,
+    mask: Tensor,
+    estimator: str,
+    loss_agg: str,
+    norm_len: int | None = None,
+    denom: float | None = None,
+) -> tuple[Tensor, Tensor]:
     """(aggregated KL loss, per-token KL ``[B, T]``) of ``estimator`` over valid tokens (``kl.placement: loss``);
     ``denom``: the global count to aggregate over (see ``aggregate``).
 
@@ -167,4 +174,3 @@ def kl_controller_from_config(cfg: KlConfig | RlAlgorithm) -> FixedKLController 
     if kl_cfg.adaptive is None:
         return FixedKLController(kl_cfg.coef)
     return AdaptiveKLController(kl_cfg.coef, kl_cfg.adaptive.target, kl_cfg.adaptive.horizon)
-

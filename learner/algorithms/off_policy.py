@@ -30,8 +30,8 @@ token of sequence i (or the mean over t, the geometric form GSPO uses).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -157,8 +157,9 @@ def off_policy_metrics(
     }
 
 
-def mismatch_sums(old_logp: Tensor, behav_logp: Tensor, mask: Tensor, token_versions: Tensor,
-                  version: int) -> tuple[Tensor, Tensor]:
+def mismatch_sums(
+    old_logp: Tensor, behav_logp: Tensor, mask: Tensor, token_versions: Tensor, version: int
+) -> tuple[Tensor, Tensor]:
     """Engine mismatch, like with like: the summed k3 estimate of KL(mu || pi) and the count, over the valid
     tokens of the samples that policy version ``version`` sampled from start to end, where ``old_logp``
     ``[B, T]`` are the learner's log-probs under exactly the weights it published as ``version``.

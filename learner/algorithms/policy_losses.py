@@ -26,13 +26,13 @@ are replaced by 0 before exp, so -inf or NaN log-probs in padding reach neither 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from fleetrl.common.plugins.registry import Registry
 from fleetrl.common.config.algorithm import RlAlgorithm
+from fleetrl.common.plugins.registry import Registry
 from fleetrl.learner.algorithms.aggregation import aggregate
 from fleetrl.learner.algorithms.common import masked_mean, masked_min_mean_max, to_floats
 from fleetrl.learner.algorithms.kl import k3
@@ -73,8 +73,7 @@ def _outputs(
     token_loss, is_clipped, is_dual, ratio = clipped_objective(log_ratio, adv, *clip, cfg.dual_clip)
     weighted = token_loss * bw.weight
     loss = aggregate(weighted, inp.mask, cfg.loss_agg, cfg.loss_agg_norm_len, inp.agg_denom)
-    own = loss if inp.agg_denom is None else aggregate(weighted.detach(), inp.mask, cfg.loss_agg,
-                                                          cfg.loss_agg_norm_len)
+    own = loss if inp.agg_denom is None else aggregate(weighted.detach(), inp.mask, cfg.loss_agg, cfg.loss_agg_norm_len)
     ratio_min, ratio_mean, ratio_max = masked_min_mean_max(ratio.detach(), inp.mask)
     dtype = ratio.dtype
     metrics = {

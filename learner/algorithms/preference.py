@@ -17,14 +17,14 @@ policy's own log-likelihood margin.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fleetrl.common.plugins.registry import Registry
 from fleetrl.common.config.algorithm import DpoAlgorithm
+from fleetrl.common.plugins.registry import Registry
 from fleetrl.learner.algorithms.common import to_floats
 from fleetrl.learner.algorithms.structs import PreferenceInputs, PreferenceOutputs
 
@@ -96,8 +96,9 @@ def ipo_norm(inp: PreferenceInputs, cfg: DpoAlgorithm) -> PreferenceOutputs:
     if inp.chosen_len is None or inp.rejected_len is None:
         raise ValueError("dpo loss ipo_norm needs the response lengths (PreferenceInputs.chosen_len / rejected_len)")
     beta = cfg.beta
-    h_B = (inp.chosen_logp - inp.ref_chosen_logp) / inp.chosen_len.clamp_min(1) - \
-        (inp.rejected_logp - inp.ref_rejected_logp) / inp.rejected_len.clamp_min(1)
+    h_B = (inp.chosen_logp - inp.ref_chosen_logp) / inp.chosen_len.clamp_min(1) - (
+        inp.rejected_logp - inp.ref_rejected_logp
+    ) / inp.rejected_len.clamp_min(1)
     return _outputs(torch.square(h_B - 1.0 / (2.0 * beta)), inp, beta)
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fleetrl.common.messages import nesting_depth
 from fleetrl.rollout.endpoint.sessions import ApiError
@@ -123,11 +124,17 @@ async def read_json(request: Any, timeout_s: float) -> dict[str, Any]:
     try:
         raw = await asyncio.wait_for(request.read(), timeout_s)
     except asyncio.TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s "
-                       "(rollout.openai.body_timeout_s)", "request_timeout") from None
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {timeout_s:g} s (rollout.openai.body_timeout_s)",
+            "request_timeout",
+        ) from None
     except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, f"the request body is larger than {request.client_max_size} bytes "
-                       "(rollout.openai.max_body_bytes)", "request_too_large") from None
+        raise ApiError(
+            413,
+            f"the request body is larger than {request.client_max_size} bytes (rollout.openai.max_body_bytes)",
+            "request_too_large",
+        ) from None
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):  # JSONDecodeError and bad UTF-8 are ValueErrors
@@ -142,5 +149,9 @@ async def read_json(request: Any, timeout_s: float) -> dict[str, Any]:
 def check_text_size(chars: int, context: int | None, param: str) -> None:
     """Refuse text that cannot fit ``context`` tokens at any tokenizer's density, before tokenizing it."""
     if context is not None and chars > CHARS_PER_TOKEN * context:
-        raise ApiError(400, f"the {param} hold {chars} characters; the model's context is {context} tokens",
-                       "context_length_exceeded", param=param)
+        raise ApiError(
+            400,
+            f"the {param} hold {chars} characters; the model's context is {context} tokens",
+            "context_length_exceeded",
+            param=param,
+        )

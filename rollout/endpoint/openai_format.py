@@ -1,20 +1,21 @@
 """OpenAI's request and response fields, as the endpoint reads and writes them (pure functions).
 
-    number / stops / sampling    request fields -> checked values and our `SamplingParams` (400 on bad ones)
-    seen                         a session's reply text: its tokens decoded *with* their special tokens
-    reply / logprobs / usage     a `Generation` -> the assistant message (tool calls parsed), logprobs, usage
+number / stops / sampling    request fields -> checked values and our `SamplingParams` (400 on bad ones)
+seen                         a session's reply text: its tokens decoded *with* their special tokens
+reply / logprobs / usage     a `Generation` -> the assistant message (tool calls parsed), logprobs, usage
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
+from fleetrl.rollout.endpoint.sessions import ApiError, Session
 from fleetrl.rollout.engines.params import SamplingParams
 from fleetrl.rollout.engines.records import Generation
 from fleetrl.rollout.engines.stops import find_stop
-from fleetrl.rollout.endpoint.sessions import ApiError, Session
 
 
 def number(body: dict[str, Any], key: str, default: Any, kind: type, lo: float, hi: float) -> Any:
@@ -23,8 +24,9 @@ def number(body: dict[str, Any], key: str, default: Any, kind: type, lo: float, 
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise ApiError(400, f"{key} must be a{'n integer' if kind is int else ' number'}, got {value!r}",
-                       "invalid_type", param=key)
+        raise ApiError(
+            400, f"{key} must be a{'n integer' if kind is int else ' number'}, got {value!r}", "invalid_type", param=key
+        )
     if not lo <= value <= hi:
         raise ApiError(400, f"{key}={value} is out of range [{lo:g}, {hi:g}]", "invalid_value", param=key)
     return kind(value)
@@ -42,14 +44,19 @@ def sampling(body: dict[str, Any], session: Session | None, default_max: int) ->
     """The call's sampling: in a session the rollout's own (the learner's log-probs assume it; only max_tokens and
     stop are honoured, within the session's budgets), else the request's temperature, top_p, seed."""
     requested = number(body, "max_completion_tokens", None, int, 1, 1 << 20) or number(
-        body, "max_tokens", default_max, int, 1, 1 << 20)
+        body, "max_tokens", default_max, int, 1, 1 << 20
+    )
     extra = stops(body)
     if session is not None:
         base = session.slot.params
         return dataclasses.replace(base, max_new_tokens=session.room(requested), stop=base.stop + extra)
-    return SamplingParams(temperature=number(body, "temperature", 1.0, float, 0, 2),
-                          top_p=number(body, "top_p", 1.0, float, 1e-9, 1), max_new_tokens=requested,
-                          stop=extra, seed=number(body, "seed", None, int, -(1 << 63), (1 << 63) - 1))
+    return SamplingParams(
+        temperature=number(body, "temperature", 1.0, float, 0, 2),
+        top_p=number(body, "top_p", 1.0, float, 1e-9, 1),
+        max_new_tokens=requested,
+        stop=extra,
+        seed=number(body, "seed", None, int, -(1 << 63), (1 << 63) - 1),
+    )
 
 
 def seen(gen: Generation, tokenizer: Any, params: SamplingParams) -> Generation:
@@ -68,9 +75,15 @@ def reply(gen: Generation, tools: Any, parser: Callable[..., Any], counts: Count
     """The assistant message of a generation (tool calls parsed when the call has tools) and its finish reason."""
     finish = gen.finish_reason
     if tools:
-        fns = [t["function"] for t in tools if isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)]
-        props = [(fn.get("parameters") or {}).get("properties") if isinstance(fn.get("parameters"), dict) else None
-                 for fn in fns]
+        fns = [
+            t["function"]
+            for t in tools
+            if isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+        ]
+        props = [
+            (fn.get("parameters") or {}).get("properties") if isinstance(fn.get("parameters"), dict) else None
+            for fn in fns
+        ]
         params = {fn["name"]: list(p) if isinstance(p, dict) else [] for fn, p in zip(fns, props)}
         parsed = parser(gen.text, params)
         if parsed.malformed:
@@ -79,13 +92,23 @@ def reply(gen: Generation, tools: Any, parser: Callable[..., Any], counts: Count
             counts["tool_calls"] += len(parsed.calls)
             calls = [c.openai() for c in parsed.calls]
             return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}, (
-                "tool_calls" if finish == "stop" else finish)
+                "tool_calls" if finish == "stop" else finish
+            )
     return {"role": "assistant", "content": gen.text}, finish
 
 
 def logprobs(tokenizer: Any, gen: Generation) -> dict[str, Any]:
-    return {"content": [{"token": tokenizer.decode([t]), "logprob": lp, "bytes": list(tokenizer.decode([t]).encode()),
-                         "top_logprobs": []} for t, lp in zip(gen.token_ids, gen.logprobs)]}
+    return {
+        "content": [
+            {
+                "token": tokenizer.decode([t]),
+                "logprob": lp,
+                "bytes": list(tokenizer.decode([t]).encode()),
+                "top_logprobs": [],
+            }
+            for t, lp in zip(gen.token_ids, gen.logprobs)
+        ]
+    }
 
 
 def usage(ids: list[int], gens: list[Generation]) -> dict[str, int]:

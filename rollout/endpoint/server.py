@@ -37,14 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from fleetrl.common.chat.codec import ChatCodec
-from fleetrl.rollout.engines.params import SamplingParams
-from fleetrl.rollout.engines.records import Generation, Request
 from fleetrl.rollout.endpoint import guard
 from fleetrl.rollout.endpoint import openai_format as fmt
 from fleetrl.rollout.endpoint.openai_format import number
 from fleetrl.rollout.endpoint.session_routes import SessionRoutes
 from fleetrl.rollout.endpoint.sessions import AgentEnv, ApiError, Session, plain, text_of
 from fleetrl.rollout.endpoint.stream import Sender
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation, Request
 from fleetrl.rollout.envs.parsers import TOOL_PARSERS
 
 log = logging.getLogger("fleetrl.rollout.endpoint")
@@ -53,7 +53,9 @@ log = logging.getLogger("fleetrl.rollout.endpoint")
 class Endpoint:
     """The aiohttp app over one engine (see the module docstring); ``start()`` / ``close()`` from any thread."""
 
-    def __init__(self, cfg: Any, engine: Any, env: Any = None, server_index: int = 0, run_dir: str | Path | None = None):
+    def __init__(
+        self, cfg: Any, engine: Any, env: Any = None, server_index: int = 0, run_dir: str | Path | None = None
+    ):
         self.cfg, self.engine, self.index, self.run_dir = cfg, engine, server_index, run_dir
         self.opts = cfg.rollout.openai
         self.sessions = env.sessions if isinstance(env, AgentEnv) else None
@@ -75,8 +77,11 @@ class Endpoint:
         if self.run_dir is not None:
             path = Path(self.run_dir) / f"rollout-{self.index}.openai.json"
             path.write_text(json.dumps({"base_url": self.base_url, "host": self.opts.host, "port": self.port}))
-        log.info("OpenAI-compatible endpoint at %s (%s)", self.base_url,
-                 "training sessions: POST /fleetrl/sessions" if self.sessions else "inference only: not trained")
+        log.info(
+            "OpenAI-compatible endpoint at %s (%s)",
+            self.base_url,
+            "training sessions: POST /fleetrl/sessions" if self.sessions else "inference only: not trained",
+        )
         return self.base_url
 
     @property
@@ -94,8 +99,9 @@ class Endpoint:
         await self.runner.setup()
         port = self.opts.port + self.index if self.opts.port else 0
         loop = asyncio.get_running_loop()  # our own listener: every new connection passes the cap (guard.py)
-        self._server = await loop.create_server(self.conns.factory(self.runner.server), self.opts.host, port,
-                                                backlog=1024)
+        self._server = await loop.create_server(
+            self.conns.factory(self.runner.server), self.opts.host, port, backlog=1024
+        )
         self.port = self._server.sockets[0].getsockname()[1]
         self._reaper = loop.create_task(self.conns.reap())
 
@@ -114,7 +120,9 @@ class Endpoint:
     def app(self) -> Any:
         from aiohttp import web
 
-        app = web.Application(middlewares=[self._errors, self._track, self._auth], client_max_size=self.opts.max_body_bytes)
+        app = web.Application(
+            middlewares=[self._errors, self._track, self._auth], client_max_size=self.opts.max_body_bytes
+        )
         for prefix in ("", "/sessions/{sid}"):
             app.router.add_get(f"{prefix}/v1/models", self.models)
             app.router.add_post(f"{prefix}/v1/chat/completions", self.chat)
@@ -137,9 +145,15 @@ class Endpoint:
                 self.counts[f"errors/{e.code}"] += 1
                 return web.json_response(e.body(), status=e.status)
             except web.HTTPException as e:  # unknown route, wrong method, a body over the limit
-                code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status, "invalid_request")
-                err = ApiError(e.status, f"{request.method} {request.path}: {e.reason}", code,
-                               "not_found_error" if e.status == 404 else "invalid_request_error")
+                code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+                    e.status, "invalid_request"
+                )
+                err = ApiError(
+                    e.status,
+                    f"{request.method} {request.path}: {e.reason}",
+                    code,
+                    "not_found_error" if e.status == 404 else "invalid_request_error",
+                )
                 self.counts[f"errors/{code}"] += 1
                 return web.json_response(err.body(), status=e.status)
             except Exception as e:  # noqa: BLE001 - a bug or an engine failure: reported, the server goes on
@@ -173,8 +187,12 @@ class Endpoint:
         @web.middleware
         async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
             if self.opts.api_key and request.headers.get("Authorization", "") != f"Bearer {self.opts.api_key}":
-                raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer <rollout.openai.api_key>)",
-                               "invalid_api_key", "authentication_error")
+                raise ApiError(
+                    401,
+                    "missing or wrong bearer token (Authorization: Bearer <rollout.openai.api_key>)",
+                    "invalid_api_key",
+                    "authentication_error",
+                )
             return await handler(request)
 
         return auth
@@ -186,22 +204,34 @@ class Endpoint:
         if body.get("stream") not in (None, False, True):
             raise ApiError(400, "stream must be true or false", "invalid_value", param="stream")
         if body.get("model") is not None and not isinstance(body["model"], str):
-            raise ApiError(400, f"model must be a string (the served model is {self.opts.model_name!r}), got "
-                           f"{body['model']!r}", "invalid_type", param="model")
+            raise ApiError(
+                400,
+                f"model must be a string (the served model is {self.opts.model_name!r}), got {body['model']!r}",
+                "invalid_type",
+                param="model",
+            )
         return body
 
     def _session(self, request: Any, body: dict[str, Any]) -> Session | None:
         sid = request.match_info.get("sid") or request.headers.get(self.opts.session_header)
         user = body.get("user")
-        if not sid and isinstance(user, str) and self.sessions is not None and (
-                user in self.sessions.open or user in self.sessions.ended):
+        if (
+            not sid
+            and isinstance(user, str)
+            and self.sessions is not None
+            and (user in self.sessions.open or user in self.sessions.ended)
+        ):
             sid = user  # the `user` field is a fallback, only when it names one of this server's sessions
         if not sid:
             return None
         if self.sessions is None:  # inference only: a session header is routing affinity, nothing to train
             if request.match_info.get("sid"):
-                raise ApiError(400, "this server has no training sessions (rollout.env.type is "
-                               f"{self.cfg.rollout.env.type!r}; sessions need rollout.env.type=openai)", "no_sessions")
+                raise ApiError(
+                    400,
+                    "this server has no training sessions (rollout.env.type is "
+                    f"{self.cfg.rollout.env.type!r}; sessions need rollout.env.type=openai)",
+                    "no_sessions",
+                )
             return None
         return self.sessions.get(sid)
 
@@ -219,12 +249,22 @@ class Endpoint:
     async def _generate(self, ids: list[int], params: SamplingParams, n: int, out: Sender) -> list[Generation]:
         limit = getattr(self.engine, "max_positions", None)
         if limit is not None and len(ids) + 1 >= limit:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens; the model's context is {limit}",
-                           "context_length_exceeded", param="messages")
+            raise ApiError(
+                400,
+                f"the prompt has {len(ids)} tokens; the model's context is {limit}",
+                "context_length_exceeded",
+                param="messages",
+            )
         if limit is not None:
             params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, limit - 1 - len(ids)))
-        requests = [Request(ids, params if params.seed is None else dataclasses.replace(params, seed=params.seed + j),
-                            on_token=out.watch(j, params.stop)) for j in range(n)]
+        requests = [
+            Request(
+                ids,
+                params if params.seed is None else dataclasses.replace(params, seed=params.seed + j),
+                on_token=out.watch(j, params.stop),
+            )
+            for j in range(n)
+        ]
         t0 = time.perf_counter()
         try:
             return await self.engine.generate_many(requests) if n > 1 else [await self.engine.generate(requests[0])]
@@ -236,27 +276,38 @@ class Endpoint:
     async def models(self, request: Any) -> Any:
         from aiohttp import web
 
-        return web.json_response({"object": "list", "data": [
-            {"id": self.opts.model_name, "object": "model", "created": 0, "owned_by": "fleetrl"}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": self.opts.model_name, "object": "model", "created": 0, "owned_by": "fleetrl"}],
+            }
+        )
 
     async def chat(self, request: Any) -> Any:
         body = await self._body(request)
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(x, dict) and isinstance(x.get("role"), str) for x in messages):
-            raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "invalid_value",
-                           param="messages")
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(isinstance(x, dict) and isinstance(x.get("role"), str) for x in messages)
+        ):
+            raise ApiError(
+                400, "messages must be a non-empty list of {role, content} objects", "invalid_value", param="messages"
+            )
         guard.check_text_size(sum(len(text_of(x.get("content"))) for x in messages), self._context, "messages")
         tools, n = body.get("tools"), number(body, "n", 1, int, 1, 16)
         session = self._session(request, body)
         codec = self.codec(tools)
         out = self._sender(request, body, "chat", session)
         if session is None:
+
             async def call() -> dict[str, Any]:
                 ids = codec.initial([plain(x) for x in messages])
                 gens = await self._generate(ids, fmt.sampling(body, None, self._max_tokens), n, out)
                 self.counts["calls_plain"] += 1
-                return self._chat_response(out, body, ids, gens, [fmt.reply(g, tools, self.parser, self.counts) for g in gens])
+                return self._chat_response(
+                    out, body, ids, gens, [fmt.reply(g, tools, self.parser, self.counts) for g in gens]
+                )
 
             return await out.respond(call)
         if n != 1:
@@ -286,16 +337,39 @@ class Endpoint:
     def _sender(self, request: Any, body: dict[str, Any], kind: str, session: Session | None) -> Sender:
         """How the call's response goes out; a session's streamed text keeps special tokens (``_seen``)."""
         tok = self.engine.tokenizer
-        return Sender(request, body, kind, body.get("model") or self.opts.model_name,
-                      lambda ids: tok.decode(ids, skip_special_tokens=session is None))
+        return Sender(
+            request,
+            body,
+            kind,
+            body.get("model") or self.opts.model_name,
+            lambda ids: tok.decode(ids, skip_special_tokens=session is None),
+        )
 
-    def _chat_response(self, out: Sender, body: dict[str, Any], ids: list[int], gens: list[Generation],
-                       replies: list[tuple[dict[str, Any], str]]) -> dict[str, Any]:
-        choices = [{"index": j, "message": message, "finish_reason": finish,
-                    "logprobs": fmt.logprobs(self.engine.tokenizer, gen) if body.get("logprobs") else None}
-                   for j, (gen, (message, finish)) in enumerate(zip(gens, replies))]
-        return {"id": out.id, "object": "chat.completion", "created": out.created, "model": out.model,
-                "choices": choices, "usage": fmt.usage(ids, gens)}
+    def _chat_response(
+        self,
+        out: Sender,
+        body: dict[str, Any],
+        ids: list[int],
+        gens: list[Generation],
+        replies: list[tuple[dict[str, Any], str]],
+    ) -> dict[str, Any]:
+        choices = [
+            {
+                "index": j,
+                "message": message,
+                "finish_reason": finish,
+                "logprobs": fmt.logprobs(self.engine.tokenizer, gen) if body.get("logprobs") else None,
+            }
+            for j, (gen, (message, finish)) in enumerate(zip(gens, replies))
+        ]
+        return {
+            "id": out.id,
+            "object": "chat.completion",
+            "created": out.created,
+            "model": out.model,
+            "choices": choices,
+            "usage": fmt.usage(ids, gens),
+        }
 
     async def completions(self, request: Any) -> Any:
         body = await self._body(request)
@@ -303,21 +377,31 @@ class Endpoint:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if not (isinstance(prompt, str) and prompt) and not (
-                isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
-            raise ApiError(400, "prompt must be a non-empty string or a list of token ids (one prompt per call)",
-                           "invalid_value", param="prompt")
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            raise ApiError(
+                400,
+                "prompt must be a non-empty string or a list of token ids (one prompt per call)",
+                "invalid_value",
+                param="prompt",
+            )
         n = number(body, "n", 1, int, 1, 16)
         tok = self.engine.tokenizer
         vocab = len(tok)
         if isinstance(prompt, list) and not all(0 <= t < vocab for t in prompt):
             bad = next(t for t in prompt if not 0 <= t < vocab)
-            raise ApiError(400, f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})",
-                           "invalid_value", param="prompt")
+            raise ApiError(
+                400,
+                f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})",
+                "invalid_value",
+                param="prompt",
+            )
         if isinstance(prompt, str):
             guard.check_text_size(len(prompt), self._context, "prompt")
         session = self._session(request, body)
         out = self._sender(request, body, "text", session)
         if session is None:
+
             async def call() -> dict[str, Any]:
                 ids = list(prompt) if isinstance(prompt, list) else tok(prompt, add_special_tokens=False)["input_ids"]
                 gens = await self._generate(ids, fmt.sampling(body, None, self._max_tokens), n, out)
@@ -339,10 +423,17 @@ class Endpoint:
         return await out.respond(lambda: self._session_call(request, body, session, turn))
 
     def _text_response(self, out: Sender, ids: list[int], gens: list[Generation]) -> dict[str, Any]:
-        choices = [{"index": j, "text": g.text, "finish_reason": g.finish_reason, "logprobs": None}
-                   for j, g in enumerate(gens)]
-        return {"id": out.id, "object": "text_completion", "created": out.created, "model": out.model,
-                "choices": choices, "usage": fmt.usage(ids, gens)}
+        choices = [
+            {"index": j, "text": g.text, "finish_reason": g.finish_reason, "logprobs": None} for j, g in enumerate(gens)
+        ]
+        return {
+            "id": out.id,
+            "object": "text_completion",
+            "created": out.created,
+            "model": out.model,
+            "choices": choices,
+            "usage": fmt.usage(ids, gens),
+        }
 
     @staticmethod
     def _call_key(request: Any, body: dict[str, Any]) -> str:
@@ -361,8 +452,9 @@ class Endpoint:
         (same content or ``Idempotency-Key``; e.g. a client's retry after a timeout) gets its recorded response."""
         key = self._call_key(request, body)
         if session.lock.locked() and key != session.pending:
-            raise ApiError(409, f"session {session.id} has a call in progress; one call at a time per session",
-                           "session_busy")
+            raise ApiError(
+                409, f"session {session.id} has a call in progress; one call at a time per session", "session_busy"
+            )
         async with session.lock:  # a retry of the call in progress waits for it, then replays it
             if key in session.replays:
                 self.counts["calls_replayed"] += 1
@@ -382,12 +474,20 @@ class Endpoint:
     async def health(self, request: Any) -> Any:
         from aiohttp import web
 
-        return web.json_response({"ok": True, "model": self.opts.model_name, "version": self.engine.version,
-                                  **({} if self.sessions is None else self.sessions.metrics())})
+        return web.json_response(
+            {
+                "ok": True,
+                "model": self.opts.model_name,
+                "version": self.engine.version,
+                **({} if self.sessions is None else self.sessions.metrics()),
+            }
+        )
 
     def metrics(self) -> dict[str, float]:
         """Counters, and where the calls' time went: ``openai/time_{call,context,engine}_s_total`` (a call's
         handler from its first byte read to its response; the session context's template and tokenizing; the
         wait for the engine), so ``call - engine`` is what the endpoint itself adds."""
-        return {**{f"openai/{k}_total": float(v) for k, v in self.counts.items()},
-                **{f"openai/time_{k}_s_total": round(v, 4) for k, v in self.timing.items()}}
+        return {
+            **{f"openai/{k}_total": float(v) for k, v in self.counts.items()},
+            **{f"openai/time_{k}_s_total": round(v, 4) for k, v in self.timing.items()},
+        }

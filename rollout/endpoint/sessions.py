@@ -32,10 +32,10 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetrl.common.chat.codec import GENERIC_EXAMPLE, ChatCodec, check_prefix_stable
 from fleetrl.rollout.engines.params import SamplingParams
 from fleetrl.rollout.engines.records import Generation
-from fleetrl.rollout.envs.base import EnvFailure, EnvTimeout, Environment, Episode, Message, Task
-from fleetrl.common.chat.codec import GENERIC_EXAMPLE, ChatCodec, check_prefix_stable
+from fleetrl.rollout.envs.base import EnvFailure, Environment, EnvTimeout, Episode, Message, Task
 from fleetrl.rollout.envs.episode import Budget, EpisodeBuilder
 
 log = logging.getLogger("fleetrl.rollout.endpoint")
@@ -47,8 +47,9 @@ SESSION_ID = re.compile(r"[0-9a-f]{32}")  # uuid4().hex
 class ApiError(Exception):
     """An OpenAI-format error reply: HTTP status, message, type, code, param."""
 
-    def __init__(self, status: int, message: str, code: str, type_: str = "invalid_request_error",
-                 param: str | None = None):
+    def __init__(
+        self, status: int, message: str, code: str, type_: str = "invalid_request_error", param: str | None = None
+    ):
         super().__init__(message)
         self.status, self.code, self.type, self.param = status, code, type_, param
 
@@ -68,8 +69,10 @@ def plain(msg: Message) -> Message:
     out = {k: v for k, v in msg.items() if v is not None}
     out["content"] = text_of(msg.get("content"))
     if msg.get("tool_calls"):
-        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _args(c["function"].get("arguments"))}}
-                             for c in msg["tool_calls"]]
+        out["tool_calls"] = [
+            {**c, "function": {**c["function"], "arguments": _args(c["function"].get("arguments"))}}
+            for c in msg["tool_calls"]
+        ]
     return out
 
 
@@ -82,9 +85,15 @@ def _args(a: Any) -> Any:
 
 def same(a: Message, b: Message) -> bool:
     """Whether two messages are the same turn (role, text, tool calls by name and arguments, tool_call_id)."""
-    calls = lambda m: [(c["function"]["name"], _args(c["function"].get("arguments"))) for c in m.get("tool_calls") or []]  # noqa: E731
-    return (a.get("role") == b.get("role") and text_of(a.get("content")).strip() == text_of(b.get("content")).strip()
-            and calls(a) == calls(b) and (a.get("tool_call_id") or "") == (b.get("tool_call_id") or ""))
+    calls = lambda m: [
+        (c["function"]["name"], _args(c["function"].get("arguments"))) for c in m.get("tool_calls") or []
+    ]  # noqa: E731
+    return (
+        a.get("role") == b.get("role")
+        and text_of(a.get("content")).strip() == text_of(b.get("content")).strip()
+        and calls(a) == calls(b)
+        and (a.get("tool_call_id") or "") == (b.get("tool_call_id") or "")
+    )
 
 
 @dataclass
@@ -119,8 +128,18 @@ class Session:
     def snapshot(self) -> tuple:
         """What a call may change, to put back when it fails (a session is a transaction per call)."""
         ep = self.builder.ep if self.builder else None
-        return (self.builder, self.codec, self.kind, list(self.conv), self.text, self.truncated, self.last,
-                len(ep.token_ids) if ep else 0, ep.turns if ep else 0, len(ep.messages) if ep else 0)
+        return (
+            self.builder,
+            self.codec,
+            self.kind,
+            list(self.conv),
+            self.text,
+            self.truncated,
+            self.last,
+            len(ep.token_ids) if ep else 0,
+            ep.turns if ep else 0,
+            len(ep.messages) if ep else 0,
+        )
 
     def rollback(self, snap: tuple) -> None:
         """Undo a failed call: the session is as it was before it (``snapshot``)."""
@@ -134,8 +153,11 @@ class Session:
 
     def _kind(self, kind: str) -> None:
         if self.kind and self.kind != kind:
-            raise ApiError(400, f"session {self.id} is a {self.kind} session; keep to one endpoint per session",
-                           "session_kind_mismatch")
+            raise ApiError(
+                400,
+                f"session {self.id} is a {self.kind} session; keep to one endpoint per session",
+                "session_kind_mismatch",
+            )
         self.kind = kind
 
     def chat_context(self, messages: list[Message], codec: ChatCodec) -> list[int]:
@@ -149,12 +171,21 @@ class Session:
         n = len(self.conv)
         bad = next((i for i in range(n) if i >= len(msgs) or not same(msgs[i], self.conv[i])), None)
         if bad is not None:
-            raise ApiError(400, f"session {self.id}: message {bad} differs from the conversation so far (token-in/"
-                           "token-out needs every call to repeat the earlier messages and replies unchanged, then add "
-                           "new ones)", "session_history_mismatch", param="messages")
+            raise ApiError(
+                400,
+                f"session {self.id}: message {bad} differs from the conversation so far (token-in/"
+                "token-out needs every call to repeat the earlier messages and replies unchanged, then add "
+                "new ones)",
+                "session_history_mismatch",
+                param="messages",
+            )
         if len(msgs) == n:
-            raise ApiError(400, f"session {self.id}: the call adds no message after the last reply",
-                           "session_no_new_message", param="messages")
+            raise ApiError(
+                400,
+                f"session {self.id}: the call adds no message after the last reply",
+                "session_no_new_message",
+                param="messages",
+            )
         try:
             obs = self.codec.turn_tail(self.last) + self.codec.observation(msgs[:n], msgs[n:])
         except EnvFailure as e:
@@ -174,16 +205,26 @@ class Session:
         if isinstance(prompt, list):
             ctx = self.builder.context()
             if prompt[: len(ctx)] != ctx or len(prompt) == len(ctx):
-                raise ApiError(400, f"session {self.id}: the prompt's tokens must extend the session's tokens",
-                               "session_history_mismatch", param="prompt")
-            extra = prompt[len(ctx):]
+                raise ApiError(
+                    400,
+                    f"session {self.id}: the prompt's tokens must extend the session's tokens",
+                    "session_history_mismatch",
+                    param="prompt",
+                )
+            extra = prompt[len(ctx) :]
         else:
             if not prompt.startswith(self.text) or len(prompt) == len(self.text):
-                at = next((i for i, (a, b) in enumerate(zip(prompt, self.text)) if a != b), min(len(prompt), len(self.text)))
-                raise ApiError(400, f"session {self.id}: the prompt must extend the session's text (prompt so far + "
-                               f"completions) with new text; it differs at character {at}", "session_history_mismatch",
-                               param="prompt")
-            extra = tokenizer(prompt[len(self.text):], add_special_tokens=False)["input_ids"]
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(prompt, self.text)) if a != b), min(len(prompt), len(self.text))
+                )
+                raise ApiError(
+                    400,
+                    f"session {self.id}: the prompt must extend the session's text (prompt so far + "
+                    f"completions) with new text; it differs at character {at}",
+                    "session_history_mismatch",
+                    param="prompt",
+                )
+            extra = tokenizer(prompt[len(self.text) :], add_special_tokens=False)["input_ids"]
             self.text = prompt
         self.builder.appended(list(extra), self.slot.engine.version)
         return self.builder.context()
@@ -193,13 +234,19 @@ class Session:
         ep = self.builder.ep
         if ep.turns >= self.budget.max_turns:
             self.truncated = "turns"
-            raise ApiError(400, f"session {self.id} used its {self.budget.max_turns} calls (rollout.env.max_turns); "
-                           "close it", "session_budget_exceeded")
+            raise ApiError(
+                400,
+                f"session {self.id} used its {self.budget.max_turns} calls (rollout.env.max_turns); close it",
+                "session_budget_exceeded",
+            )
         room, limit = self.budget.room(len(ep.prompt_ids), len(ep.token_ids))
         if room < 1:
             self.truncated = limit
-            raise ApiError(400, f"session {self.id} has no tokens left ({limit} budget, rollout.env.max_total_tokens); "
-                           "close it", "context_length_exceeded")
+            raise ApiError(
+                400,
+                f"session {self.id} has no tokens left ({limit} budget, rollout.env.max_total_tokens); close it",
+                "context_length_exceeded",
+            )
         return min(room, requested)
 
     def record(self, gen: Generation, reply: Message | None) -> None:
@@ -260,8 +307,12 @@ class SessionManager:
         the one holding the fewest sessions (one client cannot take every task while others wait)."""
         if self.per_client and self.held[client] >= self.per_client:
             self.counts["sessions_refused_client_limit"] += 1
-            raise ApiError(429, f"this client ({client}) holds {self.held[client]} open sessions, the most one client may "
-                           "(rollout.openai.max_sessions_per_client); close one first", "too_many_sessions")
+            raise ApiError(
+                429,
+                f"this client ({client}) holds {self.held[client]} open sessions, the most one client may "
+                "(rollout.openai.max_sessions_per_client); close one first",
+                "too_many_sessions",
+            )
         ready = self._loop_state()
         deadline = time.monotonic() + wait_s
         self.asking[client] += 1
@@ -271,8 +322,13 @@ class SessionManager:
                 try:
                     await asyncio.wait_for(ready.wait(), max(0.0, deadline - time.monotonic()))
                 except asyncio.TimeoutError:
-                    raise ApiError(503, f"no task is waiting for an agent (waited {wait_s:g} s); the server may be "
-                                   "paused or between leases: try again", "no_task", "server_error") from None
+                    raise ApiError(
+                        503,
+                        f"no task is waiting for an agent (waited {wait_s:g} s); the server may be "
+                        "paused or between leases: try again",
+                        "no_task",
+                        "server_error",
+                    ) from None
         finally:
             self.asking[client] -= 1
             if not self.asking[client]:
@@ -293,17 +349,25 @@ class SessionManager:
 
     def get(self, sid: str) -> Session:
         if not isinstance(sid, str) or not SESSION_ID.fullmatch(sid):
-            raise ApiError(400, f"{str(sid)[:80]!r} is not a session id (32 hexadecimal digits, as POST /fleetrl/sessions "
-                           "gives)", "invalid_session_id")
+            raise ApiError(
+                400,
+                f"{str(sid)[:80]!r} is not a session id (32 hexadecimal digits, as POST /fleetrl/sessions gives)",
+                "invalid_session_id",
+            )
         session = self.open.get(sid)
         if session is None:
             how = self.ended.get(sid)
-            raise ApiError(404, f"session {sid} {how}" if how else f"unknown session {sid}; open one with "
-                           "POST /fleetrl/sessions", "session_expired" if how == "timed out" else "session_not_found",
-                           "not_found_error")
+            raise ApiError(
+                404,
+                f"session {sid} {how}" if how else f"unknown session {sid}; open one with POST /fleetrl/sessions",
+                "session_expired" if how == "timed out" else "session_not_found",
+                "not_found_error",
+            )
         return session
 
-    def end(self, sid: str, reward: float | None = None, failure: EnvFailure | None = None, how: str = "closed") -> Episode:
+    def end(
+        self, sid: str, reward: float | None = None, failure: EnvFailure | None = None, how: str = "closed"
+    ) -> Episode:
         session = self.get(sid)
         del self.open[sid]
         self.held[session.client] -= 1
@@ -327,17 +391,29 @@ class SessionManager:
             now = time.monotonic()
             for sid, s in list(self.open.items()):
                 if not s.lock.locked() and now - s.last_active > self.timeout_s:
-                    log.warning("session %s idle for %.0f s: closed, its tokens are not trained", sid, now - s.last_active)
-                    self.end(sid, failure=EnvTimeout(f"session idle for more than {self.timeout_s:g} s "
-                                                     "(rollout.openai.session_timeout_s)"), how="timed out")
+                    log.warning(
+                        "session %s idle for %.0f s: closed, its tokens are not trained", sid, now - s.last_active
+                    )
+                    self.end(
+                        sid,
+                        failure=EnvTimeout(
+                            f"session idle for more than {self.timeout_s:g} s (rollout.openai.session_timeout_s)"
+                        ),
+                        how="timed out",
+                    )
             while self.waiting and now - self.waiting[0].offered > self.timeout_s:
                 slot = self.waiting.popleft()
                 self.counts["slots_expired"] += 1
                 if self.counts["slots_expired"] == 1:
-                    log.warning("no agent took a task within %g s (rollout.openai.session_timeout_s): is an agent "
-                                "opening sessions (POST /fleetrl/sessions)? Its group goes back to the broker; later "
-                                "ones are counted in openai/slots_expired_total, not logged", self.timeout_s)
-                slot.future.set_result(EpisodeBuilder([], []).finish(failure=EnvTimeout(NO_AGENT.format(self.timeout_s))))
+                    log.warning(
+                        "no agent took a task within %g s (rollout.openai.session_timeout_s): is an agent "
+                        "opening sessions (POST /fleetrl/sessions)? Its group goes back to the broker; later "
+                        "ones are counted in openai/slots_expired_total, not logged",
+                        self.timeout_s,
+                    )
+                slot.future.set_result(
+                    EpisodeBuilder([], []).finish(failure=EnvTimeout(NO_AGENT.format(self.timeout_s)))
+                )
 
     def fail_waiting(self, reason: str) -> None:
         """Every slot no agent took yet fails (the server is stopping); open sessions may still finish."""
@@ -356,8 +432,11 @@ class SessionManager:
         if fate is None:
             if self.ended.get(sid, "closed") != "closed":
                 return {"status": "dropped", "reason": f"the session {self.ended[sid]}"}
-            return {"status": "pending", "reason": "the group waits for its other sessions to end",
-                    "ask": f"GET /fleetrl/sessions/{sid}"}
+            return {
+                "status": "pending",
+                "reason": "the group waits for its other sessions to end",
+                "ask": f"GET /fleetrl/sessions/{sid}",
+            }
         return {"status": "trained", "reason": ""} if fate[0] else {"status": "dropped", "reason": fate[1]}
 
     def metrics(self) -> dict[str, float]:
@@ -374,8 +453,9 @@ class AgentEnv(Environment):
         super().__init__(cfg, tokenizer)
         self.sessions = SessionManager(cfg, self.stats)
 
-    async def episode(self, engine: Any, task: Task, params: SamplingParams, request_id: str,
-                      trace: dict[str, str] | None) -> Episode:
+    async def episode(
+        self, engine: Any, task: Task, params: SamplingParams, request_id: str, trace: dict[str, str] | None
+    ) -> Episode:
         ep = await self.sessions.offer(task, params, request_id, engine)
         self.stats.episode(ep)
         return ep

@@ -19,7 +19,8 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from fleetrl.rollout.endpoint.sessions import ApiError
 
@@ -35,10 +36,22 @@ def chat_chunks(resp: dict[str, Any], include_usage: bool) -> list[dict[str, Any
         delta: dict[str, Any] = {"role": "assistant", "content": msg.get("content")}
         if msg.get("tool_calls"):
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(msg["tool_calls"])]
-        chunks.append({**head, "choices": [{"index": choice["index"], "delta": delta, "finish_reason": None,
-                                            "logprobs": choice.get("logprobs")}]})
-        chunks.append({**head, "choices": [{"index": choice["index"], "delta": {},
-                                            "finish_reason": choice["finish_reason"]}]})
+        chunks.append(
+            {
+                **head,
+                "choices": [
+                    {
+                        "index": choice["index"],
+                        "delta": delta,
+                        "finish_reason": None,
+                        "logprobs": choice.get("logprobs"),
+                    }
+                ],
+            }
+        )
+        chunks.append(
+            {**head, "choices": [{"index": choice["index"], "delta": {}, "finish_reason": choice["finish_reason"]}]}
+        )
     if include_usage:
         chunks.append({**head, "choices": [], "usage": resp["usage"]})
     return chunks
@@ -108,7 +121,10 @@ class Sender:
     def _delta(self, index: int, text: str, first: bool) -> dict[str, Any]:
         if self.kind == "chat":
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            return {**self._head(), "choices": [{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}]}
+            return {
+                **self._head(),
+                "choices": [{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}],
+            }
         return {**self._head(), "choices": [{"index": index, "text": text, "finish_reason": None, "logprobs": None}]}
 
     async def _write(self, obj: dict[str, Any] | str) -> None:
@@ -118,7 +134,9 @@ class Sender:
             if self.out is None:
                 from aiohttp import web
 
-                self.out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                self.out = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                )
                 await self.out.prepare(self.request)
             data = obj if isinstance(obj, str) else json.dumps(obj)
             await self.out.write(f"data: {data}\n\n".encode())
@@ -134,7 +152,7 @@ class Sender:
                 text = safe_prefix(self.decode(ids[:-1]), self.stops)  # one token behind: the newest may end it
                 sent = self.sent[index]
                 if len(text) > len(sent) and text.startswith(sent):
-                    await self._write(self._delta(index, text[len(sent):], first=not sent))
+                    await self._write(self._delta(index, text[len(sent) :], first=not sent))
                     self.sent[index] = text
 
     async def _stop_pump(self) -> None:
@@ -157,7 +175,11 @@ class Sender:
             await self._stop_pump()
             if self.out is None:
                 raise
-            err = e if isinstance(e, ApiError) else ApiError(500, f"{type(e).__name__}: {e}", "server_error", "server_error")
+            err = (
+                e
+                if isinstance(e, ApiError)
+                else ApiError(500, f"{type(e).__name__}: {e}", "server_error", "server_error")
+            )
             if not isinstance(e, ApiError):
                 log.exception("endpoint: a streamed call failed after its first event")
             await self._write(err.body())
@@ -186,10 +208,21 @@ class Sender:
             if not final.startswith(sent):
                 log.warning("endpoint: streamed text %r is not a prefix of the final %r", sent[-40:], final[-40:])
             elif len(final) > len(sent):
-                chunks.append(self._delta(index, final[len(sent):], first=not sent))
+                chunks.append(self._delta(index, final[len(sent) :], first=not sent))
             end = {"delta": {}} if self.kind == "chat" else {"text": ""}
-            chunks.append({**self._head(), "choices": [{"index": index, **end, "finish_reason": choice["finish_reason"],
-                                                        "logprobs": choice.get("logprobs")}]})
+            chunks.append(
+                {
+                    **self._head(),
+                    "choices": [
+                        {
+                            "index": index,
+                            **end,
+                            "finish_reason": choice["finish_reason"],
+                            "logprobs": choice.get("logprobs"),
+                        }
+                    ],
+                }
+            )
         if include_usage:
             chunks.append({**self._head(), "choices": [], "usage": resp["usage"]})
         return chunks

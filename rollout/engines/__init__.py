@@ -11,7 +11,8 @@ this package loads neither torch nor transformers nor vLLM.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fleetrl.common.plugins.registry import Registry
 from fleetrl.rollout.engines.base import INFLIGHT_MODES, Engine
@@ -23,8 +24,17 @@ from fleetrl.rollout.engines.weight_files import ParamSpec
 if TYPE_CHECKING:
     from fleetrl.common.config.schema import ModelConfig, RolloutConfig
 
-__all__ = ["ENGINES", "INFLIGHT_MODES", "Engine", "EngineLoop", "Generation", "ParamSpec", "Request", "SamplingParams",
-           "create_engine"]
+__all__ = [
+    "ENGINES",
+    "INFLIGHT_MODES",
+    "Engine",
+    "EngineLoop",
+    "Generation",
+    "ParamSpec",
+    "Request",
+    "SamplingParams",
+    "create_engine",
+]
 
 EngineFactory = Callable[..., Engine]
 ENGINES: Registry[EngineFactory] = Registry("generation engine", config_key="rollout.engine")

@@ -14,7 +14,8 @@ import abc
 import asyncio
 import concurrent.futures
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from fleetrl.rollout.engines.event_loop import EngineLoop
 from fleetrl.rollout.engines.params import SamplingParams
@@ -90,14 +91,19 @@ class Engine(abc.ABC):
         """`generate` from synchronous code: the future completes with the Generation."""
         return self.loop.submit(self.generate(request))
 
-    def generate_batch(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n: int) -> list[list[Generation]]:
+    def generate_batch(
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n: int
+    ) -> list[list[Generation]]:
         """``n`` samples for each prompt, blocking: ``out[i][j]`` is sample ``j`` of ``prompt_ids[i]``.
 
         With ``params.seed`` set, sample ``j`` is seeded ``seed + j`` (as vLLM seeds its n children)."""
         if n < 1:
             raise ValueError(f"n={n}: ask for at least one sample per prompt")
-        requests = [Request(list(ids), params if params.seed is None else dataclasses.replace(params, seed=params.seed + j))
-                    for ids in prompt_ids for j in range(n)]
+        requests = [
+            Request(list(ids), params if params.seed is None else dataclasses.replace(params, seed=params.seed + j))
+            for ids in prompt_ids
+            for j in range(n)
+        ]
         flat = self.loop.call(self.generate_many(requests)) if requests else []
         return [flat[i * n : (i + 1) * n] for i in range(len(prompt_ids))]
 

@@ -34,14 +34,18 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from fleetrl.common.chat.tokenizer import job_tokenizer
 from fleetrl.common.config.schema import HfConfig, ModelConfig, RolloutConfig
+from fleetrl.rollout.engines.base import Engine
+from fleetrl.rollout.engines.event_loop import EngineLoop
 from fleetrl.rollout.engines.kv_rows import Rows
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation, Request
 from fleetrl.rollout.engines.sampling import (  # noqa: F401 - draw and filter_top_k_top_p are tested from here
     _Job,
     draw,
@@ -50,10 +54,6 @@ from fleetrl.rollout.engines.sampling import (  # noqa: F401 - draw and filter_t
     resolve_dtype,
     sample_rows,
 )
-from fleetrl.rollout.engines.base import Engine
-from fleetrl.rollout.engines.event_loop import EngineLoop
-from fleetrl.rollout.engines.params import SamplingParams
-from fleetrl.rollout.engines.records import Generation, Request
 from fleetrl.rollout.engines.stops import eos_token_ids, find_stop, stop_window
 from fleetrl.rollout.engines.weight_files import (
     ParamSpec,
@@ -93,8 +93,9 @@ def stream_tokens(jobs: Sequence[_Job], token_R: torch.Tensor) -> None:
         try:
             job.request.on_token([tokens[row]])
         except Exception:  # noqa: BLE001 - the caller's callback; its request still gets its Generation
-            log.exception("hf engine: the token callback of request %s failed; it gets no more tokens",
-                          job.request.request_id)
+            log.exception(
+                "hf engine: the token callback of request %s failed; it gets no more tokens", job.request.request_id
+            )
             job.request.on_token = None
 
 
@@ -116,8 +117,9 @@ class HFEngine(Engine):
         log.info("hf engine: %s on %s (%s)", model_cfg.path, self.device, self.model.dtype)
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, tokenizer, device: torch.device, seed: int = 0,
-                   hf_cfg: HfConfig | None = None) -> "HFEngine":
+    def from_model(
+        cls, model: torch.nn.Module, tokenizer, device: torch.device, seed: int = 0, hf_cfg: HfConfig | None = None
+    ) -> HFEngine:
         """An engine over a model already in memory (the learner's evaluation: its weights, not a copy).
 
         The caller owns the model's train/eval mode; the engine never changes the weights.
@@ -247,7 +249,9 @@ class HFEngine(Engine):
         if jobs:
             rows = rows.merge(self._prefill(jobs))
         assert rows.logits_RV is not None
-        token_R, logp_R, done_R = sample_rows(rows.logits_RV, rows.groups, rows.jobs, self._generator, self._stop_ids_of)
+        token_R, logp_R, done_R = sample_rows(
+            rows.logits_RV, rows.groups, rows.jobs, self._generator, self._stop_ids_of
+        )
         rows.record(token_R, logp_R, self.version)
         stream_tokens(rows.jobs, token_R)
         done_R |= rows.steps_R >= rows.limit_R
@@ -281,7 +285,11 @@ class HFEngine(Engine):
             for row in reversed(range(len(rows))):
                 job = rows.jobs[row]
                 tokens, logps, versions = rows.sampled(row)
-                job.tokens, job.logprobs, job.versions = job.tokens + tokens, job.logprobs + logps, job.versions + versions
+                job.tokens, job.logprobs, job.versions = (
+                    job.tokens + tokens,
+                    job.logprobs + logps,
+                    job.versions + versions,
+                )
                 self._pending.appendleft(job)
             self._cv.notify_all()
 
@@ -302,7 +310,11 @@ class HFEngine(Engine):
         pos_BP = (mask_BP.cumsum(dim=-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         out = self.model(
-            input_ids=ids_BP, attention_mask=mask_BP, position_ids=pos_BP, past_key_values=cache, use_cache=True,
+            input_ids=ids_BP,
+            attention_mask=mask_BP,
+            position_ids=pos_BP,
+            past_key_values=cache,
+            use_cache=True,
             logits_to_keep=1,
         )
         if bool((counts > 1).any()):
@@ -316,8 +328,13 @@ class HFEngine(Engine):
     def _step(self, rows: Rows, token_R: torch.Tensor) -> None:
         """Feed each row's newest token; sets the next logits, float32 [R, V]."""
         rows.mask_RT = torch.cat([rows.mask_RT, rows.mask_RT.new_ones(len(rows), 1)], dim=1)
-        out = self.model(input_ids=token_R[:, None], attention_mask=rows.mask_RT, position_ids=rows.pos_R[:, None],
-                         past_key_values=rows.cache, use_cache=True)
+        out = self.model(
+            input_ids=token_R[:, None],
+            attention_mask=rows.mask_RT,
+            position_ids=rows.pos_R[:, None],
+            past_key_values=rows.cache,
+            use_cache=True,
+        )
         rows.pos_R = rows.pos_R + 1
         rows.logits_RV = out.logits[:, -1].float()
 
@@ -336,8 +353,9 @@ class HFEngine(Engine):
                 texts = self.tokenizer.batch_decode(windows, skip_special_tokens=True)
             if hits_R is None:
                 hits_R = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
-            hits_R[members] = torch.tensor([any(stop in text for stop in params.stop) for text in texts],
-                                           dtype=torch.bool, device=self.device)
+            hits_R[members] = torch.tensor(
+                [any(stop in text for stop in params.stop) for text in texts], dtype=torch.bool, device=self.device
+            )
         return hits_R
 
     def _assemble(self, rows: Rows, row: int, by_string: bool) -> Generation:
@@ -354,8 +372,14 @@ class HFEngine(Engine):
             length = self._first_stop_prefix(ids, params.stop)
             ids, lps, versions, by_id = ids[:length], lps[:length], versions[:length], False
         finished = by_id or cut >= 0
-        return Generation(ids, lps, "stop" if finished else "length", text[:cut] if cut >= 0 else text,
-                          versions=versions, request_id=job.request.request_id)
+        return Generation(
+            ids,
+            lps,
+            "stop" if finished else "length",
+            text[:cut] if cut >= 0 else text,
+            versions=versions,
+            request_id=job.request.request_id,
+        )
 
     def _first_stop_prefix(self, ids: list[int], stops: Sequence[str]) -> int:
         """Fewest leading tokens of ``ids`` whose text contains a stop string."""

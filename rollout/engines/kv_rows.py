@@ -90,17 +90,46 @@ class Rows:
     @classmethod
     def empty(cls, device: torch.device) -> Rows:
         long = torch.zeros(0, dtype=torch.long, device=device)
-        return cls([], None, long[:, None], long, long, long, long[:, None], long[:, None].float(), long[:, None],
-                   long[:, None].float(), [])
+        return cls(
+            [],
+            None,
+            long[:, None],
+            long,
+            long,
+            long,
+            long[:, None],
+            long[:, None].float(),
+            long[:, None],
+            long[:, None].float(),
+            [],
+        )
 
     @classmethod
-    def start(cls, jobs: list[_Job], cache: DynamicCache, mask_RT: torch.Tensor, length_R: torch.Tensor,
-              limit_R: torch.Tensor, logits_RV: torch.Tensor) -> Rows:
+    def start(
+        cls,
+        jobs: list[_Job],
+        cache: DynamicCache,
+        mask_RT: torch.Tensor,
+        length_R: torch.Tensor,
+        limit_R: torch.Tensor,
+        logits_RV: torch.Tensor,
+    ) -> Rows:
         """Rows fresh from a prefill: nothing sampled yet, M = the longest budget."""
         device, width = mask_RT.device, max(job.budget for job in jobs)
         zeros = torch.zeros(len(jobs), width, dtype=torch.long, device=device)
-        return cls(jobs, cache, mask_RT, length_R, limit_R, torch.zeros_like(length_R), zeros, zeros.float(),
-                   zeros.clone(), logits_RV, groups_of(jobs, device))
+        return cls(
+            jobs,
+            cache,
+            mask_RT,
+            length_R,
+            limit_R,
+            torch.zeros_like(length_R),
+            zeros,
+            zeros.float(),
+            zeros.clone(),
+            logits_RV,
+            groups_of(jobs, device),
+        )
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -114,8 +143,11 @@ class Rows:
     def sampled(self, row: int) -> tuple[list[int], list[float], list[int]]:
         """Row ``row``'s tokens, log-probs and versions since it joined."""
         steps = int(self.steps_R[row])
-        return (self.tokens_RM[row, :steps].tolist(), self.logp_RM[row, :steps].tolist(),
-                self.version_RM[row, :steps].tolist())
+        return (
+            self.tokens_RM[row, :steps].tolist(),
+            self.logp_RM[row, :steps].tolist(),
+            self.version_RM[row, :steps].tolist(),
+        )
 
     def last_tokens(self, index: torch.Tensor | slice, k: int) -> list[list[int]]:
         """The last ``k`` (or fewer) tokens each row of ``index`` sampled since it joined."""
@@ -137,13 +169,26 @@ class Rows:
             pad_left(rows.cache, missing)
             rows.mask_RT = F.pad(rows.mask_RT, (missing, 0))
         cat_rows(self.cache, new.cache)
-        slots = [torch.cat([F.pad(a, (0, width - a.shape[1])), F.pad(b, (0, width - b.shape[1]))])
-                 for a, b in ((self.tokens_RM, new.tokens_RM), (self.logp_RM, new.logp_RM),
-                              (self.version_RM, new.version_RM))]
+        slots = [
+            torch.cat([F.pad(a, (0, width - a.shape[1])), F.pad(b, (0, width - b.shape[1]))])
+            for a, b in (
+                (self.tokens_RM, new.tokens_RM),
+                (self.logp_RM, new.logp_RM),
+                (self.version_RM, new.version_RM),
+            )
+        ]
         jobs = self.jobs + new.jobs
-        return Rows(jobs, self.cache, torch.cat([self.mask_RT, new.mask_RT]), torch.cat([self.pos_R, new.pos_R]),
-                    torch.cat([self.limit_R, new.limit_R]), torch.cat([self.steps_R, new.steps_R]), *slots,
-                    torch.cat([self.logits_RV, new.logits_RV]), groups_of(jobs, self.mask_RT.device))
+        return Rows(
+            jobs,
+            self.cache,
+            torch.cat([self.mask_RT, new.mask_RT]),
+            torch.cat([self.pos_R, new.pos_R]),
+            torch.cat([self.limit_R, new.limit_R]),
+            torch.cat([self.steps_R, new.steps_R]),
+            *slots,
+            torch.cat([self.logits_RV, new.logits_RV]),
+            groups_of(jobs, self.mask_RT.device),
+        )
 
     def keep(self, keep_R: torch.Tensor) -> Rows:
         """Only the rows where ``keep_R``; then the columns that are padding in every row left go. Called
@@ -157,6 +202,16 @@ class Rows:
         first = int(mask_RT.any(dim=0).long().argmax())  # the first column some row still reads
         trim_left(self.cache, first)
         jobs = [self.jobs[i] for i in index.tolist()]
-        return Rows(jobs, self.cache, mask_RT[:, first:], self.pos_R[index], self.limit_R[index], self.steps_R[index],
-                    self.tokens_RM[index], self.logp_RM[index], self.version_RM[index], None,
-                    groups_of(jobs, keep_R.device))
+        return Rows(
+            jobs,
+            self.cache,
+            mask_RT[:, first:],
+            self.pos_R[index],
+            self.limit_R[index],
+            self.steps_R[index],
+            self.tokens_RM[index],
+            self.logp_RM[index],
+            self.version_RM[index],
+            None,
+            groups_of(jobs, keep_R.device),
+        )

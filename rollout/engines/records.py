@@ -4,8 +4,8 @@ with the behaviour log-prob and the policy version of every sampled token; see `
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from fleetrl.rollout.engines.params import SamplingParams
 

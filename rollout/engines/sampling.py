@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
+
 from fleetrl.rollout.engines.params import SamplingParams
 from fleetrl.rollout.engines.records import Generation, Request
 
@@ -67,7 +68,10 @@ def sample_next(
 
 
 def sample_rows(
-    logits_RV: torch.Tensor, groups: list, jobs: list[_Job], generator: torch.Generator,
+    logits_RV: torch.Tensor,
+    groups: list,
+    jobs: list[_Job],
+    generator: torch.Generator,
     stop_ids: Callable[[SamplingParams], torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A token per row, each group of rows (sampling settings, rows: a slice or an index tensor, as

@@ -49,10 +49,12 @@ from fleetrl.rollout.engines.weight_files import ParamSpec, state_specs
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "fleetrl.rollout.engines.vllm_worker.FleetrlWorkerExtension"
-INSTALL_HINT = ("rollout.engine=vllm needs vLLM, which is not installed in this environment. On CPU build the "
-                "vLLM lane's environment with `bash scripts/vllm_env.sh` (or `make test-vllm`) and run from "
-                "`.venv-vllm`; on a GPU install the extra: `pip install 'fleetrl[gpu]'` (see docs/gpu.md, "
-                "scripts/gpu_check.sh). Or use rollout.engine=hf.")
+INSTALL_HINT = (
+    "rollout.engine=vllm needs vLLM, which is not installed in this environment. On CPU build the "
+    "vLLM lane's environment with `bash scripts/vllm_env.sh` (or `make test-vllm`) and run from "
+    "`.venv-vllm`; on a GPU install the extra: `pip install 'fleetrl[gpu]'` (see docs/gpu.md, "
+    "scripts/gpu_check.sh). Or use rollout.engine=hf."
+)
 POLL_S = 0.2  # how often the server asks the workers whether a version is complete
 # vLLM's CPU backend: settings read when the engine starts (an explicit environment wins).
 CPU_ENV = {
@@ -120,7 +122,9 @@ def stream_new_tokens(request: Request, token_ids: Any, streamed: int) -> int:
     try:
         request.on_token(list(token_ids[streamed:]))
     except Exception:  # noqa: BLE001 - the caller's callback
-        log.exception("vllm engine: the token callback of request %s failed; it gets no more tokens", request.request_id)
+        log.exception(
+            "vllm engine: the token callback of request %s failed; it gets no more tokens", request.request_id
+        )
         request.on_token = None
     return len(token_ids)
 
@@ -150,8 +154,9 @@ def to_generation(completion: Any, request_id: str, fallback_version: int, submi
     versions = span_versions(getattr(completion, "weight_versions", None), len(token_ids), fallback_version)
     if submitted is not None and versions and versions[0] > submitted:
         versions[0] = submitted
-    return Generation(token_ids, logprobs, completion.finish_reason, completion.text, versions=versions,
-                      request_id=request_id)
+    return Generation(
+        token_ids, logprobs, completion.finish_reason, completion.text, versions=versions, request_id=request_id
+    )
 
 
 def hf_state_specs(model_cfg: ModelConfig, dtype: Any) -> tuple[list[ParamSpec], dict[str, str]]:
@@ -190,7 +195,9 @@ class VllmEngine(Engine):
         elif device.startswith("cuda:"):
             log.warning("vllm uses the GPUs in CUDA_VISIBLE_DEVICES, not device=%s; set it per server", device)
         self.mode = logprobs_mode_for(rollout_cfg.temperature, rollout_cfg.top_k, rollout_cfg.top_p)
-        self.dtype = ("bfloat16" if self.backend == "cuda" else "float32") if model_cfg.dtype == "auto" else model_cfg.dtype
+        self.dtype = (
+            ("bfloat16" if self.backend == "cuda" else "float32") if model_cfg.dtype == "auto" else model_cfg.dtype
+        )
         self._specs, self._aliases = hf_state_specs(model_cfg, getattr(torch, self.dtype))
         self.rpc_bytes = 0  # pickled bytes of every collective_rpc call and reply (control messages only)
         self.loop = EngineLoop("vllm-engine-loop")
@@ -210,13 +217,23 @@ class VllmEngine(Engine):
 
         settings = rollout_cfg.vllm
         extra = {"gpu_memory_utilization": settings.gpu_memory_utilization} if self.backend == "cuda" else {}
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
-            model=model_cfg.path, tokenizer=model_cfg.tokenizer or model_cfg.path, dtype=self.dtype, seed=seed,
-            trust_remote_code=model_cfg.trust_remote_code, tensor_parallel_size=settings.tensor_parallel_size,
-            enforce_eager=settings.enforce_eager, max_model_len=settings.max_model_len,
-            max_num_seqs=settings.max_num_seqs, enable_prefix_caching=True, worker_extension_cls=WORKER_EXTENSION,
-            logprobs_mode=self.mode, **extra,
-        ))
+        llm = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(
+                model=model_cfg.path,
+                tokenizer=model_cfg.tokenizer or model_cfg.path,
+                dtype=self.dtype,
+                seed=seed,
+                trust_remote_code=model_cfg.trust_remote_code,
+                tensor_parallel_size=settings.tensor_parallel_size,
+                enforce_eager=settings.enforce_eager,
+                max_model_len=settings.max_model_len,
+                max_num_seqs=settings.max_num_seqs,
+                enable_prefix_caching=True,
+                worker_extension_cls=WORKER_EXTENSION,
+                logprobs_mode=self.mode,
+                **extra,
+            )
+        )
         await llm.engine_core.set_weight_version_async(str(self.version))
         return llm
 
@@ -246,7 +263,9 @@ class VllmEngine(Engine):
         # keep / recompute: every request is frozen where it is, its KV cache kept.
         # The engine core's own pause: AsyncLLM.pause_generation adds a fixed 20 ms sleep for output
         # ordering, which the versions do not need (they are labelled by the engine core itself).
-        await self._llm.engine_core.pause_scheduler_async(mode="wait" if mode == "finish" else "keep", clear_cache=False)
+        await self._llm.engine_core.pause_scheduler_async(
+            mode="wait" if mode == "finish" else "keep", clear_cache=False
+        )
 
     async def resume(self, new_version: int | None, mode: str) -> None:
         try:
@@ -273,11 +292,15 @@ class VllmEngine(Engine):
         return WorkerReceivers(self, cfg, client_id)
 
     def update_weights(self, named_tensors: Any) -> None:
-        raise NotImplementedError("the vllm engine takes weights inside its workers (engine.weight_receiver); "
-                                  "no tensor goes through the rollout server's process")
+        raise NotImplementedError(
+            "the vllm engine takes weights inside its workers (engine.weight_receiver); "
+            "no tensor goes through the rollout server's process"
+        )
 
     def load_weights_from_dir(self, path: str) -> None:
-        raise NotImplementedError("the vllm engine reads weight directories inside its workers (engine.weight_receiver)")
+        raise NotImplementedError(
+            "the vllm engine reads weight directories inside its workers (engine.weight_receiver)"
+        )
 
     def close(self) -> None:
         if self._llm is None:
@@ -322,7 +345,9 @@ class WorkerReceivers:
         self.engine = engine
         specs = [(name, tuple(shape), str(dtype).removeprefix("torch.")) for name, shape, dtype in engine.param_specs()]
         # one receiver per worker (tensor parallel): the count the server registers, so the learner waits for all
-        self.receivers = len(engine.rpc("fleetrl_init", msgspec.json.encode(cfg), client_id, specs, dict(engine._aliases)))
+        self.receivers = len(
+            engine.rpc("fleetrl_init", msgspec.json.encode(cfg), client_id, specs, dict(engine._aliases))
+        )
         self._stats: dict[str, float] = {}
         self._failed = 0
         self._polled = (0.0, None)  # (monotonic time, pending version) of the last poll
@@ -353,9 +378,13 @@ class WorkerReceivers:
             applied = set(self.engine.rpc("fleetrl_apply", version))
         except Exception as e:  # noqa: BLE001 - a worker refused the update (names, shapes, dtypes): nothing changed
             self._failed += 1
-            log.error("could not load weight version %d in the vLLM workers (%s); generating with version %d until "
-                      "the next one", version, str(e).splitlines()[0][:300] if str(e) else type(e).__name__,
-                      self.engine.version)
+            log.error(
+                "could not load weight version %d in the vLLM workers (%s); generating with version %d until "
+                "the next one",
+                version,
+                str(e).splitlines()[0][:300] if str(e) else type(e).__name__,
+                self.engine.version,
+            )
             return None
         if applied != {version}:
             log.error("vLLM workers applied %s instead of version %d", sorted(map(str, applied)), version)
@@ -387,4 +416,3 @@ def _merge_stats(per_worker: list[dict[str, float]]) -> dict[str, float]:
     out = dict(per_worker[0])
     out["weights/rounds_missed"] = max(s.get("weights/rounds_missed", 0.0) for s in per_worker)
     return out
-

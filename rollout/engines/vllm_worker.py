@@ -23,7 +23,8 @@ slices by TP rank). The server applies a version only when every worker holds it
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 log = logging.getLogger("fleetrl.rollout.vllm_worker")
 
@@ -62,8 +63,10 @@ class WorkerLoader:
         self._check_file_dtypes(files, path)
         missing = missing_weights([(n, s, d) for n, s, d in self.specs], [name for name, _ in shapes], self.aliases)
         if missing:
-            raise ValueError(f"load_weights_from_dir({path!r}): {len(missing)} weights are missing, e.g. {missing[:3]}. "
-                             "No weight was changed.")
+            raise ValueError(
+                f"load_weights_from_dir({path!r}): {len(missing)} weights are missing, e.g. {missing[:3]}. "
+                "No weight was changed."
+            )
         named = []
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -78,13 +81,16 @@ class WorkerLoader:
                 for name in f.keys():
                     dtype = f.get_slice(name).get_dtype()
                     if name in self.floats and not dtype.startswith(("F", "BF")):
-                        raise ValueError(f"load_weights_from_dir({path!r}): weight {name!r} is stored as {dtype} but "
-                                         "the model's is floating point. No weight was changed.")
+                        raise ValueError(
+                            f"load_weights_from_dir({path!r}): weight {name!r} is stored as {dtype} but "
+                            "the model's is floating point. No weight was changed."
+                        )
 
     def _reload(self, named: list[tuple[str, Any]]) -> None:
         """Into the model, with every tied alias present: vLLM keeps the old head when it is missing."""
-        self.worker.model_runner.reload_weights(weights_iterator=with_aliases(named, self.aliases),
-                                                is_checkpoint_format=True)
+        self.worker.model_runner.reload_weights(
+            weights_iterator=with_aliases(named, self.aliases), is_checkpoint_format=True
+        )
 
 
 def with_aliases(named: list[tuple[str, Any]], aliases: dict[str, str]) -> Iterator[tuple[str, Any]]:
@@ -99,8 +105,9 @@ def with_aliases(named: list[tuple[str, Any]], aliases: dict[str, str]) -> Itera
 class FleetrlWorkerExtension:
     """Methods vLLM adds to its worker; ``self`` is the worker (``self.model_runner``, ``self.device``)."""
 
-    def fleetrl_init(self, cfg_json: bytes, client_id: str, specs: list[tuple[str, tuple[int, ...], str]],
-                     aliases: dict[str, str]) -> None:
+    def fleetrl_init(
+        self, cfg_json: bytes, client_id: str, specs: list[tuple[str, tuple[int, ...], str]], aliases: dict[str, str]
+    ) -> None:
         import msgspec
 
         from fleetrl.common.config.schema import JobConfig

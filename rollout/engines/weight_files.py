@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import difflib
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -31,15 +32,18 @@ def state_specs(state: dict[str, torch.Tensor]) -> tuple[list[ParamSpec], dict[s
     return specs, aliases
 
 
-def check_named_tensors(named: Sequence[tuple[str, Any]], expected: dict[str, tuple[int, ...]],
-                        float_names: set[str], where: str) -> None:
+def check_named_tensors(
+    named: Sequence[tuple[str, Any]], expected: dict[str, tuple[int, ...]], float_names: set[str], where: str
+) -> None:
     """`check_named_shapes`, and a tensor that is not floating point for a float weight is refused
     (float dtypes convert while copying: a bf16 learner may feed an fp32 rollout)."""
     check_named_shapes([(name, tuple(t.shape)) for name, t in named], expected, where)
     for name, tensor in named:
         if name in float_names and not tensor.is_floating_point():
-            raise ValueError(f"{where}: weight {name!r} arrives as {tensor.dtype} but the model's is floating point; "
-                             "send the model's own float weights. No weight was changed.")
+            raise ValueError(
+                f"{where}: weight {name!r} arrives as {tensor.dtype} but the model's is floating point; "
+                "send the model's own float weights. No weight was changed."
+            )
 
 
 def check_named_shapes(

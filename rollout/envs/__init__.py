@@ -11,18 +11,38 @@ path), ``http`` (a remote environment server), ``openai`` (external agents throu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from fleetrl.common.plugins.registry import Registry
 from fleetrl.rollout.envs.base import (
-    EnvFailure, EnvSession, EnvStats, EnvTimeout, Environment, Episode, StepResult, Task, TemplateMismatch,
+    EnvFailure,
+    Environment,
+    EnvSession,
+    EnvStats,
+    EnvTimeout,
+    Episode,
+    StepResult,
+    Task,
+    TemplateMismatch,
 )
 
 if TYPE_CHECKING:
     from fleetrl.common.config.schema import JobConfig
 
-__all__ = ["ENVS", "EnvFailure", "EnvSession", "EnvStats", "EnvTimeout", "Environment", "Episode", "StepResult",
-           "Task", "TemplateMismatch", "create_env"]
+__all__ = [
+    "ENVS",
+    "EnvFailure",
+    "EnvSession",
+    "EnvStats",
+    "EnvTimeout",
+    "Environment",
+    "Episode",
+    "StepResult",
+    "Task",
+    "TemplateMismatch",
+    "create_env",
+]
 
 ENVS: Registry[Callable[..., Environment]] = Registry("environment", config_key="rollout.env.type")
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fleetrl.common import messages as m
+
 # re-exported: the environments raise them (they live beside the chat codec, which raises TemplateMismatch)
 from fleetrl.common.chat.errors import EnvFailure as EnvFailure
 from fleetrl.common.chat.errors import Message as Message
@@ -61,20 +62,28 @@ class StepResult:
     info: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def coerce(cls, value: Any, where: str) -> "StepResult":
+    def coerce(cls, value: Any, where: str) -> StepResult:
         """A StepResult from what a user step returned: a StepResult, a 4-tuple, or a dict with those keys."""
         if isinstance(value, StepResult):
             out = value
         elif isinstance(value, (tuple, list)) and len(value) == 4:
             out = cls(list(value[0] or []), value[1], bool(value[2]), dict(value[3] or {}))
         elif isinstance(value, dict):
-            out = cls(list(value.get("observations") or []), value.get("reward"), bool(value.get("done", False)),
-                      dict(value.get("info") or {}))
+            out = cls(
+                list(value.get("observations") or []),
+                value.get("reward"),
+                bool(value.get("done", False)),
+                dict(value.get("info") or {}),
+            )
         else:
             raise EnvFailure(f"{where} returned {type(value).__name__}; return (observations, reward, done, info)")
         out.observations = check_messages(out.observations, f"{where} observations")
         if out.reward is not None:
-            if isinstance(out.reward, bool) or not isinstance(out.reward, (int, float)) or not math.isfinite(out.reward):
+            if (
+                isinstance(out.reward, bool)
+                or not isinstance(out.reward, (int, float))
+                or not math.isfinite(out.reward)
+            ):
                 raise EnvFailure(f"{where} returned reward {out.reward!r}; return a finite number or None")
             out.reward = float(out.reward)
         return out
@@ -84,10 +93,13 @@ def check_messages(messages: Any, where: str) -> list[Message]:
     """Chat messages as the contract has them: a list of dicts with a string ``role``."""
     if isinstance(messages, str):
         return [{"role": "user", "content": messages}]
-    if not isinstance(messages, list) or not all(isinstance(x, dict) and isinstance(x.get("role"), str)
-                                                 for x in messages):
-        raise EnvFailure(f"{where}: expected a list of messages like {{'role': 'user', 'content': '...'}}, "
-                         f"got {str(messages)[:120]!r}")
+    if not isinstance(messages, list) or not all(
+        isinstance(x, dict) and isinstance(x.get("role"), str) for x in messages
+    ):
+        raise EnvFailure(
+            f"{where}: expected a list of messages like {{'role': 'user', 'content': '...'}}, "
+            f"got {str(messages)[:120]!r}"
+        )
     return messages
 
 
@@ -130,9 +142,21 @@ class EnvStats:
     """Counters of every episode of one server (episodes end on the engine's thread, metrics are read
     on the finisher's): ``*_total`` since start, means over the episodes since the last ``take``."""
 
-    TOTALS = ("episodes", "errors", "timeouts", "template_errors", "malformed_tool_calls", "tool_calls",
-              "tool_errors", "turns_cut", "truncated", "samples_dropped", "groups_dropped", "groups_partial",
-              "groups_per_sample_prompts")
+    TOTALS = (
+        "episodes",
+        "errors",
+        "timeouts",
+        "template_errors",
+        "malformed_tool_calls",
+        "tool_calls",
+        "tool_errors",
+        "turns_cut",
+        "truncated",
+        "samples_dropped",
+        "groups_dropped",
+        "groups_partial",
+        "groups_per_sample_prompts",
+    )
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -192,8 +216,9 @@ class Environment(abc.ABC):
         return Task(prompt)
 
     @abc.abstractmethod
-    async def episode(self, engine: Any, task: Task, params: SamplingParams, request_id: str,
-                      trace: dict[str, str] | None) -> Generation:
+    async def episode(
+        self, engine: Any, task: Task, params: SamplingParams, request_id: str, trace: dict[str, str] | None
+    ) -> Generation:
         """One sample of ``task``'s group: a ``Generation`` (single-turn) or an ``Episode``."""
 
     def check(self) -> None:
@@ -217,12 +242,10 @@ class EnvSession(abc.ABC):
     """One episode's environment (see the module docstring)."""
 
     @abc.abstractmethod
-    async def reset(self, row: dict[str, Any]) -> list[Message]:
-        ...
+    async def reset(self, row: dict[str, Any]) -> list[Message]: ...
 
     @abc.abstractmethod
-    async def step(self, message: Message) -> StepResult:
-        ...
+    async def step(self, message: Message) -> StepResult: ...
 
     async def close(self) -> None:
         return None

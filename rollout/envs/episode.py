@@ -21,10 +21,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from fleetrl.common.chat.codec import ChatCodec
 from fleetrl.rollout.engines.params import SamplingParams
 from fleetrl.rollout.engines.records import Generation, Request
 from fleetrl.rollout.envs.base import EnvFailure, EnvSession, Episode, Message, StepResult, check_messages
-from fleetrl.common.chat.codec import ChatCodec
 
 log = logging.getLogger("fleetrl.rollout.envs")
 
@@ -37,10 +37,14 @@ class Budget:
     context: int | None  # the model's context length (prompt + response), None = unknown
 
     @classmethod
-    def from_config(cls, cfg: Any, engine: Any) -> "Budget":
+    def from_config(cls, cfg: Any, engine: Any) -> Budget:
         env = cfg.rollout.env
-        return cls(env.max_turns, env.max_tokens_per_turn or cfg.rollout.max_new_tokens, env.max_total_tokens,
-                   getattr(engine, "max_positions", None))
+        return cls(
+            env.max_turns,
+            env.max_tokens_per_turn or cfg.rollout.max_new_tokens,
+            env.max_total_tokens,
+            getattr(engine, "max_positions", None),
+        )
 
     def room(self, prompt_len: int, response_len: int) -> tuple[int, str]:
         """Tokens the next turn may sample, and the budget that limits it most."""
@@ -54,8 +58,15 @@ class EpisodeBuilder:
     """The growing token sequence of one episode and what is known about it."""
 
     def __init__(self, prompt_ids: list[int], messages: list[Message]):
-        self.ep = Episode(token_ids=[], logprobs=[], finish_reason="stop", text="", prompt_ids=list(prompt_ids),
-                          messages=list(messages), counts=Counter())
+        self.ep = Episode(
+            token_ids=[],
+            logprobs=[],
+            finish_reason="stop",
+            text="",
+            prompt_ids=list(prompt_ids),
+            messages=list(messages),
+            counts=Counter(),
+        )
         self.rewards: list[float] = []
 
     def context(self) -> list[int]:
@@ -95,9 +106,16 @@ class EpisodeBuilder:
         return ep
 
 
-async def run_episode(engine: Any, session: EnvSession, codec: ChatCodec, row: dict[str, Any],
-                      params: SamplingParams, budget: Budget, request_id: str,
-                      trace: dict[str, str] | None = None) -> Episode:
+async def run_episode(
+    engine: Any,
+    session: EnvSession,
+    codec: ChatCodec,
+    row: dict[str, Any],
+    params: SamplingParams,
+    budget: Budget,
+    request_id: str,
+    trace: dict[str, str] | None = None,
+) -> Episode:
     """One episode of ``session`` on ``engine`` (see the module docstring); never raises EnvFailure."""
     builder: EpisodeBuilder | None = None
     try:
@@ -114,8 +132,16 @@ async def run_episode(engine: Any, session: EnvSession, codec: ChatCodec, row: d
             log.warning("closing the environment of episode %s failed: %s", request_id, e)
 
 
-async def _turns(engine: Any, session: EnvSession, codec: ChatCodec, b: EpisodeBuilder, params: SamplingParams,
-                 budget: Budget, request_id: str, trace: dict[str, str] | None) -> Episode:
+async def _turns(
+    engine: Any,
+    session: EnvSession,
+    codec: ChatCodec,
+    b: EpisodeBuilder,
+    params: SamplingParams,
+    budget: Budget,
+    request_id: str,
+    trace: dict[str, str] | None,
+) -> Episode:
     for turn in range(budget.max_turns):
         room, limit = budget.room(len(b.ep.prompt_ids), len(b.ep.token_ids))
         if room < 1:

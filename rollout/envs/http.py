@@ -60,8 +60,9 @@ class HttpEnv(MultiTurnEnvironment):
             if attempt:
                 await asyncio.sleep(self.opts.backoff_s * 2 ** (attempt - 1))
             try:
-                async with client.post(f"{self.url}/{route}", json=body,
-                                       timeout=aiohttp.ClientTimeout(total=self.opts.timeout_s)) as r:
+                async with client.post(
+                    f"{self.url}/{route}", json=body, timeout=aiohttp.ClientTimeout(total=self.opts.timeout_s)
+                ) as r:
                     text = await r.text()
                     if r.status >= 500:
                         last = f"HTTP {r.status}: {text[:200]}"
@@ -71,7 +72,9 @@ class HttpEnv(MultiTurnEnvironment):
                     try:
                         out = json.loads(text)
                     except json.JSONDecodeError:
-                        raise EnvFailure(f"the environment server's {route} reply is not JSON: {text[:200]!r}") from None
+                        raise EnvFailure(
+                            f"the environment server's {route} reply is not JSON: {text[:200]!r}"
+                        ) from None
                     if not isinstance(out, dict):
                         raise EnvFailure(f"the environment server's {route} reply is not an object: {text[:200]!r}")
                     return out
@@ -80,8 +83,10 @@ class HttpEnv(MultiTurnEnvironment):
             except aiohttp.ClientError as e:
                 last = f"{type(e).__name__}: {e}"
         error = EnvTimeout if last.startswith("no reply") else EnvFailure
-        raise error(f"{self.url}/{route} failed {self.opts.retries + 1} time(s), last: {last} "
-                    "(rollout.env.http.timeout_s / retries)")
+        raise error(
+            f"{self.url}/{route} failed {self.opts.retries + 1} time(s), last: {last} "
+            "(rollout.env.http.timeout_s / retries)"
+        )
 
     def close(self) -> None:
         if self._client is not None and self._loop is not None and self._loop.is_running():
@@ -135,10 +140,10 @@ def make_app(cls: type, args: dict[str, Any]) -> Any:
             env = episodes.get(body["episode_id"])
             if env is None:
                 return web.json_response({"error": "unknown episode_id; call /reset first"}, status=404)
-            out = StepResult.coerce(await call_with_timeout(env.step, body["message"], timeout_s=3600, what="step"),
-                                    "step")
-            replies[key] = {"observations": out.observations, "reward": out.reward, "done": out.done,
-                            "info": out.info}
+            out = StepResult.coerce(
+                await call_with_timeout(env.step, body["message"], timeout_s=3600, what="step"), "step"
+            )
+            replies[key] = {"observations": out.observations, "reward": out.reward, "done": out.done, "info": out.info}
         return web.json_response(replies[key])
 
     async def close(request: web.Request) -> web.Response:

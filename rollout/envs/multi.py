@@ -8,12 +8,13 @@ import asyncio
 import functools
 import inspect
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
+from fleetrl.common.chat.codec import GENERIC_EXAMPLE, ChatCodec, check_prefix_stable
 from fleetrl.common.config import ConfigError
 from fleetrl.rollout.engines.params import SamplingParams
-from fleetrl.rollout.envs.base import EnvFailure, EnvSession, Environment, Episode, EnvTimeout, Message, Task
-from fleetrl.common.chat.codec import GENERIC_EXAMPLE, ChatCodec, check_prefix_stable
+from fleetrl.rollout.envs.base import EnvFailure, Environment, EnvSession, EnvTimeout, Episode, Message, Task
 from fleetrl.rollout.envs.episode import Budget, run_episode
 
 log = logging.getLogger("fleetrl.rollout.envs")
@@ -34,14 +35,27 @@ class MultiTurnEnvironment(Environment):
     def session(self, task: Task) -> EnvSession:
         """A fresh environment for one episode of ``task``."""
 
-    async def episode(self, engine: Any, task: Task, params: SamplingParams, request_id: str,
-                      trace: dict[str, str] | None) -> Episode:
-        ep = await run_episode(engine, self.session(task), self.codec, task.row, params,
-                               Budget.from_config(self.cfg, engine), request_id, trace)
+    async def episode(
+        self, engine: Any, task: Task, params: SamplingParams, request_id: str, trace: dict[str, str] | None
+    ) -> Episode:
+        ep = await run_episode(
+            engine,
+            self.session(task),
+            self.codec,
+            task.row,
+            params,
+            Budget.from_config(self.cfg, engine),
+            request_id,
+            trace,
+        )
         self.stats.episode(ep)
         if ep.failure:
-            log.warning("episode %s: the environment failed (%s: %s); the sample is dropped, not scored", request_id,
-                        ep.failure, ep.error)
+            log.warning(
+                "episode %s: the environment failed (%s: %s); the sample is dropped, not scored",
+                request_id,
+                ep.failure,
+                ep.error,
+            )
         return ep
 
     def example_messages(self) -> list[Message]:
@@ -53,8 +67,9 @@ class MultiTurnEnvironment(Environment):
         try:
             check_prefix_stable(self.codec, self.example_messages())
         except EnvFailure as e:
-            raise ConfigError(f"rollout.env ({self.env_cfg.type}): {e} (or set rollout.env.check_template=false "
-                              "to start anyway)") from None
+            raise ConfigError(
+                f"rollout.env ({self.env_cfg.type}): {e} (or set rollout.env.check_template=false to start anyway)"
+            ) from None
 
 
 async def call_with_timeout(fn: Callable[..., Any], *args: Any, timeout_s: float, what: str) -> Any:

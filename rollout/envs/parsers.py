@@ -17,8 +17,9 @@ import ast
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from fleetrl.common.plugins.registry import Registry
 
@@ -31,8 +32,11 @@ class ToolCall:
 
     def openai(self) -> dict[str, Any]:
         """As an OpenAI ``tool_calls`` entry."""
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments)},
+        }
 
 
 @dataclass

@@ -17,15 +17,19 @@ class SingleTurnEnv(Environment):
 
     def task(self, prompt: m.Prompt) -> Task:
         data = self.cfg.data
-        return Task(prompt, encode_prompt(self.tokenizer, prompt.prompt, data.apply_chat_template, data.max_prompt_tokens))
+        return Task(
+            prompt, encode_prompt(self.tokenizer, prompt.prompt, data.apply_chat_template, data.max_prompt_tokens)
+        )
 
-    async def episode(self, engine: Any, task: Task, params: SamplingParams, request_id: str,
-                      trace: dict[str, str] | None) -> Generation:
+    async def episode(
+        self, engine: Any, task: Task, params: SamplingParams, request_id: str, trace: dict[str, str] | None
+    ) -> Generation:
         return await engine.generate(Request(task.prompt_ids, params, request_id=request_id, trace=trace))
 
     def check(self) -> None:
-        check_chat_template(self.tokenizer, self.cfg.data.apply_chat_template,
-                            self.cfg.model.tokenizer or self.cfg.model.path)
+        check_chat_template(
+            self.tokenizer, self.cfg.data.apply_chat_template, self.cfg.model.tokenizer or self.cfg.model.path
+        )
 
     def metrics(self) -> dict[str, float]:
         return {}

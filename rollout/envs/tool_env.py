@@ -21,7 +21,8 @@ from __future__ import annotations
 import inspect
 import typing
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fleetrl.common.config import ConfigError
 from fleetrl.rollout.envs.base import EnvFailure, EnvSession, EnvTimeout, Message, StepResult, Task
@@ -45,9 +46,14 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
         if p.default is p.empty:
             required.append(name)
     doc = inspect.getdoc(fn) or ""
-    return {"type": "function", "function": {
-        "name": fn.__name__, "description": doc.split("\n\n")[0].replace("\n", " "),
-        "parameters": {"type": "object", "properties": props, "required": required}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": fn.__name__,
+            "description": doc.split("\n\n")[0].replace("\n", " "),
+            "parameters": {"type": "object", "properties": props, "required": required},
+        },
+    }
 
 
 def load_tools(refs: list[str]) -> tuple[dict[str, Callable[..., Any]], list[str]]:
@@ -63,17 +69,22 @@ def load_tools(refs: list[str]) -> tuple[dict[str, Callable[..., Any]], list[str
             problems.append(f"{key}: {e}")
             continue
         if not callable(fn):
-            problems.append(f"{key}: {ref!r} is a {type(fn).__name__}, not a function; name a function (module:function)")
+            problems.append(
+                f"{key}: {ref!r} is a {type(fn).__name__}, not a function; name a function (module:function)"
+            )
             continue
         try:
             tool_schema(fn)
         except Exception as e:  # an annotation that does not resolve, a signature inspect cannot read
-            problems.append(f"{key}: {ref!r} has no tool schema ({type(e).__name__}: {e}); fix its signature or "
-                            "annotations")
+            problems.append(
+                f"{key}: {ref!r} has no tool schema ({type(e).__name__}: {e}); fix its signature or annotations"
+            )
             continue
         if fn.__name__ in tools:
-            problems.append(f"{key}: {ref!r} has the same name as another tool ({fn.__name__!r}); the model calls "
-                            "tools by name, so give each a name of its own")
+            problems.append(
+                f"{key}: {ref!r} has the same name as another tool ({fn.__name__!r}); the model calls "
+                "tools by name, so give each a name of its own"
+            )
             continue
         tools[fn.__name__] = fn
     return tools, problems
@@ -103,11 +114,15 @@ class ToolEnv(MultiTurnEnvironment):
 
     def example_messages(self) -> list[Message]:
         name = next(iter(self.tools))
-        return [*([{"role": "system", "content": self.opts.system_prompt}] if self.opts.system_prompt else []),
-                {"role": "user", "content": "a question"}, {"role": "assistant", "content": f"a call of {name}"},
-                {"role": "tool", "name": name, "content": "its result"},
-                {"role": "assistant", "content": "another call"}, {"role": "tool", "name": name, "content": "1"},
-                {"role": "assistant", "content": "the answer"}]
+        return [
+            *([{"role": "system", "content": self.opts.system_prompt}] if self.opts.system_prompt else []),
+            {"role": "user", "content": "a question"},
+            {"role": "assistant", "content": f"a call of {name}"},
+            {"role": "tool", "name": name, "content": "its result"},
+            {"role": "assistant", "content": "another call"},
+            {"role": "tool", "name": name, "content": "1"},
+            {"role": "assistant", "content": "the answer"},
+        ]
 
 
 class ToolSession(EnvSession):
@@ -125,8 +140,9 @@ class ToolSession(EnvSession):
         counts: Counter[str] = Counter(malformed_tool_calls=len(parsed.malformed))
         if not parsed.calls and not parsed.malformed:
             return StepResult(done=True, info={"_counts": counts})
-        observations = [{"role": "tool", "content": f"error: malformed tool call: {reason}"}
-                        for reason in parsed.malformed]
+        observations = [
+            {"role": "tool", "content": f"error: malformed tool call: {reason}"} for reason in parsed.malformed
+        ]
         for call in parsed.calls:
             observations.append(await self.run(call, counts))
         return StepResult(observations, info={"_counts": counts})
@@ -144,8 +160,9 @@ class ToolSession(EnvSession):
             return {**reply, "content": f"error: bad arguments for {call.name}: {e}"}
         counts["tool_calls"] += 1
         try:
-            result = await call_with_timeout(lambda: fn(**call.arguments), timeout_s=self.env.opts.timeout_s,
-                                             what=f"tool {call.name}")
+            result = await call_with_timeout(
+                lambda: fn(**call.arguments), timeout_s=self.env.opts.timeout_s, what=f"tool {call.name}"
+            )
         except EnvTimeout:
             raise  # the environment failed: the sample is dropped
         except EnvFailure as e:  # the tool raised: its error is its answer

@@ -42,8 +42,10 @@ def load_env_class(opts: Any) -> type:
         raise ConfigError(f"rollout.env.user.cls: {e}") from None
     missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
     if not inspect.isclass(cls) or missing:
-        raise ConfigError(f"rollout.env.user.cls: {opts.cls!r} must be a class with reset(row) and step(message) "
-                          f"(missing: {', '.join(missing) or 'it is not a class'}); see docs/environments.md")
+        raise ConfigError(
+            f"rollout.env.user.cls: {opts.cls!r} must be a class with reset(row) and step(message) "
+            f"(missing: {', '.join(missing) or 'it is not a class'}); see docs/environments.md"
+        )
     try:
         inspect.signature(cls).bind(**opts.args)
     except TypeError as e:
@@ -75,7 +77,9 @@ class UserEnv(MultiTurnEnvironment):
     def example_messages(self) -> list[Message]:
         example = getattr(self.cls, "example_messages", None)
         example = example() if callable(example) else example
-        return check_messages(example, f"{self.cls.__name__}.example_messages") if example else super().example_messages()
+        return (
+            check_messages(example, f"{self.cls.__name__}.example_messages") if example else super().example_messages()
+        )
 
 
 class UserSession(EnvSession):
@@ -87,8 +91,9 @@ class UserSession(EnvSession):
         self.name = cls.__name__
 
     async def reset(self, row: dict[str, Any]) -> list[Message]:
-        self.env = await call_with_timeout(lambda: self.cls(**self.args), timeout_s=self.timeout_s,
-                                           what=f"{self.name}(...)")
+        self.env = await call_with_timeout(
+            lambda: self.cls(**self.args), timeout_s=self.timeout_s, what=f"{self.name}(...)"
+        )
         return await call_with_timeout(self.env.reset, row, timeout_s=self.timeout_s, what=f"{self.name}.reset")
 
     async def step(self, message: Message) -> StepResult:

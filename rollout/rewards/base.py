@@ -16,8 +16,9 @@ the server starts, not on the first sample.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
@@ -93,7 +94,9 @@ class Reward:
     name: ClassVar[str] = "reward"
     Args: ClassVar[type[RewardArgs]] = RewardArgs
     per_sample: bool = False  # the scorer calls score()/ascore() per sample, else the reward on the whole batch
-    time_limited: ClassVar[bool] = False  # a batch call runs under rollout.reward_timeout_s (per-sample calls always do)
+    time_limited: ClassVar[bool] = (
+        False  # a batch call runs under rollout.reward_timeout_s (per-sample calls always do)
+    )
 
     def __init__(self, **args: Any):
         self.args = convert_args(self.name, self.Args, args)

@@ -52,7 +52,9 @@ class MathReward(SampleReward):
     class Args(RewardArgs):
         float_rounding: Annotated[int, doc("Decimal places floats are rounded to before comparing.", ge=0)] = 6
         numeric_precision: Annotated[int, doc("Significant digits of numeric evaluation (sympy evalf).", ge=1)] = 15
-        strict: Annotated[bool, doc("Variables must match by name and sets are not tuples (math-verify strict).")] = True
+        strict: Annotated[bool, doc("Variables must match by name and sets are not tuples (math-verify strict).")] = (
+            True
+        )
 
     def __init__(self, **args: Any):
         super().__init__(**args)
@@ -97,7 +99,9 @@ class ExactReward(SampleReward):
     """
 
     class Args(RewardArgs):
-        pattern: Annotated[str | None, doc("Regex extracting the answer from the response (null = whole response).")] = None
+        pattern: Annotated[
+            str | None, doc("Regex extracting the answer from the response (null = whole response).")
+        ] = None
         occurrence: Annotated[Literal["first", "last"], doc("Which match of `pattern` is the answer.")] = "last"
         ignore_case: Annotated[bool, doc("Compare case-insensitively (str.casefold).")] = False
         flags: Annotated[list[RegexFlag], doc("Flags of `pattern`, e.g. [DOTALL].")] = []
@@ -138,9 +142,9 @@ class RegexReward(SampleReward):
 
     class Args(RewardArgs):
         pattern: Annotated[str, doc("Regular expression (Python `re` syntax) the response should match.")]
-        mode: Annotated[Literal["search", "start", "full"], doc("Match anywhere, at the start, or the whole response.")] = (
-            "search"
-        )
+        mode: Annotated[
+            Literal["search", "start", "full"], doc("Match anywhere, at the start, or the whole response.")
+        ] = "search"
         flags: Annotated[list[RegexFlag], doc("Regex flags, e.g. [DOTALL, MULTILINE].")] = []
         hit: Annotated[float, doc("Reward when the response matches.")] = 1.0
         miss: Annotated[float, doc("Reward when it does not.")] = 0.0
@@ -168,7 +172,9 @@ class LengthReward(SampleReward):
     class Args(RewardArgs):
         target: Annotated[int, doc("Tokens a response may use without penalty.", ge=0)]
         penalty_per_token: Annotated[float, doc("Penalty for each token beyond `target`.", ge=0)] = 0.001
-        max_penalty: Annotated[Annotated[float, Meta(ge=0)] | None, doc("Cap of the per-token penalty (null = none).")] = None
+        max_penalty: Annotated[
+            Annotated[float, Meta(ge=0)] | None, doc("Cap of the per-token penalty (null = none).")
+        ] = None
         truncation_penalty: Annotated[float, doc("Extra penalty when the response hit max_new_tokens.", ge=0)] = 0.0
 
     def score(self, x: RewardInput) -> float:

@@ -52,7 +52,9 @@ class ModelReward(Reward):
         archs = config.architectures or []
         if not any(arch.endswith("ForSequenceClassification") for arch in archs):
             # from_pretrained would attach a randomly initialised head and score noise
-            raise RewardArgsError(f"{a.path!r} holds a {archs or 'model'} checkpoint, not a sequence-classification one")
+            raise RewardArgsError(
+                f"{a.path!r} holds a {archs or 'model'} checkpoint, not a sequence-classification one"
+            )
         if a.label >= config.num_labels:
             raise RewardArgsError(f"label {a.label} is out of range: the model has {config.num_labels} labels")
         self.torch = torch

@@ -22,7 +22,8 @@ the arguments it will get.
 from __future__ import annotations
 
 import inspect
-from typing import Annotated, Any, Callable, ClassVar, Literal, Union
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal
 
 from msgspec import field
 
@@ -54,7 +55,7 @@ def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
         return None
 
 
-def completion_of(x: RewardInput) -> Union[str, list[dict[str, str]]]:
+def completion_of(x: RewardInput) -> str | list[dict[str, str]]:
     """A completion in TRL's format: the text, or one assistant message when the prompt is chat messages."""
     return [{"role": "assistant", "content": x.response}] if isinstance(x.prompt, list) else x.response
 
@@ -63,9 +64,13 @@ def batch_columns(batch: list[RewardInput]) -> dict[str, list[Any]]:
     """The keyword arguments of a batched call: TRL's prompts / completions, every data column by name."""
     names = dict.fromkeys(k for x in batch for k in x.metadata)
     out: dict[str, list[Any]] = {name: [x.metadata.get(name) for x in batch] for name in names}
-    out.update(prompts=[x.prompt for x in batch], completions=[completion_of(x) for x in batch],
-               answer=[x.answer for x in batch], finish_reasons=[x.finish_reason for x in batch],
-               num_tokens=[x.num_tokens for x in batch])
+    out.update(
+        prompts=[x.prompt for x in batch],
+        completions=[completion_of(x) for x in batch],
+        answer=[x.answer for x in batch],
+        finish_reasons=[x.finish_reason for x in batch],
+        num_tokens=[x.num_tokens for x in batch],
+    )
     return out
 
 
@@ -80,9 +85,13 @@ class PythonReward(SampleReward):
         kwargs: Annotated[dict[str, Any], doc("Extra keyword arguments passed to every call.")] = field(
             default_factory=dict
         )
-        batched: Annotated[Literal["auto"] | bool, doc(
-            "Batched TRL form `(prompts, completions, **columns) -> list[float | None]`; auto = when the "
-            "function's signature names `completions`.")] = "auto"
+        batched: Annotated[
+            Literal["auto"] | bool,
+            doc(
+                "Batched TRL form `(prompts, completions, **columns) -> list[float | None]`; auto = when the "
+                "function's signature names `completions`."
+            ),
+        ] = "auto"
 
     def __init__(self, **args: Any):
         super().__init__(**args)
@@ -91,7 +100,9 @@ class PythonReward(SampleReward):
         self.label = getattr(self.fn, "__name__", "python")
         sig = _signature(self.fn)
         wanted = self.args.batched
-        self.per_sample = not (wanted is True or (wanted == "auto" and sig is not None and "completions" in sig.parameters))
+        self.per_sample = not (
+            wanted is True or (wanted == "auto" and sig is not None and "completions" in sig.parameters)
+        )
         self.passed = self._fields_taken(sig) if self.per_sample else ()
         if not self.per_sample:
             self._check_batched(sig)
@@ -122,12 +133,18 @@ class PythonReward(SampleReward):
         params = sig.parameters
         takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         if not takes_all and "completions" not in params:
-            raise RewardArgsError(f"{self.args.function} is batched but takes no `completions` argument; batched "
-                                  "reward functions are called as fn(prompts=..., completions=..., **columns)")
-        self.required_columns = [name for name, p in params.items()
-                                 if p.default is inspect.Parameter.empty and name not in BATCH_FIELDS
-                                 and name not in self.args.kwargs
-                                 and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+            raise RewardArgsError(
+                f"{self.args.function} is batched but takes no `completions` argument; batched "
+                "reward functions are called as fn(prompts=..., completions=..., **columns)"
+            )
+        self.required_columns = [
+            name
+            for name, p in params.items()
+            if p.default is inspect.Parameter.empty
+            and name not in BATCH_FIELDS
+            and name not in self.args.kwargs
+            and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        ]
         self.takes_all = takes_all
         self.params = set(params)
 
@@ -153,8 +170,10 @@ class PythonReward(SampleReward):
         missing = [c for c in self.required_columns if c not in cols]
         if missing:
             data = sorted(dict.fromkeys(k for x in batch for k in x.metadata))  # the rows' own columns, answer too
-            raise ValueError(f"{self.args.function} needs the data column(s) {missing}, which the rows do not have "
-                             f"(columns: {data}); add them, or give defaults")
+            raise ValueError(
+                f"{self.args.function} needs the data column(s) {missing}, which the rows do not have "
+                f"(columns: {data}); add them, or give defaults"
+            )
         if not self.takes_all:
             cols = {k: v for k, v in cols.items() if k in self.params}
         return {**cols, **self.args.kwargs}

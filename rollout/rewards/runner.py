@@ -14,9 +14,10 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 
 class CallTimeout(TimeoutError):
@@ -103,7 +104,9 @@ class CallRunner:
         with self._cond:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
-                self._loop_thread = threading.Thread(target=self._loop.run_forever, name=f"{self.name}-loop", daemon=True)
+                self._loop_thread = threading.Thread(
+                    target=self._loop.run_forever, name=f"{self.name}-loop", daemon=True
+                )
                 self._loop_thread.start()
             return self._loop
 

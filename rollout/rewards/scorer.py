@@ -23,11 +23,11 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from fleetrl.common import faults
 from fleetrl.common.plugins.registry import RegistryError
@@ -73,7 +73,9 @@ def _bind(factory: Callable[..., Any], args: dict[str, Any]) -> None:
     try:
         inspect.signature(factory).bind(**args)
     except TypeError as e:
-        raise RewardArgsError(f"{e}; {getattr(factory, '__name__', factory)!s} takes: {inspect.signature(factory)}") from None
+        raise RewardArgsError(
+            f"{e}; {getattr(factory, '__name__', factory)!s} takes: {inspect.signature(factory)}"
+        ) from None
 
 
 def build_parts(specs: Sequence[RewardSpec]) -> list[Part]:
@@ -275,8 +277,9 @@ class RewardScorer:
                 total += part.weight * s
         if not error and not math.isfinite(total):
             total, error = 0.0, f"weighted sum is not finite ({parts})"
-        return RewardResult(reward=total, parts=parts, failed=bool(error), error=error, scored=bool(parts),
-                            failed_parts=tuple(failed))
+        return RewardResult(
+            reward=total, parts=parts, failed=bool(error), error=error, scored=bool(parts), failed_parts=tuple(failed)
+        )
 
     # ------------------------------------------------------------------------------------ stats
 
@@ -313,12 +316,21 @@ class RewardScorer:
             if count in (1, 10, 100) or count % 1000 == 0:  # a steady failure is logged, not flooded
                 log.warning(
                     "reward %r (%s) failed on a sample (%s; %d such failures so far): it adds 0 to the reward%s; "
-                    "fix the function or %s", part.name, part.key, f.reason, count,
-                    ", and its group is dropped" if self.on_failure == "drop_group" else "", part.key,
+                    "fix the function or %s",
+                    part.name,
+                    part.key,
+                    f.reason,
+                    count,
+                    ", and its group is dropped" if self.on_failure == "drop_group" else "",
+                    part.key,
                 )
         if warn:
-            log.warning("the last %d samples got no usable reward (%s); the server stops at %d in a row "
-                        "(rollout.reward_stop_after)", *warn, self._streak.limit)
+            log.warning(
+                "the last %d samples got no usable reward (%s); the server stops at %d in a row "
+                "(rollout.reward_stop_after)",
+                *warn,
+                self._streak.limit,
+            )
 
     def hopeless(self) -> str | None:
         """Why training cannot go on, once the last ``stop_after`` samples in a row got no usable reward (every

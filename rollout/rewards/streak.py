@@ -49,8 +49,10 @@ class UnusableStreak:
         n, said = self.length, []
         for label, key in self.parts:
             if self.failed[label]:
-                said.append(f"reward {label!r} ({key}) failed on {self.failed[label]} of {n} samples "
-                            f"(first: {self.first_error.get(label, '?')})")
+                said.append(
+                    f"reward {label!r} ({key}) failed on {self.failed[label]} of {n} samples "
+                    f"(first: {self.first_error.get(label, '?')})"
+                )
             elif self.unscored[label] == n:
                 said.append(f"reward {label!r} ({key}) returned None (no score) for all {n} samples")
         return "; ".join(said) or "their weighted sum was not a finite number"
@@ -61,9 +63,14 @@ class UnusableStreak:
 
     def _reason(self) -> str:
         n = self.length
-        head = (f"no sample got a usable reward in the first {n}" if not self.usable else
-                f"the rewards stopped working: the last {n} samples got no usable reward (after {self.usable} "
-                "usable ones)")
-        return (f"{head}: {self.what_each_did()}. Nothing can be trained on; fix the function(s) or rollout.rewards "
-                "(test one with `fleetrl config validate`; rollout.reward_stop_after sets how many samples in a row "
-                "stop the server, 0 never)")
+        head = (
+            f"no sample got a usable reward in the first {n}"
+            if not self.usable
+            else f"the rewards stopped working: the last {n} samples got no usable reward (after {self.usable} "
+            "usable ones)"
+        )
+        return (
+            f"{head}: {self.what_each_did()}. Nothing can be trained on; fix the function(s) or rollout.rewards "
+            "(test one with `fleetrl config validate`; rollout.reward_stop_after sets how many samples in a row "
+            "stop the server, 0 never)"
+        )

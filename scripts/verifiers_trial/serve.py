@@ -26,9 +26,19 @@ def main() -> int:
     out, session = Path(sys.argv[1]), "--session" in sys.argv
     overrides = [a for a in sys.argv[2:] if a != "--session"]
     model = init_model(Path(tempfile.mkdtemp()) / "small", preset="small")
-    cfg = load_config(None, [f"model.path={model}", "rollout.openai.enabled=true", "rollout.openai.port=0",
-                             "rollout.max_new_tokens=16", "rollout.device=cpu", "rollout.openai.session_timeout_s=300",
-                             *(["rollout.env.type=openai"] if session else []), *overrides])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={model}",
+            "rollout.openai.enabled=true",
+            "rollout.openai.port=0",
+            "rollout.max_new_tokens=16",
+            "rollout.device=cpu",
+            "rollout.openai.session_timeout_s=300",
+            *(["rollout.env.type=openai"] if session else []),
+            *overrides,
+        ],
+    )
     engine = create_engine("hf", cfg.model, cfg.rollout, "cpu", 0, num_threads=1)
     env = create_env(cfg, engine.tokenizer)
     ep = Endpoint(cfg, engine, env)
@@ -40,11 +50,23 @@ def main() -> int:
                 time.sleep(5)
                 print(json.dumps(ep.metrics()), flush=True)
         params = SamplingParams.from_config(cfg.rollout)
-        episode = engine.loop.submit(env.sessions.offer(Task(m.Prompt("vf:0", "12*34=")), params, "vf/0/0",
-                                                        engine)).result(600)
-        print(json.dumps({"failed": episode.failed, "error": episode.error, "reward": episode.reward,
-                          "turns": episode.turns, "prompt_tokens": len(episode.prompt_ids),
-                          "tokens": len(episode.token_ids), "mask_ones": int(sum(episode.loss_mask))}), flush=True)
+        episode = engine.loop.submit(
+            env.sessions.offer(Task(m.Prompt("vf:0", "12*34=")), params, "vf/0/0", engine)
+        ).result(600)
+        print(
+            json.dumps(
+                {
+                    "failed": episode.failed,
+                    "error": episode.error,
+                    "reward": episode.reward,
+                    "turns": episode.turns,
+                    "prompt_tokens": len(episode.prompt_ids),
+                    "tokens": len(episode.token_ids),
+                    "mask_ones": int(sum(episode.loss_mask)),
+                }
+            ),
+            flush=True,
+        )
     finally:
         ep.close()
     return 0

@@ -11,8 +11,9 @@ from fleetrl.common.data.tables import load_rows
 
 
 def _help(*command: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", *command, "--help"], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "fleetrl.app.cli", *command, "--help"], capture_output=True, text=True, check=True
+    )
     return " ".join(out.stdout.split())  # argparse wraps lines
 
 

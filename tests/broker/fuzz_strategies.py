@@ -25,18 +25,36 @@ from hypothesis import strategies as st
 
 from fleetrl.common import messages as m
 
-INT_EDGES = [-(2**63), -(2**31) - 1, -(2**31), -1, 0, 1, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1]
+INT_EDGES = [
+    -(2**63),
+    -(2**31) - 1,
+    -(2**31),
+    -1,
+    0,
+    1,
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**53 + 1,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+]
 FLOAT_EDGES = [0.0, -0.0, 5e-324, -1e-310, 1e308, -1e308, math.inf, -math.inf, math.nan, 3.4e38, 1e-7]
 
 ints = st.one_of(st.integers(-3, 70), st.sampled_from(INT_EDGES), st.integers(-(2**63), 2**64 - 1))
 small_ints = st.one_of(st.integers(-2, 70), st.sampled_from(INT_EDGES))
 floats = st.one_of(st.floats(-1e3, 1e3), st.sampled_from(FLOAT_EDGES), st.floats())
 # lone surrogates cannot be encoded at all (a sender fails before the wire), so they are left out
-texts = st.one_of(st.just(""), st.text(max_size=20), st.text(st.characters(codec="utf-8", min_codepoint=0x80), min_size=1, max_size=6))
+texts = st.one_of(
+    st.just(""), st.text(max_size=20), st.text(st.characters(codec="utf-8", min_codepoint=0x80), min_size=1, max_size=6)
+)
 leaf_values = st.one_of(st.none(), st.booleans(), ints, floats, texts, st.binary(max_size=16))
 any_value = st.recursive(
     leaf_values,
-    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.one_of(texts, small_ints), inner, max_size=3)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.one_of(texts, small_ints), inner, max_size=3)
+    ),
     max_leaves=8,
 )
 
@@ -74,9 +92,24 @@ def finish(draw, fields: list, required: int) -> list:
 # ------------------------------------------------------------------------------------ groups
 
 GROUP_FAULTS = [
-    "tokens_size", "logprobs_size", "lengths_sum", "negative_length", "huge_length", "rewards_count", "nan_reward",
-    "inf_logprob", "negative_token", "token_over_vocab", "empty_group_id", "empty_prompt", "ragged_prompt",
-    "negative_version", "finish_literal", "parts_count", "failed_count", "empty_group",
+    "tokens_size",
+    "logprobs_size",
+    "lengths_sum",
+    "negative_length",
+    "huge_length",
+    "rewards_count",
+    "nan_reward",
+    "inf_logprob",
+    "negative_token",
+    "token_over_vocab",
+    "empty_group_id",
+    "empty_prompt",
+    "ragged_prompt",
+    "negative_version",
+    "finish_literal",
+    "parts_count",
+    "failed_count",
+    "empty_group",
 ]
 
 
@@ -94,8 +127,10 @@ def group_fields(draw, max_tokens: int = 48) -> list:
     rewards = [float(x) for x in rng.random(n)]
     g = {
         "group_id": draw(st.one_of(st.text(min_size=1, max_size=12), st.sampled_from(["dup-a", "dup-b", "é"]))),
-        "prompt_id": draw(st.one_of(st.sampled_from(PROMPT_POOL), texts)), "policy_version": draw(st.one_of(st.integers(0, 5), ints)),
-        "finish_reasons": [FINISH[i % 3] for i in range(n)] if seed % 2 else [], "reward_parts": [{"r": r} for r in rewards] if seed % 3 == 0 else [],
+        "prompt_id": draw(st.one_of(st.sampled_from(PROMPT_POOL), texts)),
+        "policy_version": draw(st.one_of(st.integers(0, 5), ints)),
+        "finish_reasons": [FINISH[i % 3] for i in range(n)] if seed % 2 else [],
+        "reward_parts": [{"r": r} for r in rewards] if seed % 3 == 0 else [],
         "failed": [False] * n if seed % 5 == 0 else [],
     }
     if total and fault in ("inf_logprob", "negative_token", "token_over_vocab"):
@@ -135,9 +170,24 @@ def group_fields(draw, max_tokens: int = 48) -> list:
         g["failed"] = [True] * (n + 2)
     elif fault == "empty_group":
         lengths, rewards, tok, lp = [], [], b"", b""
-    fields = [g["group_id"], g["prompt_id"], g["policy_version"], prompt, lengths, tok, lp, rewards, g["finish_reasons"],
-              g["reward_parts"], g["failed"], "", "fz", {"traceparent": "00-x"}, 1.5,
-              draw(st.one_of(st.just({}), st.dictionaries(texts, any_value, max_size=2)))]
+    fields = [
+        g["group_id"],
+        g["prompt_id"],
+        g["policy_version"],
+        prompt,
+        lengths,
+        tok,
+        lp,
+        rewards,
+        g["finish_reasons"],
+        g["reward_parts"],
+        g["failed"],
+        "",
+        "fz",
+        {"traceparent": "00-x"},
+        1.5,
+        draw(st.one_of(st.just({}), st.dictionaries(texts, any_value, max_size=2))),
+    ]
     return finish(draw, fields, required=8) if fault is None and seed % 4 == 0 else fields
 
 
@@ -148,19 +198,47 @@ def group_fields(draw, max_tokens: int = 48) -> list:
 WAITS = st.one_of(st.sampled_from([0.0, -0.0, -1.0, math.nan, -math.inf, 0.05, 0.2]), st.floats(0, 0.25))
 
 REQUESTS = {  # tag -> (required fields after [tag, req_id], builder of those fields)
-    1: (2, lambda d: [d(client_ids), d(st.sampled_from(ROLES + ["admin"])), d(st.sampled_from([m.PROTOCOL_VERSION] * 3 + INT_EDGES)),
-                      d(small_ints), d(str_maps)]),
+    1: (
+        2,
+        lambda d: [
+            d(client_ids),
+            d(st.sampled_from(ROLES + ["admin"])),
+            d(st.sampled_from([m.PROTOCOL_VERSION] * 3 + INT_EDGES)),
+            d(small_ints),
+            d(str_maps),
+        ],
+    ),
     2: (1, lambda d: [d(client_ids), d(ints), d(float_maps)]),
     3: (2, lambda d: [d(client_ids), d(st.one_of(st.integers(-2, 16), st.sampled_from(INT_EDGES))), d(ints)]),
     4: (2, lambda d: [d(client_ids), d(group_fields())]),
     14: (2, lambda d: [d(client_ids), d(st.lists(group_fields(), max_size=3))]),
     5: (2, lambda d: [d(client_ids), d(texts), d(st.lists(st.sampled_from(PROMPT_POOL), max_size=3))]),
-    6: (2, lambda d: [d(client_ids), d(st.one_of(st.integers(-2, 80), st.sampled_from(INT_EDGES))), d(WAITS), d(small_ints)]),
-    7: (2, lambda d: [d(client_ids), d(texts), d(ints), d(st.lists(st.sampled_from(["dup-a", "dup-b", "x"]), max_size=3)), d(st.booleans())]),
+    6: (
+        2,
+        lambda d: [
+            d(client_ids),
+            d(st.one_of(st.integers(-2, 80), st.sampled_from(INT_EDGES))),
+            d(WAITS),
+            d(small_ints),
+        ],
+    ),
+    7: (
+        2,
+        lambda d: [
+            d(client_ids),
+            d(texts),
+            d(ints),
+            d(st.lists(st.sampled_from(["dup-a", "dup-b", "x"]), max_size=3)),
+            d(st.booleans()),
+        ],
+    ),
     8: (1, lambda d: [d(client_ids), d(ints)]),
     9: (1, lambda d: [d(client_ids), d(ints)]),
     10: (2, lambda d: [d(client_ids), d(st.one_of(st.integers(0, 6), ints)), d(small_ints), d(weights_fields())]),
-    11: (2, lambda d: [d(client_ids), d(st.sampled_from(ACTIONS + ["reboot"])), d(texts), d(small_ints), d(small_ints)]),
+    11: (
+        2,
+        lambda d: [d(client_ids), d(st.sampled_from(ACTIONS + ["reboot"])), d(texts), d(small_ints), d(small_ints)],
+    ),
     12: (0, lambda d: [d(client_ids)]),
     13: (0, lambda d: [d(client_ids)]),
 }
@@ -170,16 +248,29 @@ REQUEST_TAGS = sorted(REQUESTS)
 @st.composite
 def control_array(draw) -> list:
     """A Control of any action, "stop" and "discard" (of random version ranges) included."""
-    fields = [draw(client_ids), draw(st.sampled_from(ACTIONS + ["stop", "discard", "discard", "discard"])), draw(texts),
-              draw(st.one_of(st.integers(0, 8), small_ints)), draw(st.one_of(st.integers(-1, 8), small_ints))]
+    fields = [
+        draw(client_ids),
+        draw(st.sampled_from(ACTIONS + ["stop", "discard", "discard", "discard"])),
+        draw(texts),
+        draw(st.one_of(st.integers(0, 8), small_ints)),
+        draw(st.one_of(st.integers(-1, 8), small_ints)),
+    ]
     return [11, draw(req_ids())] + finish(draw, fields, 2)
 
 
 @st.composite
 def weights_fields(draw) -> list:
-    spec = st.tuples(texts, st.lists(small_ints, max_size=3), st.sampled_from(["float32", "bfloat16", "", "int4"])).map(list)
-    fields = [draw(st.sampled_from(TRANSPORTS + ["tcp"])), draw(texts), "127.0.0.1", draw(small_ints),
-              draw(st.lists(st.lists(spec, max_size=2), max_size=2)), draw(small_ints)]
+    spec = st.tuples(texts, st.lists(small_ints, max_size=3), st.sampled_from(["float32", "bfloat16", "", "int4"])).map(
+        list
+    )
+    fields = [
+        draw(st.sampled_from(TRANSPORTS + ["tcp"])),
+        draw(texts),
+        "127.0.0.1",
+        draw(small_ints),
+        draw(st.lists(st.lists(spec, max_size=2), max_size=2)),
+        draw(small_ints),
+    ]
     return finish(draw, fields, required=0)
 
 
@@ -202,15 +293,41 @@ def encode_raw(value) -> bytes:
 
 # ------------------------------------------------------------------- seeded mutations, raw frames
 
-MARKERS = [0xC0, 0xC1, 0xC2, 0xC3, 0xC4, 0xC7, 0xCA, 0xCB, 0xCC, 0xCF, 0xD3, 0xD4, 0xD9, 0xDB, 0xDC, 0xDD, 0xDE, 0xDF,
-           0x90, 0x9F, 0x80, 0x8F, 0xA0, 0xFF]
+MARKERS = [
+    0xC0,
+    0xC1,
+    0xC2,
+    0xC3,
+    0xC4,
+    0xC7,
+    0xCA,
+    0xCB,
+    0xCC,
+    0xCF,
+    0xD3,
+    0xD4,
+    0xD9,
+    0xDB,
+    0xDC,
+    0xDD,
+    0xDE,
+    0xDF,
+    0x90,
+    0x9F,
+    0x80,
+    0x8F,
+    0xA0,
+    0xFF,
+]
 
 
 def mutate(buf: bytes, rng: random.Random, others: list[bytes] = ()) -> bytes:
     """``buf`` after 1-4 random edits."""
     out = bytearray(buf)
     for _ in range(rng.randint(1, 4)):
-        op = rng.choice(["flip", "flip", "flip", "truncate", "extend", "insert", "delete", "marker", "marker", "splice", "dup"])
+        op = rng.choice(
+            ["flip", "flip", "flip", "truncate", "extend", "insert", "delete", "marker", "marker", "splice", "dup"]
+        )
         pos = rng.randrange(len(out)) if out else 0
         if op == "flip" and out:
             out[pos] ^= 1 << rng.randrange(8)
@@ -226,7 +343,7 @@ def mutate(buf: bytes, rng: random.Random, others: list[bytes] = ()) -> bytes:
             out[pos] = rng.choice(MARKERS)
         elif op == "splice" and others:
             other = rng.choice(others)
-            out = out[:pos] + other[rng.randrange(len(other) + 1):]
+            out = out[:pos] + other[rng.randrange(len(other) + 1) :]
         elif op == "dup":
             out += out[pos:]
     return bytes(out)
@@ -247,11 +364,22 @@ def raw_frame(rng: random.Random, seeds: list[bytes], tags: list[int]) -> bytes:
         prefix = rng.choice(seeds)[: rng.randint(0, 40)] if seeds and rng.random() < 0.5 else b""
         return prefix + opener * depth + b"\xc0"
     if kind == 2:  # claims of huge arrays, maps, strings and binaries with nothing behind them
-        return rng.choice([b"\xdd", b"\xdf", b"\xdb", b"\xc6", b"\xdc"]) + rng.randbytes(4) + rng.randbytes(rng.randint(0, 8))
+        return (
+            rng.choice([b"\xdd", b"\xdf", b"\xdb", b"\xc6", b"\xdc"])
+            + rng.randbytes(4)
+            + rng.randbytes(rng.randint(0, 8))
+        )
     if kind == 3:  # a readable [tag, req_id header, then anything: the error must carry the req_id
-        return array_header(rng.randint(2, 20)) + encode_raw(rng.choice(tags)) + encode_raw(rng.randrange(2**64)) + rng.randbytes(rng.randint(0, 48))
+        return (
+            array_header(rng.randint(2, 20))
+            + encode_raw(rng.choice(tags))
+            + encode_raw(rng.randrange(2**64))
+            + rng.randbytes(rng.randint(0, 48))
+        )
     if kind == 4:  # a frame of the wrong kind: reply and announcement tags, bare scalars, maps
-        return encode_raw(rng.choice([[rng.choice([20, 21, 22, 25, 27, 40, 41]), 1, "x"], 7, "text", {"t": 1}, None, [], b"\x00"]))
+        return encode_raw(
+            rng.choice([[rng.choice([20, 21, 22, 25, 27, 40, 41]), 1, "x"], 7, "text", {"t": 1}, None, [], b"\x00"])
+        )
     return array_header(rng.randint(0, 18)) + rng.randbytes(rng.randint(0, 64))
 
 
@@ -262,17 +390,73 @@ REPLIES = {  # tag -> (required fields after [tag, req_id], builder)
     20: (0, lambda d: [d(texts), d(small_ints), d(st.booleans())]),
     21: (2, lambda d: [d(st.sampled_from(["bad_frame", "too_large", "invalid_group", "internal", "nope"])), d(texts)]),
     22: (1, lambda d: [d(floats), d(texts)]),
-    23: (1, lambda d: [d(texts), d(small_ints), d(small_ints), d(floats), d(weights_fields()), d(st.booleans()), d(small_ints), d(small_ints)]),
-    24: (3, lambda d: [d(texts), d(st.lists(st.tuples(texts, st.one_of(texts, st.lists(str_maps, max_size=2)),
-                                                      st.one_of(st.none(), texts)).map(list), max_size=3)), d(floats), d(small_ints)]),
+    23: (
+        1,
+        lambda d: [
+            d(texts),
+            d(small_ints),
+            d(small_ints),
+            d(floats),
+            d(weights_fields()),
+            d(st.booleans()),
+            d(small_ints),
+            d(small_ints),
+        ],
+    ),
+    24: (
+        3,
+        lambda d: [
+            d(texts),
+            d(
+                st.lists(
+                    st.tuples(texts, st.one_of(texts, st.lists(str_maps, max_size=2)), st.one_of(st.none(), texts)).map(
+                        list
+                    ),
+                    max_size=3,
+                )
+            ),
+            d(floats),
+            d(small_ints),
+        ],
+    ),
     25: (3, lambda d: [d(texts), d(st.lists(group_fields(16), max_size=2)), d(floats), d(small_ints)]),
     26: (1, lambda d: [d(small_ints), d(small_ints), d(weights_fields()), d(st.booleans())]),
-    27: (12, lambda d: [d(texts), d(floats)] + [d(small_ints) for _ in range(6)] + [d(floats), d(floats), d(small_ints), d(small_ints),
-                        d(st.dictionaries(texts, small_ints, max_size=3)), d(st.dictionaries(texts, small_ints, max_size=3)),
-                        d(st.lists(st.tuples(texts, st.sampled_from(ROLES), small_ints, small_ints, floats, st.booleans(),
-                                             float_maps).map(list), max_size=2))]),
-    28: (1, lambda d: [d(st.lists(st.tuples(texts, st.sampled_from(["accepted", "duplicate", "stale", "rejected", "?"]),
-                                            texts).map(list), max_size=3))]),
+    27: (
+        12,
+        lambda d: (
+            [d(texts), d(floats)]
+            + [d(small_ints) for _ in range(6)]
+            + [
+                d(floats),
+                d(floats),
+                d(small_ints),
+                d(small_ints),
+                d(st.dictionaries(texts, small_ints, max_size=3)),
+                d(st.dictionaries(texts, small_ints, max_size=3)),
+                d(
+                    st.lists(
+                        st.tuples(
+                            texts, st.sampled_from(ROLES), small_ints, small_ints, floats, st.booleans(), float_maps
+                        ).map(list),
+                        max_size=2,
+                    )
+                ),
+            ]
+        ),
+    ),
+    28: (
+        1,
+        lambda d: [
+            d(
+                st.lists(
+                    st.tuples(texts, st.sampled_from(["accepted", "duplicate", "stale", "rejected", "?"]), texts).map(
+                        list
+                    ),
+                    max_size=3,
+                )
+            )
+        ],
+    ),
 }
 
 
@@ -288,12 +472,24 @@ def reply_array(draw) -> list:
 def announcement_array(draw) -> list:
     if draw(st.booleans()):
         return [40] + finish(draw, [draw(small_ints), draw(small_ints), draw(weights_fields())], 1)
-    return [41] + finish(draw, [draw(st.sampled_from(ACTIONS + ["stop", "discard", "x"])), draw(texts), draw(small_ints), draw(small_ints)], 1)
+    return [41] + finish(
+        draw,
+        [draw(st.sampled_from(ACTIONS + ["stop", "discard", "x"])), draw(texts), draw(small_ints), draw(small_ints)],
+        1,
+    )
 
 
 def valid_frames() -> list[bytes]:
     """Well-formed requests of every type: seeds for mutation."""
-    group = m.build_group("seed-g", "0:1", 0, [1, 2, 3], [(np.arange(6) % 200, -np.ones(6))] * 2, [0.5, 1.0], finish_reasons=["stop", "length"])
+    group = m.build_group(
+        "seed-g",
+        "0:1",
+        0,
+        [1, 2, 3],
+        [(np.arange(6) % 200, -np.ones(6))] * 2,
+        [0.5, 1.0],
+        finish_reasons=["stop", "length"],
+    )
     msgs = [
         m.Register(req_id=11, client_id="fz-r0", role="rollout", info={"k": "v"}),
         m.Heartbeat(req_id=12, client_id="fz-r0", policy_version=1, stats={"tokens_per_s": 3.0}),
@@ -305,10 +501,15 @@ def valid_frames() -> list[bytes]:
         m.AckBatch(req_id=18, client_id="fz-l0", lease_id="abc", step=2, group_ids=["x"], keep_rest=True),
         m.Commit(req_id=19, client_id="fz-l0", step=3),
         m.Rewind(req_id=20, client_id="fz-l0", step=3),
-        m.PublishVersion(req_id=21, client_id="fz-l0", version=1, weights=m.WeightsInfo(
-            transport="gloo", buckets=[[m.ParamSpec(name="w", shape=[2, 3], dtype="float32")]])),
+        m.PublishVersion(
+            req_id=21,
+            client_id="fz-l0",
+            version=1,
+            weights=m.WeightsInfo(transport="gloo", buckets=[[m.ParamSpec(name="w", shape=[2, 3], dtype="float32")]]),
+        ),
         m.Control(req_id=22, client_id="fz-l0", action="pause", reason="seed"),
-        m.GetStatus(req_id=23), m.GetVersion(req_id=24, client_id="fz-r0"),
+        m.GetStatus(req_id=23),
+        m.GetVersion(req_id=24, client_id="fz-r0"),
         m.Leave(req_id=25, client_id="fz-r1", reason="seed"),
     ]
     return [m.encode(x) for x in msgs]
@@ -317,11 +518,18 @@ def valid_frames() -> list[bytes]:
 def valid_replies() -> list[bytes]:
     group = m.build_group("g", "0:1", 0, [1, 2, 3], [(np.arange(6), -np.ones(6))] * 2, [0.5, 1.0])
     msgs = [
-        m.Ack(req_id=31, ref="g", count=1), m.Error(req_id=32, code="bad_frame", reason="x"),
-        m.Throttle(req_id=33, retry_after_s=0.5), m.Registered(req_id=34, broker_id="b", pub_port=5),
-        m.PromptLease(req_id=35, lease_id="L", prompts=[m.Prompt(prompt_id="0:1", prompt="1+1=", answer="2")], expires_in_s=3.0),
+        m.Ack(req_id=31, ref="g", count=1),
+        m.Error(req_id=32, code="bad_frame", reason="x"),
+        m.Throttle(req_id=33, retry_after_s=0.5),
+        m.Registered(req_id=34, broker_id="b", pub_port=5),
+        m.PromptLease(
+            req_id=35, lease_id="L", prompts=[m.Prompt(prompt_id="0:1", prompt="1+1=", answer="2")], expires_in_s=3.0
+        ),
         m.BatchLease(req_id=36, lease_id="B", groups=[group], expires_in_s=6.0),
-        m.CurrentVersion(req_id=37, version=3), m.GroupAcks(req_id=38, acks=[m.GroupAck(group_id="g", status="accepted")]),
-        m.VersionAnnouncement(version=2), m.ControlAnnouncement(action="pause"), m.ControlAnnouncement(action="done"),
+        m.CurrentVersion(req_id=37, version=3),
+        m.GroupAcks(req_id=38, acks=[m.GroupAck(group_id="g", status="accepted")]),
+        m.VersionAnnouncement(version=2),
+        m.ControlAnnouncement(action="pause"),
+        m.ControlAnnouncement(action="done"),
     ]
     return [m.encode(x) for x in msgs]

@@ -38,21 +38,42 @@ RSS_SLACK = 64 << 20
 
 PERMISSION = ("unauthorized", "unregistered")  # wrong role for the request, or a client id that never registered
 ANSWERS = {  # request type -> reply types (and error codes) that may answer it
-    m.Register: (m.Registered, "protocol_mismatch", "too_large", "unavailable"), m.Heartbeat: (m.Ack, "too_large"),
+    m.Register: (m.Registered, "protocol_mismatch", "too_large", "unavailable"),
+    m.Heartbeat: (m.Ack, "too_large"),
     m.LeasePrompts: (m.PromptLease, m.Throttle, "bad_request", "data_exhausted"),
-    m.PushGroup: (m.Ack, m.Throttle, "invalid_group"), m.PushGroups: (m.GroupAcks, "too_large"),
-    m.ReturnPrompts: (m.Ack,), m.LeaseBatch: (m.BatchLease, m.Throttle, "bad_request"),
-    m.AckBatch: (m.Ack,), m.Commit: (m.Ack,), m.Rewind: (m.Ack, "bad_request"), m.PublishVersion: (m.Ack, "bad_request"),
-    m.Control: (m.Ack, "bad_request"), m.GetStatus: (m.Status,), m.GetVersion: (m.CurrentVersion,), m.Leave: (m.Ack,),
+    m.PushGroup: (m.Ack, m.Throttle, "invalid_group"),
+    m.PushGroups: (m.GroupAcks, "too_large"),
+    m.ReturnPrompts: (m.Ack,),
+    m.LeaseBatch: (m.BatchLease, m.Throttle, "bad_request"),
+    m.AckBatch: (m.Ack,),
+    m.Commit: (m.Ack,),
+    m.Rewind: (m.Ack, "bad_request"),
+    m.PublishVersion: (m.Ack, "bad_request"),
+    m.Control: (m.Ack, "bad_request"),
+    m.GetStatus: (m.Status,),
+    m.GetVersion: (m.CurrentVersion,),
+    m.Leave: (m.Ack,),
 }
 ANSWERS = {k: v + PERMISSION for k, v in ANSWERS.items()}
 REFUSALS = {"bad_frame", "invalid_group", "too_large"}
 
 
 def fuzz_job(tmp_path, arith_data, **broker):
-    return write_job(tmp_path, arith_data, learner={"groups_per_step": 4}, broker={
-        "max_message_bytes": MAX_BYTES, "vocab_size": fs.VOCAB, "queue_capacity": 4096, "prompt_lease_s": 2.0,
-        "batch_lease_s": 2.0, "client_timeout_s": 5.0, "heartbeat_s": 1.0, **broker})
+    return write_job(
+        tmp_path,
+        arith_data,
+        learner={"groups_per_step": 4},
+        broker={
+            "max_message_bytes": MAX_BYTES,
+            "vocab_size": fs.VOCAB,
+            "queue_capacity": 4096,
+            "prompt_lease_s": 2.0,
+            "batch_lease_s": 2.0,
+            "client_timeout_s": 5.0,
+            "heartbeat_s": 1.0,
+            **broker,
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +114,11 @@ class Expectation:
         if isinstance(reply, m.Error) and reply.code == "bad_frame" and "RecursionError" in reply.reason:
             return True  # nested ~1,000 deep: the decoder's depth limit counts the caller's stack, deeper in the broker
         allowed = ANSWERS[type(self.request)]
-        return reply.code in allowed if isinstance(reply, m.Error) else isinstance(reply, tuple(t for t in allowed if isinstance(t, type)))
+        return (
+            reply.code in allowed
+            if isinstance(reply, m.Error)
+            else isinstance(reply, tuple(t for t in allowed if isinstance(t, type)))
+        )
 
 
 def matched(replies: list[m.Message], sent: list[Expectation]) -> bool:
@@ -160,7 +185,11 @@ class Fuzzer:
         out += [fs.mutate(rng.choice(seeds), rng, seeds) for _ in range(2 * len(structured))]
         out += [fs.raw_frame(rng, seeds, fs.REQUEST_TAGS) for _ in range(len(structured) // 2)]
         if rng.random() < 0.3:
-            out.append(rng.choice([[b"", rng.choice(seeds)], [rng.choice(seeds), b""], [b"a", b"b", b"c"], [rng.choice(seeds)] * 2]))
+            out.append(
+                rng.choice(
+                    [[b"", rng.choice(seeds)], [rng.choice(seeds), b""], [b"a", b"b", b"c"], [rng.choice(seeds)] * 2]
+                )
+            )
         if rng.random() < 0.05:  # over max_message_bytes, under the transport's 2x limit: a typed too_large
             out.append(rng.choice(seeds) + rng.randbytes(MAX_BYTES + rng.randrange(MAX_BYTES // 2)))
         out += [self.follow_up(lease, rng) for lease in self.leases]
@@ -189,20 +218,36 @@ class Fuzzer:
         if isinstance(lease, m.PromptLease):
             ids = [p.prompt_id for p in lease.prompts]
             if rng.random() < 0.5:
-                return m.encode(m.ReturnPrompts(req_id=rng.randrange(1, 2**40), client_id=cid, lease_id=lease.lease_id,
-                                                prompt_ids=rng.sample(ids, rng.randint(0, len(ids))) + ["0:0"] * rng.randint(0, 1)))
+                return m.encode(
+                    m.ReturnPrompts(
+                        req_id=rng.randrange(1, 2**40),
+                        client_id=cid,
+                        lease_id=lease.lease_id,
+                        prompt_ids=rng.sample(ids, rng.randint(0, len(ids))) + ["0:0"] * rng.randint(0, 1),
+                    )
+                )
             g = make_group(rng.choice(ids), version=max(0, lease.policy_version), token=rng.choice([5, 262, 263, -1]))
-            return fs.mutate(m.encode(m.PushGroup(req_id=rng.randrange(1, 2**40), client_id=cid, group=g)), rng) \
-                if rng.random() < 0.2 else m.encode(m.PushGroup(req_id=rng.randrange(1, 2**40), client_id=cid, group=g))
+            return (
+                fs.mutate(m.encode(m.PushGroup(req_id=rng.randrange(1, 2**40), client_id=cid, group=g)), rng)
+                if rng.random() < 0.2
+                else m.encode(m.PushGroup(req_id=rng.randrange(1, 2**40), client_id=cid, group=g))
+            )
         gids = [g.group_id for g in lease.groups]
         kind = rng.randrange(4)
         if kind == 2:
             return m.encode(m.Rewind(req_id=rng.randrange(1, 2**40), client_id=cid, step=rng.randint(-1, 3)))
         if kind == 3:
             return m.encode(m.Commit(req_id=rng.randrange(1, 2**40), client_id=cid, step=rng.randint(-1, 3)))
-        return m.encode(m.AckBatch(req_id=rng.randrange(1, 2**40), client_id=cid, lease_id=lease.lease_id, step=rng.randint(0, 3),
-                                   group_ids=rng.sample(gids, rng.randint(0, len(gids))) + ["nope"] * rng.randint(0, 1),
-                                   keep_rest=rng.random() < 0.5))
+        return m.encode(
+            m.AckBatch(
+                req_id=rng.randrange(1, 2**40),
+                client_id=cid,
+                lease_id=lease.lease_id,
+                step=rng.randint(0, 3),
+                group_ids=rng.sample(gids, rng.randint(0, len(gids))) + ["nope"] * rng.randint(0, 1),
+                keep_rest=rng.random() < 0.5,
+            )
+        )
 
     def send_batch(self, frames: list[bytes | list[bytes]]) -> None:
         expected: dict[int, list[Expectation]] = defaultdict(list)
@@ -229,8 +274,12 @@ class Fuzzer:
             self.tally[f"reply:{type(reply).__name__}" + (f":{reply.code}" if isinstance(reply, m.Error) else "")] += 1
         self.tally["reply_wait_ms"] += int(1000 * (time.monotonic() - t0))
         for req_id, got in replies.items():
-            assert matched(got, expected.get(req_id, [])), f"replies {got} do not answer the frames sent with req_id {req_id}: {expected.get(req_id)}"
-        assert received == len(frames), f"{len(frames) - received} of {len(frames)} frames got no reply: {dict(expected)}"
+            assert matched(got, expected.get(req_id, [])), (
+                f"replies {got} do not answer the frames sent with req_id {req_id}: {expected.get(req_id)}"
+            )
+        assert received == len(frames), (
+            f"{len(frames) - received} of {len(frames)} frames got no reply: {dict(expected)}"
+        )
         assert self.broker.proc.poll() is None, "the broker died"
         self.rss.append(self.proc.memory_info().rss)
 
@@ -258,7 +307,9 @@ class Fuzzer:
             self.tally["canary_throttled"] += 1
         batch = lrn.lease_batch(1)  # fewer than it pushed: the rest of the queue is left to the fuzz's own leases
         if isinstance(batch, m.BatchLease):
-            assert all(m.check_group(g, fs.VOCAB) is None for g in batch.groups)  # nothing invalid ever reaches a learner
+            assert all(
+                m.check_group(g, fs.VOCAB) is None for g in batch.groups
+            )  # nothing invalid ever reaches a learner
             assert lrn.ack_batch(batch.lease_id, [g.group_id for g in batch.groups], 1).count == len(batch.groups)
             self.tally["canary_trained"] += len(batch.groups)
         status = r.status()
@@ -271,9 +322,18 @@ def run_fuzz(broker: BrokerProcess, examples: int, requests: st.SearchStrategy |
 
     # no shrinking: every shrink step would replay batches against the live broker (with its timeouts);
     # a failure prints the frames of the batch instead
-    @settings(max_examples=examples, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
-    @given(requests=requests if requests is not None else st.lists(fs.request_array(), min_size=6, max_size=10), rng=st.randoms(use_true_random=False))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+    )
+    @given(
+        requests=requests if requests is not None else st.lists(fs.request_array(), min_size=6, max_size=10),
+        rng=st.randoms(use_true_random=False),
+    )
     def batch(requests, rng):
         try:
             fuzzer.send_batch(fuzzer.frames(requests, rng))
@@ -287,7 +347,9 @@ def run_fuzz(broker: BrokerProcess, examples: int, requests: st.SearchStrategy |
         batch()
         fuzzer.canary()
         warm = fuzzer.rss[len(fuzzer.rss) // 10]
-        assert max(fuzzer.rss) < 2 * warm + RSS_SLACK, f"broker RSS grew from {warm >> 20} MiB to {max(fuzzer.rss) >> 20} MiB"
+        assert max(fuzzer.rss) < 2 * warm + RSS_SLACK, (
+            f"broker RSS grew from {warm >> 20} MiB to {max(fuzzer.rss) >> 20} MiB"
+        )
         fuzzer.tally["rss_warm_mib"], fuzzer.tally["rss_max_mib"] = warm >> 20, max(fuzzer.rss) >> 20
     finally:
         fuzzer.close()
@@ -321,8 +383,10 @@ def test_fuzz_stop_and_discard(tmp_path, arith_data):
         mix = st.lists(st.one_of(fs.control_array(), fs.request_array((4, 14, 6, 7, 10, 3))), min_size=4, max_size=8)
         tally = run_fuzz(proc, examples=100, requests=mix)
         assert tally["frames"] >= 1_500 and tally["canary_rounds"] == 101
-        with ZmqBrokerClient(proc.address, "op", "operator", timeout_s=5.0) as c, \
-                ZmqBrokerClient(proc.address, "late-r", "rollout", timeout_s=5.0) as r:
+        with (
+            ZmqBrokerClient(proc.address, "op", "operator", timeout_s=5.0) as c,
+            ZmqBrokerClient(proc.address, "late-r", "rollout", timeout_s=5.0) as r,
+        ):
             c.connect()
             r.connect()
             assert c.control("stop", reason="fuzz").ref == "stop"
@@ -357,7 +421,9 @@ def raw_roundtrip(address: str, frames: list[bytes], timeout: float) -> tuple[li
 def long_polls(waits, n: int = 2**63 - 1, min_groups: int = 2**63 - 1) -> list[bytes]:
     """A learner's Register, then one LeaseBatch per wait."""
     return [m.encode(m.Register(req_id=10**6, client_id="fz-poll", role="learner"))] + [
-        m.encode(m.LeaseBatch(req_id=i + 1, client_id="fz-poll", n=n, wait_s=w, min_groups=min_groups)) for i, w in enumerate(waits)]
+        m.encode(m.LeaseBatch(req_id=i + 1, client_id="fz-poll", n=n, wait_s=w, min_groups=min_groups))
+        for i, w in enumerate(waits)
+    ]
 
 
 def test_long_polls_end(broker):
@@ -392,16 +458,19 @@ def test_unbounded_long_polls_are_answered(broker):
     """A LeaseBatch is held at most server.MAX_WAIT_S (60 s), whatever its wait_s: no request waits for ever."""
     from fleetrl.broker.server.service import MAX_WAIT_S
 
-    replies, last = raw_roundtrip(broker.address, long_polls([math.inf, 1e300, 1e9, MAX_WAIT_S + 30] * 50),
-                                  timeout=MAX_WAIT_S + 10)
+    replies, last = raw_roundtrip(
+        broker.address, long_polls([math.inf, 1e300, 1e9, MAX_WAIT_S + 30] * 50), timeout=MAX_WAIT_S + 10
+    )
     assert len(replies) == 201 and MAX_WAIT_S - 1 < last < MAX_WAIT_S + 5
 
 
 def test_return_prompts_with_a_repeated_id(broker):
     """Found by this fuzz: a ReturnPrompts naming one prompt twice raised KeyError inside the broker
     (an `internal` error, after half the prompts had been put back)."""
-    with ZmqBrokerClient(broker.address, "repeat", "rollout", timeout_s=5.0) as c, \
-            ZmqBrokerClient(broker.address, "repeat-op", "operator", timeout_s=5.0) as op:
+    with (
+        ZmqBrokerClient(broker.address, "repeat", "rollout", timeout_s=5.0) as c,
+        ZmqBrokerClient(broker.address, "repeat-op", "operator", timeout_s=5.0) as op,
+    ):
         c.connect()
         op.connect()
         op.control("resume")
@@ -416,7 +485,9 @@ def test_return_prompts_with_a_repeated_id(broker):
 
 def test_oversized_frames_are_dropped_by_the_transport(broker):
     """Over 2x max_message_bytes ZeroMQ drops the frame (and that connection); the broker serves on."""
-    replies, _ = raw_roundtrip(broker.address, [m.encode(m.GetStatus(req_id=5)) + b"\x00" * TRANSPORT_LIMIT], timeout=1.0)
+    replies, _ = raw_roundtrip(
+        broker.address, [m.encode(m.GetStatus(req_id=5)) + b"\x00" * TRANSPORT_LIMIT], timeout=1.0
+    )
     assert replies == []  # dropped, unanswered
     replies, _ = raw_roundtrip(broker.address, [m.encode(m.GetStatus(req_id=6)) + b"\x00" * MAX_BYTES], timeout=5.0)
     assert replies[0].req_id == 6 and replies[0].code == "too_large"  # under the transport limit: a typed refusal

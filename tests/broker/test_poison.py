@@ -29,11 +29,14 @@ def raw_push(group: m.SampleGroup, **fields) -> bytes:
     return msgspec.msgpack.encode(raw)
 
 
-@pytest.mark.parametrize("field, value, reason", [
-    ("rewards", [1e39, 0.0], "float32 range"),
-    ("policy_version", 2**64 - 1, "outside [0, 2147483647]"),
-    ("policy_version", 2**31, "outside [0, 2147483647]"),
-])
+@pytest.mark.parametrize(
+    "field, value, reason",
+    [
+        ("rewards", [1e39, 0.0], "float32 range"),
+        ("policy_version", 2**64 - 1, "outside [0, 2147483647]"),
+        ("policy_version", 2**31, "outside [0, 2147483647]"),
+    ],
+)
 def test_poisoned_values_are_refused_at_decode(field, value, reason):
     with pytest.raises(m.ProtocolError, match=reason.replace("[", r"\[").replace("]", r"\]")):
         m.decode_request(raw_push(make_group("0:0"), **{field: value}))
@@ -89,7 +92,9 @@ def test_client_table_is_bounded_and_evicts_dead_clients():
     for i in range(3):
         assert isinstance(state.handle(m.Register(req_id=1, client_id=f"c{i}", role="rollout"), float(i)), m.Registered)
     full = state.handle(m.Register(req_id=1, client_id="c3", role="rollout"), 5.0)
-    assert full.code == "unavailable" and "broker.max_clients=3" in full.reason and state.rejected["too_many_clients"] == 1
+    assert (
+        full.code == "unavailable" and "broker.max_clients=3" in full.reason and state.rejected["too_many_clients"] == 1
+    )
     assert isinstance(state.handle(m.Register(req_id=1, client_id="c3", role="rollout"), 10.5), m.Registered)
     assert len(state.clients) == 3 and state.clients.get("c0") is None and state.clients.evicted == 1  # c0 was dead
     state.expire(1000.0)  # silent for 10 x client_timeout_s: evicted anyway
@@ -120,8 +125,10 @@ def test_pushes_beyond_the_frame_and_memory_caps_are_refused():
 def test_a_push_frame_of_a_million_groups_is_refused_before_decoding():
     g = make_group("0:0", n=1, t=1)
     one = m.encode(g)
-    frame = msgspec.msgpack.encode([m.PushGroups.__struct_config__.tag, 5, "r0"])[:-0 or None]
-    body = b"\x94" + frame[1:] + b"\xdd" + (10**6).to_bytes(4, "big") + one * 10**6  # [tag, req_id, client, [10^6 groups]]
+    frame = msgspec.msgpack.encode([m.PushGroups.__struct_config__.tag, 5, "r0"])[: -0 or None]
+    body = (
+        b"\x94" + frame[1:] + b"\xdd" + (10**6).to_bytes(4, "big") + one * 10**6
+    )  # [tag, req_id, client, [10^6 groups]]
     assert m.peek_push_count(body) == 10**6 and m.peek_header(body) == (14, 5)
     t0 = time.perf_counter()
     for _ in range(100):
@@ -142,8 +149,7 @@ def test_discard_ranges_merge_and_membership_stays_cheap(state):
 
 def test_log_probs_of_appended_tokens_may_be_zero(state):
     prompt = lease_prompts(state, 1).prompts[0].prompt_id
-    g = m.build_group("ga", prompt, 0, [1, 2], [([5, 6, 7], [-0.5, 0.0, 0.0])], [1.0],
-                      loss_masks=[np.array([1, 0, 0])])
+    g = m.build_group("ga", prompt, 0, [1, 2], [([5, 6, 7], [-0.5, 0.0, 0.0])], [1.0], loss_masks=[np.array([1, 0, 0])])
     assert push(state, g).count == 1
 
 

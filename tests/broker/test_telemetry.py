@@ -8,8 +8,8 @@ import pytest
 from fleetrl.broker.client.metrics import status_metrics
 from fleetrl.broker.server.service import trace_batch_lease, trace_ingest
 from fleetrl.common import messages as m
-from fleetrl.common.telemetry import tracing
 from fleetrl.common.config.schema import TelemetryConfig
+from fleetrl.common.telemetry import tracing
 from tests.broker.conftest import make_state
 from tests.helpers import make_group
 
@@ -55,21 +55,50 @@ def test_ingest_spans_are_children_of_each_group_context(traced):
     [lease_span] = [s for s in spans if s["name"] == "broker.batch_lease"]
     _, trace_id, span_id, _ = good.trace["traceparent"].split("-")
     assert (lease_span["trace_id"], lease_span["parent_id"]) == (trace_id, span_id)
-    assert lease_span["attributes"]["fleetrl.groups"] == 3 and lease_span["attributes"]["fleetrl.group_id"] == good.group_id
+    assert (
+        lease_span["attributes"]["fleetrl.groups"] == 3
+        and lease_span["attributes"]["fleetrl.group_id"] == good.group_id
+    )
     assert lease_span["attributes"]["fleetrl.lease_id"] == batch.lease_id and lease_span["links"] == []
 
 
 def test_status_metrics_aggregate_the_rollout_fleet():
-    stats = [{"rollout/tokens_per_s": 100.0, "reward/mean": 0.5, "rollout/groups_pushed": 10.0,
-              "rollout/policy_version": 3.0, "weights/load_s": 0.2},
-             {"rollout/tokens_per_s": 50.0, "reward/mean": 0.25, "rollout/groups_pushed": 4.0,
-              "rollout/policy_version": 1.0}]
+    stats = [
+        {
+            "rollout/tokens_per_s": 100.0,
+            "reward/mean": 0.5,
+            "rollout/groups_pushed": 10.0,
+            "rollout/policy_version": 3.0,
+            "weights/load_s": 0.2,
+        },
+        {
+            "rollout/tokens_per_s": 50.0,
+            "reward/mean": 0.25,
+            "rollout/groups_pushed": 4.0,
+            "rollout/policy_version": 1.0,
+        },
+    ]
     clients = [m.ClientInfo(client_id=f"r{i}", role="rollout", stats=s) for i, s in enumerate(stats)]
-    clients += [m.ClientInfo(client_id="dead", role="rollout", alive=False, stats={"rollout/tokens_per_s": 1e9}),
-                m.ClientInfo(client_id="learner-0", role="learner")]
-    status = m.Status(req_id=0, broker_id="b", uptime_s=1.0, policy_version=4, queue_depth=0, groups_in_flight=0,
-                      prompts_leased=0, groups_in=0, groups_out=0, groups_in_per_s=0.0, groups_out_per_s=0.0,
-                      dropped_stale=0, duplicates=0, clients=clients)
+    clients += [
+        m.ClientInfo(client_id="dead", role="rollout", alive=False, stats={"rollout/tokens_per_s": 1e9}),
+        m.ClientInfo(client_id="learner-0", role="learner"),
+    ]
+    status = m.Status(
+        req_id=0,
+        broker_id="b",
+        uptime_s=1.0,
+        policy_version=4,
+        queue_depth=0,
+        groups_in_flight=0,
+        prompts_leased=0,
+        groups_in=0,
+        groups_out=0,
+        groups_in_per_s=0.0,
+        groups_out_per_s=0.0,
+        dropped_stale=0,
+        duplicates=0,
+        clients=clients,
+    )
     out = status_metrics(status)
     assert out["fleet/servers"] == 2 and out["fleet/tokens_per_s"] == 150.0  # 100 + 50; the dead one is left out
     assert out["fleet/reward_mean"] == 0.375 and out["fleet/groups_pushed"] == 14.0  # (0.5 + 0.25) / 2; 10 + 4

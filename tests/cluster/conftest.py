@@ -31,8 +31,9 @@ def pytest_collection_modifyitems(items):
 
 
 def fleetrl(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fleetrl.app.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "fleetrl.app.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="session")
@@ -44,10 +45,27 @@ def assets(tmp_path_factory) -> dict[str, str]:
     model, warm, data = root / "small", root / "warm", root / "arith.jsonl"
     if keep and (warm / "config.json").exists() and (root / "arith.eval.jsonl").exists():
         return {"model": str(warm), "train": str(data), "eval": str(root / "arith.eval.jsonl")}
-    for args in (["init-model", "--out", str(model), "--preset", "small"],
-                 ["init-data", "--task", "arithmetic", "--out", str(data), "--n", "20000", "--eval-n", "500"],
-                 ["sft", "--model", str(model), "--data", str(data), "--eval-data", str(root / "arith.eval.jsonl"),
-                  "--out", str(warm), "--target-acc", "0.25", "--threads", "1", "--max-minutes", "8"]):
+    for args in (
+        ["init-model", "--out", str(model), "--preset", "small"],
+        ["init-data", "--task", "arithmetic", "--out", str(data), "--n", "20000", "--eval-n", "500"],
+        [
+            "sft",
+            "--model",
+            str(model),
+            "--data",
+            str(data),
+            "--eval-data",
+            str(root / "arith.eval.jsonl"),
+            "--out",
+            str(warm),
+            "--target-acc",
+            "0.25",
+            "--threads",
+            "1",
+            "--max-minutes",
+            "8",
+        ],
+    ):
         out = fleetrl(*args)
         assert out.returncode == 0, f"fleetrl {args[0]} failed:\n{out.stdout}\n{out.stderr}"
     return {"model": str(warm), "train": str(data), "eval": str(root / "arith.eval.jsonl")}
@@ -61,8 +79,10 @@ def job_overrides(assets: dict[str, str], *extra: str) -> list[str]:
 def slurm(tmp_path_factory):
     missing = missing_tools()
     if missing:
-        pytest.fail(f"Slurm tools missing: {', '.join(missing)}; run `bash scripts/cluster_deps.sh` (apt-get install "
-                    "slurm-wlm munge) or `make test-cluster`, which does")
+        pytest.fail(
+            f"Slurm tools missing: {', '.join(missing)}; run `bash scripts/cluster_deps.sh` (apt-get install "
+            "slurm-wlm munge) or `make test-cluster`, which does"
+        )
     if os.geteuid() != 0:
         pytest.fail("the local Slurm cluster runs slurmctld/slurmd as root; run `make test-cluster` as root")
     cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
@@ -111,7 +131,9 @@ def wait_for(predicate, timeout: float, what: str, dump: Path | None = None):
         if time.monotonic() > deadline:
             tail = ""
             if dump is not None:
-                tail = "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(dump.rglob("*.out")))
+                tail = "\n".join(
+                    f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(dump.rglob("*.out"))
+                )
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{tail}")
         time.sleep(0.5)
 
@@ -127,8 +149,12 @@ def learned(run_dir: Path, gain: float = 0.05) -> bool:
 
 
 def trained_ids(run_dir: Path) -> list[str]:
-    return [g for path in sorted(run_dir.glob("trained-*.jsonl")) for row in read_jsonl(path)
-            for g in row.get("group_ids", [])]
+    return [
+        g
+        for path in sorted(run_dir.glob("trained-*.jsonl"))
+        for row in read_jsonl(path)
+        for g in row.get("group_ids", [])
+    ]
 
 
 def ready_pid(path: Path) -> int:

@@ -77,7 +77,7 @@ class Hosts:
         self._closed = False
 
     # ------------------------------------------------------------------ setup / teardown
-    def start(self) -> "Hosts":
+    def start(self) -> Hosts:
         why = missing()
         if why:
             raise HostsError(why)
@@ -142,7 +142,7 @@ class Hosts:
             while pids and time.monotonic() < end and _ip("netns", "pids", ns, check=False).stdout.split():
                 time.sleep(0.1)
 
-    def __enter__(self) -> "Hosts":
+    def __enter__(self) -> Hosts:
         return self.start()
 
     def __exit__(self, *exc) -> None:

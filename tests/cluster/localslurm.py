@@ -27,9 +27,13 @@ from pathlib import Path
 
 from fleetrl.common.net import free_port
 
+
 def missing_tools() -> list[str]:
-    return [t for t in ("sbatch", "srun", "scontrol", "slurmctld", "slurmd", "munged") if shutil.which(t) is None
-            and not Path(f"/usr/sbin/{t}").exists()]
+    return [
+        t
+        for t in ("sbatch", "srun", "scontrol", "slurmctld", "slurmd", "munged")
+        if shutil.which(t) is None and not Path(f"/usr/sbin/{t}").exists()
+    ]
 
 
 SLURM_CONF = """\
@@ -96,19 +100,30 @@ class LocalSlurm:
         for d in ("state", "spool"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         mem = max(1000, int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20 * 0.9))
-        self.conf.write_text(SLURM_CONF.format(host=self.host, node=self.node, root=self.root, cpus=self.cpus, mem=mem,
-                                               ctld_port=free_port(), slurmd_port=free_port(),
-                                               proctrack=self.proctrack))
+        self.conf.write_text(
+            SLURM_CONF.format(
+                host=self.host,
+                node=self.node,
+                root=self.root,
+                cpus=self.cpus,
+                mem=mem,
+                ctld_port=free_port(),
+                slurmd_port=free_port(),
+                proctrack=self.proctrack,
+            )
+        )
         (self.root / "cgroup.conf").write_text(CGROUP_CONF)
 
-    def start(self) -> "LocalSlurm":
+    def start(self) -> LocalSlurm:
         self.write_config()
         self._start_munge()
         log = (self.root / "daemons.out").open("ab")
-        self.procs["slurmctld"] = subprocess.Popen(["slurmctld", "-D", "-i", "-f", str(self.conf)], stdout=log,
-                                                   stderr=subprocess.STDOUT, env=self.env)
-        self.procs["slurmd"] = subprocess.Popen(["slurmd", "-D", "-f", str(self.conf)], stdout=log,
-                                                stderr=subprocess.STDOUT, env=self.env)
+        self.procs["slurmctld"] = subprocess.Popen(
+            ["slurmctld", "-D", "-i", "-f", str(self.conf)], stdout=log, stderr=subprocess.STDOUT, env=self.env
+        )
+        self.procs["slurmd"] = subprocess.Popen(
+            ["slurmd", "-D", "-f", str(self.conf)], stdout=log, stderr=subprocess.STDOUT, env=self.env
+        )
         self.wait_idle(60)
         return self
 
@@ -121,20 +136,29 @@ class LocalSlurm:
             os.chown(d, user.pw_uid, user.pw_gid)
         if self._munge_ok():  # one already serving the socket (another session's): use it, leave it alone
             return
-        self.procs["munged"] = subprocess.Popen(["munged", "-F", "--force"], user=user.pw_uid, group=user.pw_gid,
-                                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self.procs["munged"] = subprocess.Popen(
+            ["munged", "-F", "--force"],
+            user=user.pw_uid,
+            group=user.pw_gid,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 20
         while not self._munge_ok():
             if self.procs["munged"].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"munged did not start (exit {self.procs['munged'].poll()}); see /var/log/munge/munged.log")
+                raise RuntimeError(
+                    f"munged did not start (exit {self.procs['munged'].poll()}); see /var/log/munge/munged.log"
+                )
             time.sleep(0.1)
 
     @staticmethod
     def _munge_ok() -> bool:
         try:
             cred = subprocess.run(["munge", "-n"], capture_output=True, timeout=5)
-            return cred.returncode == 0 and subprocess.run(["unmunge"], input=cred.stdout, capture_output=True,
-                                                           timeout=5).returncode == 0
+            return (
+                cred.returncode == 0
+                and subprocess.run(["unmunge"], input=cred.stdout, capture_output=True, timeout=5).returncode == 0
+            )
         except (OSError, subprocess.TimeoutExpired):
             return False
 
@@ -201,7 +225,7 @@ class LocalSlurm:
                 proc.kill()
                 proc.wait()
 
-    def __enter__(self) -> "LocalSlurm":
+    def __enter__(self) -> LocalSlurm:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -234,25 +258,35 @@ class HostsSlurm(LocalSlurm):
     def write_config(self) -> None:
         super().write_config()
         text = self.conf.read_text()
-        head = text[:text.index("NodeName=")]
+        head = text[: text.index("NodeName=")]
         mem = re.search(r"RealMemory=(\d+)", text).group(1)
         head = head.replace(f"SlurmctldHost={self.host}", f"SlurmctldHost={self.host}({self.hosts.addrs[0]})")
-        nodes = "".join(NODE_LINE.format(node=self.hosts.names[i], addr=self.hosts.addrs[i], cpus=self.cpus, mem=mem)
-                        for i in self.compute)
-        part = (f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP "
-                "OverSubscribe=FORCE:4\n")
+        nodes = "".join(
+            NODE_LINE.format(node=self.hosts.names[i], addr=self.hosts.addrs[i], cpus=self.cpus, mem=mem)
+            for i in self.compute
+        )
+        part = (
+            f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP "
+            "OverSubscribe=FORCE:4\n"
+        )
         self.conf.write_text(head + "SlurmdTimeout=300\n" + nodes + part)
 
-    def start(self) -> "HostsSlurm":
+    def start(self) -> HostsSlurm:
         self.write_config()
         self._start_munge()
         log = (self.root / "daemons.out").open("ab")
-        self.procs["slurmctld"] = self.hosts.popen(0, ["slurmctld", "-D", "-i", "-f", str(self.conf)], stdout=log,
-                                                   stderr=subprocess.STDOUT, env=self.env)
+        self.procs["slurmctld"] = self.hosts.popen(
+            0, ["slurmctld", "-D", "-i", "-f", str(self.conf)], stdout=log, stderr=subprocess.STDOUT, env=self.env
+        )
         for i in self.compute:
             name = self.hosts.names[i]
-            self.procs[f"slurmd-{name}"] = self.hosts.popen(i, ["slurmd", "-D", "-N", name, "-f", str(self.conf)],
-                                                            stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            self.procs[f"slurmd-{name}"] = self.hosts.popen(
+                i,
+                ["slurmd", "-D", "-N", name, "-f", str(self.conf)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+            )
         self.wait_idle(90)
         return self
 

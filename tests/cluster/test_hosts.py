@@ -35,8 +35,11 @@ PORT = 23999
 
 
 def namespaces() -> set[str]:
-    return {line.split()[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True,
-                                                      text=True).stdout.splitlines() if line.strip()}
+    return {
+        line.split()[0]
+        for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines()
+        if line.strip()
+    }
 
 
 def running(pid: int) -> bool:
@@ -87,9 +90,17 @@ def test_close_removes_namespaces_links_files_and_processes_also_after_a_failure
             made = {h.switch, *h.names}
             assert made <= namespaces() and all((NETNS_ETC / n / "hosts").exists() for n in h.names)
             # a process that ignores SIGTERM, and one started inside a command (not held by the harness)
-            stubborn = h.popen(1, [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
-                                   "signal.SIG_IGN); print('up', flush=True); time.sleep(600)"],
-                               stdout=subprocess.PIPE, text=True)
+            stubborn = h.popen(
+                1,
+                [
+                    sys.executable,
+                    "-c",
+                    "import signal, time; signal.signal(signal.SIGTERM, "
+                    "signal.SIG_IGN); print('up', flush=True); time.sleep(600)",
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             assert stubborn.stdout.readline().strip() == "up"
             orphan = int(h.run(0, ["sh", "-c", "setsid sleep 600 >/dev/null 2>&1 < /dev/null & echo $!"]).stdout)
             assert subprocess.run(["ip", "netns", "pids", h.names[0]], capture_output=True, text=True).stdout.split()

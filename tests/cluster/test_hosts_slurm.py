@@ -23,8 +23,15 @@ from tests.cluster.localslurm import HostsSlurm, missing_tools
 pytestmark = pytest.mark.cluster
 CUT_S = 20.0
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "hosts_slurm.json"
-LAYOUT = ["cluster.share_nodes=false", "cluster.slurm.broker_own_node=true", "cluster.learner.nodes=2",
-          "learner.num_ranks=2", "cluster.rollout.nodes=2", "cluster.rollout.servers_per_node=1", "cluster.interface=eth0"]
+LAYOUT = [
+    "cluster.share_nodes=false",
+    "cluster.slurm.broker_own_node=true",
+    "cluster.learner.nodes=2",
+    "learner.num_ranks=2",
+    "cluster.rollout.nodes=2",
+    "cluster.rollout.servers_per_node=1",
+    "cluster.interface=eth0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +61,23 @@ def logged_ids(run: Path, key: str) -> list[str]:
 def test_four_roles_on_five_nodes_learn_and_survive_a_rollout_host_cut_and_a_broker_host_cut(cluster, assets, tmp_path):
     hosts, slurm = cluster
     run, spool = tmp_path / "run", tmp_path / "spool"
-    submit = hosts.run(0, [sys.executable, "-m", "fleetrl.app.cli", "launch", "slurm", "--config", JOB, "--run-dir",
-                           str(run), *job_overrides(assets, *LAYOUT, "learner.max_minutes=3", f"broker.spool_dir={spool}")],
-                       env=slurm.env, timeout=120)
+    submit = hosts.run(
+        0,
+        [
+            sys.executable,
+            "-m",
+            "fleetrl.app.cli",
+            "launch",
+            "slurm",
+            "--config",
+            JOB,
+            "--run-dir",
+            str(run),
+            *job_overrides(assets, *LAYOUT, "learner.max_minutes=3", f"broker.spool_dir={spool}"),
+        ],
+        env=slurm.env,
+        timeout=120,
+    )
     assert submit.returncode == 0, submit.stdout + submit.stderr
     job = re.search(r"submitted job (\d+)", submit.stdout).group(1)
 
@@ -75,7 +96,9 @@ def test_four_roles_on_five_nodes_learn_and_survive_a_rollout_host_cut_and_a_bro
     assert names[1] in json.dumps(world), world  # the broker's address names its host
     assert sorted(p.name for p in run.glob("trained-*.jsonl")) == ["trained-0.jsonl", "trained-1.jsonl"]
     # Weights across the bridge: both rollout servers (hosts 4 and 5) in the broadcast rounds.
-    wait_for(lambda: any(r.get("sync/receivers") == 2 for r in rows()), 120, "a weight round reaching both rollouts", run)
+    wait_for(
+        lambda: any(r.get("sync/receivers") == 2 for r in rows()), 120, "a weight round reaching both rollouts", run
+    )
     assert slurm.job_state(job) == "RUNNING"
 
     # Cut the host of one rollout server for CUT_S; the other server keeps the learner fed.
@@ -86,11 +109,17 @@ def test_four_roles_on_five_nodes_learn_and_survive_a_rollout_host_cut_and_a_bro
     steps_during = len(rows()) - steps_at_cut
     hosts.restore(5)
     restored = time.time()
-    back = wait_for(lambda: [r for r in acked(cut_index) if r["time"] > restored and r["group_ids"]], 120,
-                    f"rollout-{cut_index}'s groups accepted again after its link returned", run)
+    back = wait_for(
+        lambda: [r for r in acked(cut_index) if r["time"] > restored and r["group_ids"]],
+        120,
+        f"rollout-{cut_index}'s groups accepted again after its link returned",
+        run,
+    )
     back_s = back[0]["time"] - restored
-    print(f"hosts: cut {names[5]} (rollout-{cut_index}) {CUT_S:.0f} s; {steps_during} learner steps during the cut; "
-          f"its groups accepted again {back_s:.1f} s after the link returned")
+    print(
+        f"hosts: cut {names[5]} (rollout-{cut_index}) {CUT_S:.0f} s; {steps_during} learner steps during the cut; "
+        f"its groups accepted again {back_s:.1f} s after the link returned"
+    )
 
     # Cut the broker's host for CUT_S: every client's requests stall; a request is tried three times of
     # broker.request_timeout_s (10 s in job.yaml), so the clients outlast the cut and resume; nothing
@@ -100,19 +129,25 @@ def test_four_roles_on_five_nodes_learn_and_survive_a_rollout_host_cut_and_a_bro
     time.sleep(CUT_S)
     hosts.restore(1)
     restored = time.time()
-    resumed = wait_for(lambda: [r for r in rows() if r["time"] > restored], 120,
-                       "a learner step after the broker's link returned", run)
+    resumed = wait_for(
+        lambda: [r for r in rows() if r["time"] > restored], 120, "a learner step after the broker's link returned", run
+    )
     broker_back_s = resumed[0]["time"] - restored
-    print(f"hosts: cut the broker's host {names[1]} {CUT_S:.0f} s; next learner step {broker_back_s:.1f} s after "
-          "the link returned")
+    print(
+        f"hosts: cut the broker's host {names[1]} {CUT_S:.0f} s; next learner step {broker_back_s:.1f} s after "
+        "the link returned"
+    )
 
-    assert slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 420) == "COMPLETED", \
-        (run / "launch" / f"slurm-{job}.out").read_text()[-3000:]
+    assert slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 420) == "COMPLETED", (
+        run / "launch" / f"slurm-{job}.out"
+    ).read_text()[-3000:]
     # Accuracy up. The learner's held-out eval runs only with one rank (learner/evaluate.py), so this is the
     # exact-match accuracy of the groups it trained on (reward/mean of `exact`, temperature 1).
     reward = [r["reward/mean"] for r in rows() if "reward/mean" in r]
     first, last = sum(reward[:20]) / 20, sum(reward[-20:]) / 20
-    assert len(reward) >= 60 and last >= first + 0.05, f"training accuracy {first:.3f} -> {last:.3f} over {len(reward)} steps"
+    assert len(reward) >= 60 and last >= first + 0.05, (
+        f"training accuracy {first:.3f} -> {last:.3f} over {len(reward)} steps"
+    )
 
     from fleetrl.broker.server.spool import Spool
 
@@ -123,21 +158,33 @@ def test_four_roles_on_five_nodes_learn_and_survive_a_rollout_host_cut_and_a_bro
     lost = acked_ids - set(trained) - filtered - queued
     twice = [g for g, c in Counter(trained).items() if c > 1]
     versions = [r["policy/version"] for r in rows() if "policy/version" in r]
-    report = {"hosts": len(names), "all_registered_s": ready[0].get("since_alloc_s"), "cut_s": CUT_S,
-              "learner_steps_during_cut": steps_during, "rollout_back_after_link_s": round(back_s, 2),
-              "training_after_broker_link_s": round(broker_back_s, 2),
-              "acknowledged": len(acked_ids), "trained": len(set(trained)), "still_queued": len(queued),
-              "filtered": len(filtered), "dropped_stale": stale,
-              "acked_not_trained_filtered_or_queued": len(lost), "lost": max(0, len(lost) - stale), "trained_twice": len(twice),
-              "versions_monotonic": all(a <= b for a, b in zip(versions, versions[1:])),
-              "accuracy_first_last_20_steps": [round(first, 3), round(last, 3)],
-              "note": "shared 2-core box, other sessions busy: not a quiet-box figure"}
+    report = {
+        "hosts": len(names),
+        "all_registered_s": ready[0].get("since_alloc_s"),
+        "cut_s": CUT_S,
+        "learner_steps_during_cut": steps_during,
+        "rollout_back_after_link_s": round(back_s, 2),
+        "training_after_broker_link_s": round(broker_back_s, 2),
+        "acknowledged": len(acked_ids),
+        "trained": len(set(trained)),
+        "still_queued": len(queued),
+        "filtered": len(filtered),
+        "dropped_stale": stale,
+        "acked_not_trained_filtered_or_queued": len(lost),
+        "lost": max(0, len(lost) - stale),
+        "trained_twice": len(twice),
+        "versions_monotonic": all(a <= b for a, b in zip(versions, versions[1:])),
+        "accuracy_first_last_20_steps": [round(first, 3), round(last, 3)],
+        "note": "shared 2-core box, other sessions busy: not a quiet-box figure",
+    }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2))
     print("hosts:", json.dumps(report))
     # Stale drops are counted, not named; some of them were never acknowledged to their server (the ack lost
     # in a cut, the re-push answered `duplicate`), so the unaccounted groups are at most that count.
-    assert len(lost) <= stale, f"{len(lost)} acknowledged groups neither trained, filtered nor queued; {stale} dropped stale"
+    assert len(lost) <= stale, (
+        f"{len(lost)} acknowledged groups neither trained, filtered nor queued; {stale} dropped stale"
+    )
     assert not twice, f"groups trained twice: {twice[:5]}"
     assert report["versions_monotonic"]
     assert steps_during > 0, "the learner stopped while one rollout host was cut off"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fleetrl.common.net import free_port
-from tests.cluster.conftest import JOB, events, evals, job_overrides, learned, read_jsonl, trained_ids, wait_for
+from tests.cluster.conftest import JOB, evals, events, job_overrides, learned, read_jsonl, trained_ids, wait_for
 
 pytestmark = pytest.mark.cluster
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -30,12 +30,26 @@ def ray_head(tmp_path_factory):
     # `ray status` then cannot find the token); the launcher connects either way.
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     log = (tmp_path_factory.mktemp("ray") / "head.out").open("w")
-    head = subprocess.Popen([RAY, "start", "--head", "--block", f"--port={port}", "--num-cpus=4",
-                             "--include-dashboard=false", "--disable-usage-stats"], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, env=env)
+    head = subprocess.Popen(
+        [
+            RAY,
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=4",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=env,
+    )
     address = f"127.0.0.1:{port}"
-    status = lambda: subprocess.run([RAY, "status", f"--address={address}"], capture_output=True,
-                                    env=env).returncode == 0  # noqa: E731
+    status = lambda: (
+        subprocess.run([RAY, "status", f"--address={address}"], capture_output=True, env=env).returncode == 0
+    )  # noqa: E731
     try:
         wait_for(lambda: head.poll() is not None or status(), 120, "ray start --head")
         assert head.poll() is None, f"ray start --head exited with {head.returncode}"
@@ -57,9 +71,12 @@ class Launch:
         run.mkdir(parents=True, exist_ok=True)
         self.out_path = run.parent / "launch.out"
         self.out = self.out_path.open("w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "fleetrl.app.cli", "launch", "ray", "--config", JOB,
-                                      "--run-dir", str(run), *args], stdout=self.out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fleetrl.app.cli", "launch", "ray", "--config", JOB, "--run-dir", str(run), *args],
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def output(self) -> str:
         if not self.out.closed:
@@ -71,7 +88,8 @@ class Launch:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError(
-                f"fleetrl launch ray still running after {timeout:.0f} s:\n{self.output()[-3000:]}") from None
+                f"fleetrl launch ray still running after {timeout:.0f} s:\n{self.output()[-3000:]}"
+            ) from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -115,7 +133,9 @@ def test_job_on_a_head_node_learns_restarts_a_killed_rollout_and_reports_a_kille
 
 def test_a_fresh_local_cluster_runs_the_job_to_the_end(assets, tmp_path):
     run = tmp_path / "run"
-    launch = Launch(run, *job_overrides(assets, "cluster.ray.num_cpus=4", "learner.total_steps=15", "run.eval_interval=0"))
+    launch = Launch(
+        run, *job_overrides(assets, "cluster.ray.num_cpus=4", "learner.total_steps=15", "run.eval_interval=0")
+    )
     try:
         assert launch.wait(300) == 0, launch.output()[-3000:]
     finally:

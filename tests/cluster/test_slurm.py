@@ -11,8 +11,18 @@ import subprocess
 
 import pytest
 
-from tests.cluster.conftest import (JOB, events, evals, fleetrl, job_overrides, learned, read_jsonl, ready_pid,
-                                    trained_ids, wait_for)
+from tests.cluster.conftest import (
+    JOB,
+    evals,
+    events,
+    fleetrl,
+    job_overrides,
+    learned,
+    read_jsonl,
+    ready_pid,
+    trained_ids,
+    wait_for,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -65,9 +75,21 @@ def test_walltime_signal_checkpoints_requeues_and_resumes(slurm, assets, tmp_pat
     """SIGUSR1 to the batch shell is what `--signal=B:USR1@N` delivers N seconds before the time limit."""
     run = tmp_path / "run"
     # Weight sync over files here: resuming a gloo run is issue 15's (in progress elsewhere).
-    job = submit(slurm, "--config", JOB, "--run-dir", str(run), *job_overrides(
-        assets, "sync.transport=filesystem", "learner.total_steps=120", "run.eval_interval=0",
-        f"broker.spool_dir={run / 'spool'}", "broker.commit_on_checkpoint=true"))
+    job = submit(
+        slurm,
+        "--config",
+        JOB,
+        "--run-dir",
+        str(run),
+        *job_overrides(
+            assets,
+            "sync.transport=filesystem",
+            "learner.total_steps=120",
+            "run.eval_interval=0",
+            f"broker.spool_dir={run / 'spool'}",
+            "broker.commit_on_checkpoint=true",
+        ),
+    )
     wait_for(lambda: len(read_jsonl(run / "metrics.jsonl")) >= 10, 150, "10 learner steps", run)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm.env, check=True)
     wait_for(lambda: events(run, event="requeue"), 150, "the walltime checkpoint and requeue", run)
@@ -76,6 +98,7 @@ def test_walltime_signal_checkpoints_requeues_and_resumes(slurm, assets, tmp_pat
     saved = json.loads(checkpoints[-1].read_text())["step"]
     assert saved >= 10
     wait_for(lambda: slurm.scontrol_job(job).get("Restarts") == "1", 120, "the job requeued", run)
+
     # Slurm holds a requeued batch job for ~2 minutes (Reason=BeginTime) before it may start again; that is
     # the scheduler's policy, not ours, so the test lets it start now rather than spend CI time waiting.
     def started_again() -> bool:

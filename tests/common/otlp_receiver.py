@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest, ExportTraceServiceResponse,
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
 )
 
 
@@ -36,15 +37,29 @@ def records(request: ExportTraceServiceRequest) -> list[dict[str, Any]]:
         resource = attributes(rs.resource.attributes)
         for ss in rs.scope_spans:
             for s in ss.spans:
-                out.append({
-                    "name": s.name, "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
-                    "parent_id": s.parent_span_id.hex() or None, "service": resource.get("service.name", ""),
-                    "instance": resource.get("service.instance.id", ""), "pid": resource.get("process.pid"),
-                    "start_ns": s.start_time_unix_nano, "end_ns": s.end_time_unix_nano,
-                    "status": s.status.code, "attributes": attributes(s.attributes),
-                    "links": [{"trace_id": lk.trace_id.hex(), "span_id": lk.span_id.hex(),
-                               "attributes": attributes(lk.attributes)} for lk in s.links],
-                })
+                out.append(
+                    {
+                        "name": s.name,
+                        "trace_id": s.trace_id.hex(),
+                        "span_id": s.span_id.hex(),
+                        "parent_id": s.parent_span_id.hex() or None,
+                        "service": resource.get("service.name", ""),
+                        "instance": resource.get("service.instance.id", ""),
+                        "pid": resource.get("process.pid"),
+                        "start_ns": s.start_time_unix_nano,
+                        "end_ns": s.end_time_unix_nano,
+                        "status": s.status.code,
+                        "attributes": attributes(s.attributes),
+                        "links": [
+                            {
+                                "trace_id": lk.trace_id.hex(),
+                                "span_id": lk.span_id.hex(),
+                                "attributes": attributes(lk.attributes),
+                            }
+                            for lk in s.links
+                        ],
+                    }
+                )
     return out
 
 
@@ -90,7 +105,7 @@ class OtlpReceiver:
         self.endpoint = f"http://127.0.0.1:{self.server.server_port}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> "OtlpReceiver":
+    def __enter__(self) -> OtlpReceiver:
         self._thread.start()
         return self
 

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from fleetrl.common.config import ConfigError, JobConfig, config_docs, dump_yaml, load_config, parse_value, save_resolved
+from fleetrl.common.config import (
+    ConfigError,
+    JobConfig,
+    config_docs,
+    dump_yaml,
+    load_config,
+    parse_value,
+    save_resolved,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,8 +37,15 @@ def test_a_saved_config_keeps_its_local_paths_from_any_directory(tmp_path, monke
     (project / "data" / "t.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     (project / "rw.py").write_text("def r(completion, **kw):\n    return 1.0\n")
     monkeypatch.chdir(project)
-    cfg = load_config(None, ["model.path=models/m", "data.train=data/t.jsonl", "data.eval=openai/gsm8k",
-                             "rollout.rewards=[{name: python, args: {function: 'rw.py:r'}}, {name: exact}]"])
+    cfg = load_config(
+        None,
+        [
+            "model.path=models/m",
+            "data.train=data/t.jsonl",
+            "data.eval=openai/gsm8k",
+            "rollout.rewards=[{name: python, args: {function: 'rw.py:r'}}, {name: exact}]",
+        ],
+    )
     saved = save_resolved(cfg, tmp_path / "run")
     monkeypatch.chdir(tmp_path)
     again = load_config(saved)
@@ -41,7 +56,7 @@ def test_a_saved_config_keeps_its_local_paths_from_any_directory(tmp_path, monke
 
 def test_yaml_then_overrides_round_trip(tmp_path):
     f = tmp_path / "job.yaml"
-    f.write_text("learner:\n  lr: 1e-5\n  total_steps: 7\nrollout:\n  stop: [\"\\n\"]\n")
+    f.write_text('learner:\n  lr: 1e-5\n  total_steps: 7\nrollout:\n  stop: ["\\n"]\n')
     cfg = load_config(f, ["learner.lr=3e-4", "rollout.group_size=4", "broker.spool_dir=/tmp/spool"])
     assert cfg.learner.lr == pytest.approx(3e-4)  # override beats the file
     assert cfg.learner.total_steps == 7  # file beats the default
@@ -53,8 +68,17 @@ def test_yaml_then_overrides_round_trip(tmp_path):
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("3", 3), ("1e-3", 1e-3), ("-2.5E2", -250.0), ("true", True), ("null", None), ("[a, 1]", ["a", 1]),
-     ("{name: exact}", {"name": "exact"}), ("hello", "hello"), (".5", 0.5)],
+    [
+        ("3", 3),
+        ("1e-3", 1e-3),
+        ("-2.5E2", -250.0),
+        ("true", True),
+        ("null", None),
+        ("[a, 1]", ["a", 1]),
+        ("{name: exact}", {"name": "exact"}),
+        ("hello", "hello"),
+        (".5", 0.5),
+    ],
 )
 def test_override_values_are_typed(text, expected):
     assert parse_value(text) == expected
@@ -74,7 +98,10 @@ def test_override_into_optional_section_and_list_item(tmp_path):
     [
         (["learner.lrr=1"], ["learner.lrr", "unknown key", "did you mean `learner.lr`"]),
         (["lerner.lr=1"], ["lerner", "did you mean `learner`"]),
-        (["rollout.rewards=[{name: exact, wieght: 2}]"], ["rollout.rewards.0.wieght", "did you mean `rollout.rewards.0.weight`"]),
+        (
+            ["rollout.rewards=[{name: exact, wieght: 2}]"],
+            ["rollout.rewards.0.wieght", "did you mean `rollout.rewards.0.weight`"],
+        ),
         (["learner.lr=abc"], ["learner.lr", "'abc'", "expected `float`"]),
         (["learner.lr=-1"], ["learner.lr", "-1", "> 0.0"]),
         (["learner.zero_stage=4"], ["learner.zero_stage", "4", "<= 3"]),
@@ -95,7 +122,9 @@ def test_bad_config_errors_name_key_value_and_fix(overrides, fragments):
 
 def test_every_unknown_key_is_reported_and_a_key_of_another_section_is_named():
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["lr=1e-4", "learner.lrr=1", "learner.temperature=2", "rollout.rewards=[{name: exact, wieght: 2}]"])
+        load_config(
+            None, ["lr=1e-4", "learner.lrr=1", "learner.temperature=2", "rollout.rewards=[{name: exact, wieght: 2}]"]
+        )
     lines = str(e.value).splitlines()
     assert lines[0] == "4 unknown keys:" and len(lines) == 5, lines
     assert lines[1].startswith("  lr: unknown key; did you mean `learner.lr`")  # the schema's key of that name
@@ -105,8 +134,11 @@ def test_every_unknown_key_is_reported_and_a_key_of_another_section_is_named():
 
 
 def test_the_cli_prints_one_line_per_unknown_key():
-    out = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "config", "validate", "lr=1e-4", "learner.lrr=1"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "fleetrl.app.cli", "config", "validate", "lr=1e-4", "learner.lrr=1"],
+        capture_output=True,
+        text=True,
+    )
     lines = out.stderr.splitlines()
     assert out.returncode == 2 and len(lines) == 3, out.stderr
     assert lines[0] == "fleetrl config: config error: 2 unknown keys:"
@@ -114,10 +146,16 @@ def test_the_cli_prints_one_line_per_unknown_key():
 
 
 def test_trl_and_verl_names_are_read_with_a_note(caplog):
-    cfg = load_config(None, ["num_generations=4", "max_completion_length=16", "learning_rate=1e-5", "beta=0.04",
-                             "max_prompt_length=64"])
-    assert (cfg.rollout.group_size, cfg.rollout.max_new_tokens, cfg.learner.lr, cfg.data.max_prompt_tokens) == \
-        (4, 16, 1e-5, 64)
+    cfg = load_config(
+        None,
+        ["num_generations=4", "max_completion_length=16", "learning_rate=1e-5", "beta=0.04", "max_prompt_length=64"],
+    )
+    assert (cfg.rollout.group_size, cfg.rollout.max_new_tokens, cfg.learner.lr, cfg.data.max_prompt_tokens) == (
+        4,
+        16,
+        1e-5,
+        64,
+    )
     assert cfg.algorithm.kl.coef == 0.04 and cfg.algorithm.kl.placement == "loss"  # TRL's beta is a KL loss term
     notes = [r.getMessage() for r in caplog.records if r.name == "fleetrl.config"]
     assert len(notes) == 5 and "num_generations=4 is read as rollout.group_size=4" in notes[0]
@@ -172,7 +210,9 @@ def test_shipped_configs_are_valid():
 def test_config_show_cli_prints_resolved_yaml(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "fleetrl.app.cli", "config", "show", "learner.lr=2e-4"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "lr: 0.0002" in out
     bad = subprocess.run(

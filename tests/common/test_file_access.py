@@ -9,8 +9,10 @@ import pytest
 
 from fleetrl.common.config import ConfigError, load_config
 
-PROBE = ("import os, sys\nfrom fleetrl.app.cli import main\nmain(sys.argv[1:])\n"
-         "print('umask', oct(os.umask(0)), file=sys.stderr)\n")
+PROBE = (
+    "import os, sys\nfrom fleetrl.app.cli import main\nmain(sys.argv[1:])\n"
+    "print('umask', oct(os.umask(0)), file=sys.stderr)\n"
+)
 
 
 def umask_after(*argv: str) -> str:

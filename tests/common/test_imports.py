@@ -26,7 +26,9 @@ def test_cli_help_imports_light():
 def test_every_command_has_help():
     from fleetrl.app.cli import COMMANDS
 
-    top = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "--help"], capture_output=True, text=True, check=True)
+    top = subprocess.run(
+        [sys.executable, "-m", "fleetrl.app.cli", "--help"], capture_output=True, text=True, check=True
+    )
     for name in COMMANDS:
         assert name in top.stdout
         out = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", name, "--help"], capture_output=True, text=True)
@@ -35,9 +37,11 @@ def test_every_command_has_help():
 
 
 def test_launchers_import_without_torch_or_ray():
-    code = ("import fleetrl.app.launch.world, fleetrl.app.launch.slurm, fleetrl.app.launch.slurm_job, "
-            "fleetrl.app.launch.supervisor, fleetrl.app.launch.k8s, fleetrl.app.launch.ray_job, "
-            "fleetrl.common.config.cluster")
+    code = (
+        "import fleetrl.app.launch.world, fleetrl.app.launch.slurm, fleetrl.app.launch.slurm_job, "
+        "fleetrl.app.launch.supervisor, fleetrl.app.launch.k8s, fleetrl.app.launch.ray_job, "
+        "fleetrl.common.config.cluster"
+    )
     probe = f"{code}\nimport sys\nprint(','.join(m for m in {(*HEAVY, 'ray')!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
@@ -53,7 +57,9 @@ def test_every_module_of_common_imports_without_torch():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2] / "common"
-    names = sorted(".".join(("fleetrl", "common", *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
-                   for p in root.rglob("*.py"))
+    names = sorted(
+        ".".join(("fleetrl", "common", *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+        for p in root.rglob("*.py")
+    )
     assert "fleetrl.common.weightsync.sender.broadcast" in names and len(names) > 40
     assert _loaded_after("import " + ", ".join(names)) == []

@@ -15,18 +15,26 @@ from fleetrl.common import messages as m
 def make_group(n: int = 4, t: int = 16, gid: str = "g1", version: int = 3) -> m.SampleGroup:
     rng = np.random.default_rng(0)
     return m.build_group(
-        gid, "0:7", version, [5, 6, 7],
+        gid,
+        "0:7",
+        version,
+        [5, 6, 7],
         [(rng.integers(0, 100, t), -rng.random(t)) for _ in range(n)],
-        rewards=[float(i) for i in range(n)], finish_reasons=["stop"] + ["length"] * (n - 1),
+        rewards=[float(i) for i in range(n)],
+        finish_reasons=["stop"] + ["length"] * (n - 1),
         reward_parts=[{"exact": float(i)} for i in range(n)],
         trace={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
-        created_at=1.5, metadata={"answer": "12"},
+        created_at=1.5,
+        metadata={"answer": "12"},
     )
 
 
 def examples() -> list[msgspec.Struct]:
     weights = m.WeightsInfo(
-        transport="gloo", master_addr="127.0.0.1", master_port=29500, round_id=2,
+        transport="gloo",
+        master_addr="127.0.0.1",
+        master_port=29500,
+        round_id=2,
         buckets=[[m.ParamSpec(name="w", shape=[2, 3], dtype="float32")]],
     )
     return [
@@ -54,15 +62,36 @@ def reply_examples() -> list[msgspec.Struct]:
         m.Error(req_id=2, code="invalid_group", reason="bad"),
         m.Throttle(req_id=3, retry_after_s=0.5, reason="queue full"),
         m.Registered(req_id=4, broker_id="b", policy_version=2, vocab_size=263, paused=True),
-        m.PromptLease(req_id=5, lease_id="L", prompts=[m.Prompt(prompt_id="0:1", prompt="1+1=", answer="2"),
-                                                       m.Prompt(prompt_id="0:2", prompt=[{"role": "user", "content": "hi"}])],
-                      expires_in_s=30.0, policy_version=2),
+        m.PromptLease(
+            req_id=5,
+            lease_id="L",
+            prompts=[
+                m.Prompt(prompt_id="0:1", prompt="1+1=", answer="2"),
+                m.Prompt(prompt_id="0:2", prompt=[{"role": "user", "content": "hi"}]),
+            ],
+            expires_in_s=30.0,
+            policy_version=2,
+        ),
         m.BatchLease(req_id=6, lease_id="B", groups=[make_group()], expires_in_s=60.0, dropped_stale=1),
         m.CurrentVersion(req_id=7, version=3, step=3, weights=m.WeightsInfo(transport="filesystem", path="/w/3")),
-        m.Status(req_id=8, broker_id="b", uptime_s=1.0, policy_version=1, queue_depth=2, groups_in_flight=1,
-                 prompts_leased=3, groups_in=4, groups_out=5, groups_in_per_s=1.0, groups_out_per_s=2.0,
-                 dropped_stale=1, duplicates=1, rejected={"invalid_group": 2}, staleness_hist={"0": 3},
-                 clients=[m.ClientInfo(client_id="r0", role="rollout", stats={"a": 1.0})]),
+        m.Status(
+            req_id=8,
+            broker_id="b",
+            uptime_s=1.0,
+            policy_version=1,
+            queue_depth=2,
+            groups_in_flight=1,
+            prompts_leased=3,
+            groups_in=4,
+            groups_out=5,
+            groups_in_per_s=1.0,
+            groups_out_per_s=2.0,
+            dropped_stale=1,
+            duplicates=1,
+            rejected={"invalid_group": 2},
+            staleness_hist={"0": 3},
+            clients=[m.ClientInfo(client_id="r0", role="rollout", stats={"a": 1.0})],
+        ),
     ]
 
 
@@ -77,8 +106,10 @@ def test_reply_round_trip(msg):
 
 
 def test_announcement_round_trip():
-    for msg in (m.VersionAnnouncement(version=3, step=3, weights=m.WeightsInfo(transport="filesystem", path="/x")),
-                m.ControlAnnouncement(action="pause", reason="rollback")):
+    for msg in (
+        m.VersionAnnouncement(version=3, step=3, weights=m.WeightsInfo(transport="filesystem", path="/x")),
+        m.ControlAnnouncement(action="pause", reason="rollback"),
+    ):
         assert m.decode_announcement(m.encode(msg)) == msg
 
 
@@ -125,7 +156,10 @@ def _raw_push() -> list:
         (lambda g: g.__setitem__(2, "three"), "Expected `int`, got `str`"),
         (lambda g: g.__setitem__(2, -1), "policy_version -1 outside [0, 2147483647]"),
         (lambda g: g.__setitem__(2, 2**64 - 1), "outside [0, 2147483647]"),  # it crashed the learner (long long)
-        (lambda g: g.__setitem__(7, [0.0, 1e39, 1.0, 2.0]), "beyond the float32 range"),  # inf in float32: NaN advantages
+        (
+            lambda g: g.__setitem__(7, [0.0, 1e39, 1.0, 2.0]),
+            "beyond the float32 range",
+        ),  # inf in float32: NaN advantages
     ],
 )
 def test_bad_groups_raise_protocol_error_with_reason(mutate, reason):
@@ -174,8 +208,16 @@ def test_check_group_finds_vocab_and_logprob_problems():
 
 
 def test_loss_mask_and_token_versions_travel_zero_copy_and_default_when_absent():
-    g = m.build_group("g", "p", 3, [1, 2], [([5, 6, 7], [-1, -2, -3]), ([8], [-0.5])], [1.0, 0.0],
-                      loss_masks=[[1, 0, 1], [1]], token_versions=[[3, 4, 4], [5]])
+    g = m.build_group(
+        "g",
+        "p",
+        3,
+        [1, 2],
+        [([5, 6, 7], [-1, -2, -3]), ([8], [-0.5])],
+        [1.0, 0.0],
+        loss_masks=[[1, 0, 1], [1]],
+        token_versions=[[3, 4, 4], [5]],
+    )
     back = m.decode_request(m.encode(m.PushGroup(req_id=1, client_id="c", group=g))).group
     assert back.loss_mask_array().tolist() == [1, 0, 1, 1]
     assert back.version_array().tolist() == [3, 4, 4, 5]
@@ -209,10 +251,13 @@ def test_the_remax_baseline_is_a_typed_field_an_old_frame_decodes_without_it_and
 
 def test_per_sample_prompts_round_trip_and_frames_without_them_decode_as_before():
     """Issue 28: a group whose samples' prompts differ carries each one (``prompt_lengths``)."""
-    g = m.build_group("g", "p", 0, [[1, 2, 3], [4]], [([5, 6], [-1, -2]), ([7], [-0.5])], [1.0, 0.0],
-                      per_sample_prompts=True)
+    g = m.build_group(
+        "g", "p", 0, [[1, 2, 3], [4]], [([5, 6], [-1, -2]), ([7], [-0.5])], [1.0, 0.0], per_sample_prompts=True
+    )
     back = m.decode_group(m.encode(g))
-    assert back.prompt_lengths == [3, 1] and back.prompt_of(0).tolist() == [1, 2, 3] and back.prompt_of(1).tolist() == [4]
+    assert (
+        back.prompt_lengths == [3, 1] and back.prompt_of(0).tolist() == [1, 2, 3] and back.prompt_of(1).tolist() == [4]
+    )
     assert m.check_group(back) is None
     old = msgspec.msgpack.decode(m.encode(m.build_group("h", "p", 0, [1, 2], [([5], [-1])], [1.0])))[:-1]
     shared = m.decode_group(msgspec.msgpack.encode(old))  # a frame of the code before the field: one entry short

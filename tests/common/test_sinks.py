@@ -13,8 +13,8 @@ import urllib.request
 import pytest
 
 from fleetrl.common.config import ConfigError, load_config
-from fleetrl.learner.sinks import ConsoleSink, JsonlSink, make_sinks, prometheus_name
 from fleetrl.learner.monitor import Monitor
+from fleetrl.learner.sinks import ConsoleSink, JsonlSink, make_sinks, prometheus_name
 from tests.conftest import free_port
 
 METRICS = {"reward/mean": 0.5, "actor/kl": 0.01, "broker/queue_depth": 3.0}
@@ -129,10 +129,32 @@ def test_prometheus_step_metrics_carry_the_trace_of_a_trained_group_as_an_exempl
     assert tracing.exemplar() == {}
 
 
-ROWS = [{"step": 4, "policy_version": 3, "group": "g1", "prompt": "<|user|>1+2=<eos><|assistant|>", "response": "3",
-         "reward": 1.0, "parts": {"exact": 1.0}, "advantage": 0.5, "finish_reason": "stop", "tokens": 2},
-        {"step": 4, "policy_version": 3, "group": "g1", "prompt": "<|user|>1+2=<eos><|assistant|>", "response": "4|x",
-         "reward": 0.0, "parts": {"exact": 0.0}, "advantage": -0.5, "finish_reason": "length", "tokens": 5}]
+ROWS = [
+    {
+        "step": 4,
+        "policy_version": 3,
+        "group": "g1",
+        "prompt": "<|user|>1+2=<eos><|assistant|>",
+        "response": "3",
+        "reward": 1.0,
+        "parts": {"exact": 1.0},
+        "advantage": 0.5,
+        "finish_reason": "stop",
+        "tokens": 2,
+    },
+    {
+        "step": 4,
+        "policy_version": 3,
+        "group": "g1",
+        "prompt": "<|user|>1+2=<eos><|assistant|>",
+        "response": "4|x",
+        "reward": 0.0,
+        "parts": {"exact": 0.0},
+        "advantage": -0.5,
+        "finish_reason": "length",
+        "tokens": 5,
+    },
+]
 
 
 def test_completions_reach_the_jsonl_file_and_tensorboard_text(tmp_path):
@@ -156,8 +178,16 @@ def test_completions_reach_the_jsonl_file_and_tensorboard_text(tmp_path):
 @pytest.fixture
 def wandb_env(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    for key in ("WANDB_MODE", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_GROUP", "WANDB_TAGS", "WANDB_NAME",
-                "WANDB_DIR", "WANDB_DISABLED"):
+    for key in (
+        "WANDB_MODE",
+        "WANDB_PROJECT",
+        "WANDB_ENTITY",
+        "WANDB_RUN_GROUP",
+        "WANDB_TAGS",
+        "WANDB_NAME",
+        "WANDB_DIR",
+        "WANDB_DISABLED",
+    ):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
@@ -169,8 +199,15 @@ def wandb_env(tmp_path, monkeypatch):
 def test_wandb_takes_entity_group_tags_name_and_logs_a_completions_table(tmp_path, wandb_env):
     from fleetrl.learner.sinks import WandbSink
 
-    cfg = load_config(None, ["telemetry.wandb_project=fleetrl-test", "telemetry.wandb_group=sweep-1",
-                             "telemetry.wandb_tags=[grpo, cpu]", "telemetry.wandb_name=trial-3"])
+    cfg = load_config(
+        None,
+        [
+            "telemetry.wandb_project=fleetrl-test",
+            "telemetry.wandb_group=sweep-1",
+            "telemetry.wandb_tags=[grpo, cpu]",
+            "telemetry.wandb_name=trial-3",
+        ],
+    )
     monitor = Monitor.for_run(tmp_path, 0, cfg=cfg)
     [sink] = [s for s in monitor.sinks if isinstance(s, WandbSink)]
     assert (sink.run.group, list(sink.run.tags), sink.run.name) == ("sweep-1", ["grpo", "cpu"], "trial-3")

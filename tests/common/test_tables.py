@@ -49,8 +49,9 @@ def test_datasets_directories_and_names_load_offline_by_split(tmp_path):
     import datasets
 
     train, test = ROWS[:3], ROWS[3:]
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(train), "test": datasets.Dataset.from_list(test)}
-                         ).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(train), "test": datasets.Dataset.from_list(test)}
+    ).save_to_disk(str(tmp_path / "saved"))
     assert load_rows(tmp_path / "saved", "data.train", data_cfg()) == train
     assert load_rows(tmp_path / "saved", "data.eval", data_cfg()) == test  # data.eval_split: test
     with pytest.raises(DataError, match=r"DatasetDict without a 'dev' split .*set data.split"):
@@ -70,8 +71,15 @@ def test_datasets_directories_and_names_load_offline_by_split(tmp_path):
 
 
 def test_dotted_keys_read_nested_columns_like_verl_writes_them(tmp_path):
-    verl = [{"prompt": [{"role": "user", "content": f"{i}+1="}], "data_source": "arith",
-             "reward_model": {"style": "rule", "ground_truth": str(i + 1)}, "extra_info": {"index": i}} for i in range(3)]
+    verl = [
+        {
+            "prompt": [{"role": "user", "content": f"{i}+1="}],
+            "data_source": "arith",
+            "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+            "extra_info": {"index": i},
+        }
+        for i in range(3)
+    ]
     path = write_jsonl(tmp_path / "verl.jsonl", verl)
     rows = load_rows(path, "data.train", data_cfg("data.answer_key=reward_model.ground_truth"))
     assert [r["reward_model.ground_truth"] for r in rows] == ["1", "2", "3"]
@@ -86,10 +94,12 @@ def test_dotted_keys_read_nested_columns_like_verl_writes_them(tmp_path):
 
 def test_the_map_hook_rewrites_and_drops_rows(tmp_path):
     hooks = tmp_path / "hooks.py"
-    hooks.write_text("def to_prompt(row):\n"
-                     "    if row['answer'] == '3':\n        return None\n"
-                     "    return {'prompt': 'Q: ' + row['prompt'], 'answer': row['answer']}\n"
-                     "def broken(row):\n    return [row]\n")
+    hooks.write_text(
+        "def to_prompt(row):\n"
+        "    if row['answer'] == '3':\n        return None\n"
+        "    return {'prompt': 'Q: ' + row['prompt'], 'answer': row['answer']}\n"
+        "def broken(row):\n    return [row]\n"
+    )
     path = write_jsonl(tmp_path / "a.jsonl", ROWS)
     rows = load_rows(path, "data.train", data_cfg(f"data.map={hooks}:to_prompt"))
     assert [r["prompt"] for r in rows] == ["Q: 0+1=", "Q: 1+1=", "Q: 3+1=", "Q: 4+1="]

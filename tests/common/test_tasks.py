@@ -12,7 +12,7 @@ def test_arithmetic_problems_are_zero_padded_and_correct():
     assert len(problems) == 100 * 100
     assert ("07+58=", "65") in problems
     assert {len(p) for p, _ in problems} == {6}
-    for prompt, answer in problems[:: 37]:
+    for prompt, answer in problems[::37]:
         a, b = prompt.rstrip("=").split("+")
         assert int(a) + int(b) == int(answer)
 

@@ -11,9 +11,18 @@ import psutil
 import pytest
 
 TINY = [
-    "rollout.group_size=4", "rollout.prompts_per_batch=4", "rollout.max_new_tokens=4", "rollout.rewards=[{name: exact}]",
-    "learner.groups_per_step=4", "learner.total_steps=3", "learner.lr=1e-3", "sync.transport=filesystem",
-    "checkpoint.interval=2", "broker.max_staleness=1", "run.ready_timeout_s=240", "rollout.device=cpu",
+    "rollout.group_size=4",
+    "rollout.prompts_per_batch=4",
+    "rollout.max_new_tokens=4",
+    "rollout.rewards=[{name: exact}]",
+    "learner.groups_per_step=4",
+    "learner.total_steps=3",
+    "learner.lr=1e-3",
+    "sync.transport=filesystem",
+    "checkpoint.interval=2",
+    "broker.max_staleness=1",
+    "run.ready_timeout_s=240",
+    "rollout.device=cpu",
     "learner.device=cpu",
 ]
 
@@ -28,9 +37,23 @@ class RunProcess:
     def __init__(self, run_dir: Path, config: str, overrides: list[str]):
         self.run_dir = run_dir
         self.out = (run_dir.parent / f"{run_dir.name}.out").open("w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "fleetrl.app.cli", "run", "--config", config,
-                                      "--run-dir", str(run_dir), "--no-status", *overrides],
-                                     stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fleetrl.app.cli",
+                "run",
+                "--config",
+                config,
+                "--run-dir",
+                str(run_dir),
+                "--no-status",
+                *overrides,
+            ],
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait(self, timeout: float = 400) -> int:
         try:

@@ -21,9 +21,16 @@ EXPECTED = {  # metrics a run of that config must report (finite) at every step
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_smoke_config_runs(name, tmp_path, tiny_model_dir, arith_data):
     run_dir = tmp_path / "run"
-    run = RunProcess(run_dir, str(ROOT / "configs" / f"{name}.yaml"),
-                     [f"model.path={tiny_model_dir}", f"data.train={arith_data}", "learner.total_steps=2",
-                      "run.ready_timeout_s=240"])
+    run = RunProcess(
+        run_dir,
+        str(ROOT / "configs" / f"{name}.yaml"),
+        [
+            f"model.path={tiny_model_dir}",
+            f"data.train={arith_data}",
+            "learner.total_steps=2",
+            "run.ready_timeout_s=240",
+        ],
+    )
     try:
         code = run.wait()
         assert code == 0, run.output()
@@ -44,9 +51,17 @@ def test_smoke_config_runs(name, tmp_path, tiny_model_dir, arith_data):
 def test_offline_dpo_starts_only_the_learner(tmp_path, tiny_model_dir):
     pref, _ = init_data("arithmetic-preference", str(tmp_path / "pref.jsonl"), 200, 50, 0, 99)
     run_dir = tmp_path / "run"
-    run = RunProcess(run_dir, str(ROOT / "configs" / "dpo_offline.yaml"),
-                     [f"model.path={tiny_model_dir}", f"data.preference={pref}",
-                      f"data.preference_eval={eval_path(pref)}", "learner.total_steps=2", "run.ready_timeout_s=240"])
+    run = RunProcess(
+        run_dir,
+        str(ROOT / "configs" / "dpo_offline.yaml"),
+        [
+            f"model.path={tiny_model_dir}",
+            f"data.preference={pref}",
+            f"data.preference_eval={eval_path(pref)}",
+            "learner.total_steps=2",
+            "run.ready_timeout_s=240",
+        ],
+    )
     try:
         code = run.wait()
         out = run.output()

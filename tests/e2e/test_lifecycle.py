@@ -79,12 +79,28 @@ def log_time(path: Path, pattern: str) -> str:
     return line[:8]
 
 
-def test_ctrl_c_in_a_terminal_checkpoints_and_stops_everything_in_order(tmp_path, tiny_model_dir, arith_data,
-                                                                        empty_config):
+def test_ctrl_c_in_a_terminal_checkpoints_and_stops_everything_in_order(
+    tmp_path, tiny_model_dir, arith_data, empty_config
+):
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "fleetrl.app.cli", "run", "--config", empty_config, "--run-dir", str(run_dir),
-            *job_args(tiny_model_dir, arith_data, "learner.total_steps=100000", "checkpoint.interval=0",
-                      "sync.transport=gloo", "run.stop_timeout_s=90")]
+    argv = [
+        sys.executable,
+        "-m",
+        "fleetrl.app.cli",
+        "run",
+        "--config",
+        empty_config,
+        "--run-dir",
+        str(run_dir),
+        *job_args(
+            tiny_model_dir,
+            arith_data,
+            "learner.total_steps=100000",
+            "checkpoint.interval=0",
+            "sync.transport=gloo",
+            "run.stop_timeout_s=90",
+        ),
+    ]
     run = TerminalRun(argv)
     try:
         wait_for(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 3, 300, "three learner steps")
@@ -103,8 +119,11 @@ def test_ctrl_c_in_a_terminal_checkpoints_and_stops_everything_in_order(tmp_path
     [meta] = [json.loads(p.read_text()) for p in sorted((run_dir / "checkpoints").glob("step-*/meta.json"))[-1:]]
     assert meta["step"] == steps[-1] >= 3  # the final checkpoint holds the last step trained
     # one line per process, saying how it ended
-    learner = re.search(r"fleetrl run: learner +exit 0: learner stopped \(SIGTERM\) at step (\d+) .*final checkpoint "
-                        r"step-\d+", out)
+    learner = re.search(
+        r"fleetrl run: learner +exit 0: learner stopped \(SIGTERM\) at step (\d+) .*final checkpoint "
+        r"step-\d+",
+        out,
+    )
     assert learner and int(learner.group(1)) == meta["step"], out
     assert re.search(r"fleetrl run: rollout-0 +exit 0: stopped \(stop requested\)", out), out
     assert re.search(r"fleetrl run: broker +exit 0: broker stopped: \d+ groups in", out), out
@@ -130,11 +149,23 @@ def test_kill_and_resume_a_gloo_run_with_a_rollout_that_joins_late(tmp_path, tin
     """The resumed learner's first round closes before the rollout (started by hand, after it) joins: the
     catch-up round reaches it, training goes on from the checkpoint, and the rollout exits when it is done."""
     run_dir = tmp_path / "run"
-    first = RunProcess(run_dir, empty_config, job_args(tiny_model_dir, arith_data, "learner.total_steps=100000",
-                                                       "checkpoint.interval=2", "sync.transport=gloo"))
+    first = RunProcess(
+        run_dir,
+        empty_config,
+        job_args(
+            tiny_model_dir, arith_data, "learner.total_steps=100000", "checkpoint.interval=2", "sync.transport=gloo"
+        ),
+    )
     try:
-        wait_for(lambda: (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step-*/meta.json"))
-                 and len(read_jsonl(run_dir / "metrics.jsonl")) >= 3, 300, "a checkpoint and three steps")
+        wait_for(
+            lambda: (
+                (run_dir / "checkpoints").is_dir()
+                and any((run_dir / "checkpoints").glob("step-*/meta.json"))
+                and len(read_jsonl(run_dir / "metrics.jsonl")) >= 3
+            ),
+            300,
+            "a checkpoint and three steps",
+        )
         kill_tree(first.proc)
     finally:
         first.stop()
@@ -150,16 +181,39 @@ def test_kill_and_resume_a_gloo_run_with_a_rollout_that_joins_late(tmp_path, tin
 
     before = len(read_jsonl(run_dir / "metrics.jsonl"))
     out = (tmp_path / "resume.out").open("w")
-    resume = subprocess.Popen([*CLI, "run", "--resume", str(run_dir), "--no-status", "rollout.num_servers=0",
-                               f"learner.total_steps={target}"], stdout=out, stderr=subprocess.STDOUT,
-                              start_new_session=True)
+    resume = subprocess.Popen(
+        [
+            *CLI,
+            "run",
+            "--resume",
+            str(run_dir),
+            "--no-status",
+            "rollout.num_servers=0",
+            f"learner.total_steps={target}",
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     rollout = None
     try:
         wait_for(resumed_learner_ready, 300, "the resumed learner")
         time.sleep(1.0)  # its first round (of the resumed weights) has closed: nobody had joined
         rollout_log = (tmp_path / "rollout.log").open("w")
-        rollout = subprocess.Popen([*CLI, "rollout", "--config", str(run_dir / "config.yaml"), "--run-dir", str(run_dir),
-                                    "--server-index", "0"], stdout=rollout_log, stderr=subprocess.STDOUT)
+        rollout = subprocess.Popen(
+            [
+                *CLI,
+                "rollout",
+                "--config",
+                str(run_dir / "config.yaml"),
+                "--run-dir",
+                str(run_dir),
+                "--server-index",
+                "0",
+            ],
+            stdout=rollout_log,
+            stderr=subprocess.STDOUT,
+        )
         assert resume.wait(300) == 0, (tmp_path / "resume.out").read_text()
         assert rollout.wait(60) == 0  # a rollout started by hand exits when the learner is done
     finally:
@@ -175,18 +229,34 @@ def test_kill_and_resume_a_gloo_run_with_a_rollout_that_joins_late(tmp_path, tin
     assert "closed before this server joined" in rollout_text  # it really came too late for the first round
     assert re.search(r"stopped \(done: training finished at step \d+\)", rollout_text)
     assert "asking the learner for a catch-up round" in rollout_text
-    assert re.search(r"catch-up round \d+ sent version \d+ to 1 receiver", (run_dir / "logs" / "learner.log").read_text())
+    assert re.search(
+        r"catch-up round \d+ sent version \d+ to 1 receiver", (run_dir / "logs" / "learner.log").read_text()
+    )
 
 
-def test_a_rollout_that_stops_leaves_the_fleet_and_the_rounds_at_once(tmp_path, tiny_model_dir, arith_data,
-                                                                      empty_config):
+def test_a_rollout_that_stops_leaves_the_fleet_and_the_rounds_at_once(
+    tmp_path, tiny_model_dir, arith_data, empty_config
+):
     run_dir = tmp_path / "run"
-    run = RunProcess(run_dir, empty_config, job_args(tiny_model_dir, arith_data, "learner.total_steps=100000",
-                                                     "checkpoint.interval=0", "sync.transport=gloo",
-                                                     "rollout.num_servers=2", "broker.client_timeout_s=60"))
+    run = RunProcess(
+        run_dir,
+        empty_config,
+        job_args(
+            tiny_model_dir,
+            arith_data,
+            "learner.total_steps=100000",
+            "checkpoint.interval=0",
+            "sync.transport=gloo",
+            "rollout.num_servers=2",
+            "broker.client_timeout_s=60",
+        ),
+    )
     try:
-        wait_for(lambda: any(r.get("sync/receivers") == 2 for r in read_jsonl(run_dir / "metrics.jsonl")), 300,
-                 "rounds with both rollouts")
+        wait_for(
+            lambda: any(r.get("sync/receivers") == 2 for r in read_jsonl(run_dir / "metrics.jsonl")),
+            300,
+            "rounds with both rollouts",
+        )
         pid = json.loads((run_dir / "rollout-1.ready").read_text())["pid"]
         os.kill(pid, signal.SIGTERM)  # as an operator would stop it
         psutil.Process(pid).wait(60)

@@ -19,8 +19,17 @@ LENGTH = "rollout.rewards=[{name: length, args: {target: 1, penalty_per_token: 0
 STEPS = 14
 
 
-def run_with_fault(tmp_path, monkeypatch, tiny_model_dir, arith_data, empty_config, fault: str | None,
-                   rules: str = RULES, steps: int = STEPS, **env: str):
+def run_with_fault(
+    tmp_path,
+    monkeypatch,
+    tiny_model_dir,
+    arith_data,
+    empty_config,
+    fault: str | None,
+    rules: str = RULES,
+    steps: int = STEPS,
+    **env: str,
+):
     if fault is not None:
         monkeypatch.setenv("FLEETRL_FAULT", fault)
         monkeypatch.setenv("FLEETRL_FAULT_AT", "2")
@@ -28,9 +37,23 @@ def run_with_fault(tmp_path, monkeypatch, tiny_model_dir, arith_data, empty_conf
         for k, v in env.items():
             monkeypatch.setenv(k, v)
     run_dir = tmp_path / "run"
-    run = RunProcess(run_dir, empty_config, job_args(
-        tiny_model_dir, arith_data, f"learner.total_steps={steps}", "broker.max_staleness=0", "learner.lr=3e-3",
-        "algorithm.off_policy.mode=none", "checkpoint.interval=0", rules, LENGTH, "sync.transport=gloo", "rollout.max_new_tokens=8"))
+    run = RunProcess(
+        run_dir,
+        empty_config,
+        job_args(
+            tiny_model_dir,
+            arith_data,
+            f"learner.total_steps={steps}",
+            "broker.max_staleness=0",
+            "learner.lr=3e-3",
+            "algorithm.off_policy.mode=none",
+            "checkpoint.interval=0",
+            rules,
+            LENGTH,
+            "sync.transport=gloo",
+            "rollout.max_new_tokens=8",
+        ),
+    )
     try:
         code = run.wait()
         assert code == 0, run.output()[-3000:]
@@ -40,19 +63,29 @@ def run_with_fault(tmp_path, monkeypatch, tiny_model_dir, arith_data, empty_conf
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault,ceiling,env", [
-    ("stale_fleet", 0.01, {}),                                         # old weights served under the new version
-    ("corrupt_weights", 0.01, {"FLEETRL_FAULT_NOISE": "1.0"}),         # a corrupted sync
-    ("entropy_collapse", 0.01, {"FLEETRL_FAULT_TEMPERATURE": "0.3"}),  # log-probs taken at another temperature
-    # numerics: float8 weights in the engine move the tiny model's log-probs by ~1e-4, far above the honest
-    # run's ~1e-14 but below the default ceiling, which leaves room for a bf16 GPU engine; a CPU fp32 job can
-    # set the ceiling as low as this
-    ("engine_dtype", 1e-5, {"FLEETRL_FAULT_DTYPE": "float8_e5m2"}),
-])
-def test_an_engine_or_sync_fault_fires_the_mismatch_rule(fault, ceiling, env, tmp_path, monkeypatch, tiny_model_dir,
-                                                         arith_data, empty_config):
-    rules = RULES if ceiling == 0.01 else f"health.rules=[{{name: mismatch_kl_ceiling, action: alert, threshold: {ceiling}}}]"
-    rows, events = run_with_fault(tmp_path, monkeypatch, tiny_model_dir, arith_data, empty_config, fault, rules, 24, **env)
+@pytest.mark.parametrize(
+    "fault,ceiling,env",
+    [
+        ("stale_fleet", 0.01, {}),  # old weights served under the new version
+        ("corrupt_weights", 0.01, {"FLEETRL_FAULT_NOISE": "1.0"}),  # a corrupted sync
+        ("entropy_collapse", 0.01, {"FLEETRL_FAULT_TEMPERATURE": "0.3"}),  # log-probs taken at another temperature
+        # numerics: float8 weights in the engine move the tiny model's log-probs by ~1e-4, far above the honest
+        # run's ~1e-14 but below the default ceiling, which leaves room for a bf16 GPU engine; a CPU fp32 job can
+        # set the ceiling as low as this
+        ("engine_dtype", 1e-5, {"FLEETRL_FAULT_DTYPE": "float8_e5m2"}),
+    ],
+)
+def test_an_engine_or_sync_fault_fires_the_mismatch_rule(
+    fault, ceiling, env, tmp_path, monkeypatch, tiny_model_dir, arith_data, empty_config
+):
+    rules = (
+        RULES
+        if ceiling == 0.01
+        else f"health.rules=[{{name: mismatch_kl_ceiling, action: alert, threshold: {ceiling}}}]"
+    )
+    rows, events = run_with_fault(
+        tmp_path, monkeypatch, tiny_model_dir, arith_data, empty_config, fault, rules, 24, **env
+    )
     fired = [e for e in events if e["rule"] == "mismatch_kl_ceiling"]
     mismatch = [(r["step"], r["off_policy/mismatch_kl"]) for r in rows if "off_policy/mismatch_kl" in r]
     assert fired, f"{fault}: the rule never fired; mismatch per step {mismatch}"

@@ -20,8 +20,20 @@ def test_the_demo_at_every_staleness_runs_300_steps_without_a_health_event(tmp_p
     import quiet_runs
 
     out = tmp_path / "quiet_runs.json"
-    code = quiet_runs.main(["--configs", "s0,s2,s4,s8", "--steps", "300", "--workdir", str(tmp_path / "work"),
-                            "--out", str(out), "--timeout", "900"])
+    code = quiet_runs.main(
+        [
+            "--configs",
+            "s0,s2,s4,s8",
+            "--steps",
+            "300",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+            "--timeout",
+            "900",
+        ]
+    )
     result = json.loads(out.read_text())
     for name, run in result["runs"].items():
         assert run["exit_code"] == 0 and run["steps"] == 300, (name, run)

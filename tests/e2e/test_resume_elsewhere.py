@@ -21,12 +21,13 @@ def run_cli(args: list[str], cwd, timeout: float = 300) -> subprocess.CompletedP
     return subprocess.run([*CLI, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_resume_from_another_directory_finds_the_model_data_and_a_module_reward(tmp_path, tiny_model_dir,
-                                                                                 arith_data):
+def test_resume_from_another_directory_finds_the_model_data_and_a_module_reward(tmp_path, tiny_model_dir, arith_data):
     project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
     (project / "myproj_30").mkdir(parents=True)
     (project / "myproj_30" / "__init__.py").write_text("")
-    (project / "myproj_30" / "rw.py").write_text("def score(response: str) -> float:\n    return float('1' in response)\n")
+    (project / "myproj_30" / "rw.py").write_text(
+        "def score(response: str) -> float:\n    return float('1' in response)\n"
+    )
     (project / "models").mkdir()
     (project / "models" / "tiny").symlink_to(tiny_model_dir)
     (project / "data").mkdir()
@@ -34,10 +35,17 @@ def test_resume_from_another_directory_finds_the_model_data_and_a_module_reward(
     (project / "job.yaml").write_text("{}\n")
     elsewhere.mkdir()
     run_dir = tmp_path / "run"
-    job = [*TINY, "model.path=models/tiny", "data.train=data/arith.jsonl", "checkpoint.interval=2",
-           "rollout.rewards=[{name: python, args: {function: 'myproj_30.rw:score'}}]"]
-    first = run_cli(["run", "--config", "job.yaml", "--run-dir", str(run_dir), "--no-status", *job,
-                     "learner.total_steps=2"], cwd=project)
+    job = [
+        *TINY,
+        "model.path=models/tiny",
+        "data.train=data/arith.jsonl",
+        "checkpoint.interval=2",
+        "rollout.rewards=[{name: python, args: {function: 'myproj_30.rw:score'}}]",
+    ]
+    first = run_cli(
+        ["run", "--config", "job.yaml", "--run-dir", str(run_dir), "--no-status", *job, "learner.total_steps=2"],
+        cwd=project,
+    )
     assert first.returncode == 0, first.stdout + first.stderr
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["model"]["path"] == str(Path(tiny_model_dir).resolve())  # `fleetrl run`'s own config.yaml too

@@ -29,8 +29,9 @@ def test_run_trains_publishes_and_checkpoints(tmp_path, tiny_model_dir, arith_da
     assert (run_dir / "config.yaml").exists() and (run_dir / "logs" / "learner.log").exists()
     learner_log = (run_dir / "logs" / "learner.log").read_text()
     assert "Setting accelerator to CPU" not in learner_log and "reward_mean=" in learner_log  # quiet, and labelled
-    weight_lines = [ln for ln in (run_dir / "logs" / "rollout-0.log").read_text().splitlines() if " I " in ln
-                    and "weight" in ln]  # INFO lines about weights: one per version the server took in
+    weight_lines = [
+        ln for ln in (run_dir / "logs" / "rollout-0.log").read_text().splitlines() if " I " in ln and "weight" in ln
+    ]  # INFO lines about weights: one per version the server took in
     taken = [re.search(r"policy version \d+ -> (\d+):", ln) for ln in weight_lines]
     assert weight_lines and all(taken) and len({m.group(1) for m in taken}) == len(weight_lines), weight_lines
     checkpoints = sorted((run_dir / "checkpoints").glob("step-*/meta.json"))
@@ -43,17 +44,25 @@ def test_run_trains_publishes_and_checkpoints(tmp_path, tiny_model_dir, arith_da
     assert f"watch it with `fleetrl status --broker {run_dir}`" in out and "broker at tcp://127.0.0.1:" in out
     assert out.count("fleetrl run: note: num_generations=4 is read as rollout.group_size=4") == 1, out
     assert not [p.name for p in (run_dir / "logs").glob("*.log") if "is read as" in p.read_text()]  # not the children
-    assert re.search(r"3 processes ready in [0-9.]+ s \(checks done at [0-9.]+ s; ready: broker at [0-9.]+, "
-                     r"rollout-0 at [0-9.]+, learner at [0-9.]+ s\)", out), out
+    assert re.search(
+        r"3 processes ready in [0-9.]+ s \(checks done at [0-9.]+ s; ready: broker at [0-9.]+, "
+        r"rollout-0 at [0-9.]+, learner at [0-9.]+ s\)",
+        out,
+    ), out
     for name in ("broker", "rollout-0", "learner"):  # each child says where its start-up went
-        assert re.search(r"start-up: ready [0-9.]+ s after exec \(python\+imports [0-9.]+, ",
-                         (run_dir / "logs" / f"{name}.log").read_text()), name
+        assert re.search(
+            r"start-up: ready [0-9.]+ s after exec \(python\+imports [0-9.]+, ",
+            (run_dir / "logs" / f"{name}.log").read_text(),
+        ), name
 
 
 def test_sigint_stops_everything_with_a_checkpoint(tmp_path, tiny_model_dir, arith_data, empty_config):
     run_dir = tmp_path / "run"
-    run = RunProcess(run_dir, empty_config, job_args(tiny_model_dir, arith_data, "learner.total_steps=100000",
-                                                     "checkpoint.interval=0"))
+    run = RunProcess(
+        run_dir,
+        empty_config,
+        job_args(tiny_model_dir, arith_data, "learner.total_steps=100000", "checkpoint.interval=0"),
+    )
     try:
         wait_for(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 2, 300, "two learner steps")
         children = run.child_pids()
@@ -83,12 +92,16 @@ def test_a_child_failing_at_start_is_named(tmp_path, tiny_model_dir, arith_data,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("function, says", [("boom", "failed on"), ("no_score", "returned None (no score) for all")])
-def test_a_run_whose_reward_never_works_stops_naming_it(tmp_path, tiny_model_dir, arith_data, empty_config,
-                                                        function, says):
+def test_a_run_whose_reward_never_works_stops_naming_it(
+    tmp_path, tiny_model_dir, arith_data, empty_config, function, says
+):
     run_dir = tmp_path / "run"
     rewards = f"rollout.rewards=[{{name: python, args: {{function: 'tests.rollout.user_rewards:{function}'}}}}]"
-    run = RunProcess(run_dir, empty_config, job_args(tiny_model_dir, arith_data, rewards, "learner.total_steps=50",
-                                                     "run.restart_policy=on-failure"))
+    run = RunProcess(
+        run_dir,
+        empty_config,
+        job_args(tiny_model_dir, arith_data, rewards, "learner.total_steps=50", "run.restart_policy=on-failure"),
+    )
     try:
         code = run.wait(240)
         out = run.output()
@@ -106,8 +119,11 @@ def test_a_run_whose_reward_starts_failing_mid_run_stops_naming_it(tmp_path, tin
     and a line naming the reward (issue 30: a mid-run failure was counted and shown, but the run went on)."""
     run_dir = tmp_path / "run"
     rewards = "rollout.rewards=[{name: python, args: {function: 'tests.rollout.user_rewards:works_then_breaks'}}]"
-    run = RunProcess(run_dir, empty_config, job_args(tiny_model_dir, arith_data, rewards, "learner.total_steps=200",
-                                                     "run.restart_policy=on-failure"))
+    run = RunProcess(
+        run_dir,
+        empty_config,
+        job_args(tiny_model_dir, arith_data, rewards, "learner.total_steps=200", "run.restart_policy=on-failure"),
+    )
     try:
         code = run.wait(300)
         out = run.output()

@@ -7,8 +7,9 @@ from fleetrl.common import messages as m
 from tests.broker.conftest import make_state
 
 
-def synthetic_groups(n_groups: int, group_size: int = 4, vocab: int = 263, seed: int = 0, version: int = 0,
-                     logp: float = -2.0) -> list[m.SampleGroup]:
+def synthetic_groups(
+    n_groups: int, group_size: int = 4, vocab: int = 263, seed: int = 0, version: int = 0, logp: float = -2.0
+) -> list[m.SampleGroup]:
     """Groups of random in-vocabulary responses of ragged lengths, rewards that differ within a group."""
     rng = np.random.default_rng(seed)
     groups = []
@@ -24,7 +25,13 @@ def synthetic_groups(n_groups: int, group_size: int = 4, vocab: int = 263, seed:
 
 def inproc_client(groups: list[m.SampleGroup], *overrides: str):
     """An in-process broker holding ``groups`` (pushed without leases: an import); returns a learner client for it."""
-    state = make_state("broker.queue_capacity=100000", "broker.accept_unleased=true", *overrides, n_prompts=max(50, len(groups)), vocab_size=263)
+    state = make_state(
+        "broker.queue_capacity=100000",
+        "broker.accept_unleased=true",
+        *overrides,
+        n_prompts=max(50, len(groups)),
+        vocab_size=263,
+    )
     broker = InprocBroker(state)
     rollout = broker.client("r0", "rollout")
     rollout.connect()
@@ -46,5 +53,8 @@ def pack(groups: list[m.SampleGroup], max_tokens: int = 40):
 
 def samples(groups: list[m.SampleGroup]) -> list[tuple[np.ndarray, np.ndarray]]:
     """(prompt ids, response ids) of every sample, in the batch order of ``pack``."""
-    return [(g.prompt_array().astype(np.int64), g.response_tokens(i).astype(np.int64))
-            for g in groups for i in range(g.num_responses)]
+    return [
+        (g.prompt_array().astype(np.int64), g.response_tokens(i).astype(np.int64))
+        for g in groups
+        for i in range(g.num_responses)
+    ]

@@ -16,8 +16,9 @@ RESPONSES = [([10, 11, 12], [-0.1, -0.2, -0.3]), ([13], [-0.4]), ([14, 15], [-0.
 
 
 def per_sample_group(prompts=PROMPTS):
-    return m.decode_group(m.encode(m.build_group("g", "p", 0, prompts, RESPONSES, [1.0, 0.0, 0.5],
-                                                 per_sample_prompts=True)))
+    return m.decode_group(
+        m.encode(m.build_group("g", "p", 0, prompts, RESPONSES, [1.0, 0.0, 0.5], per_sample_prompts=True))
+    )
 
 
 def test_each_sample_is_packed_after_its_own_prompt():

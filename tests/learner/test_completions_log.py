@@ -14,8 +14,15 @@ def test_multi_turn_rows_keep_role_markers(tiny_model_dir):
     enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     prompt = enc("<|user|>Guess.<eos><|assistant|>")
     first, obs, second = enc("5<eos>"), enc("<|user|>Too low.<eos><|assistant|>"), enc("7<eos>")
-    multi = build_group("g1", "p", 0, prompt, [(first + obs + second, [-0.1] * len(first + obs + second))], [1.0],
-                        loss_masks=[[1] * len(first) + [0] * len(obs) + [1] * len(second)])
+    multi = build_group(
+        "g1",
+        "p",
+        0,
+        prompt,
+        [(first + obs + second, [-0.1] * len(first + obs + second))],
+        [1.0],
+        loss_masks=[[1] * len(first) + [0] * len(obs) + [1] * len(second)],
+    )
     single = build_group("g2", "p", 0, prompt, [(first, [-0.1] * len(first))], [0.0])
     rows = log.rows(3, [multi, single], None)
     assert "<|user|>Too low." in rows[0]["response"] and rows[0]["response"].count("<|assistant|>") == 1

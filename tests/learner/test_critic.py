@@ -15,14 +15,32 @@ from fleetrl.learner.runtime import init_distributed
 from fleetrl.learner.train import Learner
 from tests.learner.conftest import inproc_client, pack, samples, synthetic_groups
 
-PPO = ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.kl.placement=reward", "algorithm.kl.estimator=k1",
-       "algorithm.kl.coef=0.05", "algorithm.critic.lr=1e-3"]
+PPO = [
+    "algorithm.adv_estimator=gae",
+    "algorithm.lam=0.95",
+    "algorithm.kl.placement=reward",
+    "algorithm.kl.estimator=k1",
+    "algorithm.kl.coef=0.05",
+    "algorithm.critic.lr=1e-3",
+]
 
 
 def job(tiny_model_dir, tmp_path, *overrides):
-    return load_config(None, [f"model.path={tiny_model_dir}", "learner.groups_per_step=4", "learner.lr=1e-2",
-                              "sync.transport=filesystem", f"run.dir={tmp_path}", "learner.max_tokens_per_microbatch=40",
-                              "checkpoint.interval=0", "learner.device=cpu", *PPO, *overrides])
+    return load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "learner.groups_per_step=4",
+            "learner.lr=1e-2",
+            "sync.transport=filesystem",
+            f"run.dir={tmp_path}",
+            "learner.max_tokens_per_microbatch=40",
+            "checkpoint.interval=0",
+            "learner.device=cpu",
+            *PPO,
+            *overrides,
+        ],
+    )
 
 
 def values_of(critic, batch):
@@ -43,7 +61,9 @@ def test_values_come_from_the_hidden_state_that_predicts_each_token(dist, tiny_m
     batch = pack(groups)
     values = values_of(critic, batch)
     with torch.no_grad():
-        for i, (prompt, response) in enumerate(samples(groups)):  # one sample at a time: V_t from the state before token t
+        for i, (prompt, response) in enumerate(
+            samples(groups)
+        ):  # one sample at a time: V_t from the state before token t
             p, n = len(prompt), len(response)
             ids = torch.from_numpy(np.concatenate([prompt, response]))[None]
             hidden = model.backbone(input_ids=ids).last_hidden_state[0]
@@ -103,8 +123,15 @@ def test_ppo_step_warmup_then_policy_and_critic_train(dist, tiny_model_dir, tmp_
     assert second["critic/warmup"] == 0.0
     changed = [n for n, p in learner.module.named_parameters() if not torch.equal(policy0[n], p)]
     assert len(changed) == len(policy0)
-    for key in ("critic/value_loss", "critic/vpred_mean", "critic/explained_variance", "critic/clipfrac",
-                "actor/pg_loss", "actor/grad_norm", "actor/kl"):
+    for key in (
+        "critic/value_loss",
+        "critic/vpred_mean",
+        "critic/explained_variance",
+        "critic/clipfrac",
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "actor/kl",
+    ):
         assert math.isfinite(second[key]), key
     assert learner.version == 2
     learner.close()

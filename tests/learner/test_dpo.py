@@ -22,9 +22,21 @@ from tests.learner.conftest import inproc_client, samples, synthetic_groups
 
 
 def job(tiny_model_dir, tmp_path, *overrides):
-    return load_config(None, [f"model.path={tiny_model_dir}", "learner.groups_per_step=4", "learner.lr=1e-2",
-                              "sync.transport=filesystem", f"run.dir={tmp_path}", "learner.max_tokens_per_microbatch=40",
-                              "checkpoint.interval=0", "learner.device=cpu", "algorithm.type=dpo", *overrides])
+    return load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "learner.groups_per_step=4",
+            "learner.lr=1e-2",
+            "sync.transport=filesystem",
+            f"run.dir={tmp_path}",
+            "learner.max_tokens_per_microbatch=40",
+            "checkpoint.interval=0",
+            "learner.device=cpu",
+            "algorithm.type=dpo",
+            *overrides,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +78,17 @@ def test_chunked_dpo_loss_equals_the_loss_of_each_pair_computed_alone(dist, tiny
         return sum(float(logp[p - 1 + t, ids[0, p + t]]) for t in range(n))
 
     with torch.no_grad():
-        inp = PreferenceInputs(*(torch.tensor([seq_logp(model, int(i)) for i in idx]) for model, idx in
-                                 ((learner.module, chosen), (learner.module, rejected),
-                                  (learner.actor.ref, chosen), (learner.actor.ref, rejected))))
+        inp = PreferenceInputs(
+            *(
+                torch.tensor([seq_logp(model, int(i)) for i in idx])
+                for model, idx in (
+                    (learner.module, chosen),
+                    (learner.module, rejected),
+                    (learner.actor.ref, chosen),
+                    (learner.actor.ref, rejected),
+                )
+            )
+        )
     expected = PREFERENCE_LOSSES["sigmoid"](inp, cfg.algorithm)
     batch = learner.actor.plan(Leased(groups=groups))
     assert len(batch.chunks) > 1  # the token budget cut the pairs into several chunks
@@ -81,8 +101,14 @@ def test_chunked_dpo_loss_equals_the_loss_of_each_pair_computed_alone(dist, tiny
 
 def test_online_dpo_step_trains_on_leased_groups_and_publishes(dist, tiny_model_dir, tmp_path):
     rng = np.random.default_rng(0)
-    tied = m.build_group("tied", "0:99", 0, rng.integers(7, 200, 6),
-                         [(rng.integers(7, 200, 3), np.full(3, -2.0)) for _ in range(4)], [1.0] * 4)
+    tied = m.build_group(
+        "tied",
+        "0:99",
+        0,
+        rng.integers(7, 200, 6),
+        [(rng.integers(7, 200, 3), np.full(3, -2.0)) for _ in range(4)],
+        [1.0] * 4,
+    )
     client, _ = inproc_client([*synthetic_groups(3), tied])
     learner = Learner(job(tiny_model_dir, tmp_path), tmp_path, client, dist)
     before = {n: p.detach().clone() for n, p in learner.module.named_parameters()}
@@ -105,8 +131,16 @@ def test_online_dpo_needs_groups_of_two(tiny_model_dir):
 
 
 def test_preference_source_splits_steps_over_ranks_and_resumes(tiny_model_dir, pref_data):
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", "algorithm.type=dpo", f"data.preference={pref_data}",
-                             "learner.groups_per_step=5", "data.epochs=2"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "algorithm.type=dpo",
+            f"data.preference={pref_data}",
+            "learner.groups_per_step=5",
+            "data.epochs=2",
+        ],
+    )
     ranks = [PreferenceSource(cfg, r, 2) for r in range(2)]
     first = [src.next(1).ids for src in ranks]
     assert [len(ids) for ids in first] == [3, 2] and not set(first[0]) & set(first[1])
@@ -126,12 +160,21 @@ def test_preference_source_splits_steps_over_ranks_and_resumes(tiny_model_dir, p
 
 
 def test_preference_rows_are_encoded_like_rollout_prompts(tiny_model_dir, tmp_path):
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", "data.apply_chat_template=true", "rollout.max_new_tokens=3"])
+    cfg = load_config(
+        None, [f"model.path={tiny_model_dir}", "data.apply_chat_template=true", "rollout.max_new_tokens=3"]
+    )
     tok = load_tokenizer(cfg)
-    rows = [{"prompt": "1+2=", "chosen": "3", "rejected": [{"role": "user", "content": "1+2="},
-                                                              {"role": "assistant", "content": "45678"}]}]
-    (prompt, chosen, rejected), = encode_pairs(rows, tok, cfg, "test")
-    templated = tok.apply_chat_template([{"role": "user", "content": "1+2="}], add_generation_prompt=True, tokenize=False)
+    rows = [
+        {
+            "prompt": "1+2=",
+            "chosen": "3",
+            "rejected": [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "45678"}],
+        }
+    ]
+    ((prompt, chosen, rejected),) = encode_pairs(rows, tok, cfg, "test")
+    templated = tok.apply_chat_template(
+        [{"role": "user", "content": "1+2="}], add_generation_prompt=True, tokenize=False
+    )
     assert prompt == tok(templated, add_special_tokens=False)["input_ids"]
     assert chosen == tok("3", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert rejected == tok("456", add_special_tokens=False)["input_ids"]  # cut at rollout.max_new_tokens
@@ -143,8 +186,16 @@ def test_offline_dpo_runs_without_a_broker_and_fits_its_pairs(dist, tiny_model_d
     eval_file = pref_data.replace(".jsonl", ".eval.jsonl")
     small = tmp_path / "pairs.jsonl"  # 8 pairs, seen again and again: the policy must come to prefer each chosen one
     small.write_text("".join(line + "\n" for line in open(pref_data).read().splitlines()[:8]))
-    cfg = job(tiny_model_dir, tmp_path, f"data.preference={small}", f"data.preference_eval={eval_file}",
-              "run.eval_interval=10", "run.eval_n=50", "learner.groups_per_step=8", "learner.max_tokens_per_microbatch=4096")
+    cfg = job(
+        tiny_model_dir,
+        tmp_path,
+        f"data.preference={small}",
+        f"data.preference_eval={eval_file}",
+        "run.eval_interval=10",
+        "run.eval_n=50",
+        "learner.groups_per_step=8",
+        "learner.max_tokens_per_microbatch=4096",
+    )
     learner = Learner(cfg, tmp_path, None, dist)  # no broker client at all
     assert learner.publisher is None and not learner.fleet
     start = learner.evaluator(learner.module)
@@ -179,11 +230,33 @@ def test_offline_dpo_prefers_correct_sums_on_held_out_problems(dist, tiny_model_
 
     arith, arith_eval = init_data("arithmetic", str(tmp_path / "arith.jsonl"), 20000, 200, 0, 99)
     warm = tmp_path / "warm"
-    sft(tiny_model_dir, str(arith), str(arith_eval), str(warm), target_acc=0.3, lr=5e-3, batch_size=64, max_steps=3000,
-        eval_every=100, eval_n=200, seed=0, max_minutes=10, evaluate_model=evaluate_model)
+    sft(
+        tiny_model_dir,
+        str(arith),
+        str(arith_eval),
+        str(warm),
+        target_acc=0.3,
+        lr=5e-3,
+        batch_size=64,
+        max_steps=3000,
+        eval_every=100,
+        eval_n=200,
+        seed=0,
+        max_minutes=10,
+        evaluate_model=evaluate_model,
+    )
     pref, pref_eval = init_data("arithmetic-preference", str(tmp_path / "pref.jsonl"), 8000, 200, 0, 99)
-    cfg = job(str(warm), tmp_path, f"data.preference={pref}", f"data.preference_eval={pref_eval}", "run.eval_interval=20",
-              "run.eval_n=200", "learner.groups_per_step=64", "learner.lr=1e-3", "learner.max_tokens_per_microbatch=4096")
+    cfg = job(
+        str(warm),
+        tmp_path,
+        f"data.preference={pref}",
+        f"data.preference_eval={pref_eval}",
+        "run.eval_interval=20",
+        "run.eval_n=200",
+        "learner.groups_per_step=64",
+        "learner.lr=1e-3",
+        "learner.max_tokens_per_microbatch=4096",
+    )
     learner = Learner(cfg, tmp_path, None, dist)
     curve = [learner.evaluator(learner.module)["dpo/heldout_accuracy"]]
     while learner.step < 120 and max(curve[-2:]) <= 0.9:

@@ -11,8 +11,8 @@ import random
 import pytest
 
 from fleetrl.common.config import ConfigError, load_config
-from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.common.config.learner import HealthConfig, HealthRule
+from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.learner.health import HEALTH_RULES, HealthEvent, HealthMonitor
 
 EVENT_FIELDS = {"step", "rule", "action", "metric", "value", "threshold", "message", "time"}
@@ -40,8 +40,14 @@ def test_default_config_is_safe_and_builds():
     m = HealthMonitor(cfg, None)
     actions = {r.name: r.action for r in cfg.rules}
     # the breaker as tuned by benchmarks/health.py: collapses and NaNs roll back, the rest alerts
-    assert actions == {"non_finite": "rollback", "grad_spike": "alert", "reward_drop": "rollback",
-                       "length_collapse": "rollback", "entropy_floor": "alert", "mismatch_kl_ceiling": "rollback"}
+    assert actions == {
+        "non_finite": "rollback",
+        "grad_spike": "alert",
+        "reward_drop": "rollback",
+        "length_collapse": "rollback",
+        "entropy_floor": "alert",
+        "mismatch_kl_ceiling": "rollback",
+    }
     assert len(m.rules) == len(cfg.rules)
     assert HealthMonitor(HealthConfig(enabled=False), None).rules == []
 
@@ -208,7 +214,9 @@ def test_grad_spike_against_the_rolling_median():
     assert feed(m, "actor/grad_norm", [rng.lognormvariate(0, 0.5) for _ in range(1000)]) == {}
 
 
-@pytest.mark.parametrize("key, value", [("actor/loss", math.nan), ("actor/grad_norm", math.inf), ("actor/kl", -math.inf)])
+@pytest.mark.parametrize(
+    "key, value", [("actor/loss", math.nan), ("actor/grad_norm", math.inf), ("actor/kl", -math.inf)]
+)
 def test_non_finite_fires_on_the_first_step(key, value):
     m = monitor(HealthRule(name="non_finite", action="stop"))
     (e,) = m.observe(1, {"actor/loss": 0.1, "reward/mean": math.nan, key: value})  # reward is not watched
@@ -278,8 +286,13 @@ def _event(action: str) -> HealthEvent:
 
 @pytest.mark.parametrize(
     "actions, expected",
-    [((), "none"), (("alert",), "alert"), (("alert", "rollback"), "rollback"), (("rollback", "stop", "alert"), "stop"),
-     (("stop", "alert"), "stop")],
+    [
+        ((), "none"),
+        (("alert",), "alert"),
+        (("alert", "rollback"), "rollback"),
+        (("rollback", "stop", "alert"), "stop"),
+        (("stop", "alert"), "stop"),
+    ],
 )
 def test_decide_takes_the_strongest_action(actions, expected):
     assert monitor().decide([_event(a) for a in actions]) == expected
@@ -300,15 +313,20 @@ def test_rollbacks_beyond_max_become_stop(tmp_path):
 
 def test_events_jsonl_lines(tmp_path):
     path = tmp_path / "run" / "events.jsonl"
-    m = monitor(HealthRule(name="non_finite", action="stop"), HealthRule(name="kl_ceiling", window=1, threshold=0.5),
-                events_path=path)
+    m = monitor(
+        HealthRule(name="non_finite", action="stop"),
+        HealthRule(name="kl_ceiling", window=1, threshold=0.5),
+        events_path=path,
+    )
     events = m.observe(3, {"actor/loss": math.nan, "actor/kl": 2.0})
     m.record_rollback(to_step=0, from_step=3)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [set(r) for r in rows] == [EVENT_FIELDS] * 3
     assert [(r["step"], r["rule"], r["action"], r["metric"]) for r in rows] == [
-        (3, "non_finite", "stop", "actor/loss"), (3, "kl_ceiling", "alert", "actor/kl"),
-        (3, "rollback", "rollback", "health/rollbacks")]
+        (3, "non_finite", "stop", "actor/loss"),
+        (3, "kl_ceiling", "alert", "actor/kl"),
+        (3, "rollback", "rollback", "health/rollbacks"),
+    ]
     assert rows[0]["value"] == "nan" and rows[1]["value"] == 2.0 and rows[1]["threshold"] == 0.5
     assert rows[1]["message"] == events[1].message and rows[1]["time"] == events[1].time
     assert m.metrics(events) == {"health/events": 2.0, "health/events_total": 3.0, "health/rollbacks": 1.0}
@@ -320,7 +338,9 @@ def test_report_lists_what_fired_and_when():
     assert m.report() == "health: no rule fired"
     feed(m, "actor/grad_norm", [1, 1, 1, 100])
     lines = m.report().splitlines()
-    assert lines[0].startswith("health report: 1 event, 0 rollbacks") and "step       4  grad_spike -> alert" in lines[1]
+    assert (
+        lines[0].startswith("health report: 1 event, 0 rollbacks") and "step       4  grad_spike -> alert" in lines[1]
+    )
 
 
 # ------------------------------------------------------------------------------ rollback and state
@@ -347,9 +367,12 @@ def _scripted(m: HealthMonitor, steps: range) -> list[tuple]:
     out = []
     for step in steps:
         rng = random.Random(step)
-        metrics = {"reward/mean": (0.8 if step < 30 else 0.2) + rng.uniform(-0.05, 0.05),
-                   "actor/grad_norm": 1.0 + rng.random() + (30.0 if step == 25 else 0.0),
-                   "actor/entropy": 0.5, "response/length_mean": 100.0 - step}
+        metrics = {
+            "reward/mean": (0.8 if step < 30 else 0.2) + rng.uniform(-0.05, 0.05),
+            "actor/grad_norm": 1.0 + rng.random() + (30.0 if step == 25 else 0.0),
+            "actor/entropy": 0.5,
+            "response/length_mean": 100.0 - step,
+        }
         out += [(e.step, e.rule, e.action, e.value) for e in m.observe(step, metrics)]
         if step % 10 == 0:
             out.append(("ckpt", step, m.on_checkpoint(step)))
@@ -358,9 +381,12 @@ def _scripted(m: HealthMonitor, steps: range) -> list[tuple]:
 
 @pytest.mark.parametrize("via_json", [False, True])
 def test_state_dict_round_trip_continues_identically(via_json):
-    rules = [HealthRule(name="reward_drop", window=5), HealthRule(name="grad_spike", window=5),
-             HealthRule(name="reward_checkpoint_decline", window=2, threshold=0.0),
-             HealthRule(name="length_collapse", window=5, threshold=0.9)]
+    rules = [
+        HealthRule(name="reward_drop", window=5),
+        HealthRule(name="grad_spike", window=5),
+        HealthRule(name="reward_checkpoint_decline", window=2, threshold=0.0),
+        HealthRule(name="length_collapse", window=5, threshold=0.9),
+    ]
     reference, first = monitor(*rules), monitor(*rules)
     expected = _scripted(reference, range(1, 61))
     head = _scripted(first, range(1, 28))
@@ -418,8 +444,10 @@ def test_bad_threshold_or_window_names_the_key(rule, key):
 
 def test_health_rules_from_yaml_and_overrides(tmp_path):
     f = tmp_path / "job.yaml"
-    f.write_text("health:\n  rules:\n    - {name: reward_floor, action: stop, threshold: -5.0}\n"
-                 "    - {name: reward_drop, action: rollback}\n")
+    f.write_text(
+        "health:\n  rules:\n    - {name: reward_floor, action: stop, threshold: -5.0}\n"
+        "    - {name: reward_drop, action: rollback}\n"
+    )
     cfg = load_config(f, ["health.rules.1.window=50"])
     (floor, drop) = HealthMonitor(cfg.health, None).rules
     assert (floor.threshold, floor.window, drop.window, drop.threshold, drop.action) == (-5.0, 5, 50, 0.2, "rollback")
@@ -433,14 +461,22 @@ def test_health_rules_from_yaml_and_overrides(tmp_path):
 def test_scripted_collapse_rolls_back_to_the_checkpoint_before_it():
     """Rewards rise, plateau, then collapse after step k = 90; checkpoints every 20 steps."""
     k = 90
-    m = monitor(HealthRule(name="non_finite", action="stop"), HealthRule(name="grad_spike", action="alert"),
-                HealthRule(name="reward_drop", action="rollback", window=10, threshold=0.2), healthy_window=10)
+    m = monitor(
+        HealthRule(name="non_finite", action="stop"),
+        HealthRule(name="grad_spike", action="alert"),
+        HealthRule(name="reward_drop", action="rollback", window=10, threshold=0.2),
+        healthy_window=10,
+    )
     rng = random.Random(0)
     fired, verdicts = {}, {}
     for step in range(1, 121):
         reward = min(0.8, 0.01 * step) if step <= k else 0.1  # rise to 0.8 by step 80, then collapse
-        metrics = {"reward/mean": reward + rng.uniform(-0.03, 0.03), "actor/loss": 0.1, "actor/kl": 0.01,
-                   "actor/grad_norm": 1.0 + rng.uniform(-0.2, 0.2)}
+        metrics = {
+            "reward/mean": reward + rng.uniform(-0.03, 0.03),
+            "actor/loss": 0.1,
+            "actor/kl": 0.01,
+            "actor/grad_norm": 1.0 + rng.uniform(-0.2, 0.2),
+        }
         events = m.observe(step, metrics)
         if events:
             fired[step] = events

@@ -16,8 +16,12 @@ def ev(step, rule, action):
 
 
 # a divergence injected at step 45: an alert before it (a false alarm), the rule at 48, the rollback line at 48
-EVENTS = [ev(30, "grad_spike", "alert"), ev(48, "mismatch_kl_ceiling", "rollback"), ev(48, "rollback", "rollback"),
-          ev(52, "entropy_floor", "alert")]
+EVENTS = [
+    ev(30, "grad_spike", "alert"),
+    ev(48, "mismatch_kl_ceiling", "rollback"),
+    ev(48, "rollback", "rollback"),
+    ev(52, "entropy_floor", "alert"),
+]
 
 
 def test_detection_delay_rule_and_action():
@@ -49,8 +53,12 @@ def test_recovery_within_three_points_of_the_pre_fault_best():
 def test_last_rollback_and_eval_curve():
     assert last_rollback_step(EVENTS + [ev(60, "rollback", "rollback")], 45) == 60
     assert last_rollback_step(EVENTS, 50) is None
-    rows = [{"step": 0, "eval/accuracy": 0.1}, {"step": 1, "reward/mean": 0.2}, {"step": 10, "eval/accuracy": float("nan")},
-            {"step": 20, "eval/accuracy": 0.3}]
+    rows = [
+        {"step": 0, "eval/accuracy": 0.1},
+        {"step": 1, "reward/mean": 0.2},
+        {"step": 10, "eval/accuracy": float("nan")},
+        {"step": 20, "eval/accuracy": 0.3},
+    ]
     assert eval_curve(rows) == [(0, 0.1), (20, 0.3)]
 
 
@@ -61,12 +69,18 @@ def test_false_alarm_rate_and_the_rule_of_three_bound():
     assert h["alerts_per_1000_steps"] == pytest.approx(1000 / 300)
     assert h["rollbacks_per_10000_steps_95pct_upper"] == pytest.approx(100.0)  # 3 / 300 steps, per 10,000
     h2 = false_alarms([{"steps": 500, "events": [ev(9, "reward_drop", "rollback"), ev(9, "rollback", "rollback")]}])
-    assert h2["rollbacks"] == 1 and h2["rollbacks_per_1000_steps"] == 2.0 and h2["rollbacks_per_10000_steps_95pct_upper"] is None
+    assert (
+        h2["rollbacks"] == 1
+        and h2["rollbacks_per_1000_steps"] == 2.0
+        and h2["rollbacks_per_10000_steps_95pct_upper"] is None
+    )
 
 
 def test_targets():
-    f = {"divergence": {"detection": {"detected": True, "delay_steps": 3}, "recovery": {"recovered": True}},
-         "non_finite": {"detection": {"detected": True, "delay_steps": 25}, "recovery": {"recovered": False}}}
+    f = {
+        "divergence": {"detection": {"detected": True, "delay_steps": 3}, "recovery": {"recovered": True}},
+        "non_finite": {"detection": {"detected": True, "delay_steps": 25}, "recovery": {"recovered": False}},
+    }
     t = targets(f, false_alarms([{"steps": 300, "events": []}]))
     assert t["every_fault_detected"] and not t["divergence_and_non_finite_within_20_steps"]
     assert t["fault_kinds_recovered_by_rollback"].startswith("1 of 2")

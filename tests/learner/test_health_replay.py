@@ -54,7 +54,8 @@ def test_replay_counts_alerts_and_rollbacks_per_rule(tmp_path):
     spike = summary["rules"]["grad_spike"]
     assert spike["alerts"]["count"] == 4 and spike["alerts"]["per_10k"] == pytest.approx(200.0)
     assert spike["rollbacks"]["count"] == 0 and spike["rollbacks"]["upper95_per_10k"] == pytest.approx(
-        10_000 * 2.9957 / 200, rel=1e-4)
+        10_000 * 2.9957 / 200, rel=1e-4
+    )
     assert summary["rules"]["non_finite"]["rollbacks"]["count"] == 2
     assert summary["all"]["alerts"]["count"] == 4 and summary["all"]["rollbacks"]["count"] == 2
 

@@ -37,8 +37,9 @@ def test_model_loads_and_generates(tiny_model_dir):
     assert config["model_type"] == "qwen2" and config["vocab_size"] == len(tok)
     batch = tok(["07+58=", "11+22="], return_tensors="pt")
     torch.manual_seed(0)
-    out = model.generate(**batch, max_new_tokens=5, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
-                         pad_token_id=tok.pad_token_id)
+    out = model.generate(
+        **batch, max_new_tokens=5, do_sample=True, top_k=0, top_p=1.0, temperature=1.0, pad_token_id=tok.pad_token_id
+    )
     assert out.shape[0] == 2 and 6 < out.shape[1] <= 11
     assert torch.equal(out[:, :6], batch["input_ids"])
 

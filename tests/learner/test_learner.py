@@ -17,18 +17,38 @@ from tests.learner.conftest import inproc_client, pack, samples, synthetic_group
 ALGOS = {
     "grpo": ["algorithm.adv_estimator=grpo"],
     "drgrpo": ["algorithm.adv_estimator=drgrpo", "algorithm.loss_agg=seq-mean-token-sum-norm"],
-    "dapo": ["algorithm.adv_estimator=grpo", "algorithm.policy_loss=dapo", "algorithm.dynamic_sampling=true",
-             "algorithm.overlong.enabled=true", "algorithm.overlong.buffer_len=2", "rollout.max_new_tokens=6"],
+    "dapo": [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.policy_loss=dapo",
+        "algorithm.dynamic_sampling=true",
+        "algorithm.overlong.enabled=true",
+        "algorithm.overlong.buffer_len=2",
+        "rollout.max_new_tokens=6",
+    ],
     "gspo": ["algorithm.adv_estimator=grpo", "algorithm.policy_loss=gspo", "algorithm.loss_agg=seq-mean-token-mean"],
     "rloo": ["algorithm.adv_estimator=rloo"],
-    "reinforce_pp": ["algorithm.adv_estimator=reinforce_pp", "algorithm.kl.placement=reward", "algorithm.kl.estimator=k1"],
+    "reinforce_pp": [
+        "algorithm.adv_estimator=reinforce_pp",
+        "algorithm.kl.placement=reward",
+        "algorithm.kl.estimator=k1",
+    ],
 }
 
 
 def job(tiny_model_dir, tmp_path, *overrides):
-    return load_config(None, [f"model.path={tiny_model_dir}", "learner.groups_per_step=4", "learner.lr=1e-2",
-                              "sync.transport=filesystem", f"run.dir={tmp_path}", "learner.max_tokens_per_microbatch=40",
-                              "checkpoint.interval=0", *overrides])
+    return load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "learner.groups_per_step=4",
+            "learner.lr=1e-2",
+            "sync.transport=filesystem",
+            f"run.dir={tmp_path}",
+            "learner.max_tokens_per_microbatch=40",
+            "checkpoint.interval=0",
+            *overrides,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +88,8 @@ def test_off_policy_batch_gives_finite_loss_and_is_metrics(dist, tiny_model_dir,
 def _spanning(groups, first, rest=None):
     """The same groups with each response's first token tagged ``first`` and the others ``rest`` (default
     ``first``): ``first < rest`` is a response sampled across an in-flight update."""
-    import numpy as np
     import msgspec
+    import numpy as np
 
     rest = first if rest is None else rest
     out = []
@@ -90,7 +110,9 @@ def test_mismatch_counts_only_tokens_of_the_trained_version_and_drift_counts_all
     assert stale["off_policy/drift_kl"] > 0.1
     spanning = learner.actor.step(learner.actor.plan(Leased(groups=_spanning(groups, 1, 2))), 2)
     assert "off_policy/mismatch_kl" not in spanning  # across an update: its version-2 tokens saw version 1's KV
-    mixed = learner.actor.step(learner.actor.plan(Leased(groups=_spanning(groups[:2], 2) + _spanning(groups[2:], 1))), 2)
+    mixed = learner.actor.step(
+        learner.actor.plan(Leased(groups=_spanning(groups[:2], 2) + _spanning(groups[2:], 1))), 2
+    )
     assert 0.2 < mixed["off_policy/fresh_token_frac"] < 0.8 and mixed["off_policy/mismatch_kl"] > 0.1
     moved = learner.actor.step(learner.actor.plan(Leased(groups=_spanning(groups, 2))), 2, pristine=False)
     assert "off_policy/mismatch_kl" not in moved  # the weights changed since version 2 was published
@@ -134,21 +156,29 @@ def test_planning_takes_samples_in_order_then_sorts_by_length():
 
 
 def test_mini_batches_get_a_micro_batch_each_and_every_pass_reuses_them(dist, tiny_model_dir, tmp_path):
-    cfg = job(tiny_model_dir, tmp_path, "learner.ppo_epochs=2", "learner.mini_batches=3",
-              "learner.max_tokens_per_microbatch=100000")  # the budget alone would give one micro-batch
+    cfg = job(
+        tiny_model_dir,
+        tmp_path,
+        "learner.ppo_epochs=2",
+        "learner.mini_batches=3",
+        "learner.max_tokens_per_microbatch=100000",
+    )  # the budget alone would give one micro-batch
     client, _ = inproc_client(synthetic_groups(8))
     learner = Learner(cfg, tmp_path, client, dist)
     batch = learner.actor.plan(learner.source.next(1))
     assert len(batch.micro) >= 3
     stats = learner.actor.step(batch, 0)
-    assert all(mb.old_logp is not None and mb.adv is not None for mb in batch.micro)  # filled once, on the micro-batches
+    assert all(
+        mb.old_logp is not None and mb.adv is not None for mb in batch.micro
+    )  # filled once, on the micro-batches
     assert math.isfinite(stats["actor/loss"]) and learner.engine.global_steps == 6  # 2 epochs x 3 mini-batches
     learner.close()
 
 
 def test_resume_reproduces_the_same_loss_on_the_same_batch(dist, tiny_model_dir, tmp_path):
-    cfg = job(tiny_model_dir, tmp_path, "learner.ppo_epochs=2", "learner.mini_batches=2",
-              "broker.commit_on_checkpoint=true")
+    cfg = job(
+        tiny_model_dir, tmp_path, "learner.ppo_epochs=2", "learner.mini_batches=2", "broker.commit_on_checkpoint=true"
+    )
     fixed = synthetic_groups(4, seed=7)
     client, broker = inproc_client(synthetic_groups(12), "broker.commit_on_checkpoint=true")
     first = Learner(cfg, tmp_path, client, dist)
@@ -185,8 +215,17 @@ def _holey_groups(garbage: float):
             logp = np.where(mask == 1, -1.5 - 0.1 * i, garbage)  # appended tokens carry no behaviour log-prob
             responses.append((rng.integers(7, 200, 7), logp))
             masks.append(mask)
-        groups.append(m.build_group(f"h{g}", f"0:{g}", 0, rng.integers(7, 200, 5), responses,
-                                    [float(i % 2) for i in range(4)], loss_masks=masks))
+        groups.append(
+            m.build_group(
+                f"h{g}",
+                f"0:{g}",
+                0,
+                rng.integers(7, 200, 5),
+                responses,
+                [float(i % 2) for i in range(4)],
+                loss_masks=masks,
+            )
+        )
     return groups
 
 

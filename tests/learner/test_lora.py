@@ -18,9 +18,21 @@ LORA = ["model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj, up_proj]}"
 
 
 def job(tiny_model_dir, tmp_path, *overrides):
-    return load_config(None, [f"model.path={tiny_model_dir}", "learner.groups_per_step=4", "learner.lr=1e-2",
-                              "sync.transport=filesystem", f"run.dir={tmp_path}", "learner.max_tokens_per_microbatch=40",
-                              "checkpoint.interval=0", "learner.device=cpu", *LORA, *overrides])
+    return load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "learner.groups_per_step=4",
+            "learner.lr=1e-2",
+            "sync.transport=filesystem",
+            f"run.dir={tmp_path}",
+            "learner.max_tokens_per_microbatch=40",
+            "checkpoint.interval=0",
+            "learner.device=cpu",
+            *LORA,
+            *overrides,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +52,9 @@ def test_merged_params_use_the_base_model_names_and_add_the_delta(tiny_model_dir
     W = plain.model.layers[0].self_attn.q_proj.weight
     A, B = layer.lora_A["default"].weight, layer.lora_B["default"].weight
     torch.testing.assert_close(merged["model.layers.0.self_attn.q_proj.weight"], W + (B @ A) * (8 / 4))  # alpha / r
-    torch.testing.assert_close(merged["model.layers.0.self_attn.k_proj.weight"], plain.model.layers[0].self_attn.k_proj.weight)
+    torch.testing.assert_close(
+        merged["model.layers.0.self_attn.k_proj.weight"], plain.model.layers[0].self_attn.k_proj.weight
+    )
     assert torch.equal(layer.base_layer.weight, W)  # never merged in place
 
 
@@ -80,8 +94,9 @@ def test_lora_trains_adapters_only_syncs_merged_weights_and_exports_a_plain_mode
     learner.module.eval()
     exported.eval()
     with torch.no_grad():
-        torch.testing.assert_close(exported(input_ids=ids).logits, learner.module(input_ids=ids).logits,
-                                   atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            exported(input_ids=ids).logits, learner.module(input_ids=ids).logits, atol=1e-5, rtol=1e-4
+        )
         adapted = learner.module(input_ids=ids).logits
     learner.close()
 

@@ -21,11 +21,15 @@ HERE = Path(__file__).parent
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_two_ranks_train_and_broadcast_exact_weights(zero_stage, tmp_path, tiny_model_dir, arith_data):
-    job = write_job(tmp_path, arith_data, model={"path": tiny_model_dir},
-                    broker={"max_staleness": 100, "queue_capacity": 10000, "vocab_size": 263, "accept_unleased": True},
-                    learner={"groups_per_step": 4, "total_steps": 2, "zero_stage": zero_stage, "lr": 1e-2,
-                             "device": "cpu"},
-                    sync={"transport": "gloo", "timeout_s": 60}, checkpoint={"interval": 0})
+    job = write_job(
+        tmp_path,
+        arith_data,
+        model={"path": tiny_model_dir},
+        broker={"max_staleness": 100, "queue_capacity": 10000, "vocab_size": 263, "accept_unleased": True},
+        learner={"groups_per_step": 4, "total_steps": 2, "zero_stage": zero_stage, "lr": 1e-2, "device": "cpu"},
+        sync={"transport": "gloo", "timeout_s": 60},
+        checkpoint={"interval": 0},
+    )
     broker = BrokerProcess(job, tmp_path / "broker").start()
     procs: list[subprocess.Popen] = []
     try:
@@ -35,18 +39,51 @@ def test_two_ranks_train_and_broadcast_exact_weights(zero_stage, tmp_path, tiny_
         assert all(a.status == "accepted" for a in acks)
         rollout.close()
         received = tmp_path / "received.safetensors"
-        receiver = subprocess.Popen([sys.executable, str(HERE / "receiver_main.py"), "--broker", broker.address,
-                                     "--config", str(job), "--model", tiny_model_dir, "--version", "2",
-                                     "--out", str(received)], stdout=subprocess.PIPE, text=True)
+        receiver = subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "receiver_main.py"),
+                "--broker",
+                broker.address,
+                "--config",
+                str(job),
+                "--model",
+                tiny_model_dir,
+                "--version",
+                "2",
+                "--out",
+                str(received),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         procs.append(receiver)
         assert receiver.stdout.readline().strip() == "ready"
         time.sleep(1.0)  # a heartbeat lands: the learner expects this receiver in its rounds
         run_dir = tmp_path / "run"
         learner = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-             "-m", "fleetrl.app.learner", "--config", str(job), "--broker", broker.address, "--run-dir", str(run_dir)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**__import__("os").environ,
-                                                                            "OMP_NUM_THREADS": "1"})
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                "--master-port",
+                str(free_port()),
+                "-m",
+                "fleetrl.app.learner",
+                "--config",
+                str(job),
+                "--broker",
+                broker.address,
+                "--run-dir",
+                str(run_dir),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+        )
         procs.append(learner)
         out, _ = learner.communicate(timeout=300)
         assert learner.returncode == 0, out[-4000:]

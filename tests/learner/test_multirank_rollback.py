@@ -27,15 +27,29 @@ def test_two_ranks_roll_back_together(tmp_path, tiny_model_dir, arith_data):
     # 10: with total_steps a multiple of checkpoint.interval the two ranks can disagree on whether the
     # final checkpoint already exists and one leaves the other in a barrier (a separate bug, in the note)
     script = [0.75] * 4 + [0.0] * 3 + [0.75] * 16
-    job = write_job(tmp_path, arith_data, model={"path": tiny_model_dir},
-                    broker={"max_staleness": 100, "queue_capacity": 10000, "vocab_size": 263, "accept_unleased": True,
-                            "commit_on_checkpoint": True},
-                    learner={"groups_per_step": 2, "total_steps": 9, "lr": 1e-3, "device": "cpu"},
-                    sync={"transport": "filesystem", "keep_versions": 100},
-                    checkpoint={"interval": 2, "keep_last": 10},
-                    health={"healthy_window": 1, "max_rollbacks": 2, "rules": [
-                        {"name": "reward_drop", "action": "rollback", "window": 2, "threshold": 0.3},
-                        {"name": "non_finite", "action": "stop"}]})
+    job = write_job(
+        tmp_path,
+        arith_data,
+        model={"path": tiny_model_dir},
+        broker={
+            "max_staleness": 100,
+            "queue_capacity": 10000,
+            "vocab_size": 263,
+            "accept_unleased": True,
+            "commit_on_checkpoint": True,
+        },
+        learner={"groups_per_step": 2, "total_steps": 9, "lr": 1e-3, "device": "cpu"},
+        sync={"transport": "filesystem", "keep_versions": 100},
+        checkpoint={"interval": 2, "keep_last": 10},
+        health={
+            "healthy_window": 1,
+            "max_rollbacks": 2,
+            "rules": [
+                {"name": "reward_drop", "action": "rollback", "window": 2, "threshold": 0.3},
+                {"name": "non_finite", "action": "stop"},
+            ],
+        },
+    )
     broker = BrokerProcess(job, tmp_path / "broker").start()
     learner = None
     try:
@@ -46,17 +60,42 @@ def test_two_ranks_roll_back_together(tmp_path, tiny_model_dir, arith_data):
         rollout.close()
         run_dir = tmp_path / "run"
         learner = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-             "-m", "fleetrl.app.learner", "--config", str(job), "--broker", broker.address, "--run-dir", str(run_dir)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                "--master-port",
+                str(free_port()),
+                "-m",
+                "fleetrl.app.learner",
+                "--config",
+                str(job),
+                "--broker",
+                broker.address,
+                "--run-dir",
+                str(run_dir),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         out, _ = learner.communicate(timeout=300)
         assert learner.returncode == 0, out[-4000:]
         rolled = [e for e in rows_of(run_dir / "events.jsonl") if e["rule"] == "rollback"]
         assert rolled and "healthy checkpoint at step 4" in rolled[0]["message"]
         # every rank rolled back as often, at the same steps, to the same checkpoints, with the same discard
         # (with commit_on_checkpoint the collapse's groups come back and are trained again: it may recur)
-        per_rank = [[(r["rollback"], r["to_step"], r["discarded"]) for r in rows_of(run_dir / f"trained-{rank}.jsonl")
-                     if "rollback" in r] for rank in (0, 1)]
+        per_rank = [
+            [
+                (r["rollback"], r["to_step"], r["discarded"])
+                for r in rows_of(run_dir / f"trained-{rank}.jsonl")
+                if "rollback" in r
+            ]
+            for rank in (0, 1)
+        ]
         assert per_rank[0] == per_rank[1] and len(per_rank[0]) == len(rolled)
         assert per_rank[0][0][:2] == (6, 4)
         # and both trained on to the last step

@@ -19,17 +19,40 @@ def write(path, rows):
 @pytest.fixture
 def run_dir(tmp_path):
     rng = random.Random(0)
-    rows = [{"step": s, "time": 1000.0 + s, "reward/mean": s / 100 + rng.random() * 0.2,
-             "reward/exact/mean": s / 120, "reward/accuracy_reward/mean": 0.5,
-             "off_policy/staleness_mean": rng.choice([0, 1, 2]), "broker/queue_depth": rng.randint(0, 16)}
-            for s in range(1, 81)]
+    rows = [
+        {
+            "step": s,
+            "time": 1000.0 + s,
+            "reward/mean": s / 100 + rng.random() * 0.2,
+            "reward/exact/mean": s / 120,
+            "reward/accuracy_reward/mean": 0.5,
+            "off_policy/staleness_mean": rng.choice([0, 1, 2]),
+            "broker/queue_depth": rng.randint(0, 16),
+        }
+        for s in range(1, 81)
+    ]
     resumed = [{**r, "reward/mean": -1.0, "time": r["time"] + 500} for r in rows[59:]]  # steps 60.. logged again
     write(tmp_path / "metrics.jsonl", rows + resumed)
-    write(tmp_path / "events.jsonl", [{"step": s, "rule": "reward_drop", "action": "alert", "message": "dropped"}
-                                      for s in (20, 25, 30)] + [{"time": 1040.5, "event": "restart", "child": "broker",
-                                                                 "exit_code": -9, "restart": 1}])
-    write(tmp_path / "completions.jsonl", [{"step": 80, "policy_version": 79, "prompt": "<b>1+1=</b>", "response": "2",
-                                            "reward": 1.0, "advantage": 0.25, "finish_reason": "stop", "tokens": 2}])
+    write(
+        tmp_path / "events.jsonl",
+        [{"step": s, "rule": "reward_drop", "action": "alert", "message": "dropped"} for s in (20, 25, 30)]
+        + [{"time": 1040.5, "event": "restart", "child": "broker", "exit_code": -9, "restart": 1}],
+    )
+    write(
+        tmp_path / "completions.jsonl",
+        [
+            {
+                "step": 80,
+                "policy_version": 79,
+                "prompt": "<b>1+1=</b>",
+                "response": "2",
+                "reward": 1.0,
+                "advantage": 0.25,
+                "finish_reason": "stop",
+                "tokens": 2,
+            }
+        ],
+    )
     return tmp_path
 
 

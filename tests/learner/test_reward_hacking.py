@@ -11,15 +11,14 @@ from fleetrl.common.config.learner import HealthConfig, HealthRule
 from fleetrl.learner.health import HealthMonitor
 from fleetrl.learner.metrics import diversity_metrics
 
-HEALTHY = {"reward/mean": 0.3, "response/length_mean": 3.5, "response/distinct_2": 0.6,
-           "response/identical_frac": 0.1}
-HACK = {"reward/mean": 0.9, "response/length_mean": 1.8, "response/distinct_2": 0.2,
-        "response/identical_frac": 0.9}
+HEALTHY = {"reward/mean": 0.3, "response/length_mean": 3.5, "response/distinct_2": 0.6, "response/identical_frac": 0.1}
+HACK = {"reward/mean": 0.9, "response/length_mean": 1.8, "response/distinct_2": 0.2, "response/identical_frac": 0.9}
 
 
 def monitor(**rule) -> HealthMonitor:
-    return HealthMonitor(HealthConfig(rules=[HealthRule(name="reward_hacking", action="rollback", **rule)],
-                                      healthy_window=2), None)
+    return HealthMonitor(
+        HealthConfig(rules=[HealthRule(name="reward_hacking", action="rollback", **rule)], healthy_window=2), None
+    )
 
 
 def run(m: HealthMonitor, rows: list[dict], checkpoint_every: int = 0) -> dict[int, list]:
@@ -109,10 +108,12 @@ def test_a_healthy_noisy_stream_never_fires():
     rows = []
     for step in range(1, 3001):
         t = step / 3000
-        row = {"reward/mean": 0.3 + 0.3 * t + rng.uniform(-0.15, 0.15),
-               "response/length_mean": 3.5 - t + rng.uniform(-0.6, 0.6),
-               "response/distinct_2": 0.6 + rng.uniform(-0.1, 0.1),
-               "response/identical_frac": max(0.0, 0.15 + rng.uniform(-0.1, 0.1))}
+        row = {
+            "reward/mean": 0.3 + 0.3 * t + rng.uniform(-0.15, 0.15),
+            "response/length_mean": 3.5 - t + rng.uniform(-0.6, 0.6),
+            "response/distinct_2": 0.6 + rng.uniform(-0.1, 0.1),
+            "response/identical_frac": max(0.0, 0.15 + rng.uniform(-0.1, 0.1)),
+        }
         if step % 25 == 0:
             row["eval/accuracy"] = 0.3 + 0.2 * t + rng.uniform(-0.04, 0.04)
         rows.append(row)
@@ -124,9 +125,16 @@ def test_a_healthy_noisy_stream_never_fires():
 
 
 def test_an_old_alert_does_not_drag_the_rollback_target_back():
-    m = HealthMonitor(HealthConfig(rules=[HealthRule(name="reward_hacking", action="rollback"),
-                                          HealthRule(name="grad_spike", action="alert", window=3)],
-                                   healthy_window=2), None)
+    m = HealthMonitor(
+        HealthConfig(
+            rules=[
+                HealthRule(name="reward_hacking", action="rollback"),
+                HealthRule(name="grad_spike", action="alert", window=3),
+            ],
+            healthy_window=2,
+        ),
+        None,
+    )
     rows = [{**HEALTHY, "actor/grad_norm": 1.0} for _ in range(60)]
     rows[7]["actor/grad_norm"] = 100.0  # a spike at step 8: an alert long before the hack
     rows += [{**HACK, "actor/grad_norm": 1.0} for _ in range(20)]

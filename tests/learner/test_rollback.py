@@ -26,17 +26,33 @@ def scripted_groups(rewards_per_step: list[float], groups_per_step: int = 2, voc
             if len(set(rewards)) == 1:
                 rewards[0] = 1.0 - rewards[0]
             responses = [(rng.integers(7, vocab, 3), np.full(3, -1.5)) for _ in rewards]
-            out.append(m.build_group(f"s{step}-{g}", f"0:{step * groups_per_step + g}", 0, rng.integers(7, vocab, 4),
-                                     responses, rewards))
+            out.append(
+                m.build_group(
+                    f"s{step}-{g}", f"0:{step * groups_per_step + g}", 0, rng.integers(7, vocab, 4), responses, rewards
+                )
+            )
     return out
 
 
 def job(tiny_model_dir, tmp_path, *overrides):
     rule = "{name: reward_drop, action: rollback, window: 2, threshold: 0.3}"
-    return load_config(None, [
-        f"model.path={tiny_model_dir}", "learner.groups_per_step=2", "learner.lr=1e-3", "sync.transport=filesystem",
-        f"run.dir={tmp_path}", "checkpoint.interval=2", "checkpoint.keep_last=10", "sync.keep_versions=100", "health.healthy_window=1",
-        f"health.rules=[{rule}, {{name: non_finite, action: stop}}]", "broker.max_staleness=100", *overrides])
+    return load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "learner.groups_per_step=2",
+            "learner.lr=1e-3",
+            "sync.transport=filesystem",
+            f"run.dir={tmp_path}",
+            "checkpoint.interval=2",
+            "checkpoint.keep_last=10",
+            "sync.keep_versions=100",
+            "health.healthy_window=1",
+            f"health.rules=[{rule}, {{name: non_finite, action: stop}}]",
+            "broker.max_staleness=100",
+            *overrides,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import torch
 
 from fleetrl.broker.client.inproc import InprocBroker
 from fleetrl.common import messages as m
-from fleetrl.common.telemetry import tracing
 from fleetrl.common.config import load_config
+from fleetrl.common.telemetry import tracing
 from fleetrl.learner import rollback as rollback_mod
 from fleetrl.learner.runtime import init_distributed
 from fleetrl.learner.train import Learner, train
@@ -56,8 +56,9 @@ class FakeFleet(threading.Thread):
         gid = f"f{self.n}"
         self.n += 1
         self.versions[gid] = (oldest, newest)
-        return m.build_group(gid, f"0:{self.n % 400}", oldest, self.rng.integers(7, 263, 4), responses, rewards,
-                             token_versions=versions)
+        return m.build_group(
+            gid, f"0:{self.n % 400}", oldest, self.rng.integers(7, 263, 4), responses, rewards, token_versions=versions
+        )
 
     def run(self) -> None:
         while not self.halt.is_set():
@@ -74,17 +75,37 @@ class FakeFleet(threading.Thread):
 
 def job(tiny_model_dir, tmp_path, *overrides):
     rule = "{name: reward_drop, action: rollback, window: 2, threshold: 0.3}"
-    return load_config(None, [
-        f"model.path={tiny_model_dir}", "learner.groups_per_step=2", "learner.lr=1e-3", "sync.transport=filesystem",
-        f"run.dir={tmp_path}", "checkpoint.interval=2", "checkpoint.keep_last=10", "sync.keep_versions=100",
-        "health.healthy_window=1", f"health.rules=[{rule}]", "health.max_rollbacks=3", "broker.max_staleness=100",
-        "learner.total_steps=14", "learner.batch_wait_s=20", *overrides])
+    return load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "learner.groups_per_step=2",
+            "learner.lr=1e-3",
+            "sync.transport=filesystem",
+            f"run.dir={tmp_path}",
+            "checkpoint.interval=2",
+            "checkpoint.keep_last=10",
+            "sync.keep_versions=100",
+            "health.healthy_window=1",
+            f"health.rules=[{rule}]",
+            "health.max_rollbacks=3",
+            "broker.max_staleness=100",
+            "learner.total_steps=14",
+            "learner.batch_wait_s=20",
+            *overrides,
+        ],
+    )
 
 
 def test_no_group_of_a_discarded_version_is_trained_after_the_rollback(dist, tiny_model_dir, tmp_path, monkeypatch):
     cfg = job(tiny_model_dir, tmp_path, "telemetry.exporter=jsonl")
-    state = make_state("broker.queue_capacity=100000", "broker.accept_unleased=true", "broker.max_staleness=100",
-                       n_prompts=400, vocab_size=263)
+    state = make_state(
+        "broker.queue_capacity=100000",
+        "broker.accept_unleased=true",
+        "broker.max_staleness=100",
+        n_prompts=400,
+        vocab_size=263,
+    )
     broker = InprocBroker(state)
     client = broker.client("learner-0", "learner")
     client.connect()
@@ -120,7 +141,7 @@ def test_no_group_of_a_discarded_version_is_trained_after_the_rollback(dist, tin
     for i in rollbacks:  # after each rollback, nothing with a token from its discarded versions is trained
         lo, hi = log[i]["discarded"]
         assert lo <= hi  # bad versions had been published
-        trained_after = [gid for row in log[i + 1:] if "group_ids" in row for gid in row["group_ids"]]
+        trained_after = [gid for row in log[i + 1 :] if "group_ids" in row for gid in row["group_ids"]]
         assert trained_after, "training went on after the rollback"
         poisoned = [g for g in trained_after if fleet.versions[g][1] >= lo and fleet.versions[g][0] <= hi]
         assert poisoned == []

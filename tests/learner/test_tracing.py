@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from opentelemetry import trace
 
-from fleetrl.common.telemetry import tracing
 from fleetrl.common.config.schema import TelemetryConfig
+from fleetrl.common.telemetry import tracing
 from fleetrl.learner.tracing import ANNOUNCED_TRACES, StepTraces
 from tests.helpers import make_group
 

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.common.config.schema import ModelConfig, RolloutConfig
+from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.learner.init_model import init_model
 from fleetrl.rollout.engines import ENGINES, Generation, SamplingParams, create_engine
 from fleetrl.rollout.engines.hf import draw, filter_top_k_top_p
@@ -81,8 +81,7 @@ def test_registry_and_unknown_name(tiny_model_dir):
 
 def test_package_imports_without_torch():
     probe = (
-        "import sys, fleetrl.rollout.engines\n"
-        "print([m for m in ('torch', 'transformers', 'vllm') if m in sys.modules])"
+        "import sys, fleetrl.rollout.engines\nprint([m for m in ('torch', 'transformers', 'vllm') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -315,8 +314,9 @@ def test_vllm_outputs_become_generations():
 
     def completion(tokens, reason, text, spans=None):
         logprobs = [{tok: SimpleNamespace(logprob=-0.5 * tok), 99: SimpleNamespace(logprob=-9.0)} for tok in tokens]
-        return SimpleNamespace(token_ids=tuple(tokens), logprobs=logprobs, finish_reason=reason, text=text,
-                               weight_versions=spans)
+        return SimpleNamespace(
+            token_ids=tuple(tokens), logprobs=logprobs, finish_reason=reason, text=text, weight_versions=spans
+        )
 
     span = lambda v, a, b: SimpleNamespace(version=v, start=a, end=b)  # noqa: E731
     out = to_generation(completion([3, 5, 6], "length", "abc", [span("2", 0, 1), span("3", 1, 3)]), "r1", 2)

@@ -66,8 +66,17 @@ def test_sampled_pass_at_k(engine, rows, tiny_model_dir):
     assert metrics["eval/pass@2"] == pytest.approx(0.5) and metrics["eval/pass@1"] == pytest.approx(0.5)
     assert metrics["eval/samples"] == 3
     # At temperature 1 the metric is the mean estimator over the per-row counts.
-    metrics, records = evaluate_detailed(tiny_model_dir, rows, k=2, samples=4, temperature=1.0, max_new_tokens=MAX_NEW,
-                                         reward="exact", engine=engine, seed=3)
+    metrics, records = evaluate_detailed(
+        tiny_model_dir,
+        rows,
+        k=2,
+        samples=4,
+        temperature=1.0,
+        max_new_tokens=MAX_NEW,
+        reward="exact",
+        engine=engine,
+        seed=3,
+    )
     assert all(len(r["sample_rewards"]) == 4 for r in records)
     expected = sum(pass_at_k(4, r["samples_correct"], 2) for r in records) / len(records)
     assert metrics["eval/pass@2"] == pytest.approx(expected)
@@ -79,8 +88,27 @@ def test_eval_command_prints_table_and_writes_json(rows, tiny_model_dir, tmp_pat
     data = tmp_path / "eval.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "results.json"
-    code = cli_main(["eval", "--model", tiny_model_dir, "--data", str(data), "--n", "4", "--k", "2",
-                     "--max-new-tokens", str(MAX_NEW), "--reward", "exact", "--device", "cpu", "--out", str(out)])
+    code = cli_main(
+        [
+            "eval",
+            "--model",
+            tiny_model_dir,
+            "--data",
+            str(data),
+            "--n",
+            "4",
+            "--k",
+            "2",
+            "--max-new-tokens",
+            str(MAX_NEW),
+            "--reward",
+            "exact",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "greedy accuracy    1.0000" in printed and "pass@2" in printed
@@ -101,10 +129,22 @@ def test_distinct_n_hand_computed():
 
 
 def test_length_distribution_truncation_and_diversity(engine, rows, tiny_model_dir):
-    metrics, records = evaluate_detailed(tiny_model_dir, rows, k=1, samples=3, temperature=1.0, max_new_tokens=MAX_NEW,
-                                         reward="exact", engine=engine, seed=1)
+    metrics, records = evaluate_detailed(
+        tiny_model_dir,
+        rows,
+        k=1,
+        samples=3,
+        temperature=1.0,
+        max_new_tokens=MAX_NEW,
+        reward="exact",
+        engine=engine,
+        seed=1,
+    )
     lengths = sorted(r["greedy_tokens"] for r in records)
-    assert metrics["eval/response_len_max"] == lengths[-1] and metrics["eval/response_len_p50"] == lengths[len(lengths) // 2]
+    assert (
+        metrics["eval/response_len_max"] == lengths[-1]
+        and metrics["eval/response_len_p50"] == lengths[len(lengths) // 2]
+    )
     assert metrics["eval/truncated_frac"] == pytest.approx(sum(r["greedy_truncated"] for r in records) / len(records))
     assert metrics["eval/truncated_frac"] == pytest.approx(sum(t == MAX_NEW for t in lengths) / len(lengths))
     assert 0 < metrics["eval/distinct_1"] <= 1 and 0 < metrics["eval/distinct_2"] <= 1
@@ -118,11 +158,26 @@ def test_success_is_explicit_for_shaped_rewards_and_printed(engine, rows, tiny_m
     shaped = load_config(None, ["rollout.rewards=[{name: exact}, {name: length, weight: 0.1, args: {target: 1}}]"])
     with pytest.raises(ConfigError, match="--success: which reward counts as correct is ambiguous"):
         evaluate(tiny_model_dir, rows, cfg=shaped, k=0, engine=engine)
-    assert evaluate(tiny_model_dir, rows, cfg=shaped, k=0, engine=engine, success=0.95)["eval/success_threshold"] == 0.95
+    assert (
+        evaluate(tiny_model_dir, rows, cfg=shaped, k=0, engine=engine, success=0.95)["eval/success_threshold"] == 0.95
+    )
     data = tmp_path / "q.jsonl"  # other column names: --prompt-key / --answer-key
     data.write_text("".join(json.dumps({"question": r["prompt"], "solution": r["answer"]}) + "\n" for r in rows))
-    args = ["eval", "--model", tiny_model_dir, "--data", str(data), "--k", "0", "--max-new-tokens", str(MAX_NEW),
-            "--reward", "exact", "--device", "cpu"]
+    args = [
+        "eval",
+        "--model",
+        tiny_model_dir,
+        "--data",
+        str(data),
+        "--k",
+        "0",
+        "--max-new-tokens",
+        str(MAX_NEW),
+        "--reward",
+        "exact",
+        "--device",
+        "cpu",
+    ]
     assert cli_main(args) == 2  # no `prompt` column: one line naming --prompt-key
     assert "rows have no 'prompt' column" in capsys.readouterr().err
     assert cli_main([*args, "--prompt-key", "question", "--answer-key", "solution", "--success", "1"]) == 0
@@ -153,4 +208,7 @@ def test_evaluate_model_scores_a_model_in_memory_like_the_run_and_gives_its_mode
     ids = [encode_prompt(engine.tokenizer, r["prompt"], False, 100) for r in rows]
     six = [g[0].text for g in engine.generate_batch(ids, SamplingParams(temperature=0, max_new_tokens=6), 1)]
     half6 = [{**r, "answer": t if i < 2 else t + "x"} for i, (r, t) in enumerate(zip(rows, six))]
-    assert held_out_accuracy(None, model, tokenizer, half6, tiny_model_dir, evaluate_model) == pytest.approx(2 / 6) and model.training
+    assert (
+        held_out_accuracy(None, model, tokenizer, half6, tiny_model_dir, evaluate_model) == pytest.approx(2 / 6)
+        and model.training
+    )

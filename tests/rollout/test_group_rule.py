@@ -15,8 +15,15 @@ SYS, USER, ASSIST = 1, 2, 3  # stand-ins for <|system|>, <|user|>, <|assistant|>
 
 
 def episode(prompt, tokens=(7, 8)):
-    return Episode(token_ids=list(tokens), logprobs=[-0.5] * len(tokens), finish_reason="stop", text="",
-                   prompt_ids=list(prompt), loss_mask=[1] * len(tokens), versions=[0] * len(tokens))
+    return Episode(
+        token_ids=list(tokens),
+        logprobs=[-0.5] * len(tokens),
+        finish_reason="stop",
+        text="",
+        prompt_ids=list(prompt),
+        loss_mask=[1] * len(tokens),
+        versions=[0] * len(tokens),
+    )
 
 
 def batch_of(samples, task_prompt):

@@ -114,8 +114,9 @@ def test_a_request_joins_the_running_decode(tiny_model_dir, continuous):
             assert len(long.result(60).token_ids) == LONG
         else:  # waves: it waited for the long one's wave to end
             assert long.done()
-        assert short.result() == alone(engine, Request(ids(engine, "5+5="), SamplingParams(temperature=0,
-                                                                                           max_new_tokens=3)))
+        assert short.result() == alone(
+            engine, Request(ids(engine, "5+5="), SamplingParams(temperature=0, max_new_tokens=3))
+        )
     finally:
         engine.close()
 
@@ -127,8 +128,10 @@ def test_a_request_joins_the_running_decode(tiny_model_dir, continuous):
 )
 def test_ragged_rows_give_what_each_gives_alone(engine, params):
     """Prompts of 1 to ~330 tokens joining a running decode one by one, with per-request seeds."""
-    requests = [Request(p, dataclasses.replace(params, seed=None if params.greedy else 100 + i))
-                for i, p in enumerate(ragged_prompts(engine))]
+    requests = [
+        Request(p, dataclasses.replace(params, seed=None if params.greedy else 100 + i))
+        for i, p in enumerate(ragged_prompts(engine))
+    ]
     lead = Request(ids(engine, "12+34="), SamplingParams(temperature=0, max_new_tokens=80))  # the running row
     outs = staggered(engine, [lead] + requests)
     for request, out in zip(requests, outs[1:]):
@@ -140,10 +143,13 @@ def test_ragged_rows_give_what_each_gives_alone(engine, params):
 
 def test_rows_of_other_sampling_settings_share_the_batch(engine):
     prompt = ids(engine, "7+8=")
-    requests = [Request(prompt, SamplingParams(temperature=0, max_new_tokens=12)),
-                Request(prompt, SamplingParams(temperature=1.3, top_p=0.8, max_new_tokens=12, seed=5)),
-                Request(prompt, SamplingParams(temperature=0.7, top_k=5, max_new_tokens=12, seed=6,
-                                               stop_token_ids=(40, 41, 42)))]
+    requests = [
+        Request(prompt, SamplingParams(temperature=0, max_new_tokens=12)),
+        Request(prompt, SamplingParams(temperature=1.3, top_p=0.8, max_new_tokens=12, seed=5)),
+        Request(
+            prompt, SamplingParams(temperature=0.7, top_k=5, max_new_tokens=12, seed=6, stop_token_ids=(40, 41, 42))
+        ),
+    ]
     together = engine.loop.call(engine.generate_many(requests))
     for request, out in zip(requests, together):
         assert_same(out, alone(engine, request))
@@ -155,7 +161,9 @@ def test_finished_rows_leave_without_changing_the_others(engine):
     prompts = ragged_prompts(engine)
     full = alone(engine, Request(prompts[1], SamplingParams(max_new_tokens=30, seed=3)))
     stop = engine.tokenizer.decode(full.token_ids[4:6])
-    requests = [Request(prompts[i % 4], SamplingParams(max_new_tokens=k, seed=i)) for i, k in enumerate((1, 2, 5, 30, 30))]
+    requests = [
+        Request(prompts[i % 4], SamplingParams(max_new_tokens=k, seed=i)) for i, k in enumerate((1, 2, 5, 30, 30))
+    ]
     requests.append(Request(prompts[1], SamplingParams(max_new_tokens=30, seed=3, stop=(stop,))))
     requests.append(Request(prompts[3], SamplingParams(max_new_tokens=60, seed=9, stop_token_ids=(2,))))
     kept = []
@@ -179,7 +187,9 @@ def test_max_rows_bounds_the_batch(tiny_model_dir):
     iterate = engine._iterate
     engine._iterate = lambda rows, jobs: sizes.append(len(rows) + len(jobs)) or iterate(rows, jobs)
     try:
-        requests = [Request(p, SamplingParams(max_new_tokens=4 + 3 * i, seed=i)) for i, p in enumerate(ragged_prompts(engine))]
+        requests = [
+            Request(p, SamplingParams(max_new_tokens=4 + 3 * i, seed=i)) for i, p in enumerate(ragged_prompts(engine))
+        ]
         outs = engine.loop.call(engine.generate_many(requests))
         assert max(sizes) == 2 and len(sizes) > max(r.params.max_new_tokens for r in requests)
         for request, out in zip(requests, outs):
@@ -216,8 +226,9 @@ def test_pause_with_rows_at_different_steps(tiny_model_dir, flipped, mode):  # n
         for prompt, out, k in zip(prompts, (first, second), switch):
             n = len(out.token_ids)
             assert k < n and out.versions == [0] * k + [1] * (n - k)
-            assert torch.allclose(teacher_forced(old, prompt, out.token_ids[:k]), torch.tensor(out.logprobs[:k]),
-                                  atol=1e-4)
+            assert torch.allclose(
+                teacher_forced(old, prompt, out.token_ids[:k]), torch.tensor(out.logprobs[:k]), atol=1e-4
+            )
             if mode == "recompute":
                 new = teacher_forced(flipped, prompt, out.token_ids)[k:]
                 assert torch.allclose(new, torch.tensor(out.logprobs[k:]), atol=1e-4)

@@ -23,8 +23,16 @@ class FramesClient:
 
 
 def finisher(client) -> Finisher:
-    f = Finisher(client, scorer=None, server_id="r", leases=OpenLeases(), stats=Stats(), metrics=MetricsFile(None),
-                 push_deadline_s=5.0, extra_metrics=dict)
+    f = Finisher(
+        client,
+        scorer=None,
+        server_id="r",
+        leases=OpenLeases(),
+        stats=Stats(),
+        metrics=MetricsFile(None),
+        push_deadline_s=5.0,
+        extra_metrics=dict,
+    )
     f.abandon()
     return f
 
@@ -37,7 +45,12 @@ def test_one_refused_group_does_not_sink_the_frame():
     client, refused = FramesClient(bad={"g2"}), []
     counts = finisher(client).push(groups(4), refused)
     assert counts == {"groups_pushed": 3, "groups_stale": 0, "groups_rejected": 1}
-    assert client.frames[0] == ["g0", "g1", "g2", "g3"] and sorted(client.frames[1:]) == [["g0"], ["g1"], ["g2"], ["g3"]]
+    assert client.frames[0] == ["g0", "g1", "g2", "g3"] and sorted(client.frames[1:]) == [
+        ["g0"],
+        ["g1"],
+        ["g2"],
+        ["g3"],
+    ]
     assert refused == ["p2"]
 
 

@@ -16,8 +16,8 @@ from fleetrl.broker.client.metrics import expected_receivers, status_metrics
 from fleetrl.common import messages as m
 from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import JobConfig, SyncConfig
-from fleetrl.common.weightsync.sender.publisher import WeightPublisher
 from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
+from fleetrl.common.weightsync.sender.publisher import WeightPublisher
 from tests.broker.conftest import make_state
 from tests.common.weightsync.weights_child import CaptureEngine
 
@@ -105,6 +105,7 @@ def test_a_round_waits_for_both_receivers_of_one_server(model, tmp_path):
             t = threading.Timer(LATE_S, workers[1].on_version, (version, info))
             t.start()
             late.append(t)
+
         return deliver
 
     try:

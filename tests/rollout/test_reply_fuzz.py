@@ -26,8 +26,13 @@ from fleetrl.broker.client.sync import AsyncSubscription, ZmqBrokerClient
 from fleetrl.common import messages as m
 from tests.broker import fuzz_strategies as fs
 
-SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 VALID_REPLIES = fs.valid_replies()
 VALID_REQUESTS = fs.valid_frames()
 PENDING = 424242  # the req_id a test keeps waiting; no fuzzed frame may carry it
@@ -55,8 +60,10 @@ def decode_or_none(decode, frame: bytes):
 
 
 @SETTINGS
-@given(st.lists(st.one_of(fs.reply_array(), fs.announcement_array(), fs.request_array()), min_size=1, max_size=6),
-       st.randoms(use_true_random=False))
+@given(
+    st.lists(st.one_of(fs.reply_array(), fs.announcement_array(), fs.request_array()), min_size=1, max_size=6),
+    st.randoms(use_true_random=False),
+)
 def test_decoders_raise_only_protocol_error(structured, rng):
     for frame in frames_from(structured, rng) + [b"", b"\xc1"]:
         reply = decode_or_none(m.decode_reply, frame)
@@ -88,9 +95,21 @@ def test_client_skips_bad_replies_and_resolves_the_pending_request(structured, r
         assert not fut.done()
         bad = sum(decode_or_none(m.decode_reply, f) is None for f in frames)
         assert client.bad_replies == bad + sum(decode_or_none(m.decode_reply, f) is None for f in frames[:2])
-        good = m.Status(req_id=PENDING, broker_id="b", uptime_s=1.0, policy_version=2, queue_depth=0, groups_in_flight=0,
-                        prompts_leased=0, groups_in=0, groups_out=0, groups_in_per_s=0.0, groups_out_per_s=0.0,
-                        dropped_stale=0, duplicates=0)
+        good = m.Status(
+            req_id=PENDING,
+            broker_id="b",
+            uptime_s=1.0,
+            policy_version=2,
+            queue_depth=0,
+            groups_in_flight=0,
+            prompts_leased=0,
+            groups_in=0,
+            groups_out=0,
+            groups_in_per_s=0.0,
+            groups_out_per_s=0.0,
+            dropped_stale=0,
+            duplicates=0,
+        )
         client._on_replies([[m.encode(good)]])
         assert fut.result() == good and PENDING not in client._pending
     finally:
@@ -148,8 +167,11 @@ class GarbageBroker:
         seeds = VALID_REPLIES
         out = []
         while len(out) < n:
-            f = fs.mutate(self.rng.choice(seeds), self.rng, seeds) if self.rng.random() < 0.7 else \
-                fs.raw_frame(self.rng, seeds, [20, 21, 23, 25, 27, 28])
+            f = (
+                fs.mutate(self.rng.choice(seeds), self.rng, seeds)
+                if self.rng.random() < 0.7
+                else fs.raw_frame(self.rng, seeds, [20, 21, 23, 25, 27, 28])
+            )
             reply = decode_or_none(m.decode_reply, f)
             if reply is None or reply.req_id != avoid:
                 out.append(f)
@@ -157,7 +179,9 @@ class GarbageBroker:
 
     def answer(self, req: m.Message) -> m.Message:
         if isinstance(req, m.Register):
-            return m.Registered(req_id=req.req_id, broker_id="garbage", pub_port=self.pub_port, max_message_bytes=1 << 20)
+            return m.Registered(
+                req_id=req.req_id, broker_id="garbage", pub_port=self.pub_port, max_message_bytes=1 << 20
+            )
         if isinstance(req, m.LeaseBatch):
             return m.Throttle(req_id=req.req_id, retry_after_s=0.1, reason="no fresh groups queued yet")
         if isinstance(req, m.GetVersion):
@@ -181,7 +205,9 @@ class GarbageBroker:
             self.undecodable_sent += sum(decode_or_none(m.decode_reply, f) is None for f in burst)
             for f in burst:
                 self.router.send_multipart([ident, f])
-            self.router.send_multipart([ident, b"extra part", m.encode(self.answer(req))])  # parts before the payload too
+            self.router.send_multipart(
+                [ident, b"extra part", m.encode(self.answer(req))]
+            )  # parts before the payload too
 
     def close(self) -> None:
         self.stop.set()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from fleetrl.common import messages as m
-from fleetrl.common.config.schema import RewardSpec
 from fleetrl.app.launch.status import StatusLine
+from fleetrl.common import messages as m
 from fleetrl.common.config import load_config
+from fleetrl.common.config.schema import RewardSpec
 from fleetrl.learner.completions import reward_part_metrics
 from fleetrl.learner.report import rollout_reward_note
 from fleetrl.rollout.rewards import RewardInput, RewardScorer
@@ -51,7 +51,12 @@ def test_one_usable_sample_is_not_hopeless():
     # odd_values: "ok" scores True (1.0); the other responses fail or are None
     s = scorer(RewardSpec(name="python", args={"function": f"{USER}:odd_values"}))
     try:
-        s.score([RewardInput(prompt="p", response=r, answer=None, metadata={}) for r in ["nan", "none", "text"] * 5 + ["ok"]])
+        s.score(
+            [
+                RewardInput(prompt="p", response=r, answer=None, metadata={})
+                for r in ["nan", "none", "text"] * 5 + ["ok"]
+            ]
+        )
         assert s.hopeless() is None
     finally:
         s.close()
@@ -98,16 +103,26 @@ def test_a_usable_sample_ends_the_streak_and_zero_never_stops():
 
 
 def test_failed_parts_ride_the_group_and_leave_the_learner_mean():
-    s = scorer(RewardSpec(name="python", args={"function": f"{USER}:odd_values"}),
-               RewardSpec(name="regex", weight=0.5, args={"pattern": "."}))
+    s = scorer(
+        RewardSpec(name="python", args={"function": f"{USER}:odd_values"}),
+        RewardSpec(name="regex", weight=0.5, args={"pattern": "."}),
+    )
     try:
         results = s.score([RewardInput(prompt="p", response=r, answer=None, metadata={}) for r in ["nan", "ok"]])
     finally:
         s.close()
     assert results[0].failed_parts == ("odd_values",) and results[1].failed_parts == ()
-    g = m.build_group("g", "p0", 0, [1], [([5], [-1.0]), ([5], [-1.0])], [r.reward for r in results],
-                      reward_parts=[dict(r.parts) for r in results], failed=[r.failed for r in results],
-                      failed_parts=[list(r.failed_parts) for r in results])
+    g = m.build_group(
+        "g",
+        "p0",
+        0,
+        [1],
+        [([5], [-1.0]), ([5], [-1.0])],
+        [r.reward for r in results],
+        reward_parts=[dict(r.parts) for r in results],
+        failed=[r.failed for r in results],
+        failed_parts=[list(r.failed_parts) for r in results],
+    )
     wire = m.decode_group(m.encode(g))  # the field survives the wire
     assert wire.failed_parts == [["odd_values"], []]
     out = reward_part_metrics([wire])
@@ -118,8 +133,17 @@ def test_failed_parts_ride_the_group_and_leave_the_learner_mean():
 
 
 def test_a_reward_failing_everywhere_has_no_mean_only_a_failed_share():
-    g = m.build_group("g", "p0", 0, [1], [([5], [-1.0])] * 2, [0.0, 0.0], reward_parts=[{"boom": 0.0}] * 2,
-                      failed=[True, True], failed_parts=[["boom"], ["boom"]])
+    g = m.build_group(
+        "g",
+        "p0",
+        0,
+        [1],
+        [([5], [-1.0])] * 2,
+        [0.0, 0.0],
+        reward_parts=[{"boom": 0.0}] * 2,
+        failed=[True, True],
+        failed_parts=[["boom"], ["boom"]],
+    )
     out = reward_part_metrics([g])
     assert "reward/boom/mean" not in out and out["reward/boom/failed_frac"] == 1.0 and out["reward/failed_frac"] == 1.0
 
@@ -131,8 +155,9 @@ def write_rollout_metrics(run_dir, samples, failed, unscored):
 
 def test_status_line_summary_and_report_name_reward_failures(tmp_path):
     cfg = load_config(None, [])
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "time": 1.0, "reward/mean": 0.0,
-                                                        "batch/samples": 4}) + "\n")
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "time": 1.0, "reward/mean": 0.0, "batch/samples": 4}) + "\n"
+    )
     write_rollout_metrics(tmp_path, 40, 12, 3)
     line = StatusLine(cfg, tmp_path, enabled=False)
     line.update()

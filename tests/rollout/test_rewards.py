@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.common.config.schema import RewardSpec
+from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.rollout.rewards import REWARDS, RewardArgsError, RewardInput, RewardResult, RewardScorer
 from tests.rollout import user_rewards
 
@@ -72,7 +72,9 @@ def test_math_runs_in_worker_threads(scorer_of):
     # math-verify's own timeout uses signal.alarm and raises outside the main thread; the scorer's
     # worker threads must still get real verdicts, and a row without a ground truth fails.
     scorer = scorer_of(spec("math"), workers=4)
-    results = scorer.score([sample("\\boxed{\\dfrac{1}{2}}", "0.5"), sample("0.75", "3/4"), sample("2", "3"), sample("2")])
+    results = scorer.score(
+        [sample("\\boxed{\\dfrac{1}{2}}", "0.5"), sample("0.75", "3/4"), sample("2", "3"), sample("2")]
+    )
     assert [r.reward for r in results] == [1.0, 1.0, 0.0, 0.0]
     assert [r.failed for r in results] == [False, False, False, True]
     assert "ground-truth answer" in results[3].error
@@ -362,8 +364,11 @@ def test_importing_rewards_stays_light():
 
 def test_a_reward_function_in_trls_documented_batched_form_runs_as_written(scorer_of):
     scorer = scorer_of(spec("python", function=f"{USER}:reward_func"))
-    batch = [sample(r"so \boxed{4}", metadata={"ground_truth": "4"}), sample(r"\boxed{5}", metadata={"ground_truth": "4"}),
-             sample("no box", metadata={"ground_truth": "4"})]
+    batch = [
+        sample(r"so \boxed{4}", metadata={"ground_truth": "4"}),
+        sample(r"\boxed{5}", metadata={"ground_truth": "4"}),
+        sample("no box", metadata={"ground_truth": "4"}),
+    ]
     results = scorer.score(batch)
     assert [r.reward for r in results] == [1.0, 0.0, 0.0] and not any(r.failed for r in results)
     assert results[0].parts == {"reward_func": 1.0}  # named after the function
@@ -389,9 +394,11 @@ def test_trls_own_accuracy_reward_with_chat_prompts(scorer_of):
     pytest.importorskip("trl")
     scorer = scorer_of(spec("python", function="trl.rewards:accuracy_reward"))
     chat = [{"role": "user", "content": "What is 1/3 as a fraction?"}]
-    batch = [sample(r"My answer is \boxed{\frac{1}{3}}", prompt=chat, metadata={"solution": r"\frac{1}{3}"}),
-             sample(r"My answer is \boxed{\frac{1}{2}}", prompt=chat, metadata={"solution": r"\frac{1}{3}"}),
-             sample(r"\boxed{1}", prompt=chat, metadata={"solution": "no parseable gold here"})]
+    batch = [
+        sample(r"My answer is \boxed{\frac{1}{3}}", prompt=chat, metadata={"solution": r"\frac{1}{3}"}),
+        sample(r"My answer is \boxed{\frac{1}{2}}", prompt=chat, metadata={"solution": r"\frac{1}{3}"}),
+        sample(r"\boxed{1}", prompt=chat, metadata={"solution": "no parseable gold here"}),
+    ]
     right, wrong, unparseable = scorer.score(batch)
     assert right.reward == 1.0 and wrong.reward == 0.0 and not right.failed and not wrong.failed
     assert not unparseable.scored and not unparseable.failed  # TRL returns None: skipped, not a 0

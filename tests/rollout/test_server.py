@@ -22,22 +22,28 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fleetrl.broker.client.sync import ZmqBrokerClient
 from fleetrl.broker.client.inproc import InprocBroker
+from fleetrl.broker.client.sync import ZmqBrokerClient
 from fleetrl.common import messages as m
 from fleetrl.common.config.schema import ModelConfig, RolloutConfig
+from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
 from fleetrl.rollout.engines import SamplingParams, create_engine
 from fleetrl.rollout.loop import encode_prompt
 from fleetrl.rollout.rewards import RewardInput, RewardScorer
 from fleetrl.rollout.server import RolloutServer, broker_address
-from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
 from tests.broker.conftest import make_state
 from tests.helpers import BrokerProcess, write_job
 
 VOCAB = 263  # the tiny model's vocabulary
 G, B, MAX_NEW = 3, 2, 6  # group size, prompts per batch, max new tokens
-BASE = [f"rollout.group_size={G}", f"rollout.prompts_per_batch={B}", f"rollout.max_new_tokens={MAX_NEW}",
-        "rollout.device=cpu", "rollout.rewards=[{name: exact}]", "broker.heartbeat_s=0.5"]
+BASE = [
+    f"rollout.group_size={G}",
+    f"rollout.prompts_per_batch={B}",
+    f"rollout.max_new_tokens={MAX_NEW}",
+    "rollout.device=cpu",
+    "rollout.rewards=[{name: exact}]",
+    "broker.heartbeat_s=0.5",
+]
 
 
 class Counting:
@@ -62,8 +68,9 @@ class Fleet:
     """An InprocBroker over make_state, one server on it, and clients for a learner and an operator."""
 
     def __init__(self, engine, tiny_model_dir, *overrides, run_dir=None, n_prompts=50, receiver=False):
-        self.state = make_state(f"model.path={tiny_model_dir}", *BASE, *overrides, n_prompts=n_prompts,
-                                vocab_size=VOCAB)
+        self.state = make_state(
+            f"model.path={tiny_model_dir}", *BASE, *overrides, n_prompts=n_prompts, vocab_size=VOCAB
+        )
         self.cfg, self.broker = self.state.cfg, InprocBroker(self.state)
         self.client = Counting(self.broker.client("rollout-0-test", "rollout"))
         self.learner = self.broker.client("learner-0", "learner")
@@ -73,7 +80,7 @@ class Fleet:
         self.thread: threading.Thread | None = None
         self.exit_code = None
 
-    def start_thread(self) -> "Fleet":
+    def start_thread(self) -> Fleet:
         def target():
             self.exit_code = self.server.run()
 
@@ -177,8 +184,12 @@ def test_encode_prompt_chat_template_and_left_truncation(engine):
 
 
 def test_dropped_groups_are_not_pushed_and_their_prompts_return(engine, tiny_model_dir):
-    fleet = Fleet(engine, tiny_model_dir, "rollout.on_reward_failure=drop_group",
-                  "rollout.rewards=[{name: python, args: {function: 'tests.rollout.user_rewards:boom'}}]")
+    fleet = Fleet(
+        engine,
+        tiny_model_dir,
+        "rollout.on_reward_failure=drop_group",
+        "rollout.rewards=[{name: python, args: {function: 'tests.rollout.user_rewards:boom'}}]",
+    )
     try:
         fleet.server.start()
         lease = fleet.server.step()
@@ -193,8 +204,12 @@ def test_dropped_groups_are_not_pushed_and_their_prompts_return(engine, tiny_mod
 
 
 def test_unscorable_groups_are_skipped_and_their_prompts_not_reissued(engine, tiny_model_dir):
-    fleet = Fleet(engine, tiny_model_dir, "rollout.prompts_per_batch=4",
-                  "rollout.rewards=[{name: python, args: {function: 'tests.rollout.user_rewards:odd_rows_unscorable'}}]")
+    fleet = Fleet(
+        engine,
+        tiny_model_dir,
+        "rollout.prompts_per_batch=4",
+        "rollout.rewards=[{name: python, args: {function: 'tests.rollout.user_rewards:odd_rows_unscorable'}}]",
+    )
     try:
         fleet.server.start()
         batch = fleet.server.step()
@@ -202,7 +217,8 @@ def test_unscorable_groups_are_skipped_and_their_prompts_not_reissued(engine, ti
         pushed = fleet.drain()
         odd = [p.prompt_id for p in batch.prompts if int(p.prompt[:2]) % 2]
         assert odd and sorted(g.prompt_id for g in pushed) == sorted(
-            p.prompt_id for p in batch.prompts if p.prompt_id not in odd)
+            p.prompt_id for p in batch.prompts if p.prompt_id not in odd
+        )
         assert all(r == 1.0 for g in pushed for r in g.rewards)  # never a 0 for "no score"
         assert fleet.state.counters["prompts_unscored"] == len(odd) and not fleet.state.prompts.reissue
         assert fleet.server.stats.totals["groups_unscored"] == len(odd) and fleet.state.prompts.leased == 0
@@ -228,8 +244,9 @@ def test_a_server_exits_when_the_learner_is_done_unless_it_stays(engine, tiny_mo
     assert fleet.server.stop_reason == "done: training finished at step 3"
     assert fleet.state.prompts.leased == 0 and fleet.state.clients.get("rollout-0-test") is None
     fleet.stop()
-    stays = Fleet(engine, tiny_model_dir, "broker.queue_capacity=1000", "rollout.stay_after_done=true",
-                  n_prompts=500).start_thread()
+    stays = Fleet(
+        engine, tiny_model_dir, "broker.queue_capacity=1000", "rollout.stay_after_done=true", n_prompts=500
+    ).start_thread()
     try:
         stays.learner.connect()
         wait_for(lambda: stays.state.counters["groups_in"] >= B, what="groups")
@@ -295,7 +312,9 @@ def test_pause_resume_and_stop_announcements(engine, tiny_model_dir):
     operator.control("stop", reason="test over")
     fleet.thread.join(20)
     assert not fleet.thread.is_alive() and fleet.exit_code == 0
-    assert fleet.server.stop_reason.startswith(("stop announced", "the broker is stopping"))  # announcement or throttle first
+    assert fleet.server.stop_reason.startswith(
+        ("stop announced", "the broker is stopping")
+    )  # announcement or throttle first
     assert fleet.state.prompts.leased == 0  # the groups in flight were pushed, nothing is held
     fleet.stop()
 
@@ -318,8 +337,14 @@ def test_new_weights_are_loaded_between_batches(engine, tiny_model_dir, tmp_path
     model.save_pretrained(other)
     engine.tokenizer.save_pretrained(other)
     original = {k: v.clone() for k, v in engine.model.state_dict().items()}
-    fleet = Fleet(engine, tiny_model_dir, "rollout.temperature=0", "sync.transport=filesystem",
-                  "broker.queue_capacity=1000", receiver=True)
+    fleet = Fleet(
+        engine,
+        tiny_model_dir,
+        "rollout.temperature=0",
+        "sync.transport=filesystem",
+        "broker.queue_capacity=1000",
+        receiver=True,
+    )
     reference = create_engine("hf", ModelConfig(path=other), RolloutConfig(), "cpu", 0)
     greedy = SamplingParams(temperature=0, max_new_tokens=MAX_NEW)
     try:
@@ -369,12 +394,26 @@ class RolloutProcess:
         self.proc: subprocess.Popen | None = None
         self.log_path = run_dir / f"rollout-{index}.log"
 
-    def start(self, timeout: float = 90.0) -> "RolloutProcess":
+    def start(self, timeout: float = 90.0) -> RolloutProcess:
         ready = self.run_dir / f"rollout-{self.index}.ready"
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "fleetrl.app.cli", "rollout", "--config", str(self.config), "--run-dir",
-                 str(self.run_dir), "--server-index", str(self.index)], stdout=log, stderr=subprocess.STDOUT, env=ENV)
+                [
+                    sys.executable,
+                    "-m",
+                    "fleetrl.app.cli",
+                    "rollout",
+                    "--config",
+                    str(self.config),
+                    "--run-dir",
+                    str(self.run_dir),
+                    "--server-index",
+                    str(self.index),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=ENV,
+            )
         deadline = time.monotonic() + timeout
         while not ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -405,11 +444,21 @@ def procs():
 
 
 def real_job(tmp_path, arith_data, tiny_model_dir, **broker):
-    return write_job(tmp_path, arith_data, model={"path": tiny_model_dir}, data={"shuffle": False},
-                     learner={"groups_per_step": 4},
-                     rollout={"group_size": G, "prompts_per_batch": B, "max_new_tokens": MAX_NEW, "device": "cpu",
-                              "rewards": [{"name": "exact"}]},
-                     broker={"heartbeat_s": 0.3, **broker})
+    return write_job(
+        tmp_path,
+        arith_data,
+        model={"path": tiny_model_dir},
+        data={"shuffle": False},
+        learner={"groups_per_step": 4},
+        rollout={
+            "group_size": G,
+            "prompts_per_batch": B,
+            "max_new_tokens": MAX_NEW,
+            "device": "cpu",
+            "rewards": [{"name": "exact"}],
+        },
+        broker={"heartbeat_s": 0.3, **broker},
+    )
 
 
 def rows_of(path: str) -> list[dict]:
@@ -440,10 +489,13 @@ def test_server_process_pushes_valid_groups_and_sigterm_returns_leases(tmp_path,
     try:
         learner.connect()
         groups = collect(learner, 6)
-        wait_for(lambda: any(c.stats.get("rollout/groups_pushed", 0) >= 1 for c in learner.status().clients),
-                 what="a heartbeat with the server's stats")
-        check_groups(groups, tokenizer, lambda pid: rows[int(pid.split(":")[1])]["prompt"],
-                     server_id=server.ready["client_id"])
+        wait_for(
+            lambda: any(c.stats.get("rollout/groups_pushed", 0) >= 1 for c in learner.status().clients),
+            what="a heartbeat with the server's stats",
+        )
+        check_groups(
+            groups, tokenizer, lambda pid: rows[int(pid.split(":")[1])]["prompt"], server_id=server.ready["client_id"]
+        )
         [me] = [c for c in learner.status().clients if c.client_id == server.ready["client_id"]]
         assert me.alive and me.policy_version == 0 and me.stats["rollout/paused"] == 0.0
         server.signal(signal.SIGTERM)
@@ -463,8 +515,9 @@ def test_server_process_pushes_valid_groups_and_sigterm_returns_leases(tmp_path,
 
 def test_killed_server_leases_come_back_to_another_server(tmp_path, arith_data, tiny_model_dir, procs):
     run_dir = tmp_path / "run"
-    job = real_job(tmp_path, arith_data, tiny_model_dir, prompt_lease_s=3.0, client_timeout_s=1.5,
-                   queue_capacity=10_000)
+    job = real_job(
+        tmp_path, arith_data, tiny_model_dir, prompt_lease_s=3.0, client_timeout_s=1.5, queue_capacity=10_000
+    )
     broker = BrokerProcess(job, run_dir).start()
     procs.append(broker)
     a = RolloutProcess(job, run_dir, 0).start()
@@ -472,8 +525,11 @@ def test_killed_server_leases_come_back_to_another_server(tmp_path, arith_data, 
     learner = ZmqBrokerClient(broker.address, "learner-0", "learner", timeout_s=5.0)
     try:
         learner.connect()
-        wait_for(lambda: learner.status().groups_in >= 2 * B and learner.status().prompts_leased > 0,
-                 timeout=60, what="server A to push and hold a lease")
+        wait_for(
+            lambda: learner.status().groups_in >= 2 * B and learner.status().prompts_leased > 0,
+            timeout=60,
+            what="server A to push and hold a lease",
+        )
         a.signal(signal.SIGKILL)
         assert a.wait() == -signal.SIGKILL
         status = learner.status()
@@ -497,8 +553,12 @@ def test_killed_server_leases_come_back_to_another_server(tmp_path, arith_data, 
 
 def test_remax_groups_carry_the_reward_of_a_greedy_response(engine, tiny_model_dir):
     """adv_estimator=remax: one extra greedy response per prompt, scored, its reward in the group's metadata."""
-    fleet = Fleet(engine, tiny_model_dir, "algorithm.adv_estimator=remax", "rollout.rewards=[{name: length, "
-                  "args: {target: 3, penalty_per_token: 0.1}}]")
+    fleet = Fleet(
+        engine,
+        tiny_model_dir,
+        "algorithm.adv_estimator=remax",
+        "rollout.rewards=[{name: length, args: {target: 3, penalty_per_token: 0.1}}]",
+    )
     try:
         fleet.server.start()
         lease = fleet.server.step()
@@ -510,10 +570,19 @@ def test_remax_groups_carry_the_reward_of_a_greedy_response(engine, tiny_model_d
         try:
             for g in groups:
                 ids = g.prompt_array().tolist()
-                (out,), = engine.generate_batch([ids], greedy, 1)
-                want = scorer.score([RewardInput(prompt=fleet.prompt_text(g.prompt_id), response=out.text, answer=None,
-                                                 metadata={},
-                                                 finish_reason=out.finish_reason, num_tokens=len(out.token_ids))])[0]
+                ((out,),) = engine.generate_batch([ids], greedy, 1)
+                want = scorer.score(
+                    [
+                        RewardInput(
+                            prompt=fleet.prompt_text(g.prompt_id),
+                            response=out.text,
+                            answer=None,
+                            metadata={},
+                            finish_reason=out.finish_reason,
+                            num_tokens=len(out.token_ids),
+                        )
+                    ]
+                )[0]
                 assert g.baseline_reward == pytest.approx(want.reward) and "baseline_reward" not in g.metadata
         finally:
             scorer.close()

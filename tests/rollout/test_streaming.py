@@ -71,8 +71,11 @@ def test_per_request_seeds_do_not_depend_on_the_rest_of_the_wave(engine):
     other = engine.tokenizer("99+99=", add_special_tokens=False)["input_ids"]
     seeded = Request(prompt, SamplingParams(max_new_tokens=10, seed=42))
     alone = engine.loop.call(engine.generate_many([seeded]))[0]
-    crowd = engine.loop.call(engine.generate_many(
-        [Request(other, SamplingParams(max_new_tokens=10)) for _ in range(5)] + [Request(prompt, seeded.params)]))[-1]
+    crowd = engine.loop.call(
+        engine.generate_many(
+            [Request(other, SamplingParams(max_new_tokens=10)) for _ in range(5)] + [Request(prompt, seeded.params)]
+        )
+    )[-1]
     assert alone.token_ids == crowd.token_ids
 
 
@@ -93,8 +96,9 @@ def test_group_versions_take_the_oldest_and_send_per_token_versions_only_when_th
 
 
 def test_prompts_in_flight_never_exceed_max_inflight(engine, tiny_model_dir):
-    fleet = Fleet(engine, tiny_model_dir, "rollout.max_inflight=3", "rollout.prompts_per_batch=2",
-                  "broker.queue_capacity=1000").start_thread()
+    fleet = Fleet(
+        engine, tiny_model_dir, "rollout.max_inflight=3", "rollout.prompts_per_batch=2", "broker.queue_capacity=1000"
+    ).start_thread()
     try:
         seen = []
         deadline = time.monotonic() + 3.0

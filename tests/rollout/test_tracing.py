@@ -10,13 +10,12 @@ from concurrent.futures import Future
 import pytest
 
 from fleetrl.common import messages as m
-from fleetrl.common.telemetry import tracing
 from fleetrl.common.config.schema import TelemetryConfig
-from fleetrl.rollout.engines.records import Generation
+from fleetrl.common.telemetry import tracing
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Generation, Request
 from fleetrl.rollout.loop import Batch, build_groups
 from fleetrl.rollout.rewards import RewardResult
-from fleetrl.rollout.engines.params import SamplingParams
-from fleetrl.rollout.engines.records import Request
 from fleetrl.rollout.tracing import LeaseTrace, genai_attributes, trace_load
 
 
@@ -36,14 +35,19 @@ def traced(tmp_path):
 
 
 def _batch(trace: LeaseTrace | None, lease: m.PromptLease) -> Batch:
-    samples = [[Generation(token_ids=[5, 6], logprobs=[-1.0, -1.0], finish_reason="stop", text="7")] * 2
-               for _ in lease.prompts]
+    samples = [
+        [Generation(token_ids=[5, 6], logprobs=[-1.0, -1.0], finish_reason="stop", text="7")] * 2 for _ in lease.prompts
+    ]
     return Batch(lease, [[1, 2, 3]] * len(lease.prompts), samples, 0, 0.1, Future(), trace=trace)
 
 
 def test_each_prompt_of_a_lease_starts_its_own_trace_and_its_group_carries_it(traced):
-    lease = m.PromptLease(req_id=1, lease_id="L1", expires_in_s=60.0,
-                          prompts=[m.Prompt(prompt_id=f"0:{i}", prompt="1+1=") for i in range(3)])
+    lease = m.PromptLease(
+        req_id=1,
+        lease_id="L1",
+        expires_in_s=60.0,
+        prompts=[m.Prompt(prompt_id=f"0:{i}", prompt="1+1=") for i in range(3)],
+    )
     trace = LeaseTrace.start(lease, "rollout-0-h-1", 4, time.time_ns() - 2_000_000)
     engine_ctx = trace.carrier("0:0")  # what the engine's requests carry: the live generate span
     sample = Generation(token_ids=[5, 6], logprobs=[-1.0, -1.0], finish_reason="stop", text="7")
@@ -62,11 +66,15 @@ def test_each_prompt_of_a_lease_starts_its_own_trace_and_its_group_carries_it(tr
     for name in ("rollout.lease", "rollout.generate"):  # one of each under every root
         assert sorted(s["parent_id"] for s in spans[name]) == sorted(s["span_id"] for s in roots.values())
     lease_span = spans["rollout.lease"][0]
-    assert lease_span["end_ns"] - lease_span["start_ns"] >= 2_000_000 and lease_span["attributes"]["fleetrl.prompts"] == 3
+    assert (
+        lease_span["end_ns"] - lease_span["start_ns"] >= 2_000_000 and lease_span["attributes"]["fleetrl.prompts"] == 3
+    )
     [gen] = [s for s in spans["rollout.generate"] if s["parent_id"] == roots["0:0"]["span_id"]]
     assert engine_ctx["traceparent"].split("-")[2] == gen["span_id"]
     assert gen["attributes"]["gen_ai.request.model"] == "tiny" and gen["attributes"]["gen_ai.usage.output_tokens"] == 4
-    assert gen["attributes"]["gen_ai.usage.input_tokens"] == 6 and gen["attributes"]["gen_ai.request.temperature"] == 0.7
+    assert (
+        gen["attributes"]["gen_ai.usage.input_tokens"] == 6 and gen["attributes"]["gen_ai.request.temperature"] == 0.7
+    )
     assert gen["attributes"]["gen_ai.response.finish_reasons"] == ["stop", "stop"]
     for g in groups:
         _, trace_id, span_id, _ = g.trace["traceparent"].split("-")
@@ -131,7 +139,9 @@ def test_a_sampler_from_the_environment_marks_unsampled_groups(tmp_path, monkeyp
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")  # keep no lease trace
     tracing.setup_tracing("rollout", TelemetryConfig(exporter="jsonl"), tmp_path)
     try:
-        lease = m.PromptLease(req_id=1, lease_id="L", expires_in_s=60.0, prompts=[m.Prompt(prompt_id="0:0", prompt="x")])
+        lease = m.PromptLease(
+            req_id=1, lease_id="L", expires_in_s=60.0, prompts=[m.Prompt(prompt_id="0:0", prompt="x")]
+        )
         batch = _batch(LeaseTrace.start(lease, "r", 0, time.time_ns()), lease)
         [group], _, _ = build_groups(batch, [RewardResult(1.0, {}, False)] * 2, "r", lambda res: False)
         assert group.trace["traceparent"].endswith("-00") and not tracing.sampled(group.trace)

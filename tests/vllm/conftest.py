@@ -22,8 +22,10 @@ ATOL = 1e-4  # behaviour log-probs against an HF teacher-forced forward, float32
 
 if importlib.util.find_spec("vllm") is None:
     if LANE:
-        raise RuntimeError("FLEETRL_VLLM_LANE=1 but vLLM is not importable: build the lane's environment with "
-                           "`bash scripts/vllm_env.sh` and run `make test-vllm`")
+        raise RuntimeError(
+            "FLEETRL_VLLM_LANE=1 but vLLM is not importable: build the lane's environment with "
+            "`bash scripts/vllm_env.sh` and run `make test-vllm`"
+        )
     collect_ignore_glob = ["test_*.py"]
 
 

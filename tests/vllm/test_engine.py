@@ -52,19 +52,24 @@ def test_stop_ids_stop_strings_and_seeds(vllm_engine):
     assert full.finish_reason == "length" and len(full.token_ids) == 32
     stop_id = full.token_ids[5]
     first = full.token_ids.index(stop_id)
-    [[cut]] = vllm_engine.generate_batch([prompt], SamplingParams(temperature=0, max_new_tokens=32,
-                                                                   stop_token_ids=(stop_id,)), 1)
+    [[cut]] = vllm_engine.generate_batch(
+        [prompt], SamplingParams(temperature=0, max_new_tokens=32, stop_token_ids=(stop_id,)), 1
+    )
     assert cut.finish_reason == "stop" and cut.token_ids == full.token_ids[: first + 1]  # the stop id is kept
     text = vllm_engine.tokenizer.decode(full.token_ids, skip_special_tokens=True)
     stop = text[6:8]
     if stop.strip():
-        [[by_string]] = vllm_engine.generate_batch([prompt], SamplingParams(temperature=0, max_new_tokens=32,
-                                                                             stop=(stop,)), 1)
+        [[by_string]] = vllm_engine.generate_batch(
+            [prompt], SamplingParams(temperature=0, max_new_tokens=32, stop=(stop,)), 1
+        )
         assert by_string.finish_reason == "stop" and stop not in by_string.text and text.startswith(by_string.text)
 
     def sampled(seed):
-        return [s.token_ids for g in vllm_engine.generate_batch([prompt], SamplingParams(max_new_tokens=12, seed=seed), 3)
-                for s in g]
+        return [
+            s.token_ids
+            for g in vllm_engine.generate_batch([prompt], SamplingParams(max_new_tokens=12, seed=seed), 3)
+            for s in g
+        ]
 
     assert sampled(5) == sampled(5)
     assert sampled(5) != sampled(6)
@@ -87,8 +92,9 @@ def test_requests_stream_out_as_they_finish(vllm_engine):
 
 def test_settings_vllm_cannot_give_exact_logprobs_for_are_refused(small_dir):
     with pytest.raises(ValueError, match="temperature=0.7 with top_k=20"):
-        create_engine("vllm", ModelConfig(path=small_dir, dtype="float32"), rollout_cfg(temperature=0.7, top_k=20),
-                      DEVICE, 0)
+        create_engine(
+            "vllm", ModelConfig(path=small_dir, dtype="float32"), rollout_cfg(temperature=0.7, top_k=20), DEVICE, 0
+        )
 
 
 def test_a_request_that_does_not_fit_the_engine_mode_is_refused(vllm_engine):

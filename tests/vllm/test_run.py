@@ -26,24 +26,74 @@ def fleetrl(*args: str, timeout: float) -> None:
 def test_fleetrl_run_with_the_vllm_engine_raises_held_out_accuracy(tmp_path):
     models, data = tmp_path / "models", tmp_path / "data"
     fleetrl("init-model", "--out", str(models / "demo"), "--preset", "small", timeout=120)
-    fleetrl("init-data", "--task", "arithmetic", "--out", str(data / "arith.jsonl"), "--n", "20000", "--eval-n", "500",
-            timeout=120)
-    fleetrl("sft", "--model", str(models / "demo"), "--data", str(data / "arith.jsonl"), "--eval-data",
-            str(data / "arith.eval.jsonl"), "--out", str(models / "warm"), "--target-acc", "0.25", "--max-steps", "1200",
-            "--max-minutes", "10", "--threads", "2", timeout=700)
+    fleetrl(
+        "init-data",
+        "--task",
+        "arithmetic",
+        "--out",
+        str(data / "arith.jsonl"),
+        "--n",
+        "20000",
+        "--eval-n",
+        "500",
+        timeout=120,
+    )
+    fleetrl(
+        "sft",
+        "--model",
+        str(models / "demo"),
+        "--data",
+        str(data / "arith.jsonl"),
+        "--eval-data",
+        str(data / "arith.eval.jsonl"),
+        "--out",
+        str(models / "warm"),
+        "--target-acc",
+        "0.25",
+        "--max-steps",
+        "1200",
+        "--max-minutes",
+        "10",
+        "--threads",
+        "2",
+        timeout=700,
+    )
     run_dir = tmp_path / "run"
     overrides = [
-        f"model.path={models / 'warm'}", f"data.train={data / 'arith.jsonl'}", f"data.eval={data / 'arith.eval.jsonl'}",
-        "rollout.engine=vllm", f"rollout.device={DEVICE}", "rollout.vllm.enforce_eager=true",
-        "rollout.vllm.max_model_len=128", f"learner.total_steps={RL_STEPS}", "learner.max_minutes=12", "run.eval_n=500",
+        f"model.path={models / 'warm'}",
+        f"data.train={data / 'arith.jsonl'}",
+        f"data.eval={data / 'arith.eval.jsonl'}",
+        "rollout.engine=vllm",
+        f"rollout.device={DEVICE}",
+        "rollout.vllm.enforce_eager=true",
+        "rollout.vllm.max_model_len=128",
+        f"learner.total_steps={RL_STEPS}",
+        "learner.max_minutes=12",
+        "run.eval_n=500",
         "run.eval_interval=40",
-        "run.ready_timeout_s=300", "checkpoint.interval=0", "checkpoint.export_hf=false",
+        "run.ready_timeout_s=300",
+        "checkpoint.interval=0",
+        "checkpoint.export_hf=false",
     ]
     out = (tmp_path / "run.out").open("w")
-    proc = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "run", "--config", "configs/demo.yaml",
-                           "--run-dir", str(run_dir), "--no-status", *overrides],
-                          stdout=out, stderr=subprocess.STDOUT, timeout=60 * 15,
-                          cwd=Path(__file__).parents[2])
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fleetrl.app.cli",
+            "run",
+            "--config",
+            "configs/demo.yaml",
+            "--run-dir",
+            str(run_dir),
+            "--no-status",
+            *overrides,
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        timeout=60 * 15,
+        cwd=Path(__file__).parents[2],
+    )
     out.close()
     log = (tmp_path / "run.out").read_text()
     assert proc.returncode == 0, log[-4000:]
@@ -66,8 +116,10 @@ def test_fleetrl_run_with_the_vllm_engine_raises_held_out_accuracy(tmp_path):
     events = (run_dir / "events.jsonl").read_text().splitlines() if (run_dir / "events.jsonl").exists() else []
     assert not events, events
     mismatch = [r["off_policy/mismatch_kl"] for r in rows if "off_policy/mismatch_kl" in r]
-    print(f"vllm engine mismatch_kl: mean {sum(mismatch) / len(mismatch):.3g} max {max(mismatch):.3g} over "
-          f"{len(mismatch)} steps")
+    print(
+        f"vllm engine mismatch_kl: mean {sum(mismatch) / len(mismatch):.3g} max {max(mismatch):.3g} over "
+        f"{len(mismatch)} steps"
+    )
     # the rollout leaves on `done` with exit 0, and the engine's shutdown leaves no error behind
     assert re.search(r"rollout-0\s+exit 0", log), log[-3000:]
     for text in (log, rollout_log):

@@ -15,8 +15,8 @@ from fleetrl.common.config.schema import JobConfig, ModelConfig, RolloutConfig, 
 from fleetrl.common.messages import WeightsInfo
 from fleetrl.common.weightsync.sender.publisher import WeightPublisher
 from fleetrl.rollout.engines import Request, SamplingParams, create_engine
-from tests.conftest import free_port
 from tests.common.weightsync.test_store_attacks import forged_rounds_are_refused
+from tests.conftest import free_port
 from tests.vllm.conftest import ATOL, DEVICE, hf_model, teacher_forced_logp
 
 PROMPTS = ["12+34=", "7+8=", "hello"]
@@ -65,11 +65,20 @@ def test_gloo_broadcast_lands_in_the_worker_with_no_tensor_through_collective_rp
     before = greedy(vllm_engine)
     try:
         # a round whose learner is gone: the worker skips it, counts it, and goes on generating
-        dead = WeightsInfo(transport="gloo", master_addr="127.0.0.1", master_port=free_port(), round_id=1,
-                           buckets=pub.plan, published_at=time.time(), signer=pub._sender._signer.public)
+        dead = WeightsInfo(
+            transport="gloo",
+            master_addr="127.0.0.1",
+            master_port=free_port(),
+            round_id=1,
+            buckets=pub.plan,
+            published_at=time.time(),
+            signer=pub._sender._signer.public,
+        )
         receivers.on_version(1, dead)
-        wait_for(lambda: receivers.pending_version(0) is None and receivers.stats().get("weights/rounds_missed", 0) >= 1,
-                 what="the failed round to be counted")
+        wait_for(
+            lambda: receivers.pending_version(0) is None and receivers.stats().get("weights/rounds_missed", 0) >= 1,
+            what="the failed round to be counted",
+        )
         assert greedy(vllm_engine) == before
 
         # the next announcement catches it up: buckets broadcast by the learner, received in the worker
@@ -86,10 +95,14 @@ def test_gloo_broadcast_lands_in_the_worker_with_no_tensor_through_collective_rp
         # greedy output equals HF with the same weights; log-probs equal its teacher-forced forward
         assert greedy(vllm_engine) == hf_greedy(small_new_dir, prompts_of(vllm_engine)) != before
         ref = hf_model(small_new_dir)
-        for prompt, [sample] in zip(prompts_of(vllm_engine), vllm_engine.generate_batch(
-                prompts_of(vllm_engine), SamplingParams(max_new_tokens=16, seed=1), 1)):
+        for prompt, [sample] in zip(
+            prompts_of(vllm_engine),
+            vllm_engine.generate_batch(prompts_of(vllm_engine), SamplingParams(max_new_tokens=16, seed=1), 1),
+        ):
             assert sample.versions == [2] * len(sample.token_ids)
-            assert (teacher_forced_logp(ref, prompt, sample.token_ids) - torch.tensor(sample.logprobs)).abs().max() <= ATOL
+            assert (
+                teacher_forced_logp(ref, prompt, sample.token_ids) - torch.tensor(sample.logprobs)
+            ).abs().max() <= ATOL
     finally:
         receivers.close()
         pub.close()
@@ -115,7 +128,10 @@ def test_a_version_switch_mid_request_is_recorded_per_token(vllm_engine, small_d
     receivers = vllm_engine.weight_receiver(JobConfig(sync=SyncConfig(transport="filesystem")), DEVICE, "rollout-test")
     [prompt] = [vllm_engine.tokenizer("12+34=", add_special_tokens=False)["input_ids"]]
     try:
-        for mode, old_dir, new_dir, version in [("keep", None, small_dir, 10), ("recompute", small_dir, small_new_dir, 11)]:
+        for mode, old_dir, new_dir, version in [
+            ("keep", None, small_dir, 10),
+            ("recompute", small_dir, small_new_dir, 11),
+        ]:
             old = vllm_engine.version
             receivers.on_version(version, fs_info(new_dir))
             wait_for(lambda: receivers.pending_version(0) == version, what=f"version {version} pending")

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 from datetime import timedelta
-from collections.abc import Set
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 
-from fleetrl.common import messages
-from fleetrl.common import faults
+from fleetrl.common import faults, messages
 from fleetrl.common import weightsync as ws
 
 log = logging.getLogger(__name__)
@@ -47,8 +46,9 @@ def wait_key(store: Any, key: str, deadline: float) -> None:
     store.wait([key], timedelta(seconds=max(0.1, deadline - time.monotonic())))
 
 
-def join_round(store: Any, keys: ws.RoundKeys, identity: str, held_group: str, deadline: float,
-               have: int = 0, signer: str = "") -> messages.RoundPlan:
+def join_round(
+    store: Any, keys: ws.RoundKeys, identity: str, held_group: str, deadline: float, have: int = 0, signer: str = ""
+) -> messages.RoundPlan:
     """Join round ``keys`` (proving its secret); its plan once the learner closed it, signed by ``signer``
     (the learner's announced key). Raises RoundSkipped."""
     n = store.add(keys.count, 1)
@@ -93,17 +93,27 @@ def check_seal(store: Any, keys: ws.RoundKeys, i: int, buffer: Any, signer: str,
         raise ws.BucketForged(f"bucket {i}: its bytes are not the ones the learner signed (dropped)")
 
 
-def form_group(store: Any, keys: ws.RoundKeys, plan: messages.RoundPlan, identity: str, backend: str, host: str,
-               timeout_s: float) -> Any:
+def form_group(
+    store: Any, keys: ws.RoundKeys, plan: messages.RoundPlan, identity: str, backend: str, host: str, timeout_s: float
+) -> Any:
     """The round's own process group (collectives time out after ``timeout_s``: one bucket's budget)."""
     from torch.distributed import PrefixStore
 
-    return ws.new_group(backend, PrefixStore(keys.group(plan.group), store), plan.ranks[identity], plan.size,
-                        timeout_s, host)
+    return ws.new_group(
+        backend, PrefixStore(keys.group(plan.group), store), plan.ranks[identity], plan.size, timeout_s, host
+    )
 
 
-def receive_buckets(pg: Any, buffers: list, store: Any, keys: ws.RoundKeys, start: int, bucket_timeout_s: float,
-                    on_bucket: Callable[[int], None] | None = None, signer: str = "") -> None:
+def receive_buckets(
+    pg: Any,
+    buffers: list,
+    store: Any,
+    keys: ws.RoundKeys,
+    start: int,
+    bucket_timeout_s: float,
+    on_bucket: Callable[[int], None] | None = None,
+    signer: str = "",
+) -> None:
     """Receive buckets ``start..`` into ``buffers`` (flat tensors, one per bucket), each checked against
     the digest ``signer`` sealed; raises ``BucketFailed(have)`` (``BucketForged`` for a bucket whose bytes
     are not the learner's) with ``.have`` = buckets complete and verified (a prefix)."""
@@ -121,8 +131,18 @@ def receive_buckets(pg: Any, buffers: list, store: Any, keys: ws.RoundKeys, star
             on_bucket(i)
 
 
-def receive_round(store: Any, keys: ws.RoundKeys, identity: str, buffers: list, backend: str, host: str,
-                  bucket_timeout_s: float, deadline: float, held: Joined | None = None, signer: str = "") -> Joined:
+def receive_round(
+    store: Any,
+    keys: ws.RoundKeys,
+    identity: str,
+    buffers: list,
+    backend: str,
+    host: str,
+    bucket_timeout_s: float,
+    deadline: float,
+    held: Joined | None = None,
+    signer: str = "",
+) -> Joined:
     """Join round ``keys``, form (or reuse ``held``'s) group, receive every bucket into ``buffers``; on a
     failed bucket, join the re-formed round and receive the rest. Returns the group held afterwards.
     Raises RoundSkipped (not taken into the round: ``held`` is untouched), BucketFailed (the group failed
@@ -145,16 +165,23 @@ def receive_round(store: Any, keys: ws.RoundKeys, identity: str, buffers: list, 
             log.warning("weight round: bucket %d failed (%s); joining the re-formed round", have, e)
             keys = keys.reform(attempt)
             try:
-                plan = join_round(store, keys, identity, "", min(deadline, time.monotonic() + 3 * bucket_timeout_s), have,
-                                  signer)
+                plan = join_round(
+                    store, keys, identity, "", min(deadline, time.monotonic() + 3 * bucket_timeout_s), have, signer
+                )
             except RoundSkipped as skipped:  # the group is gone: not the "never joined" case the caller may retry
                 raise ws.BucketFailed(f"the re-formed round went on without this receiver ({skipped})") from skipped
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def request_catchup(store: Any, missed: ws.RoundKeys, version: int, timeout_s: float,
-                    tried: Set[int] = frozenset(), give_up: Callable[[], bool] = lambda: False,
-                    signer: str = "") -> ws.RoundKeys | None:
+def request_catchup(
+    store: Any,
+    missed: ws.RoundKeys,
+    version: int,
+    timeout_s: float,
+    tried: Set[int] = frozenset(),
+    give_up: Callable[[], bool] = lambda: False,
+    signer: str = "",
+) -> ws.RoundKeys | None:
     """Ask for a fresh round of ``version`` (the round ``missed`` went by without this receiver); the keys
     of the round the learner offers (not one of ``tried``), or None when none came within ``timeout_s``
     (the learner keeps no host copy, or is gone) or ``give_up()`` (a newer version was announced: its
@@ -168,8 +195,12 @@ def request_catchup(store: Any, missed: ws.RoundKeys, version: int, timeout_s: f
                 offer = messages.decode_offer(store.get(keys.offer))
             except (msgspec.MsgspecError, ValueError):
                 offer = None
-            if (offer is not None and offer.version == version and offer.round_id not in tried
-                    and ws.verify(signer, ws.auth.offer_message(offer), offer.sig)):
+            if (
+                offer is not None
+                and offer.version == version
+                and offer.round_id not in tried
+                and ws.verify(signer, ws.auth.offer_message(offer), offer.sig)
+            ):
                 secret = ws.auth.open_secret(missed.secret, f"offer/{offer.round_id}", offer.secret)
                 return ws.RoundKeys(secret, offer.round_id)
         time.sleep(0.1)

@@ -26,10 +26,11 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 from fleetrl.common import messages
 from fleetrl.common import weightsync as ws
@@ -84,11 +85,21 @@ class WeightReceiver:
         self._loading: Key = (0.0, 0)  # key of the update apply() is handing to the engine
         self._failed: dict[Key, float] = {}  # versions whose round failed here -> when
         self._closed = False
-        self._stats = {"weights/version": 0.0, "weights/load_s": 0.0, "weights/recv_s": 0.0, "weights/recv_mb_per_s": 0.0,
-                       "weights/rounds_ok": 0.0, "weights/rounds_missed": 0.0, "weights/catchups": 0.0,
-                       "weights/reforms": 0.0, "weights/rejected": 0.0,
-                       "weights/forged": 0.0}
-        self.transport = RECEIVERS[self.cfg.transport](self.cfg, specs, device, self.identity, self._deliver, self._count)
+        self._stats = {
+            "weights/version": 0.0,
+            "weights/load_s": 0.0,
+            "weights/recv_s": 0.0,
+            "weights/recv_mb_per_s": 0.0,
+            "weights/rounds_ok": 0.0,
+            "weights/rounds_missed": 0.0,
+            "weights/catchups": 0.0,
+            "weights/reforms": 0.0,
+            "weights/rejected": 0.0,
+            "weights/forged": 0.0,
+        }
+        self.transport = RECEIVERS[self.cfg.transport](
+            self.cfg, specs, device, self.identity, self._deliver, self._count
+        )
 
     # ------------------------------------------------------------------------- server side
 
@@ -102,9 +113,13 @@ class WeightReceiver:
                 return
             if weights.published_at > time.time() + self.cfg.max_clock_skew_s:
                 self._stats["weights/rejected"] += 1
-                log.error("ignored weight version %d: published_at %.0f lies in the future (more than "
-                          "sync.max_clock_skew_s=%g s); check the machines' clocks", version, weights.published_at,
-                          self.cfg.max_clock_skew_s)
+                log.error(
+                    "ignored weight version %d: published_at %.0f lies in the future (more than "
+                    "sync.max_clock_skew_s=%g s); check the machines' clocks",
+                    version,
+                    weights.published_at,
+                    self.cfg.max_clock_skew_s,
+                )
                 return
         self.transport.offer(version, weights, key)
 
@@ -155,8 +170,12 @@ class WeightReceiver:
         t0 = time.perf_counter()
         if update.path:
             if not Path(update.path).is_dir():
-                log.warning("weight version %d at %s is gone (pruned: raise sync.keep_versions if this repeats); "
-                            "waiting for the next version", update.version, update.path)
+                log.warning(
+                    "weight version %d at %s is gone (pruned: raise sync.keep_versions if this repeats); "
+                    "waiting for the next version",
+                    update.version,
+                    update.path,
+                )
                 return False
             engine.load_weights_from_dir(update.path)
             nbytes = sum(f.stat().st_size for f in Path(update.path).glob("*.safetensors"))
@@ -213,8 +232,9 @@ class FileReceiver:
 class BroadcastReceiver:
     """Rounds on a thread of their own (module docstring); ``deliver`` gets each outcome."""
 
-    def __init__(self, cfg: SyncConfig, specs: list[EngineSpec], device: str, identity: str, deliver: Callable,
-                 count: Callable):
+    def __init__(
+        self, cfg: SyncConfig, specs: list[EngineSpec], device: str, identity: str, deliver: Callable, count: Callable
+    ):
         self.cfg, self.identity, self.deliver, self.count = cfg, identity, deliver, count
         self.expected = {name: (tuple(shape), ws.dtype_name(dtype)) for name, shape, dtype in specs}
         self.device = buffer_device(cfg.transport, device)
@@ -230,8 +250,10 @@ class BroadcastReceiver:
     def offer(self, version: int, weights: messages.WeightsInfo, key: Key) -> None:
         reason = ws.check_plan(weights.buckets, self.expected)
         if not reason and not weights.signer:
-            reason = ("the announcement carries no signing key (sync.transport gloo/nccl needs a learner of this "
-                      "fleetrl version: receivers take only plans and buckets the learner signed)")
+            reason = (
+                "the announcement carries no signing key (sync.transport gloo/nccl needs a learner of this "
+                "fleetrl version: receivers take only plans and buckets the learner signed)"
+            )
         if reason:
             log.error("weight version %d cannot be received: %s", version, reason)
             self.deliver(None, key)
@@ -287,9 +309,16 @@ class BroadcastReceiver:
         try:
             update = self._join_and_receive(version, info, key, t0 + self.cfg.timeout_s)
         except Exception as e:  # noqa: BLE001 - the learner or a peer failed: skip this round
-            log.warning("weight version %d: round %d with the learner at %s:%d failed (%s: %s); keeping the weights "
-                        "held until the next version", version, info.round_id, info.master_addr, info.master_port,
-                        type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+            log.warning(
+                "weight version %d: round %d with the learner at %s:%d failed (%s: %s); keeping the weights "
+                "held until the next version",
+                version,
+                info.round_id,
+                info.master_addr,
+                info.master_port,
+                type(e).__name__,
+                str(e).splitlines()[0][:300] if str(e) else "",
+            )
             self._drop_group()
             self._store = None
             return None
@@ -311,8 +340,18 @@ class BroadcastReceiver:
         held = self._held if self._store is not None and self._held is not None else None
         try:
             buffers = self._buffers(layouts, self.device)
-            self._held = receive_round(store, keys, self.identity, buffers, self.cfg.transport, host,
-                                       self.cfg.bucket_timeout_s, deadline, held, signer=info.signer)
+            self._held = receive_round(
+                store,
+                keys,
+                self.identity,
+                buffers,
+                self.cfg.transport,
+                host,
+                self.cfg.bucket_timeout_s,
+                deadline,
+                held,
+                signer=info.signer,
+            )
         except (RoundSkipped, ws.BucketFailed) as e:
             if isinstance(e, ws.BucketForged) or isinstance(e.__cause__, ws.BucketForged):
                 self.count("weights/forged")
@@ -324,12 +363,16 @@ class BroadcastReceiver:
             if caught is None:
                 return None
             buffers = caught
-        named = [(s.name, buf[s.offset : s.offset + s.numel].view(s.shape))
-                 for layout, buf in zip(layouts, buffers) for s in layout.slots]
+        named = [
+            (s.name, buf[s.offset : s.offset + s.numel].view(s.shape))
+            for layout, buf in zip(layouts, buffers)
+            for s in layout.slots
+        ]
         return Update(version, key, named=named, buffers=buffers)
 
-    def _catch_up(self, store: TCPStore, missed: ws.RoundKeys, version: int, layouts, host: str,
-                  deadline: float, signer: str) -> list[torch.Tensor] | None:
+    def _catch_up(
+        self, store: TCPStore, missed: ws.RoundKeys, version: int, layouts, host: str, deadline: float, signer: str
+    ) -> list[torch.Tensor] | None:
         """A fresh round of ``version`` from the learner's host copy (gloo, CPU buffers); None if none came."""
         import torch
 
@@ -337,14 +380,26 @@ class BroadcastReceiver:
         for _ in range(2):
             keys = request_catchup(store, missed, version, CATCHUP_WAIT_S, tried, self._newer_queued, signer)
             if keys is None:
-                log.warning("weight version %d: no catch-up round came (sync.catchup off, the learner busy, or a newer "
-                            "version announced); going on with the next version", version)
+                log.warning(
+                    "weight version %d: no catch-up round came (sync.catchup off, the learner busy, or a newer "
+                    "version announced); going on with the next version",
+                    version,
+                )
                 return None
             tried.add(keys.round_id)
             buffers = self._buffers(layouts, torch.device("cpu"))
             try:
-                joined = receive_round(store, keys, self.identity, buffers, "gloo", host, self.cfg.bucket_timeout_s,
-                                       max(deadline, time.monotonic() + self.cfg.timeout_s), signer=signer)
+                joined = receive_round(
+                    store,
+                    keys,
+                    self.identity,
+                    buffers,
+                    "gloo",
+                    host,
+                    self.cfg.bucket_timeout_s,
+                    max(deadline, time.monotonic() + self.cfg.timeout_s),
+                    signer=signer,
+                )
             except (RoundSkipped, ws.BucketFailed) as e:
                 log.info("weight version %d: catch-up round %d: %s", version, keys.round_id, e)
                 continue
@@ -372,8 +427,9 @@ class BroadcastReceiver:
 
         with self._cv:
             spare, self._spare = self._spare, []
-        if [(b.numel(), ws.dtype_name(b.dtype), b.device) for b in spare] == [(lay.numel, lay.dtype, device)
-                                                                               for lay in layouts]:
+        if [(b.numel(), ws.dtype_name(b.dtype), b.device) for b in spare] == [
+            (lay.numel, lay.dtype, device) for lay in layouts
+        ]:
             return spare
         return [torch.empty(lay.numel, dtype=getattr(torch, lay.dtype), device=device) for lay in layouts]
 
@@ -391,9 +447,19 @@ def buffer_device(transport: str, device: str) -> torch.device:
         return torch.device("cpu")
     resolved = torch.device("cuda" if device == "auto" else device)
     if resolved.type != "cuda":
-        raise ValueError(f"sync.transport=nccl needs the rollout on a GPU (rollout.device={device!r}); "
-                         "use sync.transport=gloo or filesystem for CPU rollouts")
+        raise ValueError(
+            f"sync.transport=nccl needs the rollout on a GPU (rollout.device={device!r}); "
+            "use sync.transport=gloo or filesystem for CPU rollouts"
+        )
     return resolved if resolved.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
-__all__ = ["RECEIVERS", "BroadcastReceiver", "FileReceiver", "RoundSkipped", "Update", "WeightReceiver", "buffer_device"]
+__all__ = [
+    "RECEIVERS",
+    "BroadcastReceiver",
+    "FileReceiver",
+    "RoundSkipped",
+    "Update",
+    "WeightReceiver",
+    "buffer_device",
+]

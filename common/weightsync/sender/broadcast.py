@@ -26,15 +26,15 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
-from fleetrl.common import messages
-from fleetrl.common import faults
+from fleetrl.common import faults, messages
 from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import SyncConfig
 
@@ -94,8 +94,15 @@ def bound_store(host: str, port: int, timeout_s: float) -> TCPStore:
     listener.bind((host, port))
     listener.listen(1024)
     port = listener.getsockname()[1]
-    return TCPStore(host, port, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
-                    master_listen_fd=listener.detach())
+    return TCPStore(
+        host,
+        port,
+        None,
+        True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )
 
 
 class BroadcastSender:
@@ -118,7 +125,9 @@ class BroadcastSender:
         self._host: list[torch.Tensor] = []
         if self.layouts and (cfg.catchup or self.device.type == "cpu"):
             pin = self.device.type == "cuda"
-            sizes = [lay.nbytes for lay in self.layouts] if cfg.catchup else [max(lay.nbytes for lay in self.layouts)] * 2
+            sizes = (
+                [lay.nbytes for lay in self.layouts] if cfg.catchup else [max(lay.nbytes for lay in self.layouts)] * 2
+            )
             self._host = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in sizes]
         self._last: tuple[int, ws.RoundKeys] | None = None  # the version the host copy holds, and its round
         self._served = 0  # catch-up requests answered for that round
@@ -145,9 +154,18 @@ class BroadcastSender:
             self._sweep(store)
             self._last = None  # the host copy is overwritten now
             deadline = time.monotonic() + self.cfg.timeout_s
-            announce(messages.WeightsInfo(transport=self.cfg.transport, published_at=time.time(), secret=keys.secret,
-                                          master_addr=self.cfg.master_addr, master_port=self.port, buckets=self.plan,
-                                          round_id=keys.round_id, signer=self._signer.public))
+            announce(
+                messages.WeightsInfo(
+                    transport=self.cfg.transport,
+                    published_at=time.time(),
+                    secret=keys.secret,
+                    master_addr=self.cfg.master_addr,
+                    master_port=self.port,
+                    buckets=self.plan,
+                    round_id=keys.round_id,
+                    signer=self._signer.public,
+                )
+            )
             rnd = Round(keys, None)
             t0 = time.perf_counter()
             members: list[messages.JoinRecord] = []  # stays empty when closing the round raises
@@ -156,8 +174,13 @@ class BroadcastSender:
                 if members:
                     rnd.group = self._group_for(store, keys, members, rnd)
             except Exception as e:  # noqa: BLE001 - a receiver must never crash the learner
-                log.warning("weight sync round %d (version %d): could not form the group (%s); rollouts keep their "
-                            "weights until the next round", keys.round_id, version, e)
+                log.warning(
+                    "weight sync round %d (version %d): could not form the group (%s); rollouts keep their "
+                    "weights until the next round",
+                    keys.round_id,
+                    version,
+                    e,
+                )
                 self._drop_group()
             ok = self._stream(store, rnd, tensors, bool(members))
             sent = rnd.sent
@@ -196,8 +219,11 @@ class BroadcastSender:
                 store.delete_key(key)
                 swept += 1
         if swept:
-            log.warning("weight sync: deleted %d store key(s) that no round of this learner uses (someone who can "
-                        "reach sync.master_addr wrote them)", swept)
+            log.warning(
+                "weight sync: deleted %d store key(s) that no round of this learner uses (someone who can "
+                "reach sync.master_addr wrote them)",
+                swept,
+            )
         return swept
 
     def _set_plan(self, store: TCPStore, keys: ws.RoundKeys, plan: messages.RoundPlan) -> None:
@@ -215,29 +241,49 @@ class BroadcastSender:
     def _ensure_store(self) -> TCPStore:
         if self._store is None:
             self._store = bound_store(self.cfg.master_addr, self.cfg.master_port, self.cfg.timeout_s)
-            log.info("weight sync: %s rounds on TCPStore %s:%d", self.cfg.transport, self.cfg.master_addr,
-                     self._store.port)
+            log.info(
+                "weight sync: %s rounds on TCPStore %s:%d", self.cfg.transport, self.cfg.master_addr, self._store.port
+            )
         return self._store
 
-    def _close_round(self, store: TCPStore, keys: ws.RoundKeys, expected: int, deadline: float, sent: Sent,
-                     window_s: float = ws.JOIN_WINDOW_S) -> list[messages.JoinRecord]:
+    def _close_round(
+        self,
+        store: TCPStore,
+        keys: ws.RoundKeys,
+        expected: int,
+        deadline: float,
+        sent: Sent,
+        window_s: float = ws.JOIN_WINDOW_S,
+    ) -> list[messages.JoinRecord]:
         """Wait for ``expected`` joins (at most ``window_s``), close the round, read who joined and proved it."""
         window_end = min(time.monotonic() + window_s, deadline)
         expected = min(expected, ws.MAX_JOINS)
-        while (expected > 0 and 0 <= store.add(keys.count, 0) < expected and time.monotonic() < window_end
-               and not self._publishing.is_set()):  # a catch-up round does not hold back a publish
+        while (
+            expected > 0
+            and 0 <= store.add(keys.count, 0) < expected
+            and time.monotonic() < window_end
+            and not self._publishing.is_set()
+        ):  # a catch-up round does not hold back a publish
             time.sleep(0.005)
         joined = store.add(keys.count, ws.CLOSED) - ws.CLOSED
         if 0 <= joined <= ws.MAX_JOINS:
             member_keys = [keys.member(n) for n in range(1, joined + 1)]
         else:  # a non-member added to the counter (closed or inflated it): take the slots that were written
             sent.tampered += 1
-            log.warning("weight sync round %d: its join counter reads %d (a non-member wrote it); taking only the "
-                        "join records present", keys.round_id, joined)
+            log.warning(
+                "weight sync round %d: its join counter reads %d (a non-member wrote it); taking only the "
+                "join records present",
+                keys.round_id,
+                joined,
+            )
             member_keys = self._written_slots(store, keys)
         n_seals = len(self.layouts)
-        self._old_keys.append(member_keys + [keys.plan, keys.abort, keys.count] + [keys.progress(i) for i in range(n_seals)]
-                              + [keys.seal(i) for i in range(n_seals)])
+        self._old_keys.append(
+            member_keys
+            + [keys.plan, keys.abort, keys.count]
+            + [keys.progress(i) for i in range(n_seals)]
+            + [keys.seal(i) for i in range(n_seals)]
+        )
         if member_keys:
             try:
                 store.wait(member_keys, timedelta(seconds=max(0.1, min(2.0, deadline - time.monotonic()))))
@@ -252,8 +298,11 @@ class BroadcastSender:
                 seen.add(record.identity)
                 members.append(record)
         if sent.unknown_joiners:
-            log.warning("weight sync round %d: ignored %d join record(s) that did not prove the round's secret",
-                        keys.round_id, sent.unknown_joiners)
+            log.warning(
+                "weight sync round %d: ignored %d join record(s) that did not prove the round's secret",
+                keys.round_id,
+                sent.unknown_joiners,
+            )
         if member_keys and not members:
             self._set_plan(store, keys, messages.RoundPlan(group="", size=1, ranks={}))
         return members
@@ -280,22 +329,40 @@ class BroadcastSender:
             return None
         return record if record.proof == ws.proof(keys.secret, record.identity) else None
 
-    def _group_for(self, store: TCPStore, keys: ws.RoundKeys, members: list[messages.JoinRecord], rnd: Round,
-                   resume: int = 0, reuse_ok: bool = True) -> Group:
+    def _group_for(
+        self,
+        store: TCPStore,
+        keys: ws.RoundKeys,
+        members: list[messages.JoinRecord],
+        rnd: Round,
+        resume: int = 0,
+        reuse_ok: bool = True,
+    ) -> Group:
         """The previous group when the same members hold it, else a new one (published in the plan)."""
         from torch.distributed import PrefixStore
 
         prev = self._group
         idents = [m.identity for m in members]
-        if reuse_ok and prev is not None and set(idents) == set(prev.ranks) and all(m.group == prev.id for m in members):
+        if (
+            reuse_ok
+            and prev is not None
+            and set(idents) == set(prev.ranks)
+            and all(m.group == prev.id for m in members)
+        ):
             self._set_plan(store, keys, messages.RoundPlan(prev.id, prev.size, prev.ranks, reuse=True))
             return prev
         self._drop_group()
         ranks = {ident: i for i, ident in enumerate(idents, start=1)}
         plan = messages.RoundPlan(group=str(keys.round_id), size=len(ranks) + 1, ranks=ranks, resume=resume)
         self._set_plan(store, keys, plan)
-        pg = ws.new_group(self.cfg.transport, PrefixStore(keys.group(plan.group), store), 0, plan.size,
-                          self.cfg.bucket_timeout_s, self.cfg.master_addr)
+        pg = ws.new_group(
+            self.cfg.transport,
+            PrefixStore(keys.group(plan.group), store),
+            0,
+            plan.size,
+            self.cfg.bucket_timeout_s,
+            self.cfg.master_addr,
+        )
         self._group = Group(plan.group, plan.size, ranks, pg, keys.group(plan.group))
         log.info("weight sync: new %s group %s with %d receivers", self.cfg.transport, plan.group, len(ranks))
         return self._group
@@ -350,8 +417,12 @@ class BroadcastSender:
         ``resume..i``, still held). True when the round goes on."""
         lowest = min(rnd.held) if rnd.held else i
         for attempt in range(ws.MAX_REFORMS):
-            log.warning("weight sync round %d: bucket %d failed (%s); re-forming the group without the receivers "
-                        "that are gone", rnd.keys.round_id, min(i, len(self.layouts) - 1), str(error)[:200])
+            log.warning(
+                "weight sync round %d: bucket %d failed (%s); re-forming the group without the receivers that are gone",
+                rnd.keys.round_id,
+                min(i, len(self.layouts) - 1),
+                str(error)[:200],
+            )
             store.set(rnd.keys.abort, b"1")  # type: ignore[arg-type]  # bytes (stub: str)
             before = rnd.group.size - 1 if rnd.group is not None else 0
             self._drop_group(linger=True)
@@ -359,14 +430,25 @@ class BroadcastSender:
             keys = rnd.keys.reform(attempt)
             self._keep(keys.root)
             try:
-                members = self._close_round(store, keys, max(0, before - 1), time.monotonic() + self.cfg.timeout_s,
-                                            rnd.sent, window_s=self.cfg.bucket_timeout_s)
+                members = self._close_round(
+                    store,
+                    keys,
+                    max(0, before - 1),
+                    time.monotonic() + self.cfg.timeout_s,
+                    rnd.sent,
+                    window_s=self.cfg.bucket_timeout_s,
+                )
                 behind = [mb for mb in members if mb.have < lowest]
                 members = [mb for mb in members if mb.have >= lowest]
                 rnd.sent.dropped += before - len(members)
                 if behind:
-                    log.warning("weight sync round %d: %d receiver(s) lack buckets before %d, which are gone; "
-                                "they miss this version", rnd.keys.round_id, len(behind), lowest)
+                    log.warning(
+                        "weight sync round %d: %d receiver(s) lack buckets before %d, which are gone; "
+                        "they miss this version",
+                        rnd.keys.round_id,
+                        len(behind),
+                        lowest,
+                    )
                 if not members:
                     self._set_plan(store, keys, messages.RoundPlan(group="", size=1, ranks={}))
                     return False
@@ -375,8 +457,9 @@ class BroadcastSender:
                 rnd.group = self._group_for(store, keys, members, rnd, resume=resume, reuse_ok=False)
                 for j in range(resume, min(i + 1, len(self.layouts))):
                     self._seal(store, keys, j)
-                    ws.wait_work(ws.broadcast(rnd.group.pg, rnd.held[j], self.cfg.bucket_timeout_s),
-                                 self.cfg.bucket_timeout_s)
+                    ws.wait_work(
+                        ws.broadcast(rnd.group.pg, rnd.held[j], self.cfg.bucket_timeout_s), self.cfg.bucket_timeout_s
+                    )
                 return True
             except Exception as e:  # noqa: BLE001 - the re-formed group failed too: once more, then give up
                 error = e
@@ -433,8 +516,11 @@ class BroadcastSender:
         if asked <= self._served:
             return
         if self._served < 0 or asked - self._served > ws.MAX_JOINS:  # a non-member added to the counter
-            log.warning("weight sync: the catch-up counter of round %d jumped to %d (a non-member wrote it); ignored",
-                        missed.round_id, asked)
+            log.warning(
+                "weight sync: the catch-up counter of round %d jumped to %d (a non-member wrote it); ignored",
+                missed.round_id,
+                asked,
+            )
             self._served = asked
             return
         before, self._served = self._served, asked
@@ -451,7 +537,9 @@ class BroadcastSender:
         if members:
             self._catchup_round(store, keys, members, version)
 
-    def _catchup_round(self, store: TCPStore, keys: ws.RoundKeys, members: list[messages.JoinRecord], version: int) -> None:
+    def _catchup_round(
+        self, store: TCPStore, keys: ws.RoundKeys, members: list[messages.JoinRecord], version: int
+    ) -> None:
         import torch
         from torch.distributed import PrefixStore
 
@@ -459,14 +547,22 @@ class BroadcastSender:
         plan = messages.RoundPlan(group=f"c{keys.round_id}", size=len(ranks) + 1, ranks=ranks)
         self._set_plan(store, keys, plan)
         self._keep(keys.group(plan.group))
-        pg = ws.new_group("gloo", PrefixStore(keys.group(plan.group), store), 0, plan.size, self.cfg.bucket_timeout_s,
-                          self.cfg.master_addr)
+        pg = ws.new_group(
+            "gloo",
+            PrefixStore(keys.group(plan.group), store),
+            0,
+            plan.size,
+            self.cfg.bucket_timeout_s,
+            self.cfg.master_addr,
+        )
         try:
             for i, layout in enumerate(self.layouts):
                 flat = self._host[i][: layout.nbytes].view(getattr(torch, layout.dtype))
                 self._seal(store, keys, i)
                 ws.wait_work(ws.broadcast(pg, flat, self.cfg.bucket_timeout_s), self.cfg.bucket_timeout_s)
-            log.info("weight sync: catch-up round %d sent version %d to %d receiver(s)", keys.round_id, version, len(ranks))
+            log.info(
+                "weight sync: catch-up round %d sent version %d to %d receiver(s)", keys.round_id, version, len(ranks)
+            )
         finally:
             ws.retire_group(pg, 2 * self.cfg.bucket_timeout_s)
 

@@ -24,14 +24,15 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from fleetrl.common import messages
-from fleetrl.common.telemetry import tracing
 from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import JobConfig, SyncConfig
 from fleetrl.common.plugins.registry import Registry
+from fleetrl.common.telemetry import tracing
 from fleetrl.common.weightsync.sender.broadcast import Announce, BroadcastSender, Sent, Tensors
 
 if TYPE_CHECKING:  # torch is imported where it is used: this package imports without it
@@ -39,8 +40,17 @@ if TYPE_CHECKING:  # torch is imported where it is used: this package imports wi
 
 log = logging.getLogger(__name__)
 
-METRIC_KEYS = ("timing/sync_s", "sync/mb", "sync/mb_per_s", "sync/receivers", "sync/failed", "sync/unknown_joiners",
-               "sync/reforms", "sync/dropped", "sync/tampered")
+METRIC_KEYS = (
+    "timing/sync_s",
+    "sync/mb",
+    "sync/mb_per_s",
+    "sync/receivers",
+    "sync/failed",
+    "sync/unknown_joiners",
+    "sync/reforms",
+    "sync/dropped",
+    "sync/tampered",
+)
 
 SENDERS: Registry[type] = Registry("weight transport", config_key="sync.transport")
 
@@ -53,8 +63,14 @@ class WeightPublisher:
         self.plan = ws.plan_buckets(self.specs, int(self.cfg.bucket_mb * ws.MB))
         self._sender = SENDERS[self.cfg.transport](self.cfg, Path(run_dir), self.plan) if rank == 0 else None
 
-    def publish(self, version: int, step: int, params: Iterable[tuple[str, torch.Tensor]], announce: Announce,
-                expected_receivers: int) -> dict[str, float]:
+    def publish(
+        self,
+        version: int,
+        step: int,
+        params: Iterable[tuple[str, torch.Tensor]],
+        announce: Announce,
+        expected_receivers: int,
+    ) -> dict[str, float]:
         """One sync round (see the module docstring); returns ``sync/*`` metrics (zeros off rank 0)."""
         it = iter(params)
         if self._sender is None:
@@ -65,13 +81,20 @@ class WeightPublisher:
         try:
             with tracing.span("learner.publish_weights", attributes=attributes) as span:  # child of learner.step
                 sent = self._sender.send(version, step, _checked(it, self.specs), announce, expected_receivers)
-                span.set_attributes({"fleetrl.mb": sent.nbytes / ws.MB, "fleetrl.receivers": sent.receivers,
-                                    "fleetrl.failed": sent.failed})
+                span.set_attributes(
+                    {
+                        "fleetrl.mb": sent.nbytes / ws.MB,
+                        "fleetrl.receivers": sent.receivers,
+                        "fleetrl.failed": sent.failed,
+                    }
+                )
         finally:
             extra = _drain(it)
         if extra:
-            raise ValueError(f"publish: params yielded {extra} tensors beyond the {len(self.specs)} specs; "
-                             "build the publisher's specs from the same named_parameters() that publish() iterates")
+            raise ValueError(
+                f"publish: params yielded {extra} tensors beyond the {len(self.specs)} specs; "
+                "build the publisher's specs from the same named_parameters() that publish() iterates"
+            )
         mb = sent.nbytes / ws.MB
         return {
             "timing/sync_s": time.perf_counter() - t0,
@@ -99,8 +122,10 @@ def _checked(it: Iterator[tuple[str, torch.Tensor]], specs: list[messages.ParamS
             raise ValueError(f"publish: params ended before {spec.name!r}; it must yield every spec in order")
         name, tensor = item
         if name != spec.name or list(tensor.shape) != spec.shape:
-            raise ValueError(f"publish: expected {spec.name!r} {spec.shape}, got {name!r} {list(tensor.shape)}; "
-                             "params must yield exactly the specs, in the same order")
+            raise ValueError(
+                f"publish: expected {spec.name!r} {spec.shape}, got {name!r} {list(tensor.shape)}; "
+                "params must yield exactly the specs, in the same order"
+            )
         yield spec, tensor
 
 

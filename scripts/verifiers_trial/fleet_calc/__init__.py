@@ -16,8 +16,10 @@ class CalcTask(vf.Task[CalcData]):
 class CalcTaskset(vf.Taskset[CalcTask, vf.TasksetConfig]):
     def load(self):
         pairs = [(12, 34), (7, 8), (21, 3), (45, 2)]
-        return [CalcTask(CalcData(idx=i, prompt=f"{a}*{b}=", answer=str(a * b)), self.config.task)
-                for i, (a, b) in enumerate(pairs)]
+        return [
+            CalcTask(CalcData(idx=i, prompt=f"{a}*{b}=", answer=str(a * b)), self.config.task)
+            for i, (a, b) in enumerate(pairs)
+        ]
 
 
 __all__ = ["CalcTaskset"]

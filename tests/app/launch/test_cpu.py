@@ -13,7 +13,9 @@ SPIN_IN_CHILD = "import subprocess, sys\nsubprocess.run([sys.executable, '-c', {
 
 
 def test_a_busy_child_and_an_idle_one_are_told_apart_and_a_grandchild_counts_for_its_parent(tmp_path):
-    busy = subprocess.Popen([sys.executable, "-c", SPIN_IN_CHILD.format(code=SPIN.format(s=1.2))])  # the work is a grandchild
+    busy = subprocess.Popen(
+        [sys.executable, "-c", SPIN_IN_CHILD.format(code=SPIN.format(s=1.2))]
+    )  # the work is a grandchild
     idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
     try:
         meter = CpuMeter()

@@ -9,14 +9,24 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from fleetrl.common.config import ConfigError, load_config, validate
 from fleetrl.app.launch.k8s import render
 from fleetrl.app.launch.world import Layout, world_map
+from fleetrl.common.config import ConfigError, load_config, validate
 
-JOB = ["run.name=Grpo_Run", "cluster.image=registry.example/fleetrl:0.1", "cluster.k8s.namespace=rl",
-       "learner.num_ranks=4", "cluster.learner.nodes=2", "cluster.learner.gpus_per_node=2", "learner.device=cuda",
-       "cluster.rollout.nodes=3", "cluster.rollout.gpus_per_node=4", "cluster.base_port=20000",
-       "cluster.k8s.curve_secret=fleetrl-keys", "cluster.interface=eth0"]
+JOB = [
+    "run.name=Grpo_Run",
+    "cluster.image=registry.example/fleetrl:0.1",
+    "cluster.k8s.namespace=rl",
+    "learner.num_ranks=4",
+    "cluster.learner.nodes=2",
+    "cluster.learner.gpus_per_node=2",
+    "learner.device=cuda",
+    "cluster.rollout.nodes=3",
+    "cluster.rollout.gpus_per_node=4",
+    "cluster.base_port=20000",
+    "cluster.k8s.curve_secret=fleetrl-keys",
+    "cluster.interface=eth0",
+]
 
 
 def objects(*extra: str) -> dict[tuple[str, str], dict]:
@@ -26,10 +36,15 @@ def objects(*extra: str) -> dict[tuple[str, str], dict]:
 
 def test_every_object_passes_the_kubernetes_schemas():
     objs = objects()
-    assert sorted(objs) == [("ConfigMap", "grpo-run-job"), ("Deployment", "grpo-run-broker"),
-                            ("Deployment", "grpo-run-rollout"), ("Job", "grpo-run-learner"),
-                            ("PersistentVolumeClaim", "grpo-run-run"), ("Service", "grpo-run-broker"),
-                            ("Service", "grpo-run-learner")]
+    assert sorted(objs) == [
+        ("ConfigMap", "grpo-run-job"),
+        ("Deployment", "grpo-run-broker"),
+        ("Deployment", "grpo-run-rollout"),
+        ("Job", "grpo-run-learner"),
+        ("PersistentVolumeClaim", "grpo-run-run"),
+        ("Service", "grpo-run-broker"),
+        ("Service", "grpo-run-learner"),
+    ]
     for obj in objs.values():
         kubernetes_validate.validate(obj, "1.37", strict=True)
 
@@ -50,13 +65,24 @@ def test_the_fields_the_job_relies_on():
     job = objs[("Job", "grpo-run-learner")]
     assert job["metadata"]["namespace"] == "rl"
     spec = job["spec"]
-    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == ("Indexed", 2, 2, 0)
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == (
+        "Indexed",
+        2,
+        2,
+        0,
+    )
     pod = spec["template"]["spec"]
     assert pod["subdomain"] == "grpo-run-learner" and pod["restartPolicy"] == "Never"
     learner = pod["containers"][0]
     assert learner["resources"]["limits"] == {"nvidia.com/gpu": 2}
-    assert learner["command"][-6:] == ["--role", "learner", "--config", "/etc/fleetrl/job.yaml", "--run-dir",
-                                       "/fleetrl/grpo-run"]
+    assert learner["command"][-6:] == [
+        "--role",
+        "learner",
+        "--config",
+        "/etc/fleetrl/job.yaml",
+        "--run-dir",
+        "/fleetrl/grpo-run",
+    ]
     env = {e["name"]: e for e in learner["env"]}
     assert env["FLEETRL_K8S_NAME"]["value"] == "grpo-run" and env["GLOO_SOCKET_IFNAME"]["value"] == "eth0"
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
@@ -114,17 +140,23 @@ def path_args(container: dict) -> list[str]:
 
 def on_a_mount(path: str, container: dict) -> str | None:
     """The mount the path lies on (the longest mountPath that holds it), or None: the container's own disk."""
-    hits = [mt["mountPath"] for mt in container["volumeMounts"]
-            if path == mt["mountPath"] or path.startswith(mt["mountPath"].rstrip("/") + "/")]
+    hits = [
+        mt["mountPath"]
+        for mt in container["volumeMounts"]
+        if path == mt["mountPath"] or path.startswith(mt["mountPath"].rstrip("/") + "/")
+    ]
     return max(hits, key=len, default=None)
 
 
-@pytest.mark.parametrize("run_dir, expect", [
-    (None, "/fleetrl/grpo-run"),
-    ("cluster.run_dir=/shared/runs/grpo", "/shared/runs/grpo"),  # docs/deploy.md's own example
-    ("cluster.run_dir=runs/grpo", "/fleetrl/runs/grpo"),
-    ("cluster.run_dir=/fleetrl/exp/1", "/fleetrl/exp/1"),
-])
+@pytest.mark.parametrize(
+    "run_dir, expect",
+    [
+        (None, "/fleetrl/grpo-run"),
+        ("cluster.run_dir=/shared/runs/grpo", "/shared/runs/grpo"),  # docs/deploy.md's own example
+        ("cluster.run_dir=runs/grpo", "/fleetrl/runs/grpo"),
+        ("cluster.run_dir=/fleetrl/exp/1", "/fleetrl/exp/1"),
+    ],
+)
 def test_every_run_path_is_on_the_shared_volume(run_dir, expect):
     objs = objects(*([run_dir] if run_dir else []))
     for spec in pods(objs):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetrl.common.config import ConfigError
 from fleetrl.app.launch.ray_job import import_ray
+from fleetrl.common.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -22,8 +22,18 @@ def test_missing_ray_says_what_to_install(monkeypatch):
 
 
 def test_dry_run_checks_placement_and_starts_nothing(tmp_path):
-    base = [sys.executable, "-m", "fleetrl.app.cli", "launch", "ray", "--config", str(ROOT / "configs" / "demo.yaml"),
-            "--run-dir", str(tmp_path), "--dry-run"]
+    base = [
+        sys.executable,
+        "-m",
+        "fleetrl.app.cli",
+        "launch",
+        "ray",
+        "--config",
+        str(ROOT / "configs" / "demo.yaml"),
+        "--run-dir",
+        str(tmp_path),
+        "--dry-run",
+    ]
     out = subprocess.run([*base, "cluster.rollout.servers_per_node=3"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "3 rollout actor(s)" in out.stdout and "nothing started" in out.stdout

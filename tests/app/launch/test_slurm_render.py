@@ -11,31 +11,52 @@ from pathlib import Path
 
 import pytest
 
-from fleetrl.common.config import ConfigError, load_config
-from fleetrl.common.config.cluster import check_placement, placement_errors, time_limit_s
 from fleetrl.app.launch.slurm import render_add_rollout, render_job, submit
 from fleetrl.app.launch.slurm_job import Driver
+from fleetrl.common.config import ConfigError, load_config
+from fleetrl.common.config.cluster import check_placement, placement_errors, time_limit_s
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = str(ROOT / "configs" / "demo.yaml")
-GPU_JOB = ["learner.num_ranks=16", "cluster.learner.nodes=2", "cluster.learner.gpus_per_node=8", "rollout.engine=vllm",
-           "rollout.vllm.tensor_parallel_size=2", "cluster.rollout.nodes=3", "cluster.rollout.gpus_per_node=8",
-           "cluster.partition=gpu", "cluster.account=rl", "cluster.time_limit=1-00:00:00", "cluster.slurm.signal_s=600",
-           "learner.device=cuda", "cluster.image=nvcr.io/x/fleetrl:1"]
+GPU_JOB = [
+    "learner.num_ranks=16",
+    "cluster.learner.nodes=2",
+    "cluster.learner.gpus_per_node=8",
+    "rollout.engine=vllm",
+    "rollout.vllm.tensor_parallel_size=2",
+    "cluster.rollout.nodes=3",
+    "cluster.rollout.gpus_per_node=8",
+    "cluster.partition=gpu",
+    "cluster.account=rl",
+    "cluster.time_limit=1-00:00:00",
+    "cluster.slurm.signal_s=600",
+    "learner.device=cuda",
+    "cluster.image=nvcr.io/x/fleetrl:1",
+]
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fleetrl.app.cli", *args], capture_output=True, text=True,
-                          env=env or os.environ)
+    return subprocess.run(
+        [sys.executable, "-m", "fleetrl.app.cli", *args], capture_output=True, text=True, env=env or os.environ
+    )
 
 
 def test_gpu_job_script_and_plan(tmp_path):
     cfg = load_config(None, GPU_JOB)
     path, script = render_job(cfg, tmp_path)
     assert path == tmp_path / "launch" / "job.sbatch"
-    for option in ("--nodes=5", "--ntasks-per-node=1", "--time=1-00:00:00", "--partition=gpu", "--account=rl",
-                   "--gpus-per-node=8", "--signal=B:USR1@600", "--requeue", "--exclusive",
-                   f"--output={tmp_path}/launch/slurm-%j.out"):
+    for option in (
+        "--nodes=5",
+        "--ntasks-per-node=1",
+        "--time=1-00:00:00",
+        "--partition=gpu",
+        "--account=rl",
+        "--gpus-per-node=8",
+        "--signal=B:USR1@600",
+        "--requeue",
+        "--exclusive",
+        f"--output={tmp_path}/launch/slurm-%j.out",
+    ):
         assert f"#SBATCH {option}\n" in script
     assert f"-m fleetrl.app.launch.slurm_job {tmp_path}/launch/job.plan.json" in script
     plan = json.loads((tmp_path / "launch" / "job.plan.json").read_text())
@@ -47,8 +68,14 @@ def test_gpu_job_script_and_plan(tmp_path):
     argv = {s.role: s.argv for s in driver.steps}
     assert "--nodelist=g1" in argv["broker"] and "--nodelist=g1,g2" in argv["learner"]
     assert "--nodelist=g3,g4,g5" in argv["rollout"] and "--ntasks=3" in argv["rollout"]
-    assert argv["rollout"][-6:] == ["--role", "rollout", "--config", str(tmp_path / "config.yaml"), "--run-dir",
-                                    str(tmp_path)]
+    assert argv["rollout"][-6:] == [
+        "--role",
+        "rollout",
+        "--config",
+        str(tmp_path / "config.yaml"),
+        "--run-dir",
+        str(tmp_path),
+    ]
 
 
 def test_dry_run_writes_and_submits_nothing(tmp_path):
@@ -60,19 +87,27 @@ def test_dry_run_writes_and_submits_nothing(tmp_path):
     assert (tmp_path / "launch" / "job.sbatch").exists() and (tmp_path / "config.yaml").exists()
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["learner.num_ranks=16", "cluster.learner.gpus_per_node=8"], "learner.num_ranks=16"),
-    (["cluster.base_port=45000"], "cluster.base_port=45000"),
-    (["cluster.base_port=80"], "cluster.base_port=80"),
-    (["rollout.engine=vllm"], "cluster.rollout.gpus_per_node=0"),
-    (["cluster.rollout.gpus_per_node=4", "rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=8"],
-     "rollout.vllm.tensor_parallel_size=8"),
-    (["cluster.rollout.gpus_per_node=4", "cluster.rollout.servers_per_node=8"], "cluster.rollout.servers_per_node=8"),
-    (["cluster.time_limit=4"], "cluster.slurm.signal_s=300"),
-    (["cluster.time_limit=tomorrow"], "cluster.time_limit='tomorrow'"),
-    (["cluster.rollout.nodes=0"], "cluster.rollout.nodes=0"),
-    (["learner.device=cuda"], "cluster.learner.gpus_per_node=0"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["learner.num_ranks=16", "cluster.learner.gpus_per_node=8"], "learner.num_ranks=16"),
+        (["cluster.base_port=45000"], "cluster.base_port=45000"),
+        (["cluster.base_port=80"], "cluster.base_port=80"),
+        (["rollout.engine=vllm"], "cluster.rollout.gpus_per_node=0"),
+        (
+            ["cluster.rollout.gpus_per_node=4", "rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=8"],
+            "rollout.vllm.tensor_parallel_size=8",
+        ),
+        (
+            ["cluster.rollout.gpus_per_node=4", "cluster.rollout.servers_per_node=8"],
+            "cluster.rollout.servers_per_node=8",
+        ),
+        (["cluster.time_limit=4"], "cluster.slurm.signal_s=300"),
+        (["cluster.time_limit=tomorrow"], "cluster.time_limit='tomorrow'"),
+        (["cluster.rollout.nodes=0"], "cluster.rollout.nodes=0"),
+        (["learner.device=cuda"], "cluster.learner.gpus_per_node=0"),
+    ],
+)
 def test_unplaceable_sections_are_refused_naming_the_key(overrides, key):
     cfg = load_config(None, overrides)
     errors = placement_errors(cfg, ephemeral=(32768, 60999))
@@ -82,8 +117,7 @@ def test_unplaceable_sections_are_refused_naming_the_key(overrides, key):
 
 
 def test_dry_run_refuses_an_ephemeral_port(tmp_path):
-    out = cli("launch", "slurm", "--config", DEMO, "--run-dir", str(tmp_path), "--dry-run",
-              "cluster.base_port=50000")
+    out = cli("launch", "slurm", "--config", DEMO, "--run-dir", str(tmp_path), "--dry-run", "cluster.base_port=50000")
     assert out.returncode == 2
     assert "cluster.base_port=50000" in out.stderr and "ephemeral" in out.stderr
     assert not (tmp_path / "launch" / "job.sbatch").exists()
@@ -94,8 +128,15 @@ def test_the_defaults_can_be_placed():
 
 
 def test_time_limits():
-    assert [time_limit_s(t) for t in ("30", "10:30", "01:00:00", "2-3", "2-03:04", "2-03:04:05", 5)] == \
-        [1800, 630, 3600, 183600, 183840, 183845, 300]
+    assert [time_limit_s(t) for t in ("30", "10:30", "01:00:00", "2-3", "2-03:04", "2-03:04:05", 5)] == [
+        1800,
+        630,
+        3600,
+        183600,
+        183840,
+        183845,
+        300,
+    ]
 
 
 def test_missing_sbatch_says_what_to_install(tmp_path, monkeypatch):
@@ -109,8 +150,9 @@ def test_add_rollout_takes_the_next_indices_and_the_running_broker(tmp_path):
     render_job(cfg, tmp_path)
     with pytest.raises(ConfigError, match="no running job"):
         render_add_rollout(tmp_path, 3, [])
-    (tmp_path / "launch" / "world.json").write_text(json.dumps({"broker_address": "tcp://n1:29500",
-                                                                "sync_address": "n2:29503"}))
+    (tmp_path / "launch" / "world.json").write_text(
+        json.dumps({"broker_address": "tcp://n1:29500", "sync_address": "n2:29503"})
+    )
     path, script = render_add_rollout(tmp_path, 3, [])
     assert "#SBATCH --nodes=2\n" in script and "--signal" not in script and "--requeue" not in script
     assert "export FLEETRL_BROKER_ADDRESS=tcp://n1:29500" in script and "export FLEETRL_ROLLOUT_OFFSET=4" in script
@@ -128,9 +170,18 @@ def test_add_rollout_needs_a_run_dir():
 
 
 def test_each_role_asks_for_what_it_needs(tmp_path):
-    cfg = load_config(None, [*GPU_JOB, "cluster.rollout.gpus_per_node=4", "cluster.learner.cpus_per_rank=6",
-                             "cluster.learner.mem_gb_per_rank=40", "cluster.rollout.cpus_per_server=3",
-                             "cluster.rollout.mem_gb_per_server=20", "cluster.slurm.broker_own_node=true"])
+    cfg = load_config(
+        None,
+        [
+            *GPU_JOB,
+            "cluster.rollout.gpus_per_node=4",
+            "cluster.learner.cpus_per_rank=6",
+            "cluster.learner.mem_gb_per_rank=40",
+            "cluster.rollout.cpus_per_server=3",
+            "cluster.rollout.mem_gb_per_server=20",
+            "cluster.slurm.broker_own_node=true",
+        ],
+    )
     _, script = render_job(cfg, tmp_path)
     # the allocation: the most one node needs: 8 learner ranks x 6 cores / x 40 GiB; the broker adds no GPUs
     for option in ("--gpus-per-node=8", "--cpus-per-task=48", "--mem=320G"):

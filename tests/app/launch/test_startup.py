@@ -11,15 +11,17 @@ import time
 
 import pytest
 
+from fleetrl.app.launch.run import Child, Launcher, child_env
 from fleetrl.broker.client.address import WAIT_ENV, resolve_address
 from fleetrl.common.config import ConfigError, load_config
-from fleetrl.app.launch.run import Child, Launcher, child_env
-from fleetrl.common.telemetry.startup import Startup, exec_time
+from fleetrl.common.telemetry.startup import Startup
 
 # a stand-in broker: writes broker.json (atomically, as the broker does) after 1.5 s
-BROKER = ("import json, os, sys, time; time.sleep(1.5); p = sys.argv[1]; "
-          "open(p + '.tmp', 'w').write(json.dumps({'address': 'tcp://127.0.0.1:1'})); os.replace(p + '.tmp', p); "
-          "time.sleep(60)")
+BROKER = (
+    "import json, os, sys, time; time.sleep(1.5); p = sys.argv[1]; "
+    "open(p + '.tmp', 'w').write(json.dumps({'address': 'tcp://127.0.0.1:1'})); os.replace(p + '.tmp', p); "
+    "time.sleep(60)"
+)
 # a stand-in client: notes when it started, reports ready at once
 CLIENT = "import sys, time; open(sys.argv[1], 'w').write(str(time.time())); time.sleep(60)"
 
@@ -29,10 +31,20 @@ def test_the_broker_s_clients_start_with_it_not_after_it(tmp_path):
     launcher = Launcher(cfg, tmp_path, status=False)
     env = child_env(1, cfg.run.ready_timeout_s)
     launcher.children = [
-        Child("broker", [sys.executable, "-c", BROKER, str(tmp_path / "broker.json")], tmp_path / "b.log", env,
-              tmp_path / "broker.json"),
-        Child("rollout-0", [sys.executable, "-c", CLIENT, str(tmp_path / "r.ready")], tmp_path / "r.log", env,
-              tmp_path / "r.ready"),
+        Child(
+            "broker",
+            [sys.executable, "-c", BROKER, str(tmp_path / "broker.json")],
+            tmp_path / "b.log",
+            env,
+            tmp_path / "broker.json",
+        ),
+        Child(
+            "rollout-0",
+            [sys.executable, "-c", CLIENT, str(tmp_path / "r.ready")],
+            tmp_path / "r.log",
+            env,
+            tmp_path / "r.ready",
+        ),
     ]
     try:
         launcher.start_all()

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from fleetrl.common.config import load_config
 from fleetrl.app.launch.supervisor import EXIT_BROKER_UNREACHABLE, Supervisor, wait_for_broker
 from fleetrl.app.launch.world import Layout, world_map
+from fleetrl.common.config import load_config
 
 
 @pytest.fixture
@@ -46,7 +46,9 @@ def script(code: str) -> list[str]:
 def test_a_crashing_rollout_is_restarted_a_bounded_number_of_times(tmp_path, broker_port):
     sup = supervisor(tmp_path, "rollout", broker_port, "cluster.rollout.max_restarts=2")
     child = sup.children[0]
-    assert child.name == "rollout-0" and "--server-index" in child.argv and f"tcp://127.0.0.1:{broker_port}" in child.argv
+    assert (
+        child.name == "rollout-0" and "--server-index" in child.argv and f"tcp://127.0.0.1:{broker_port}" in child.argv
+    )
     child.argv = script("import sys; print('attempt'); sys.exit(7)")
     assert sup.run() == 1  # every server gave up and the job is not done
     for attempt in range(3):
@@ -62,7 +64,8 @@ def test_a_restarted_rollout_rejoins_and_the_time_is_measured(tmp_path, broker_p
     sup.children[0].argv = script(
         f"import pathlib, sys, time\nm = pathlib.Path({str(marker)!r})\n"
         f"if not m.exists():\n    m.touch(); sys.exit(9)\n"
-        f"pathlib.Path({str(ready)!r}).write_text('{{}}'); time.sleep(60)")
+        f"pathlib.Path({str(ready)!r}).write_text('{{}}'); time.sleep(60)"
+    )
     thread = threading.Thread(target=lambda: setattr(sup, "code", sup.run()))
     thread.start()
     deadline = time.monotonic() + 30

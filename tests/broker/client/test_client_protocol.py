@@ -10,19 +10,24 @@ import inspect
 import pytest
 
 from fleetrl.broker.client import roles
-from fleetrl.broker.client.aio import AsyncBrokerClient
 from fleetrl.broker.client.ainproc import AsyncInprocBrokerClient
+from fleetrl.broker.client.aio import AsyncBrokerClient
+from fleetrl.broker.client.inproc import InprocBroker, InprocBrokerClient, InprocSubscription
 from fleetrl.broker.client.roles import BrokerClient, SubscriptionLike
 from fleetrl.broker.client.sync import Subscription, ZmqBrokerClient
-from fleetrl.broker.client.inproc import InprocBroker, InprocBrokerClient, InprocSubscription
-from tests.broker.conftest import make_state
 from fleetrl.common import messages as m
+from tests.broker.conftest import make_state
 
 
 def methods(protocol: type) -> list[str]:
     """The calls a protocol declares, its bases' included."""
-    names = {n for klass in protocol.__mro__ if klass.__module__ == roles.__name__
-             for n, v in vars(klass).items() if callable(v) and not n.startswith("_")}
+    names = {
+        n
+        for klass in protocol.__mro__
+        if klass.__module__ == roles.__name__
+        for n, v in vars(klass).items()
+        if callable(v) and not n.startswith("_")
+    }
     return sorted(names)
 
 
@@ -100,8 +105,8 @@ def test_the_sync_client_has_no_attribute_proxy():
 
 
 def test_receivers_mirror_the_senders():
-    from fleetrl.common.weightsync.sender.publisher import SENDERS
     from fleetrl.common.weightsync.receiver.receiver import RECEIVERS
+    from fleetrl.common.weightsync.sender.publisher import SENDERS
 
     assert RECEIVERS.names() == SENDERS.names() == ["filesystem", "gloo", "nccl"]
 

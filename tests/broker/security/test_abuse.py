@@ -55,7 +55,7 @@ class Canary:
             self.worst = max(self.worst, time.monotonic() - t0)
             time.sleep(0.05)
 
-    def stop(self) -> "Canary":
+    def stop(self) -> Canary:
         self._stop.set()
         self._thread.join(timeout=15)
         self.client.close()
@@ -68,8 +68,10 @@ def rss_mib(proc: BrokerProcess) -> float:
 
 @pytest.fixture
 def broker(tmp_path, arith_data):
-    proc = BrokerProcess(abuse_job(tmp_path, arith_data, max_message_bytes=MIB, idle_timeout_s=3.0,
-                                   handshake_timeout_s=2.0), tmp_path / "run").start()
+    proc = BrokerProcess(
+        abuse_job(tmp_path, arith_data, max_message_bytes=MIB, idle_timeout_s=3.0, handshake_timeout_s=2.0),
+        tmp_path / "run",
+    ).start()
     yield proc
     proc.stop()
 
@@ -134,8 +136,11 @@ def _peer_closed(s: socket.socket) -> bool:
 
 
 def test_descriptor_exhaustion_does_not_lock_normal_clients_out(tmp_path, arith_data):
-    proc = BrokerProcess(abuse_job(tmp_path, arith_data, idle_timeout_s=30.0, handshake_timeout_s=30.0),
-                         tmp_path / "run", limits={resource.RLIMIT_NOFILE: (1024, 1024)}).start()
+    proc = BrokerProcess(
+        abuse_job(tmp_path, arith_data, idle_timeout_s=30.0, handshake_timeout_s=30.0),
+        tmp_path / "run",
+        limits={resource.RLIMIT_NOFILE: (1024, 1024)},
+    ).start()
     try:
         hogs = [zmtp.connect(proc.address, handshake=False) for _ in range(1100)]  # more than it has descriptors
         time.sleep(0.5)
@@ -152,8 +157,9 @@ def test_descriptor_exhaustion_does_not_lock_normal_clients_out(tmp_path, arith_
 
 
 def test_a_hundred_thousand_client_ids_and_a_million_group_frame(tmp_path, arith_data):
-    proc = BrokerProcess(abuse_job(tmp_path, arith_data, max_message_bytes=100 * MIB, client_timeout_s=600.0),
-                         tmp_path / "run").start()
+    proc = BrokerProcess(
+        abuse_job(tmp_path, arith_data, max_message_bytes=100 * MIB, client_timeout_s=600.0), tmp_path / "run"
+    ).start()
     try:
         canary = Canary(proc.address)
         sock = zmtp_dealer(proc.address)
@@ -214,16 +220,22 @@ def test_a_full_spool_disk_is_survived_with_nothing_acknowledged_lost(tmp_path, 
             c.connect()
             while unavailable == 0:
                 # raw requests: the client's own retries would hide `unavailable`
-                reply = c.request(lambda r: m.LeasePrompts(req_id=r, client_id="rollout-0", n=4), raise_errors=False,
-                                  retry_later=False)
+                reply = c.request(
+                    lambda r: m.LeasePrompts(req_id=r, client_id="rollout-0", n=4),
+                    raise_errors=False,
+                    retry_later=False,
+                )
                 if isinstance(reply, m.Error):
                     assert reply.code == "unavailable" and "spool" in reply.reason
                     unavailable += 1
                     break
                 for p in reply.prompts:
                     g = make_group(p.prompt_id)
-                    ack = c.request(lambda r: m.PushGroup(req_id=r, client_id="rollout-0", group=g), raise_errors=False,
-                                    retry_later=False)
+                    ack = c.request(
+                        lambda r: m.PushGroup(req_id=r, client_id="rollout-0", group=g),
+                        raise_errors=False,
+                        retry_later=False,
+                    )
                     if isinstance(ack, m.Ack) and ack.count:
                         acked.add(g.group_id)
                     else:
@@ -239,7 +251,9 @@ def test_a_full_spool_disk_is_survived_with_nothing_acknowledged_lost(tmp_path, 
                 acked.add(g.group_id)
             c.lease_prompts(1, 0)  # never pushed: the timer must still re-issue it after prompt_lease_s
             time.sleep(3.0)
-            assert c.status().counters.get("prompts_reissued", 0) >= 1 and c.status().counters.get("timer_errors", 0) == 0
+            assert (
+                c.status().counters.get("prompts_reissued", 0) >= 1 and c.status().counters.get("timer_errors", 0) == 0
+            )
         proc.kill()
         proc2 = BrokerProcess(job, tmp_path / "run2").start()
         with ZmqBrokerClient(proc2.address, "learner-0", "learner", timeout_s=5.0) as lrn:

@@ -10,9 +10,9 @@ import os
 
 import pytest
 
+from fleetrl.app import cli
 from fleetrl.broker.security import audit as au
 from fleetrl.broker.security.audit import AuditLog, AuditLogError
-from fleetrl.app import cli
 from tests.helpers import write_job
 
 

@@ -79,8 +79,12 @@ def test_every_row_is_refused_for_a_wrong_role(audited, kind, role):
     assert isinstance(reply, m.Error) and reply.code == "unauthorized", reply
     assert "needs role" in reply.reason and " or ".join(sorted(PERMISSIONS[kind])) in reply.reason
     after = state.status(0, 0.0)
-    assert (after.policy_version, after.paused, after.queue_depth, after.prompts_leased) == \
-           (before.policy_version, before.paused, before.queue_depth, before.prompts_leased)  # nothing changed
+    assert (after.policy_version, after.paused, after.queue_depth, after.prompts_leased) == (
+        before.policy_version,
+        before.paused,
+        before.queue_depth,
+        before.prompts_leased,
+    )  # nothing changed
     assert state.rejected["unauthorized"] == 1 and state.counters[f"refused/{kind.__name__}"] == 1
     (event,) = [e for e in events if e["event"] == "refused"]
     assert (event["identity"], event["role"], event["request"]) == (role, role, kind.__name__)
@@ -102,8 +106,9 @@ def test_a_key_acts_only_for_client_ids_of_its_identity(audited):
     assert KEY["learner"].owns("learner-0") and KEY["learner"].owns("learner") and not KEY["learner"].owns("learnerx")
     reply = state.handle(m.Register(req_id=1, client_id="rollout-9", role="learner"), 0.0, KEY["rollout"])
     assert reply.code == "unauthorized" and "cannot register as learner" in reply.reason
-    assert isinstance(state.handle(m.Register(req_id=1, client_id="rollout-9", role="monitor"), 0.0, KEY["rollout"]),
-                      m.Registered)
+    assert isinstance(
+        state.handle(m.Register(req_id=1, client_id="rollout-9", role="monitor"), 0.0, KEY["rollout"]), m.Registered
+    )
 
 
 def test_unregistered_clients_must_register(audited):
@@ -135,8 +140,11 @@ def test_attacks_on_the_learners_state_are_refused():
     other = as_(state, "learner", m.LeaseBatch(req_id=1, client_id="learner-0", n=2))
     reply = as_(state, "learner", m.AckBatch(req_id=1, client_id="learner-1", lease_id=other.lease_id, step=1))
     assert reply.code == "unauthorized" and "held by learner-0" in reply.reason
-    invented = as_(state, "learner", m.AckBatch(req_id=1, client_id="learner-1", lease_id="feedfacefeedface",
-                                                 group_ids=list(state.queued)))
+    invented = as_(
+        state,
+        "learner",
+        m.AckBatch(req_id=1, client_id="learner-1", lease_id="feedfacefeedface", group_ids=list(state.queued)),
+    )
     assert invented.count == 0 and state.counters["late_acks_refused"] == 1
     # Commit(learner-0, 10^12) from a rollout key: it released 9 groups before
     assert as_(state, "rollout", m.Commit(req_id=1, client_id="learner-0", step=10**12)).code == "unauthorized"
@@ -147,7 +155,10 @@ def test_attacks_on_the_learners_state_are_refused():
 
 def test_versions_cannot_be_hijacked(audited):
     state, events = audited
-    assert as_(state, "rollout", m.PublishVersion(req_id=1, client_id=cid("rollout"), version=10**9)).code == "unauthorized"
+    assert (
+        as_(state, "rollout", m.PublishVersion(req_id=1, client_id=cid("rollout"), version=10**9)).code
+        == "unauthorized"
+    )
     assert isinstance(as_(state, "learner", m.PublishVersion(req_id=1, client_id=cid("learner"), version=3)), m.Ack)
     jump = as_(state, "learner", m.PublishVersion(req_id=1, client_id=cid("learner"), version=10**9))
     assert jump.code == "bad_request" and "max_version_jump" in jump.reason and state.version == 3
@@ -155,8 +166,11 @@ def test_versions_cannot_be_hijacked(audited):
     reply = as_(state, "learner", m.PublishVersion(req_id=1, client_id=cid("learner"), version=4, weights=future))
     assert reply.code == "bad_request" and "future" in reply.reason and state.version == 3
     published = [e for e in events if e["event"] == "PublishVersion"]
-    assert [(e["version"], e["outcome"], e["identity"]) for e in published] == \
-           [(3, "ok", "learner"), (10**9, "bad_request", "learner"), (4, "bad_request", "learner")]
+    assert [(e["version"], e["outcome"], e["identity"]) for e in published] == [
+        (3, "ok", "learner"),
+        (10**9, "bad_request", "learner"),
+        (4, "bad_request", "learner"),
+    ]
 
 
 def test_learner_controls_are_scoped_to_its_rollback(audited):
@@ -168,7 +182,9 @@ def test_learner_controls_are_scoped_to_its_rollback(audited):
     assert learner(action="discard", min_version=0, max_version=-1).code == "unauthorized"  # open-ended: no more
     assert learner(action="discard", min_version=3, max_version=9).code == "unauthorized"  # beyond the current one
     assert learner(action="discard", min_version=4, max_version=5).count == 0
-    assert learner(action="discard", min_version=6, max_version=5).count == 0  # empty: a rollback to the current version
+    assert (
+        learner(action="discard", min_version=6, max_version=5).count == 0
+    )  # empty: a rollback to the current version
     assert state.discarded_versions == [(4, 5)]
     learner(action="pause")
     learner(action="pause", c="learner-1")
@@ -207,6 +223,9 @@ def test_audit_records_controls_publishes_commits_rewinds_and_refusals(tmp_path)
     log.close()
     rows = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
     assert [(r["event"], r.get("identity"), r.get("role")) for r in rows] == [
-        ("Control", "operator", "operator"), ("Commit", "learner", "learner"), ("Rewind", "learner", "learner"),
-        ("refused", "rollout", "rollout")]
+        ("Control", "operator", "operator"),
+        ("Commit", "learner", "learner"),
+        ("Rewind", "learner", "learner"),
+        ("refused", "rollout", "rollout"),
+    ]
     assert rows[0]["reason"] == "maintenance" and (tmp_path / "audit.jsonl").stat().st_mode & 0o777 == 0o600

@@ -27,8 +27,11 @@ def secured(tmp_path_factory, arith_data):
     tmp = tmp_path_factory.mktemp("curve")
     keys = tmp / "keys"
     generate(keys, {role: [role] for role in ROLES})
-    curve = {"server_secret_key": str(keys / "server.key_secret"), "server_public_key": str(keys / "server.key"),
-             "authorized_keys_dir": str(keys / "clients")}
+    curve = {
+        "server_secret_key": str(keys / "server.key_secret"),
+        "server_public_key": str(keys / "server.key"),
+        "authorized_keys_dir": str(keys / "clients"),
+    }
     job = write_job(tmp, arith_data, broker={"curve": curve, "vocab_size": 263, "spool_dir": str(tmp / "spool")})
     proc = BrokerProcess(job, tmp / "run").start()
     clients = {}
@@ -45,8 +48,12 @@ def secured(tmp_path_factory, arith_data):
 
 
 def raw(client: ZmqBrokerClient, req: m.Message) -> m.Message:
-    return client.request(lambda rid: type(req)(**{**{f: getattr(req, f) for f in req.__struct_fields__}, "req_id": rid}),
-                          raise_errors=False, reregister=False, retry_later=False)
+    return client.request(
+        lambda rid: type(req)(**{**{f: getattr(req, f) for f in req.__struct_fields__}, "req_id": rid}),
+        raise_errors=False,
+        reregister=False,
+        retry_later=False,
+    )
 
 
 @pytest.mark.parametrize("kind, role", WRONG, ids=[f"{k.__name__}-by-{r}" for k, r in WRONG])
@@ -60,7 +67,9 @@ def test_every_row_is_refused_for_a_key_of_a_wrong_role(secured, kind, role):
 def test_keys_are_bound_to_their_identity_and_role(secured):
     proc, clients, _, _ = secured
     assert clients["learner"].registered.identity == "learner" and clients["learner"].registered.role == "learner"
-    steal = raw(clients["rollout"], m.LeaseBatch(req_id=1, client_id="learner-0", n=4))  # the rollout key as the learner
+    steal = raw(
+        clients["rollout"], m.LeaseBatch(req_id=1, client_id="learner-0", n=4)
+    )  # the rollout key as the learner
     assert steal.code == "unauthorized" and "does not belong to key 'rollout'" in steal.reason
     claim = raw(clients["rollout"], m.Register(req_id=1, client_id="rollout-1", role="learner"))
     assert claim.code == "unauthorized" and "cannot register as learner" in claim.reason
@@ -90,8 +99,13 @@ def test_audit_log_and_owner_only_files(secured, tmp_path):
     proc, clients, curve, _ = secured
     raw(clients["rollout"], m.Commit(req_id=1, client_id="rollout-0", step=10**12))
     generate(tmp_path / "other", {"rollout": ["intruder"]})
-    intruder = ZmqBrokerClient(proc.address, "intruder-0", "rollout", timeout_s=2.0,
-                               curve=CurveConfig(**curve, client_secret_key=str(tmp_path / "other" / "intruder.key_secret")))
+    intruder = ZmqBrokerClient(
+        proc.address,
+        "intruder-0",
+        "rollout",
+        timeout_s=2.0,
+        curve=CurveConfig(**curve, client_secret_key=str(tmp_path / "other" / "intruder.key_secret")),
+    )
     with pytest.raises(BrokerUnavailable):  # BrokerUnauthorized (a refused key) is one
         intruder.connect()
     time.sleep(0.3)
@@ -121,15 +135,20 @@ def test_unsafe_starts_are_refused(tmp_path, arith_data):
     generate(keys, {"rollout": ["rollout"]})
     base = {"server_secret_key": str(keys / "server.key_secret"), "server_public_key": str(keys / "server.key")}
     assert "authorized_keys_dir is not set" in start_fails(tmp_path / "a", arith_data, curve=base)
-    assert "is not set" in start_fails(tmp_path / "b", arith_data, curve={**base, "authorized_keys_dir": ""})  # was: any key
+    assert "is not set" in start_fails(
+        tmp_path / "b", arith_data, curve={**base, "authorized_keys_dir": ""}
+    )  # was: any key
     missing = start_fails(tmp_path / "c", arith_data, curve={**base, "authorized_keys_dir": str(tmp_path / "nope")})
     assert "is not a directory" in missing
     (tmp_path / "empty" / "rollout").mkdir(parents=True)
-    assert "holds no keys" in start_fails(tmp_path / "d", arith_data, curve={**base, "authorized_keys_dir": str(tmp_path / "empty")})
+    assert "holds no keys" in start_fails(
+        tmp_path / "d", arith_data, curve={**base, "authorized_keys_dir": str(tmp_path / "empty")}
+    )
     (tmp_path / "flat").mkdir()
     (tmp_path / "flat" / "client.key").write_bytes((keys / "rollout.key").read_bytes())
-    assert "outside a role subdirectory" in start_fails(tmp_path / "e", arith_data,
-                                                        curve={**base, "authorized_keys_dir": str(tmp_path / "flat")})
+    assert "outside a role subdirectory" in start_fails(
+        tmp_path / "e", arith_data, curve={**base, "authorized_keys_dir": str(tmp_path / "flat")}
+    )
     os.chmod(keys / "server.key_secret", 0o644)
     loose = start_fails(tmp_path / "f", arith_data, curve={**base, "authorized_keys_dir": str(keys / "clients")})
     assert "readable by others" in loose and "chmod 600" in loose

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fleetrl.broker.client.metrics import status_metrics
 from fleetrl.broker.server.staleness import MeasuredCapacity, admission_capacity
@@ -71,11 +72,18 @@ def test_the_broker_grants_more_prompts_once_learners_take_more_per_version():
     state = make_state(n_prompts=200)  # 4 groups a step, interval 1, max_staleness 2: static window 12
     assert state.capacity == 12
     for v in range(1, 8):
-        for g in [make_group(p.prompt_id, version=state.version) for p in lease_prompts(state, 8, version=state.version).prompts]:
+        for g in [
+            make_group(p.prompt_id, version=state.version)
+            for p in lease_prompts(state, 8, version=state.version).prompts
+        ]:
             state.handle(m.PushGroup(req_id=2, client_id="r0", group=g), 0.0)
         batch = lease_batch(state, 8)
-        state.handle(m.AckBatch(req_id=4, client_id="l0", lease_id=batch.lease_id, step=v,
-                                group_ids=[g.group_id for g in batch.groups]), 0.0)
+        state.handle(
+            m.AckBatch(
+                req_id=4, client_id="l0", lease_id=batch.lease_id, step=v, group_ids=[g.group_id for g in batch.groups]
+            ),
+            0.0,
+        )
         publish(state, v)
     assert state.capacity > 20  # 8 taken per version (twice the share), smoothed: towards 24
     assert status_metrics(state.status(0, 0.0))["broker/capacity"] == state.capacity
@@ -90,14 +98,27 @@ def test_an_explicit_queue_capacity_or_static_admission_is_not_measured():
         assert state.measured is None and state.capacity == (7 if "queue" in override else 12)
 
 
-def simulate(seed: int, filter_rate: float, max_staleness: int, rollouts: int, kill_rate: float,
-             admission: str = "measured", ticks: int = 120) -> dict:
+def simulate(
+    seed: int,
+    filter_rate: float,
+    max_staleness: int,
+    rollouts: int,
+    kill_rate: float,
+    admission: str = "measured",
+    ticks: int = 120,
+) -> dict:
     """A seeded run. Each tick every live rollout may die, load the announced weights, lease prompts and
     finish its oldest lease (by its speed); the learner leases, filters `filter_rate` of what comes (acking
     those at once), trains once it holds its 4 groups and publishes. Checks every invariant as it goes."""
     rng = random.Random(seed)
-    state = make_state(f"broker.max_staleness={max_staleness}", "broker.client_timeout_s=3", "broker.prompt_lease_s=60",
-                       f"broker.admission={admission}", n_prompts=400, epochs=50)
+    state = make_state(
+        f"broker.max_staleness={max_staleness}",
+        "broker.client_timeout_s=3",
+        "broker.prompt_lease_s=60",
+        f"broker.admission={admission}",
+        n_prompts=400,
+        epochs=50,
+    )
     speed = [rng.uniform(0.2, 1.0) for _ in range(rollouts)]
     live, held = [True] * rollouts, [0] * rollouts
     leases: list[list] = [[] for _ in range(rollouts)]
@@ -136,8 +157,12 @@ def simulate(seed: int, filter_rate: float, max_staleness: int, rollouts: int, k
                 assert state.version - g.policy_version <= max_staleness
             flat = [g.group_id for g in batch.groups if rng.random() < filter_rate]
             if flat:
-                state.handle(m.AckBatch(req_id=4, client_id="l0", lease_id=batch.lease_id, step=step + 1,
-                                        group_ids=flat, keep_rest=True), now)
+                state.handle(
+                    m.AckBatch(
+                        req_id=4, client_id="l0", lease_id=batch.lease_id, step=step + 1, group_ids=flat, keep_rest=True
+                    ),
+                    now,
+                )
                 filtered.extend(flat)
             kept.extend((batch.lease_id, g.group_id) for g in batch.groups if g.group_id not in flat)
             if len(kept) >= 4:
@@ -147,8 +172,16 @@ def simulate(seed: int, filter_rate: float, max_staleness: int, rollouts: int, k
             continue
         step += 1
         for lease_id in {lid for lid, _ in kept}:
-            state.handle(m.AckBatch(req_id=4, client_id="l0", lease_id=lease_id, step=step,
-                                    group_ids=[gid for lid, gid in kept if lid == lease_id]), now)
+            state.handle(
+                m.AckBatch(
+                    req_id=4,
+                    client_id="l0",
+                    lease_id=lease_id,
+                    step=step,
+                    group_ids=[gid for lid, gid in kept if lid == lease_id],
+                ),
+                now,
+            )
         trained.extend(gid for _, gid in kept)
         kept = []
         publish(state, state.version + 1, now=now)
@@ -161,10 +194,16 @@ def simulate(seed: int, filter_rate: float, max_staleness: int, rollouts: int, k
 
 
 @settings(max_examples=8, deadline=None, derandomize=True)
-@given(seed=st.integers(0, 2**31), filter_rate=st.floats(0.0, 0.95), max_staleness=st.integers(0, 3),
-       rollouts=st.integers(1, 4), kill_rate=st.sampled_from([0.0, 0.005, 0.03]))
-def test_staleness_invariant_under_random_filter_rates_speeds_and_kills(seed, filter_rate, max_staleness, rollouts,
-                                                                         kill_rate):
+@given(
+    seed=st.integers(0, 2**31),
+    filter_rate=st.floats(0.0, 0.95),
+    max_staleness=st.integers(0, 3),
+    rollouts=st.integers(1, 4),
+    kill_rate=st.sampled_from([0.0, 0.005, 0.03]),
+)
+def test_staleness_invariant_under_random_filter_rates_speeds_and_kills(
+    seed, filter_rate, max_staleness, rollouts, kill_rate
+):
     simulate(seed, filter_rate, max_staleness, rollouts, kill_rate)
 
 

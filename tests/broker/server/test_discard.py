@@ -8,8 +8,8 @@ import pytest
 
 from fleetrl.broker.client.errors import BrokerError
 from fleetrl.broker.client.inproc import InprocBroker
-from fleetrl.broker.server.spool import Spool
 from fleetrl.broker.server.queue import VersionRanges
+from fleetrl.broker.server.spool import Spool
 from fleetrl.common import messages as m
 from tests.broker.conftest import make_state
 from tests.helpers import make_group
@@ -18,8 +18,15 @@ from tests.helpers import make_group
 def group(gid: str, n: int, oldest: int, newest: int) -> m.SampleGroup:
     rng = np.random.default_rng(n)
     versions = [np.array([oldest, newest], dtype=np.int32), np.array([oldest, oldest], dtype=np.int32)]
-    return m.build_group(gid, f"0:{n}", oldest, rng.integers(7, 90, 4), [(rng.integers(7, 90, 2), np.full(2, -1.0))] * 2,
-                         [1.0, 0.0], token_versions=versions)
+    return m.build_group(
+        gid,
+        f"0:{n}",
+        oldest,
+        rng.integers(7, 90, 4),
+        [(rng.integers(7, 90, 2), np.full(2, -1.0))] * 2,
+        [1.0, 0.0],
+        token_versions=versions,
+    )
 
 
 def test_version_ranges_touch_any_token():
@@ -31,8 +38,13 @@ def test_version_ranges_touch_any_token():
 
 
 def test_discard_drops_queued_late_and_rewound_groups():
-    state = make_state("broker.accept_unleased=true", "broker.max_staleness=100", "broker.commit_on_checkpoint=true",
-                       n_prompts=50, vocab_size=100)
+    state = make_state(
+        "broker.accept_unleased=true",
+        "broker.max_staleness=100",
+        "broker.commit_on_checkpoint=true",
+        n_prompts=50,
+        vocab_size=100,
+    )
     broker = InprocBroker(state)
     rollout, learner = broker.client("r0", "rollout"), broker.client("learner-0", "learner")
     rollout.connect(), learner.connect()
@@ -59,15 +71,20 @@ def test_an_operator_discard_covers_only_published_versions():
     restart. A discard now ends at the current version at most, for an operator too."""
     state = make_state("broker.accept_unleased=true", "broker.max_staleness=100", n_prompts=50, vocab_size=100)
     broker = InprocBroker(state)
-    rollout, learner, operator = (broker.client(c, r) for c, r in [("r0", "rollout"), ("learner-0", "learner"),
-                                                                    ("op-0", "operator")])
+    rollout, learner, operator = (
+        broker.client(c, r) for c, r in [("r0", "rollout"), ("learner-0", "learner"), ("op-0", "operator")]
+    )
     for c in (rollout, learner, operator):
         c.connect()
     for v in range(1, 4):
         learner.publish_version(v, v, m.WeightsInfo())
     with pytest.raises(BrokerError) as e:
         operator.control("discard", reason="oops", min_version=0, max_version=2**31 - 1)
-    assert e.value.code == "bad_request" and "past the current version 3" in str(e.value) and "--max-version 3" in str(e.value)
+    assert (
+        e.value.code == "bad_request"
+        and "past the current version 3" in str(e.value)
+        and "--max-version 3" in str(e.value)
+    )
     assert state.discarded_versions == []
     assert operator.control("discard", reason="bad run", min_version=2, max_version=3).count == 0
     learner.publish_version(4, 4, m.WeightsInfo())
@@ -82,8 +99,13 @@ def test_an_operators_resume_lifts_what_it_discarded_during_its_pause(tmp_path):
     spool_dir = tmp_path / "spool"
 
     def start():
-        state = make_state("broker.accept_unleased=true", "broker.max_staleness=100", n_prompts=50, vocab_size=100,
-                           spool=Spool(spool_dir, fsync="never"))
+        state = make_state(
+            "broker.accept_unleased=true",
+            "broker.max_staleness=100",
+            n_prompts=50,
+            vocab_size=100,
+            spool=Spool(spool_dir, fsync="never"),
+        )
         broker = InprocBroker(state)
         clients = [broker.client(c, r) for c, r in [("r0", "rollout"), ("learner-0", "learner"), ("op-0", "operator")]]
         for c in clients:
@@ -132,4 +154,7 @@ def test_one_leased_prompt_takes_only_group_size_samples_per_hand_out():
     state.prompts.requeue(p)  # re-issued (e.g. its lease expired): one more group's worth
     assert other.lease_prompts(1, 0).prompts[0].prompt_id == p.prompt_id
     assert [a.status for a in other.push_groups([make_group(p.prompt_id, gid=f"again-{i}") for i in range(3)])] == [
-        "accepted", "rejected", "rejected"]
+        "accepted",
+        "rejected",
+        "rejected",
+    ]

@@ -42,8 +42,13 @@ class FullDisk:
 
 
 def reopen(path, *overrides: str):
-    return make_state("broker.commit_on_checkpoint=true", "broker.queue_capacity=1000", *overrides,
-                      spool=Spool(path, fsync="never"), n_prompts=200)
+    return make_state(
+        "broker.commit_on_checkpoint=true",
+        "broker.queue_capacity=1000",
+        *overrides,
+        spool=Spool(path, fsync="never"),
+        n_prompts=200,
+    )
 
 
 def test_a_full_disk_is_unavailable_not_acknowledged_and_the_retry_is_ingested(tmp_path, monkeypatch):

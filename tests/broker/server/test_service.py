@@ -22,7 +22,9 @@ from tests.helpers import BrokerProcess, make_group, write_job
 
 @pytest.fixture
 def job(tmp_path, arith_data):
-    return write_job(tmp_path, arith_data, learner={"groups_per_step": 4}, broker={"max_message_bytes": 4096, "vocab_size": 263})
+    return write_job(
+        tmp_path, arith_data, learner={"groups_per_step": 4}, broker={"max_message_bytes": 4096, "vocab_size": 263}
+    )
 
 
 @pytest.fixture
@@ -120,7 +122,9 @@ def _raw_roundtrip(address: str, frames: list[bytes], multipart: bool = False, t
 def test_garbage_frames_get_typed_errors_and_broker_keeps_serving(broker):
     rng = random.Random(1)
     good = m.encode(m.PushGroup(req_id=1, client_id="fuzz", group=make_group("0:1")))
-    frames = [rng.randbytes(rng.randint(1, 200)) for _ in range(900)] + [good[: rng.randint(1, len(good) - 1)] for _ in range(100)]
+    frames = [rng.randbytes(rng.randint(1, 200)) for _ in range(900)] + [
+        good[: rng.randint(1, len(good) - 1)] for _ in range(100)
+    ]
     replies = _raw_roundtrip(broker.address, frames)
     assert len(replies) == 1000 and all(isinstance(r, m.Error) for r in replies)
     assert {r.code for r in replies} <= {"bad_frame", "invalid_group"}
@@ -138,7 +142,9 @@ def test_a_long_client_id_is_refused_and_never_registered(broker):
     """Issue 31: client ids of 16 MiB filled the client table and a GetStatus reply; now refused at decode."""
     frames = [m.encode(m.Register(req_id=i + 1, client_id=f"{i}-" + "x" * 3000, role="rollout")) for i in range(20)]
     replies = _raw_roundtrip(broker.address, frames)
-    assert all(isinstance(r, m.Error) and r.code == "bad_frame" and "at most 256 characters" in r.reason for r in replies)
+    assert all(
+        isinstance(r, m.Error) and r.code == "bad_frame" and "at most 256 characters" in r.reason for r in replies
+    )
     c = client(broker.address)
     try:
         assert isinstance(c.lease_prompts(1, 0), m.PromptLease)
@@ -175,18 +181,27 @@ def test_unreachable_broker_error_names_the_setting():
 
 
 def test_status_cli(broker):
-    out = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "status", "--broker", broker.address, "--json"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "fleetrl.app.cli", "status", "--broker", broker.address, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert '"queue_depth": 0' in out.stdout and '"broker/queue_depth": 0' in out.stdout
-    table = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "status", "--broker", broker.address],
-                           capture_output=True, text=True, timeout=60).stdout
+    table = subprocess.run(
+        [sys.executable, "-m", "fleetrl.app.cli", "status", "--broker", broker.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     assert "queue depth" in table and "policy version 0" in table
 
 
 def test_sigkill_mid_stream_loses_no_acknowledged_group(tmp_path, arith_data):
-    job = write_job(tmp_path, arith_data, broker={"spool_dir": str(tmp_path / "spool"), "fsync": "never",
-                                                   "queue_capacity": 100000})
+    job = write_job(
+        tmp_path, arith_data, broker={"spool_dir": str(tmp_path / "spool"), "fsync": "never", "queue_capacity": 100000}
+    )
     proc = BrokerProcess(job, tmp_path / "run").start()
     acked: list[str] = []
     stop = threading.Event()
@@ -238,16 +253,25 @@ def test_curve_known_key_served_unknown_refused(tmp_path, arith_data):
     keys = tmp_path / "keys"
     generate(keys, {"rollout": ["rollout"], "learner": ["learner"]})
     generate(tmp_path / "other", {"rollout": ["intruder"]})  # a well-formed key the broker does not know
-    curve = {"server_secret_key": str(keys / "server.key_secret"), "server_public_key": str(keys / "server.key"),
-             "authorized_keys_dir": str(keys / "clients")}
+    curve = {
+        "server_secret_key": str(keys / "server.key_secret"),
+        "server_public_key": str(keys / "server.key"),
+        "authorized_keys_dir": str(keys / "clients"),
+    }
     job = write_job(tmp_path, arith_data, broker={"curve": curve})
     proc = BrokerProcess(job, tmp_path / "run").start()
     from fleetrl.common.config.schema import CurveConfig
 
     try:
-        rollout = client(proc.address, "rollout-0", curve=CurveConfig(**curve, client_secret_key=str(keys / "rollout.key_secret")))
-        learner = client(proc.address, "learner-0", "learner",
-                         curve=CurveConfig(**curve, client_secret_key=str(keys / "learner.key_secret")))
+        rollout = client(
+            proc.address, "rollout-0", curve=CurveConfig(**curve, client_secret_key=str(keys / "rollout.key_secret"))
+        )
+        learner = client(
+            proc.address,
+            "learner-0",
+            "learner",
+            curve=CurveConfig(**curve, client_secret_key=str(keys / "learner.key_secret")),
+        )
         assert isinstance(rollout.lease_prompts(1, 0), m.PromptLease)
         assert rollout.registered.identity == "rollout" and rollout.registered.role == "rollout"
         sub = rollout.subscribe()
@@ -270,11 +294,22 @@ def test_status_cli_takes_a_run_directory_and_says_what_is_wrong(tmp_path, broke
     run_dir = tmp_path / "status-run"
     run_dir.mkdir()
     (run_dir / "broker.json").write_text(json.dumps({"address": broker.address}))
-    out = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "status", "--broker", str(run_dir), "--json"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "fleetrl.app.cli", "status", "--broker", str(run_dir), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert '"queue_depth": 0' in out.stdout
-    for target, says in ((tmp_path / "status-run" / "..", "holds no broker.json"), (tmp_path / "nope", "neither an address")):
-        bad = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "status", "--broker", str(target)],
-                             capture_output=True, text=True, timeout=60)
+    for target, says in (
+        (tmp_path / "status-run" / "..", "holds no broker.json"),
+        (tmp_path / "nope", "neither an address"),
+    ):
+        bad = subprocess.run(
+            [sys.executable, "-m", "fleetrl.app.cli", "status", "--broker", str(target)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert bad.returncode == 1 and says in bad.stderr and "Traceback" not in bad.stdout + bad.stderr

@@ -29,6 +29,7 @@ def test_restart_recovers_queue_uncommitted_cursor_and_version(tmp_path):
     assert r.version == 1 and (r.prompts.epoch, r.prompts.pos) == (0, 6)
     assert [p.prompt_id for p in lease_prompts(r, 3, version=1).prompts] == ["0:4", "0:5", "0:6"]  # open ones first
     from tests.helpers import make_group
+
     dup = r.handle(m.PushGroup(req_id=1, client_id="r0", group=make_group("0:0", gid=groups[0].group_id)), 0.0)
     assert dup.duplicate  # de-duplication survives the restart
     r.handle(m.Commit(req_id=1, client_id="l0", step=1), 0.0)

@@ -265,8 +265,12 @@ def test_ack_with_keep_rest_releases_some_groups_and_keeps_the_lease(state):
     groups = fill(state, 3)
     batch = lease_batch(state, 3)
     assert state.in_flight == 3
-    reply = state.handle(m.AckBatch(req_id=1, client_id="l0", lease_id=batch.lease_id, step=1,
-                                    group_ids=[groups[0].group_id], keep_rest=True), 0.0)
+    reply = state.handle(
+        m.AckBatch(
+            req_id=1, client_id="l0", lease_id=batch.lease_id, step=1, group_ids=[groups[0].group_id], keep_rest=True
+        ),
+        0.0,
+    )
     assert reply.count == 1 and state.in_flight == 2 and not state.queued  # the rest stays leased, not requeued
     assert ack(state, batch, ids=[g.group_id for g in groups[1:]]).count == 2
     assert state.in_flight == 0 and not state.groups
@@ -324,7 +328,10 @@ def test_a_learner_that_finished_tells_the_fleet(state):
 
 def test_unscorable_prompts_are_counted_and_not_reissued(state):
     lease = lease_prompts(state, 3)
-    reply = state.handle(m.ReturnPrompts(req_id=1, client_id="r0", lease_id=lease.lease_id, prompt_ids=["0:1"],
-                                         unscored=True), 0.0)
+    reply = state.handle(
+        m.ReturnPrompts(req_id=1, client_id="r0", lease_id=lease.lease_id, prompt_ids=["0:1"], unscored=True), 0.0
+    )
     assert reply.count == 1 and state.counters["prompts_unscored"] == 1 and not state.prompts.reissue
-    assert state.prompts.leased == 2 and "0:1" not in [p.prompt_id for p in lease_prompts(state, 5, client="r1").prompts]
+    assert state.prompts.leased == 2 and "0:1" not in [
+        p.prompt_id for p in lease_prompts(state, 5, client="r1").prompts
+    ]

@@ -15,13 +15,17 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def test_the_job_tokenizer_is_model_tokenizer_else_model_path_with_trust_remote_code(monkeypatch):
     calls = []
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
-                        lambda path, **kw: calls.append((path, kw)) or "tok")
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda path, **kw: calls.append((path, kw)) or "tok"
+    )
     assert job_tokenizer(ModelConfig(path="m", trust_remote_code=True)) == "tok"
     assert job_tokenizer(ModelConfig(path="m", tokenizer="t")) == "tok"
     assert load_tokenizer("d") == "tok"
-    assert calls == [("m", {"trust_remote_code": True}), ("t", {"trust_remote_code": False}),
-                     ("d", {"trust_remote_code": False})]
+    assert calls == [
+        ("m", {"trust_remote_code": True}),
+        ("t", {"trust_remote_code": False}),
+        ("d", {"trust_remote_code": False}),
+    ]
 
 
 def test_a_real_tokenizer_loads(tiny_model_dir):
@@ -37,7 +41,11 @@ def test_no_other_module_loads_a_tokenizer_itself():
             if path == ROOT / "common" / "chat" / "tokenizer.py":
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Attribute) and node.attr == "from_pretrained" \
-                        and isinstance(node.value, ast.Name) and node.value.id == "AutoTokenizer":
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr == "from_pretrained"
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == "AutoTokenizer"
+                ):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert found == []

@@ -18,9 +18,19 @@ from fleetrl.common.faults.points import POINTS
 from fleetrl.common.plugins.registry import RegistryError
 
 ROOT = Path(__file__).resolve().parents[3]
-SEAM_POINTS = {"rollout.idle", "rollout.generate", "rollout.broadcast", "learner.step", "learner.publish",
-               "broker.spool_write", "rollout.sampling", "rollout.scores", "rollout.weight_load",
-               "rollout.version_loaded", "learner.update"}
+SEAM_POINTS = {
+    "rollout.idle",
+    "rollout.generate",
+    "rollout.broadcast",
+    "learner.step",
+    "learner.publish",
+    "broker.spool_write",
+    "rollout.sampling",
+    "rollout.scores",
+    "rollout.weight_load",
+    "rollout.version_loaded",
+    "learner.update",
+}
 
 
 @pytest.fixture
@@ -44,7 +54,9 @@ def test_every_point_is_registered_once():
 def test_nothing_planned_every_point_passes_its_value_through_untouched():
     params, scores, load = Params(), [[0.0, 1.0]], (lambda engine: 3)
     assert faults.at("rollout.sampling", params, version=5) is params
-    assert faults.at("rollout.scores", scores, responses=["", "1"], nan_score=float) is scores and scores == [[0.0, 1.0]]
+    assert faults.at("rollout.scores", scores, responses=["", "1"], nan_score=float) is scores and scores == [
+        [0.0, 1.0]
+    ]
     assert faults.at("rollout.weight_load", load, pending=lambda: 3, owner=object()) is load
     assert faults.at("rollout.idle") is None
     assert isinstance(faults.around("learner.update", learner=None, step=1), contextlib.nullcontext)

@@ -62,8 +62,10 @@ class FakeNvml:
 def test_gpu_figures_from_a_fake_nvml_are_this_process_s_only():
     """Formatting only (a fake handle); the real NVML path is checked on a GPU machine, not here."""
     nvml = Nvml(FakeNvml(pid=4242), pid=4242)
-    assert nvml.sample("resource/rollout") == {"resource/rollout/gpu_util_percent": 37.0,
-                                               "resource/rollout/gpu_mem_mb": 1536.0}  # GPU 0 is not ours
+    assert nvml.sample("resource/rollout") == {
+        "resource/rollout/gpu_util_percent": 37.0,
+        "resource/rollout/gpu_mem_mb": 1536.0,
+    }  # GPU 0 is not ours
     assert Nvml(FakeNvml(pid=7), pid=99).sample("r") == {}  # a process without a GPU context: no keys
     res = ProcessResources("r", min_interval_s=0.0, nvml=Nvml(FakeNvml(pid=1, fail=True), pid=1))
     assert set(res.sample()) == {"r/cpu_percent", "r/rss_mb"}  # a driver error drops the GPU keys of that sample
@@ -78,17 +80,42 @@ def test_broker_wire_bytes_and_fleet_resources_reach_the_learner_metrics():
     assert stats["broker/bytes_in"] == 1000 and stats["broker/bytes_out"] == 500
     assert stats["broker/bytes_in_per_s"] == 100.0 and stats["broker/bytes_out_per_s"] == 50.0  # over the 10 s window
     assert "resource/broker/rss_mb" in stats
-    servers = [{"resource/rollout/cpu_percent": 80.0, "resource/rollout/rss_mb": 900.0, "weights/load_mb_per_s": 40.0,
-                "resource/rollout/gpu_util_percent": 50.0, "resource/rollout/gpu_mem_mb": 1000.0},
-               {"resource/rollout/cpu_percent": 40.0, "resource/rollout/rss_mb": 1200.0, "weights/load_mb_per_s": 10.0}]
+    servers = [
+        {
+            "resource/rollout/cpu_percent": 80.0,
+            "resource/rollout/rss_mb": 900.0,
+            "weights/load_mb_per_s": 40.0,
+            "resource/rollout/gpu_util_percent": 50.0,
+            "resource/rollout/gpu_mem_mb": 1000.0,
+        },
+        {"resource/rollout/cpu_percent": 40.0, "resource/rollout/rss_mb": 1200.0, "weights/load_mb_per_s": 10.0},
+    ]
     assert fleet_resources(servers) == {
-        "resource/rollout/cpu_percent_max": 80.0, "resource/rollout/cpu_percent_mean": 60.0,
-        "resource/rollout/rss_mb_max": 1200.0, "resource/rollout/gpu_util_percent_mean": 50.0,  # only the GPU server
-        "resource/rollout/gpu_mem_mb_max": 1000.0, "fleet/weights_load_mb_per_s_min": 10.0}
+        "resource/rollout/cpu_percent_max": 80.0,
+        "resource/rollout/cpu_percent_mean": 60.0,
+        "resource/rollout/rss_mb_max": 1200.0,
+        "resource/rollout/gpu_util_percent_mean": 50.0,  # only the GPU server
+        "resource/rollout/gpu_mem_mb_max": 1000.0,
+        "fleet/weights_load_mb_per_s_min": 10.0,
+    }
     assert fleet_resources([{"rollout/tokens_per_s": 1.0}]) == {}
     clients = [m.ClientInfo(client_id=f"r{i}", role="rollout", stats=s) for i, s in enumerate(servers)]
-    status = m.Status(req_id=0, broker_id="b", uptime_s=1.0, policy_version=0, queue_depth=0, groups_in_flight=0,
-                      prompts_leased=0, groups_in=0, groups_out=0, groups_in_per_s=0.0, groups_out_per_s=0.0,
-                      dropped_stale=0, duplicates=0, clients=clients, stats=stats)
+    status = m.Status(
+        req_id=0,
+        broker_id="b",
+        uptime_s=1.0,
+        policy_version=0,
+        queue_depth=0,
+        groups_in_flight=0,
+        prompts_leased=0,
+        groups_in=0,
+        groups_out=0,
+        groups_in_per_s=0.0,
+        groups_out_per_s=0.0,
+        dropped_stale=0,
+        duplicates=0,
+        clients=clients,
+        stats=stats,
+    )
     out = status_metrics(m.decode_reply(m.encode(status)))  # through the wire
     assert out["broker/bytes_in_per_s"] == 100.0 and out["resource/rollout/rss_mb_max"] == 1200.0

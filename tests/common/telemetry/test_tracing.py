@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 from opentelemetry import trace
 
-from fleetrl.common.telemetry import tracing as telemetry  # `tracing` is this file's fixture
+from fleetrl.app.trace_cli import Spans
+from fleetrl.app.trace_cli import main as trace_main
 from fleetrl.common.config import ConfigError
 from fleetrl.common.config.schema import TelemetryConfig
-from fleetrl.app.trace_cli import Spans, main as trace_main
+from fleetrl.common.telemetry import tracing as telemetry  # `tracing` is this file's fixture
 from tests.common.otlp_receiver import OtlpReceiver
 from tests.helpers import make_group
 
@@ -123,7 +124,8 @@ def test_a_learner_step_links_every_group_it_trained_on(tracing):
         pass
     [step] = [s for s in tracing() if s["name"] == "learner.step"]
     assert [(lk["trace_id"], lk["attributes"]["fleetrl.group_id"]) for lk in step["links"]] == [
-        (g.trace["traceparent"].split("-")[1], g.group_id) for g in groups]
+        (g.trace["traceparent"].split("-")[1], g.group_id) for g in groups
+    ]
 
 
 def test_otlp_exporter_posts_spans_to_the_collector_over_http():
@@ -174,8 +176,12 @@ SEEDED_CHILD = textwrap.dedent("""
 
 
 def test_span_ids_differ_between_identically_seeded_processes(tmp_path):
-    outs = [subprocess.run([sys.executable, "-c", SEEDED_CHILD, str(tmp_path)], capture_output=True, text=True,
-                           check=True, cwd=ROOT).stdout.split() for _ in range(2)]
+    outs = [
+        subprocess.run(
+            [sys.executable, "-c", SEEDED_CHILD, str(tmp_path)], capture_output=True, text=True, check=True, cwd=ROOT
+        ).stdout.split()
+        for _ in range(2)
+    ]
     assert len(outs[0]) == 10 and not set(outs[0]) & set(outs[1])
     assert len(telemetry.trace_files(tmp_path)) == 2  # one file per process
     # the SDK's default generator would have repeated them: it draws from `random`
@@ -211,10 +217,18 @@ def test_remote_context_reads_our_traceparent_like_the_propagator():
 
     for flags in ("01", "00"):
         carrier = {"traceparent": f"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-{flags}"}
-        fast, slow = telemetry.remote_context(carrier), trace.get_current_span(telemetry.extract(carrier)).get_span_context()
+        fast, slow = (
+            telemetry.remote_context(carrier),
+            trace.get_current_span(telemetry.extract(carrier)).get_span_context(),
+        )
         assert fast == slow and fast.is_remote and fast.trace_flags == TraceFlags(int(flags))
-    for bad in ({}, None, {"traceparent": "00-" + "0" * 32 + "-00f067aa0ba902b7-01"},
-                {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e473X-00f067aa0ba902b7-01"}, {"traceparent": "junk"}):
+    for bad in (
+        {},
+        None,
+        {"traceparent": "00-" + "0" * 32 + "-00f067aa0ba902b7-01"},
+        {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e473X-00f067aa0ba902b7-01"},
+        {"traceparent": "junk"},
+    ):
         assert not telemetry.remote_context(bad).is_valid
     with_state = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "tracestate": "v=1"}
     assert telemetry.remote_context(with_state).trace_state.get("v") == "1"  # the propagator's path keeps it
@@ -224,11 +238,19 @@ def test_remote_context_reads_our_traceparent_like_the_propagator():
 
 
 def _span(name, trace_id, span_id, start_ms, dur_ms, instance, parent=None, links=(), **attributes):
-    return {"name": name, "trace_id": trace_id, "span_id": span_id, "parent_id": parent,
-            "service": f"fleetrl-{instance.split('-')[0]}", "instance": instance,
-            "start_ns": 1_700_000_000_000_000_000 + start_ms * 1_000_000, "end_ns": 1_700_000_000_000_000_000 + (
-                start_ms + dur_ms) * 1_000_000, "status": "UNSET", "attributes": attributes,
-            "links": [{"trace_id": t, "span_id": s, "attributes": a} for t, s, a in links]}
+    return {
+        "name": name,
+        "trace_id": trace_id,
+        "span_id": span_id,
+        "parent_id": parent,
+        "service": f"fleetrl-{instance.split('-')[0]}",
+        "instance": instance,
+        "start_ns": 1_700_000_000_000_000_000 + start_ms * 1_000_000,
+        "end_ns": 1_700_000_000_000_000_000 + (start_ms + dur_ms) * 1_000_000,
+        "status": "UNSET",
+        "attributes": attributes,
+        "links": [{"trace_id": t, "span_id": s, "attributes": a} for t, s, a in links],
+    }
 
 
 def _synthetic_run(run_dir: Path) -> None:
@@ -243,7 +265,9 @@ def _synthetic_run(run_dir: Path) -> None:
         _span("rollout.push", T1, "a4", 306, 4, "rollout-0", "a0", **{"fleetrl.groups": 2}),
         _span("rollout.group", T2, "b0", 0, 305, "rollout-0", **{"fleetrl.prompt_id": "0:2", "fleetrl.group_id": "gB"}),
         _span("rollout.lease", T2, "b1", 0, 5, "rollout-0", "b0", **{"fleetrl.lease_id": "L1"}),
-        _span("rollout.group", T3, "e0", 400, 50, "rollout-0", **{"fleetrl.prompt_id": "0:3", "fleetrl.group_id": "gC"}),
+        _span(
+            "rollout.group", T3, "e0", 400, 50, "rollout-0", **{"fleetrl.prompt_id": "0:3", "fleetrl.group_id": "gC"}
+        ),
         _span("rollout.load_weights", T1, "a9", 1500, 30, "rollout-0", "d3", **{"fleetrl.policy_version": 7}),
     ]
     broker = [
@@ -252,13 +276,37 @@ def _synthetic_run(run_dir: Path) -> None:
         _span("broker.batch_lease", T1, "c3", 900, 0, "broker", "a0", **{"fleetrl.group_id": "gA"}),
     ]
     learner = [
-        _span("learner.step", T9, "d1", 890, 600, "learner-0", links=[(T1, "a0", {"fleetrl.group_id": "gA"}),
-                                                                      (T2, "b0", {"fleetrl.group_id": "gB"})],
-              **{"fleetrl.step": 7}),
-        _span("learner.train", T1, "d2", 890, 500, "learner-0", "a0", links=[(T9, "d1", {})],
-              **{"fleetrl.group_id": "gA", "fleetrl.step": 7}),
-        _span("learner.publish_weights", T1, "d3", 1400, 80, "learner-0", "d2",
-              **{"fleetrl.group_id": "gA", "fleetrl.policy_version": 7}),
+        _span(
+            "learner.step",
+            T9,
+            "d1",
+            890,
+            600,
+            "learner-0",
+            links=[(T1, "a0", {"fleetrl.group_id": "gA"}), (T2, "b0", {"fleetrl.group_id": "gB"})],
+            **{"fleetrl.step": 7},
+        ),
+        _span(
+            "learner.train",
+            T1,
+            "d2",
+            890,
+            500,
+            "learner-0",
+            "a0",
+            links=[(T9, "d1", {})],
+            **{"fleetrl.group_id": "gA", "fleetrl.step": 7},
+        ),
+        _span(
+            "learner.publish_weights",
+            T1,
+            "d3",
+            1400,
+            80,
+            "learner-0",
+            "d2",
+            **{"fleetrl.group_id": "gA", "fleetrl.policy_version": 7},
+        ),
         _span("learner.train", T2, "f2", 890, 500, "learner-0", "b0", **{"fleetrl.group_id": "gB", "fleetrl.step": 7}),
     ]
     (run_dir / "traces").mkdir(parents=True)
@@ -273,9 +321,18 @@ def test_trace_cli_prints_the_timeline_of_one_group(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("group gA  prompt 0:1  trace " + "1" * 32) and "10 spans over 1.530 s" in out[0]
     rows = [line.split() for line in out[2:]]
-    assert [r[3] for r in rows] == ["rollout.group", "rollout.lease", "rollout.generate", "rollout.reward",
-                                    "rollout.push", "broker.ingest", "learner.train", "broker.batch_lease",
-                                    "learner.publish_weights", "rollout.load_weights"]
+    assert [r[3] for r in rows] == [
+        "rollout.group",
+        "rollout.lease",
+        "rollout.generate",
+        "rollout.reward",
+        "rollout.push",
+        "broker.ingest",
+        "learner.train",
+        "broker.batch_lease",
+        "learner.publish_weights",
+        "rollout.load_weights",
+    ]
     assert [r[0] for r in rows][:3] == ["+0.000s", "+0.001s", "+0.006s"]
     assert rows[2][1] == "0.2000s" and rows[2][2] == "rollout-0" and "gen_ai.usage.output_tokens=16" in out[4]
     assert rows[6][2] == "learner-0" and "step=7" in out[8]
@@ -305,14 +362,36 @@ def test_one_trace_per_group_reaches_a_real_otlp_receiver_from_every_process(tmp
     run_dir = tmp_path / "run"
     job = tmp_path / "job.yaml"
     with OtlpReceiver() as rx:
-        job.write_text(json.dumps({  # JSON is YAML
-            "model": {"path": tiny_model_dir}, "data": {"train": arith_data},
-            "rollout": {"max_new_tokens": 4, "group_size": 2, "prompts_per_batch": 2, "device": "cpu"},
-            "learner": {"total_steps": 3, "groups_per_step": 2}, "broker": {"max_staleness": 1},
-            "sync": {"transport": "filesystem"}, "telemetry": {"exporter": "otlp", "otlp_endpoint": rx.endpoint},
-        }))
-        proc = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "run", "--config", str(job), "--run-dir",
-                               str(run_dir), "--no-status"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+        job.write_text(
+            json.dumps(
+                {  # JSON is YAML
+                    "model": {"path": tiny_model_dir},
+                    "data": {"train": arith_data},
+                    "rollout": {"max_new_tokens": 4, "group_size": 2, "prompts_per_batch": 2, "device": "cpu"},
+                    "learner": {"total_steps": 3, "groups_per_step": 2},
+                    "broker": {"max_staleness": 1},
+                    "sync": {"transport": "filesystem"},
+                    "telemetry": {"exporter": "otlp", "otlp_endpoint": rx.endpoint},
+                }
+            )
+        )
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "fleetrl.app.cli",
+                "run",
+                "--config",
+                str(job),
+                "--run-dir",
+                str(run_dir),
+                "--no-status",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=ROOT,
+        )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert rx.requests > 0 and not rx.bad
     pids = {(s["service"], s["pid"]) for s in rx.spans}
@@ -322,38 +401,64 @@ def test_one_trace_per_group_reaches_a_real_otlp_receiver_from_every_process(tmp
     steps = [s for s in spans.spans if s["name"] == "learner.step"]
     assert len(steps) == 3 and all(len(s["links"]) == 2 for s in steps)
     trains = [s for s in spans.spans if s["name"] == "learner.train"]
-    assert len(trains) == 6 and all(len({s["trace_id"] for s in trains if s["attributes"]["fleetrl.step"] == k}) == 2
-                                    for k in (1, 2, 3))  # two groups a step, each in a trace of its own
+    assert len(trains) == 6 and all(
+        len({s["trace_id"] for s in trains if s["attributes"]["fleetrl.step"] == k}) == 2 for k in (1, 2, 3)
+    )  # two groups a step, each in a trace of its own
     loaded = [t for t in trains if any(s["name"] == "rollout.load_weights" for s in spans.by_trace[t["trace_id"]])]
     assert loaded, "no trained group's trace holds the rollout's load of the version that carried it"
     train = loaded[0]
     group_id, trace = train["attributes"]["fleetrl.group_id"], spans.by_trace[train["trace_id"]]
     one = lambda name: [s for s in trace if s["name"] == name]  # noqa: E731
-    [root], [lease], [gen], [ingest], [batch_lease] = (one(n) for n in (
-        "rollout.group", "rollout.lease", "rollout.generate", "broker.ingest", "broker.batch_lease"))
+    [root], [lease], [gen], [ingest], [batch_lease] = (
+        one(n) for n in ("rollout.group", "rollout.lease", "rollout.generate", "broker.ingest", "broker.batch_lease")
+    )
     [publish], loads = one("learner.publish_weights"), one("rollout.load_weights")
     assert root["parent_id"] is None and root["service"] == "fleetrl-rollout" and root["instance"] == "rollout-0"
-    assert {root["attributes"]["fleetrl.group_id"], ingest["attributes"]["fleetrl.group_id"],
-            batch_lease["attributes"]["fleetrl.group_id"]} == {group_id}
+    assert {
+        root["attributes"]["fleetrl.group_id"],
+        ingest["attributes"]["fleetrl.group_id"],
+        batch_lease["attributes"]["fleetrl.group_id"],
+    } == {group_id}
     for child in (lease, gen, ingest, batch_lease, train, *one("rollout.reward"), *one("rollout.push")):
         assert child["parent_id"] == root["span_id"], child["name"]  # every hop hangs under the group's root
     assert (ingest["service"], batch_lease["service"], train["service"]) == (
-        "fleetrl-broker", "fleetrl-broker", "fleetrl-learner")
-    assert gen["attributes"]["gen_ai.operation.name"] == "text_completion" and gen["attributes"]["gen_ai.usage.output_tokens"] > 0
+        "fleetrl-broker",
+        "fleetrl-broker",
+        "fleetrl-learner",
+    )
+    assert (
+        gen["attributes"]["gen_ai.operation.name"] == "text_completion"
+        and gen["attributes"]["gen_ai.usage.output_tokens"] > 0
+    )
     assert publish["parent_id"] == train["span_id"] and publish["service"] == "fleetrl-learner"
     version = publish["attributes"]["fleetrl.policy_version"]
-    assert all(s["parent_id"] == publish["span_id"] and s["service"] == "fleetrl-rollout"
-               and s["attributes"]["fleetrl.policy_version"] == version for s in loads)
+    assert all(
+        s["parent_id"] == publish["span_id"]
+        and s["service"] == "fleetrl-rollout"
+        and s["attributes"]["fleetrl.policy_version"] == version
+        for s in loads
+    )
     [step] = [s for s in steps if s["span_id"] == train["links"][0]["span_id"]]  # the step's own trace, linked
     assert step["attributes"]["fleetrl.step"] == train["attributes"]["fleetrl.step"]
     assert any(s["name"] == "learner.publish_weights" and s["parent_id"] == step["span_id"] for s in spans.spans)
-    assert root["start_ns"] <= ingest["start_ns"] <= batch_lease["start_ns"] <= publish["start_ns"] <= loads[0]["start_ns"]
+    assert (
+        root["start_ns"] <= ingest["start_ns"] <= batch_lease["start_ns"] <= publish["start_ns"] <= loads[0]["start_ns"]
+    )
     # what arrived is also what `fleetrl trace` reads: the group's whole path, one trace
     rx.write_jsonl(run_dir / "traces" / "otlp.jsonl")
-    cli = subprocess.run([sys.executable, "-m", "fleetrl.app.cli", "trace", str(run_dir), "--group", group_id[:8]],
-                         capture_output=True, text=True, cwd=ROOT)
+    cli = subprocess.run(
+        [sys.executable, "-m", "fleetrl.app.cli", "trace", str(run_dir), "--group", group_id[:8]],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert cli.returncode == 0, cli.stderr
     assert f"trace {train['trace_id']} " in cli.stdout.splitlines()[0]
-    for name in ("rollout.generate", "broker.batch_lease", "learner.train", "learner.publish_weights",
-                 "rollout.load_weights"):
+    for name in (
+        "rollout.generate",
+        "broker.batch_lease",
+        "learner.train",
+        "learner.publish_weights",
+        "rollout.load_weights",
+    ):
         assert name in cli.stdout, cli.stdout

@@ -14,8 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from fleetrl.common import weightsync as ws
-from fleetrl.common.messages import ParamSpec, WeightsInfo
 from fleetrl.common.config.schema import JobConfig, SyncConfig
+from fleetrl.common.messages import ParamSpec, WeightsInfo
 from fleetrl.common.weightsync.sender.publisher import WeightPublisher
 
 MB = ws.MB
@@ -94,7 +94,10 @@ def test_bucket_layout_and_plan_check():
     layout = ws.bucket_layout([spec("a", [2, 3]), spec("b", []), spec("c", [4])])
     assert (layout.dtype, layout.numel, layout.nbytes) == ("float32", 11, 44)  # 6 + 1 + 4 elements
     assert [(s.name, s.offset, s.numel, s.shape) for s in layout.slots] == [
-        ("a", 0, 6, (2, 3)), ("b", 6, 1, ()), ("c", 7, 4, (4,))]
+        ("a", 0, 6, (2, 3)),
+        ("b", 6, 1, ()),
+        ("c", 7, 4, (4,)),
+    ]
     with pytest.raises(ValueError, match="mixes dtypes"):
         ws.bucket_layout([spec("a", [1]), spec("b", [1], "float16")])
 
@@ -201,4 +204,9 @@ def test_broadcast_round_without_receivers_returns_at_once(tmp_path):
     assert info.transport == "gloo" and info.master_addr == "127.0.0.1" and info.master_port > 0
     # 100-byte buckets: embed (512 B) alone, the bf16 norm, then scale + empty (fp32), steps, mask
     assert [[s.name for s in b] for b in info.buckets] == [
-        ["embed.weight"], ["norm.weight"], ["scale", "empty"], ["steps"], ["mask"]]
+        ["embed.weight"],
+        ["norm.weight"],
+        ["scale", "empty"],
+        ["steps"],
+        ["mask"],
+    ]

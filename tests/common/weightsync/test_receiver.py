@@ -17,11 +17,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fleetrl.common import weightsync as ws
-from fleetrl.common.messages import VersionAnnouncement, WeightsInfo, encode
 from fleetrl.common.config.schema import JobConfig, ModelConfig, RolloutConfig, SyncConfig
+from fleetrl.common.messages import VersionAnnouncement, WeightsInfo, encode
+from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
 from fleetrl.common.weightsync.sender.publisher import WeightPublisher
 from fleetrl.rollout.engines import SamplingParams, create_engine
-from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
 from tests.common.weightsync.weights_child import PROMPTS, CaptureEngine, run_receiver
 
 TIMEOUT_S = 10.0
@@ -78,8 +78,13 @@ def test_filesystem_update_gives_exactly_the_new_models_outputs(tiny_model_dir, 
     receiver.on_version(1, announced[-1])  # a repeated announcement is ignored
     assert receiver.pending_version() is None
 
-    reference = create_engine("hf", ModelConfig(path=save_reference(learner_model, tmp_path / "ref"),
-                                                tokenizer=tiny_model_dir), RolloutConfig(), "cpu", 0)
+    reference = create_engine(
+        "hf",
+        ModelConfig(path=save_reference(learner_model, tmp_path / "ref"), tokenizer=tiny_model_dir),
+        RolloutConfig(),
+        "cpu",
+        0,
+    )
     after = greedy(engine)
     assert after == greedy(reference) and after != before
     assert receiver.stats()["weights/version"] == 1
@@ -110,6 +115,7 @@ def test_gloo_rounds_in_process_late_join_and_mismatch(learner_model, tmp_path):
     engine = CaptureEngine(specs)
     receiver = WeightReceiver(cfg, specs, "cpu", "rollout-0")
     try:
+
         def publish(version: int, expected: int, deliver: bool = True):
             infos: list[WeightsInfo] = []
 
@@ -118,8 +124,9 @@ def test_gloo_rounds_in_process_late_join_and_mismatch(learner_model, tmp_path):
                 if deliver:
                     receiver.on_version(version, info)
 
-            return pub.publish(version, version, perturb(learner_model, version).named_parameters(), announce,
-                               expected), infos[-1]
+            return pub.publish(
+                version, version, perturb(learner_model, version).named_parameters(), announce, expected
+            ), infos[-1]
 
         metrics, info = publish(1, 1)
         assert metrics["sync/receivers"] == 1 and metrics["sync/mb"] > 0 and len(info.buckets) > 1
@@ -146,8 +153,14 @@ def test_gloo_rounds_in_process_late_join_and_mismatch(learner_model, tmp_path):
         assert_same_weights(learner_model, engine.state)
 
         # a plan this model cannot take is refused before joining; an older version is ignored
-        bad = WeightsInfo(transport="gloo", master_addr="127.0.0.1", master_port=1, round_id=99,
-                          buckets=[[ws.make_spec("nope.weight", [2], "float32")]], published_at=time.time())
+        bad = WeightsInfo(
+            transport="gloo",
+            master_addr="127.0.0.1",
+            master_port=1,
+            round_id=99,
+            buckets=[[ws.make_spec("nope.weight", [2], "float32")]],
+            published_at=time.time(),
+        )
         receiver.on_version(4, bad)
         receiver.on_version(2, info)
         assert receiver.pending_version() is None and receiver.stats()["weights/rounds_missed"] == 1
@@ -167,8 +180,9 @@ def test_a_stalled_receiver_holds_the_learner_about_one_bucket_timeout(learner_m
 
     cfg = JobConfig(sync=SyncConfig(transport="gloo", timeout_s=30.0, bucket_timeout_s=1.0, bucket_mb=0.05))
     pub = WeightPublisher(cfg, tmp_path, 0, specs_of(learner_model))
-    receiver = WeightReceiver(cfg, [(n, tuple(p.shape), p.dtype) for n, p in learner_model.named_parameters()],
-                              "cpu", "rollout-0")
+    receiver = WeightReceiver(
+        cfg, [(n, tuple(p.shape), p.dtype) for n, p in learner_model.named_parameters()], "cpu", "rollout-0"
+    )
     release = threading.Event()
     monkeypatch.setattr(rounds, "receive_buckets", lambda *args, **kw: release.wait(30))  # joins, then never reads
     try:
@@ -332,8 +346,11 @@ def test_the_round_store_listens_on_sync_master_addr_only(learner_model, tmp_pat
     try:
         pub.publish(1, 1, learner_model.named_parameters(), lambda info: None, 0)
         port = pub._sender.port
-        listening = [c.laddr.ip for c in psutil.Process().net_connections("tcp")
-                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        listening = [
+            c.laddr.ip
+            for c in psutil.Process().net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+        ]
         assert listening == ["127.0.0.1"]  # TCPStore alone listened on every interface
     finally:
         pub.close()
@@ -353,6 +370,7 @@ def test_joiners_without_the_round_secret_get_nothing_and_stall_nothing(learner_
     specs = [(n, tuple(p.shape), p.dtype) for n, p in learner_model.named_parameters()]
     engine, receiver = CaptureEngine(specs), WeightReceiver(cfg, specs, "cpu", "rollout-0")
     try:
+
         def announce(info):
             outsider = TCPStore(info.master_addr, info.master_port, None, False, timeout=timedelta(seconds=2))
             assert outsider.add("round/1/count", 1) == 1  # the keys of the old protocol: nobody reads them now

@@ -5,8 +5,8 @@ crashed the learner; now the learner signs what receivers act on and bounds what
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 import pytest
 import torch
@@ -15,11 +15,10 @@ from torch.distributed import TCPStore
 from fleetrl.common import messages
 from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import JobConfig, SyncConfig
-from fleetrl.common.weightsync.sender.publisher import WeightPublisher
 from fleetrl.common.weightsync.receiver import broadcast as rounds
 from fleetrl.common.weightsync.receiver.receiver import WeightReceiver
-from tests.common.weightsync.test_receiver import CaptureEngine, assert_same_weights, perturb  # noqa: F401
-from tests.common.weightsync.test_receiver import specs_of, wait_pending  # noqa: F401
+from fleetrl.common.weightsync.sender.publisher import WeightPublisher
+from tests.common.weightsync.test_receiver import CaptureEngine, assert_same_weights, perturb, specs_of, wait_pending  # noqa: F401  # noqa: F401
 
 TIMEOUT_S = 10.0
 
@@ -65,13 +64,17 @@ def test_a_bucket_whose_bytes_are_not_the_learners_is_refused(store):
     keys = ws.RoundKeys(ws.new_secret(), 3)
     real = torch.arange(64, dtype=torch.bfloat16)
     dig = ws.digest(real.view(torch.uint8).numpy())
-    store.set(keys.seal(0), messages.encode_record(messages.BucketSeal(dig, learner.sign(ws.auth.seal_message(3, 0, dig)))))
+    store.set(
+        keys.seal(0), messages.encode_record(messages.BucketSeal(dig, learner.sign(ws.auth.seal_message(3, 0, dig))))
+    )
     rounds.check_seal(store, keys, 0, real.clone(), learner.public, 1.0)  # the learner's bytes pass
     forged = torch.full((64,), 666.0, dtype=torch.bfloat16)
     with pytest.raises(ws.BucketForged, match="not the ones the learner signed"):
         rounds.check_seal(store, keys, 0, forged, learner.public, 1.0)
     fdig = ws.digest(forged.view(torch.uint8).numpy())  # the forger seals its own bytes with its own key
-    store.set(keys.seal(0), messages.encode_record(messages.BucketSeal(fdig, attacker.sign(ws.auth.seal_message(3, 0, fdig)))))
+    store.set(
+        keys.seal(0), messages.encode_record(messages.BucketSeal(fdig, attacker.sign(ws.auth.seal_message(3, 0, fdig))))
+    )
     with pytest.raises(ws.BucketForged, match="not signed by the learner"):
         rounds.check_seal(store, keys, 0, forged, learner.public, 1.0)
     with pytest.raises(ws.BucketForged):  # the learner's seal of bucket 0 of another round does not fit round 3
@@ -96,6 +99,7 @@ def test_a_non_member_adding_to_the_join_counter_neither_hangs_nor_crashes_the_l
     specs = [(n, tuple(p.shape), p.dtype) for n, p in learner_model.named_parameters()]
     engine, receiver = CaptureEngine(specs), WeightReceiver(cfg, specs, "cpu", "rollout-0")
     try:
+
         def announce(info):
             receiver.on_version(1, info)
             other = outsider(info)
@@ -152,9 +156,18 @@ def forged_rounds_are_refused(receiver, plan: list, held: Callable[[], object]) 
     before = held()
 
     unsigned = ws.RoundKeys(ws.new_secret(), 1)  # a learner of an older version: refused before joining
-    receiver.on_version(1, messages.WeightsInfo(transport="gloo", master_addr="127.0.0.1", master_port=store.port,
-                                                round_id=1, secret=unsigned.secret, buckets=plan,
-                                                published_at=time.time()))
+    receiver.on_version(
+        1,
+        messages.WeightsInfo(
+            transport="gloo",
+            master_addr="127.0.0.1",
+            master_port=store.port,
+            round_id=1,
+            secret=unsigned.secret,
+            buckets=plan,
+            published_at=time.time(),
+        ),
+    )
     deadline = time.monotonic() + 30
     while receiver.pending_version() is not None or receiver.stats().get("weights/rounds_missed", 0) < 1:
         assert time.monotonic() < deadline, "the unsigned announcement was not refused"
@@ -162,9 +175,19 @@ def forged_rounds_are_refused(receiver, plan: list, held: Callable[[], object]) 
     assert not store.check([unsigned.count])
 
     keys = ws.RoundKeys(ws.new_secret(), 2)  # the learner's key announced, the attacker's plan in the store
-    receiver.on_version(2, messages.WeightsInfo(transport="gloo", master_addr="127.0.0.1", master_port=store.port,
-                                                round_id=2, secret=keys.secret, buckets=plan,
-                                                published_at=time.time(), signer=learner_key.public))
+    receiver.on_version(
+        2,
+        messages.WeightsInfo(
+            transport="gloo",
+            master_addr="127.0.0.1",
+            master_port=store.port,
+            round_id=2,
+            secret=keys.secret,
+            buckets=plan,
+            published_at=time.time(),
+            signer=learner_key.public,
+        ),
+    )
     store.wait([keys.member(1)], timedelta(seconds=30))
     victim = messages.decode_join(store.get(keys.member(1))).identity
     forged = messages.RoundPlan(group="evil", size=2, ranks={victim: 1})
@@ -184,7 +207,10 @@ def test_a_receiver_takes_only_rounds_the_learner_signed(learner_model):
     specs = [(n, tuple(p.shape), p.dtype) for n, p in learner_model.named_parameters()]
     receiver = WeightReceiver(cfg, specs, "cpu", "rollout-0")
     try:
-        forged_rounds_are_refused(receiver, ws.plan_buckets(specs_of(learner_model), int(0.1 * ws.MB)),
-                                  lambda: receiver.stats()["weights/version"])
+        forged_rounds_are_refused(
+            receiver,
+            ws.plan_buckets(specs_of(learner_model), int(0.1 * ws.MB)),
+            lambda: receiver.stats()["weights/version"],
+        )
     finally:
         receiver.close()

@@ -47,8 +47,13 @@ def policy_loss(actor, model, batch, temperature):
     total = 0.0
     for mb in batch.micro:
         logp, _ = response_logprobs(model, mb, temperature)
-        total = total + actor.loss_fn(LossInputs(logp=logp, old_logp=logp.detach(), behav_logp=mb.behav_logp,
-                                                 adv=mb.adv, mask=mb.mask), actor.alg).loss
+        total = (
+            total
+            + actor.loss_fn(
+                LossInputs(logp=logp, old_logp=logp.detach(), behav_logp=mb.behav_logp, adv=mb.adv, mask=mb.mask),
+                actor.alg,
+            ).loss
+        )
     return total
 
 
@@ -78,17 +83,26 @@ def main() -> int:
     out: dict[str, dict[str, float]] = {}
     dist = None
     for mode in MODES:
-        cfg = load_config(str(ROOT / "configs" / "grpo.yaml"), [
-            f"model.path={args.model}", "learner.device=cpu", f"learner.zero_stage={args.zero_stage}",
-            f"algorithm.loss_agg={mode}", "algorithm.kl.placement=none", "learner.max_tokens_per_microbatch=40",
-            "learner.grad_clip=1000000.0", "rollout.max_new_tokens=8"])
+        cfg = load_config(
+            str(ROOT / "configs" / "grpo.yaml"),
+            [
+                f"model.path={args.model}",
+                "learner.device=cpu",
+                f"learner.zero_stage={args.zero_stage}",
+                f"algorithm.loss_agg={mode}",
+                "algorithm.kl.placement=none",
+                "learner.max_tokens_per_microbatch=40",
+                "learner.grad_clip=1000000.0",
+                "rollout.max_new_tokens=8",
+            ],
+        )
         dist = dist or init_distributed(cfg)
         torch.manual_seed(0)
         model = load_causal_lm(args.model, cfg, torch.float32)
         engine, _, _ = build_engine(model, cfg, torch.float32)
         actor = PolicyActor(engine, None, cfg, dist.device, torch.Generator().manual_seed(0))
         first, n = RANK_GROUPS[dist.rank]
-        batch = pack_groups(groups[first:first + n], cfg.learner.max_tokens_per_microbatch, dist.device)
+        batch = pack_groups(groups[first : first + n], cfg.learner.max_tokens_per_microbatch, dist.device)
         assert len(batch.micro) > 1, "each rank should take several micro-batches"
         batch.scatter("adv", advantages(batch))
         captured: dict[str, torch.Tensor] = {}
@@ -106,7 +120,7 @@ def main() -> int:
         if dist.rank == 0:  # one process, no DeepSpeed: the concatenated batch, and each rank's alone
             ref_model = load_causal_lm(args.model, cfg, torch.float32)
             parts = []
-            for gs in (groups, *(groups[f:f + k] for f, k in RANK_GROUPS)):
+            for gs in (groups, *(groups[f : f + k] for f, k in RANK_GROUPS)):
                 whole = pack_groups(gs, 10**6, dist.device)
                 assert len(whole.micro) == 1
                 whole.scatter("adv", advantages(whole))

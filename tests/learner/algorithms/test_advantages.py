@@ -262,7 +262,9 @@ def test_empty_rows_give_zeros_and_no_nan(name):
 def test_fully_masked_batch_gives_zeros(name):
     r = torch.randn(3, 4)
     mask, groups = torch.zeros(3, 4, dtype=torch.bool), torch.tensor([0, 0, 1])
-    adv, returns = ADV_ESTIMATORS[name](r, mask, groups, torch.randn(3, 4), RlAlgorithm(), baselines_B=torch.zeros(r.shape[0]))
+    adv, returns = ADV_ESTIMATORS[name](
+        r, mask, groups, torch.randn(3, 4), RlAlgorithm(), baselines_B=torch.zeros(r.shape[0])
+    )
     assert torch.equal(adv, torch.zeros(3, 4)) and torch.equal(returns, torch.zeros(3, 4))
 
 

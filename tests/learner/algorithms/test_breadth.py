@@ -50,8 +50,9 @@ def test_grpo_var_floor_above_the_floor_equals_grpo():
 def test_remax_subtracts_the_greedy_reward():
     # rewards 1, 0, 0.5 with greedy baselines 0.5 (group 0) and 1.0 (group 1): A = 0.5, -0.5, -0.5
     r, m = _outcome([1.0, 0.0, 0.5], [2, 3, 1])
-    adv, returns = ADV_ESTIMATORS["remax"](r, m, torch.tensor([0, 0, 1]), None, RlAlgorithm(),
-                                           baselines_B=torch.tensor([0.5, 0.5, 1.0]))
+    adv, returns = ADV_ESTIMATORS["remax"](
+        r, m, torch.tensor([0, 0, 1]), None, RlAlgorithm(), baselines_B=torch.tensor([0.5, 0.5, 1.0])
+    )
     assert adv.tolist() == [[0.5, 0.5, 0.0], [-0.5, -0.5, -0.5], [-0.5, 0.0, 0.0]]
     assert returns.tolist() == [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.5, 0.0, 0.0]]  # reward-to-go G_t
     with pytest.raises(ValueError, match="greedy"):
@@ -94,7 +95,9 @@ def test_robust_dpo():
     inp = _pair(-1.0, -3.0, -2.0, -2.0)
     sp = lambda x: math.log1p(math.exp(x))  # noqa: E731  (-log sigmoid(z) = softplus(-z))
     want = (0.9 * sp(-1.0) - 0.1 * sp(1.0)) / 0.8
-    assert PREFERENCE_LOSSES["robust"](inp, DpoAlgorithm(beta=0.5, label_smoothing=0.1)).loss.item() == pytest.approx(want)
+    assert PREFERENCE_LOSSES["robust"](inp, DpoAlgorithm(beta=0.5, label_smoothing=0.1)).loss.item() == pytest.approx(
+        want
+    )
     dpo = PREFERENCE_LOSSES["sigmoid"](inp, DpoAlgorithm(beta=0.5)).loss.item()
     assert PREFERENCE_LOSSES["robust"](inp, DpoAlgorithm(beta=0.5)).loss.item() == pytest.approx(dpo)  # eps 0 = DPO
 

@@ -23,8 +23,9 @@ def test_remax_uses_the_reward_to_go_of_a_dense_reward():
     # row 1: interior mask, r = [0.3, (masked 9), 0.2]: G = [0.5, 0, 0.2]; baseline 0 -> A = G
     r = torch.tensor([[0.1, -0.2, 1.0], [0.3, 9.0, 0.2]], dtype=torch.float64)
     m = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 1.0]], dtype=torch.float64)
-    adv, returns = ADV_ESTIMATORS["remax"](r, m, torch.tensor([0, 1]), None, RlAlgorithm(),
-                                           baselines_B=torch.tensor([0.5, 0.0], dtype=torch.float64))
+    adv, returns = ADV_ESTIMATORS["remax"](
+        r, m, torch.tensor([0, 1]), None, RlAlgorithm(), baselines_B=torch.tensor([0.5, 0.0], dtype=torch.float64)
+    )
     _close(returns, [[0.9, 0.8, 1.0], [0.5, 0.0, 0.2]])
     _close(adv, [[0.4, 0.3, 0.5], [0.5, 0.0, 0.2]])
 
@@ -38,8 +39,9 @@ def test_remax_with_a_per_token_kl_penalty_differs_per_token():
     kl = torch.tensor([[0.2, 0.4, 0.1]], dtype=torch.float64)
     r = apply_kl_penalty(outcome, kl, m, coef=0.5)
     _close(r, [[-0.1, -0.2, 0.95]])
-    adv, _ = ADV_ESTIMATORS["remax"](r, m, torch.tensor([0]), None, RlAlgorithm(),
-                                     baselines_B=torch.tensor([0.5], dtype=torch.float64))
+    adv, _ = ADV_ESTIMATORS["remax"](
+        r, m, torch.tensor([0]), None, RlAlgorithm(), baselines_B=torch.tensor([0.5], dtype=torch.float64)
+    )
     _close(adv, [[0.15, 0.25, 0.45]])
 
 
@@ -47,8 +49,9 @@ def test_remax_with_a_discount_follows_gamma():
     # gamma 0.5, r = [1, 0, 2]: G = [1 + 0.5 * (0 + 0.5 * 2), 0.5 * 2, 2] = [1.5, 1.0, 2.0]; baseline 1
     r = torch.tensor([[1.0, 0.0, 2.0]], dtype=torch.float64)
     m = torch.ones(1, 3, dtype=torch.float64)
-    adv, _ = ADV_ESTIMATORS["remax"](r, m, torch.tensor([0]), None, RlAlgorithm(gamma=0.5),
-                                     baselines_B=torch.tensor([1.0], dtype=torch.float64))
+    adv, _ = ADV_ESTIMATORS["remax"](
+        r, m, torch.tensor([0]), None, RlAlgorithm(gamma=0.5), baselines_B=torch.tensor([1.0], dtype=torch.float64)
+    )
     _close(adv, [[0.5, 0.0, 1.0]])
 
 
@@ -65,8 +68,9 @@ def test_sequence_level_batch_normalise_divides_by_the_mean_over_non_empty_seque
     assert w[0].tolist() == pytest.approx([4 / 3] * 3)
     assert w[1, 0].item() == pytest.approx(2 / 3)
     # token level is unchanged: the same sequences' token weights divided by their token mean, 1.75
-    wt = behaviour_weights(old, mu, mask, OffPolicyConfig(mode="tis", level="sequence", cap=3.0,
-                                                          batch_normalize=True), level="token").weight
+    wt = behaviour_weights(
+        old, mu, mask, OffPolicyConfig(mode="tis", level="sequence", cap=3.0, batch_normalize=True), level="token"
+    ).weight
     tok = behaviour_weights(old, mu, mask, OffPolicyConfig(mode="tis", level="token", cap=3.0)).weight
     valid = mask > 0
     assert wt[valid].tolist() == pytest.approx((tok[valid] / tok[valid].mean()).tolist())

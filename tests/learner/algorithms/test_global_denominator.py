@@ -41,12 +41,15 @@ def test_counts_are_valid_tokens_and_non_empty_sequences():
         per_token("token-men")
 
 
-@pytest.mark.parametrize("mode, denom, expected", [
-    ("token-mean", 6.0, (1 + 2 + 3 + 4) / 6),                      # sum over the global token count
-    ("seq-mean-token-sum", 3.0, (6 + 4) / 3),                      # per-sequence sums over the global sequences
-    ("seq-mean-token-mean", 3.0, (2 + 4) / 3),                     # per-sequence means over the global sequences
-    ("seq-mean-token-sum-norm", 3.0, (6 / 4 + 4 / 4) / 3),         # per-sequence sums / L over the global sequences
-])
+@pytest.mark.parametrize(
+    "mode, denom, expected",
+    [
+        ("token-mean", 6.0, (1 + 2 + 3 + 4) / 6),  # sum over the global token count
+        ("seq-mean-token-sum", 3.0, (6 + 4) / 3),  # per-sequence sums over the global sequences
+        ("seq-mean-token-mean", 3.0, (2 + 4) / 3),  # per-sequence means over the global sequences
+        ("seq-mean-token-sum-norm", 3.0, (6 / 4 + 4 / 4) / 3),  # per-sequence sums / L over the global sequences
+    ],
+)
 def test_aggregate_divides_by_the_global_count(mode, denom, expected):
     assert float(aggregate(L1, M1, mode, 4, denom=denom)) == pytest.approx(expected, abs=1e-7)
 
@@ -79,11 +82,28 @@ def _two_ranks(tmp_path: Path, model_dir: str, zero_stage: int) -> dict:
     out = tmp_path / f"grads-z{zero_stage}.json"
     root = HERE.parents[2]
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         str(HERE / "global_denominator_ranks.py"), "--model", model_dir, "--zero-stage", str(zero_stage),
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=root,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            str(HERE / "global_denominator_ranks.py"),
+            "--model",
+            model_dir,
+            "--zero-stage",
+            str(zero_stage),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)},
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return json.loads(out.read_text())
 
@@ -115,11 +135,18 @@ def _gspo(gspo_level: str) -> torch.Tensor:
     # one sequence of two tokens, ratio 1 (logp = old), A = 1: each token's clipped loss is -1.
     # log rho_t = old_t - mu_t = [1.0, -0.5]; cap C = 2.
     logp = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
-    inp = LossInputs(logp=logp, old_logp=torch.zeros(1, 2, dtype=torch.float64),
-                     behav_logp=torch.tensor([[-1.0, 0.5]], dtype=torch.float64),
-                     adv=torch.ones(1, 2, dtype=torch.float64), mask=torch.ones(1, 2))
-    cfg = RlAlgorithm(policy_loss="gspo", loss_agg="token-mean",
-                      off_policy=OffPolicyConfig(mode="tis", cap=2.0, gspo_level=gspo_level))
+    inp = LossInputs(
+        logp=logp,
+        old_logp=torch.zeros(1, 2, dtype=torch.float64),
+        behav_logp=torch.tensor([[-1.0, 0.5]], dtype=torch.float64),
+        adv=torch.ones(1, 2, dtype=torch.float64),
+        mask=torch.ones(1, 2),
+    )
+    cfg = RlAlgorithm(
+        policy_loss="gspo",
+        loss_agg="token-mean",
+        off_policy=OffPolicyConfig(mode="tis", cap=2.0, gspo_level=gspo_level),
+    )
     return POLICY_LOSSES["gspo"](inp, cfg).loss.detach()
 
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetrl.common.config.algorithm import AdaptiveKlConfig, RlAlgorithm, KlConfig
+from fleetrl.common.config.algorithm import AdaptiveKlConfig, KlConfig, RlAlgorithm
 from fleetrl.learner.algorithms import (
     KL_ESTIMATORS,
     AdaptiveKLController,

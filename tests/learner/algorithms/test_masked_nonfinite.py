@@ -65,8 +65,13 @@ def test_kl_reward_penalty(bad):
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
 def test_policy_losses(name, bad):
     def loss(lp):
-        inp = LossInputs(logp=lp, old_logp=torch.tensor([[-1.0, -1.1, 0.0]]), behav_logp=torch.tensor([[-1.0, -1.3, 0.0]]),
-                         adv=torch.tensor([[0.5, -0.5, 0.0]]), mask=MASK)
+        inp = LossInputs(
+            logp=lp,
+            old_logp=torch.tensor([[-1.0, -1.1, 0.0]]),
+            behav_logp=torch.tensor([[-1.0, -1.3, 0.0]]),
+            adv=torch.tensor([[0.5, -0.5, 0.0]]),
+            mask=MASK,
+        )
         return POLICY_LOSSES[name](inp, RlAlgorithm()).loss
 
     _check(loss, torch.tensor([[-0.9, -1.2, 0.0]]), bad)

@@ -7,17 +7,29 @@ import math
 import pytest
 import torch
 
-from fleetrl.common.config.algorithm import RlAlgorithm, OffPolicyConfig
+from fleetrl.common.config.algorithm import OffPolicyConfig, RlAlgorithm
 from fleetrl.learner.algorithms import POLICY_LOSSES, LossInputs
 
 METRIC_KEYS = {
-    "actor/pg_loss", "actor/clipfrac", "actor/dual_clipfrac", "actor/approx_kl",
-    "actor/ratio_min", "actor/ratio_mean", "actor/ratio_max",
-    "off_policy/drift_kl", "off_policy/is_ess", "off_policy/is_weight_mean", "off_policy/is_capped_frac",
+    "actor/pg_loss",
+    "actor/clipfrac",
+    "actor/dual_clipfrac",
+    "actor/approx_kl",
+    "actor/ratio_min",
+    "actor/ratio_mean",
+    "actor/ratio_max",
+    "off_policy/drift_kl",
+    "off_policy/is_ess",
+    "off_policy/is_weight_mean",
+    "off_policy/is_capped_frac",
 }
 AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 OFF_POLICY = [
-    ("none", "token"), ("tis", "token"), ("tis", "sequence"), ("decoupled", "token"), ("decoupled", "sequence")
+    ("none", "token"),
+    ("tis", "token"),
+    ("tis", "sequence"),
+    ("decoupled", "token"),
+    ("decoupled", "sequence"),
 ]
 
 

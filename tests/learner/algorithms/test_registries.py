@@ -6,8 +6,8 @@ import typing
 
 import pytest
 
-from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.common.config.algorithm import RlAlgorithm
+from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.learner.algorithms import (
     ADV_ESTIMATORS,
     AGGREGATIONS,
@@ -18,11 +18,33 @@ from fleetrl.learner.algorithms import (
 
 
 def test_registered_names():
-    assert ADV_ESTIMATORS.names() == ["drgrpo", "gae", "grpo", "grpo_var_floor", "reinforce_pp", "reinforce_pp_baseline",
-                                      "remax", "rloo"]
+    assert ADV_ESTIMATORS.names() == [
+        "drgrpo",
+        "gae",
+        "grpo",
+        "grpo_var_floor",
+        "reinforce_pp",
+        "reinforce_pp_baseline",
+        "remax",
+        "rloo",
+    ]
     assert POLICY_LOSSES.names() == ["dapo", "gspo", "ppo_clip"]
-    assert KL_ESTIMATORS.names() == ["abs", "abs+", "k1", "k1+", "k2", "k2+", "k3", "k3+", "kl", "kl+", "low_var_kl",
-                                     "low_var_kl+", "mse", "mse+"]
+    assert KL_ESTIMATORS.names() == [
+        "abs",
+        "abs+",
+        "k1",
+        "k1+",
+        "k2",
+        "k2+",
+        "k3",
+        "k3+",
+        "kl",
+        "kl+",
+        "low_var_kl",
+        "low_var_kl+",
+        "mse",
+        "mse+",
+    ]
     assert PREFERENCE_LOSSES.names() == ["hinge", "ipo", "ipo_norm", "robust", "sigmoid"]
 
 

@@ -20,8 +20,16 @@ KEY = "sekrit"
 
 @pytest.fixture(scope="module")
 def plain(engine, tiny_model_dir):
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", "rollout.openai.enabled=true", "rollout.openai.port=0",
-                             f"rollout.openai.api_key={KEY}", "rollout.max_new_tokens=8"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "rollout.openai.enabled=true",
+            "rollout.openai.port=0",
+            f"rollout.openai.api_key={KEY}",
+            "rollout.max_new_tokens=8",
+        ],
+    )
     ep = Endpoint(cfg, engine)
     ep.start()
     yield ep
@@ -35,16 +43,18 @@ def client(base_url, key=KEY):
 def test_round_trip_with_the_openai_client(plain, engine):
     c = client(plain.base_url)
     assert [m.id for m in c.models.list().data] == ["fleetrl"]
-    r = c.chat.completions.create(model="fleetrl", messages=[{"role": "user", "content": "12+30="}], max_tokens=5,
-                                  temperature=0, logprobs=True)
+    r = c.chat.completions.create(
+        model="fleetrl", messages=[{"role": "user", "content": "12+30="}], max_tokens=5, temperature=0, logprobs=True
+    )
     choice = r.choices[0]
     assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
     assert 1 <= r.usage.completion_tokens <= 5 and len(choice.logprobs.content) == r.usage.completion_tokens
     # the same as calling the engine directly with the template's prompt (greedy)
     from fleetrl.rollout.engines.params import SamplingParams
 
-    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": "12+30="}], add_generation_prompt=True,
-                                                tokenize=False)
+    text = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "12+30="}], add_generation_prompt=True, tokenize=False
+    )
     ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
     direct = engine.generate_batch([ids], SamplingParams(temperature=0, max_new_tokens=5), 1)[0][0]
     assert choice.message.content == direct.text and r.usage.prompt_tokens == len(ids)
@@ -55,15 +65,25 @@ def test_round_trip_with_the_openai_client(plain, engine):
 def test_streamed_events_add_up_to_the_reply(plain):
     c, messages = client(plain.base_url), [{"role": "user", "content": "12+30="}]
     whole = c.chat.completions.create(model="fleetrl", messages=messages, max_tokens=5, temperature=0)
-    chunks = list(c.chat.completions.create(model="fleetrl", messages=messages, max_tokens=5, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        c.chat.completions.create(
+            model="fleetrl",
+            messages=messages,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
     assert text == whole.choices[0].message.content and finish == [whole.choices[0].finish_reason]
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and not chunks[-1].choices
     texts = list(c.completions.create(model="fleetrl", prompt="07+58=", max_tokens=4, temperature=0, stream=True))
-    assert "".join(t.choices[0].text for t in texts) == c.completions.create(
-        model="fleetrl", prompt="07+58=", max_tokens=4, temperature=0).choices[0].text
+    assert (
+        "".join(t.choices[0].text for t in texts)
+        == c.completions.create(model="fleetrl", prompt="07+58=", max_tokens=4, temperature=0).choices[0].text
+    )
     assert [t.choices[0].finish_reason for t in texts if t.choices[0].finish_reason] in (["stop"], ["length"])
 
 
@@ -80,7 +100,9 @@ def test_errors_come_in_openai_format(plain):
         client(plain.base_url, key="wrong").models.list()
     r = httpx.post(f"{plain.root}/v1/nowhere", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-    r = httpx.post(f"{plain.base_url}/chat/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY}"})
+    r = httpx.post(
+        f"{plain.base_url}/chat/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY}"}
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     r = httpx.post(f"{plain.root}/fleetrl/sessions", headers={"Authorization": f"Bearer {KEY}"}, json={})
     assert r.status_code == 404 and r.json()["error"]["code"] == "no_sessions"
@@ -89,8 +111,15 @@ def test_errors_come_in_openai_format(plain):
 # ------------------------------------------------------------------------------ training sessions
 
 G = 2
-SESSIONS = ["rollout.env.type=openai", "rollout.openai.enabled=true", "rollout.openai.port=0", f"rollout.group_size={G}",
-            "rollout.prompts_per_batch=1", "rollout.env.max_turns=4", "rollout.max_new_tokens=6"]
+SESSIONS = [
+    "rollout.env.type=openai",
+    "rollout.openai.enabled=true",
+    "rollout.openai.port=0",
+    f"rollout.group_size={G}",
+    "rollout.prompts_per_batch=1",
+    "rollout.env.max_turns=4",
+    "rollout.max_new_tokens=6",
+]
 
 
 class AgentFleet(Fleet):
@@ -142,18 +171,23 @@ def test_an_openai_client_agent_trains_by_changing_base_url(engine, tiny_model_d
         for i in range(G):
             s, replies = done[g.rewards[i]]
             assert g.reward_parts[i] == {"env": g.rewards[i]} and fleet.prompt_text(g.prompt_id) == s["task"]["prompt"]
-            tokens, mask = g.token_array()[offsets[i]:offsets[i + 1]], g.loss_mask_array()[offsets[i]:offsets[i + 1]]
+            tokens, mask = (
+                g.token_array()[offsets[i] : offsets[i + 1]],
+                g.loss_mask_array()[offsets[i] : offsets[i + 1]],
+            )
             # the sampled segments (mask 1) are the replies the agent got, as tokens; the rest is mask 0
             cuts = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
             segments = [tokens[a:b].tolist() for a, b in zip(cuts[::2], cuts[1::2])]
             # as the agent saw them: special tokens included, a final end of turn not shown
             assert [tok.decode(x[:-1] if x[-1] == tok.eos_token_id else x) for x in segments] == replies
-            obs = tok.decode(tokens[cuts[1]:cuts[2]].tolist())
+            obs = tok.decode(tokens[cuts[1] : cuts[2]].tolist())
             assert obs.endswith("<|tool|>result 0<eos><|assistant|>")
 
 
 def test_bad_history_is_refused_and_an_idle_session_times_out_untrained(engine, tiny_model_dir):
-    fleet = AgentFleet(engine, tiny_model_dir, "rollout.openai.session_timeout_s=1.5", "rollout.env.min_group_samples=1")
+    fleet = AgentFleet(
+        engine, tiny_model_dir, "rollout.openai.session_timeout_s=1.5", "rollout.env.min_group_samples=1"
+    )
     try:
         fleet.start_thread()
         wait_for(lambda: fleet.server.endpoint.port, 20, "the endpoint")
@@ -162,9 +196,15 @@ def test_bad_history_is_refused_and_an_idle_session_times_out_untrained(engine, 
         ask = [{"role": "user", "content": s["task"]["prompt"]}]
         r = c.chat.completions.create(model="m", messages=ask, user=s["session_id"])
         with pytest.raises(openai.BadRequestError) as e:  # the history was rewritten
-            c.chat.completions.create(model="m", user=s["session_id"], messages=[
-                {"role": "user", "content": "something else"}, {"role": "assistant", "content": r.choices[0].message.content},
-                {"role": "user", "content": "more"}])
+            c.chat.completions.create(
+                model="m",
+                user=s["session_id"],
+                messages=[
+                    {"role": "user", "content": "something else"},
+                    {"role": "assistant", "content": r.choices[0].message.content},
+                    {"role": "user", "content": "more"},
+                ],
+            )
         assert e.value.code == "session_history_mismatch"
         other = httpx.post(f"{fleet.root}/fleetrl/sessions", json={"wait_s": 20}).json()  # the group's second
         c2 = openai.OpenAI(base_url=other["base_url"], api_key="x", max_retries=0)
@@ -207,7 +247,9 @@ def test_a_failed_call_changes_nothing_and_a_retry_gets_the_recorded_reply(engin
         ask += [second.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Guess."}]
         keyed = c.chat.completions.create(model="m", messages=ask, extra_headers={"Idempotency-Key": "k3"})
         ask2 = ask[:-1] + [{"role": "user", "content": "Guess again."}]  # same key, other content: still a replay
-        assert c.chat.completions.create(model="m", messages=ask2, extra_headers={"Idempotency-Key": "k3"}).id == keyed.id
+        assert (
+            c.chat.completions.create(model="m", messages=ask2, extra_headers={"Idempotency-Key": "k3"}).id == keyed.id
+        )
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model=123, messages=ask2)
         assert e.value.body["param"] == "model"
@@ -247,13 +289,20 @@ def test_close_says_when_the_group_rule_drops_the_session(engine, tiny_model_dir
         a, b = (httpx.post(f"{fleet.root}/fleetrl/sessions", json={"wait_s": 20}, timeout=30).json() for _ in range(G))
         assert a["group"] == b["group"]
         openai.OpenAI(base_url=a["base_url"], api_key="x", max_retries=0).chat.completions.create(
-            model="m", messages=[{"role": "user", "content": a["task"]["prompt"]}])
+            model="m", messages=[{"role": "user", "content": a["task"]["prompt"]}]
+        )
         closed = httpx.post(f"{fleet.root}/fleetrl/sessions/{a['session_id']}/close", json={"reward": 1.0}).json()
         assert closed["status"] == "pending" and closed["ask"] == f"GET /fleetrl/sessions/{a['session_id']}"
         assert httpx.post(f"{fleet.root}/fleetrl/sessions/{b['session_id']}/abandon").json()["trained"] is False
         fates = []
-        wait_for(lambda: fates.append(httpx.get(f"{fleet.root}/fleetrl/sessions/{a['session_id']}").json())
-                 or fates[-1]["status"] != "pending", 20, "the group's fate")
+        wait_for(
+            lambda: (
+                fates.append(httpx.get(f"{fleet.root}/fleetrl/sessions/{a['session_id']}").json())
+                or fates[-1]["status"] != "pending"
+            ),
+            20,
+            "the group's fate",
+        )
     finally:
         fleet.stop()
     assert fates[-1]["status"] == "dropped" and fates[-1]["trained"] is False

@@ -23,9 +23,18 @@ from tests.rollout.test_server import wait_for
 
 @pytest.fixture(scope="module")
 def guarded(engine, tiny_model_dir):
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", "rollout.openai.enabled=true", "rollout.openai.port=0",
-                             "rollout.max_new_tokens=4", "rollout.openai.max_connections=64",
-                             "rollout.openai.idle_timeout_s=1.5", "rollout.openai.body_timeout_s=1.5"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "rollout.openai.enabled=true",
+            "rollout.openai.port=0",
+            "rollout.max_new_tokens=4",
+            "rollout.openai.max_connections=64",
+            "rollout.openai.idle_timeout_s=1.5",
+            "rollout.openai.body_timeout_s=1.5",
+        ],
+    )
     ep = Endpoint(cfg, engine)
     ep.start()
     yield ep
@@ -93,8 +102,10 @@ def test_malformed_ids_are_400_and_one_client_cannot_take_every_session(engine, 
         wait_for(lambda: fleet.server.endpoint.port, 20, "the endpoint")
         root = fleet.server.endpoint.root
         ask = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-        for url, headers in ((f"{root}/sessions/not-an-id/v1/chat/completions", {}),
-                             (f"{root}/v1/chat/completions", {"X-Fleetrl-Session": "x" * 5000})):
+        for url, headers in (
+            (f"{root}/sessions/not-an-id/v1/chat/completions", {}),
+            (f"{root}/v1/chat/completions", {"X-Fleetrl-Session": "x" * 5000}),
+        ):
             r = httpx.post(url, json=ask, headers=headers)
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_session_id"
         assert httpx.get(f"{root}/fleetrl/sessions/%2e%2e").status_code in (400, 404)
@@ -114,9 +125,13 @@ def test_malformed_ids_are_400_and_one_client_cannot_take_every_session(engine, 
 
 
 def test_while_clients_wait_a_slot_goes_to_the_one_holding_fewest():
-    cfg = SimpleNamespace(rollout=SimpleNamespace(
-        openai=SimpleNamespace(session_timeout_s=60.0, max_sessions_per_client=0),
-        env=SimpleNamespace(max_turns=2, max_tokens_per_turn=None, max_total_tokens=64), max_new_tokens=4))
+    cfg = SimpleNamespace(
+        rollout=SimpleNamespace(
+            openai=SimpleNamespace(session_timeout_s=60.0, max_sessions_per_client=0),
+            env=SimpleNamespace(max_turns=2, max_tokens_per_turn=None, max_total_tokens=64),
+            max_new_tokens=4,
+        )
+    )
 
     async def scenario():
         manager = SessionManager(cfg, stats=None)

@@ -20,9 +20,9 @@ import openai
 import pytest
 
 from fleetrl.common.config import load_config
+from fleetrl.rollout.endpoint.server import Endpoint
 from fleetrl.rollout.engines.params import SamplingParams
 from fleetrl.rollout.engines.records import Request
-from fleetrl.rollout.endpoint.server import Endpoint
 from tests.rollout.endpoint.test_endpoint import AgentFleet
 from tests.rollout.test_server import wait_for
 
@@ -67,8 +67,14 @@ def test_the_first_delta_arrives_before_the_last_token_is_sampled(gated):
         eng.seen.clear()
         eng.waited = None
         deltas, finish = [], None
-        stream = c.completions.create(model="m", prompt="Once upon a time", max_tokens=24, seed=seed, stream=True,
-                                      stream_options={"include_usage": True})
+        stream = c.completions.create(
+            model="m",
+            prompt="Once upon a time",
+            max_tokens=24,
+            seed=seed,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 deltas.append(chunk.choices[0].text)
@@ -83,15 +89,24 @@ def test_the_first_delta_arrives_before_the_last_token_is_sampled(gated):
     assert len(deltas) >= 2 and finish in ("stop", "length")
     whole = c.completions.create(model="m", prompt="Once upon a time", max_tokens=24, seed=seed)
     assert "".join(deltas) == whole.choices[0].text  # the deltas add up to the reply
-    chat = list(c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
-                                          seed=seed, stream=True))
+    chat = list(
+        c.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=8, seed=seed, stream=True
+        )
+    )
     eng.seen.set()
     assert chat[0].choices[0].delta.role == "assistant" and chat[-1].choices[0].finish_reason is not None
 
 
 def test_special_tokens_sampled_mid_reply_are_seen_and_an_older_call_is_replayed(engine, tiny_model_dir):
-    fleet = AgentFleet(engine, tiny_model_dir, "rollout.env.min_group_samples=1", "rollout.env.max_turns=3",
-                       "rollout.max_new_tokens=16", "rollout.openai.session_timeout_s=3")
+    fleet = AgentFleet(
+        engine,
+        tiny_model_dir,
+        "rollout.env.min_group_samples=1",
+        "rollout.env.max_turns=3",
+        "rollout.max_new_tokens=16",
+        "rollout.openai.session_timeout_s=3",
+    )
     tok = engine.tokenizer
     specials = [t for t in tok.all_special_tokens if t != tok.eos_token]
     found = None
@@ -115,14 +130,17 @@ def test_special_tokens_sampled_mid_reply_are_seen_and_an_older_call_is_replayed
                 break
         assert found is not None, "no special token sampled in 40 sessions"
         groups = []
-        wait_for(lambda: groups.extend(fleet.drain()) or any(found[0] in g.rewards for g in groups), 30,
-                 "the session's group")
+        wait_for(
+            lambda: groups.extend(fleet.drain()) or any(found[0] in g.rewards for g in groups),
+            30,
+            "the session's group",
+        )
     finally:
         fleet.stop()
     assert fleet.server.endpoint.counts["calls_replayed"] >= 1
     g = next(g for g in groups if found[0] in g.rewards)
     i = g.rewards.index(found[0])
-    tokens, mask = g.response_tokens(i).tolist(), g.loss_mask_array()[g.offsets()[i]:g.offsets()[i + 1]]
+    tokens, mask = g.response_tokens(i).tolist(), g.loss_mask_array()[g.offsets()[i] : g.offsets()[i + 1]]
     cuts = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
     segments = [tokens[a:b] for a, b in zip(cuts[::2], cuts[1::2])]
     shown = [tok.decode(x[:-1] if x[-1] == tok.eos_token_id else x, skip_special_tokens=False) for x in segments]
@@ -134,8 +152,9 @@ def test_the_vllm_engine_streams_cumulative_outputs(monkeypatch):
 
     def output(ids, finish=None):
         lp = [{t: SimpleNamespace(logprob=-0.5)} for t in ids]
-        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(ids), logprobs=lp, finish_reason=finish,
-                                                        text="x" * len(ids))])
+        return SimpleNamespace(
+            outputs=[SimpleNamespace(token_ids=list(ids), logprobs=lp, finish_reason=finish, text="x" * len(ids))]
+        )
 
     class FakeLLM:  # vLLM's AsyncLLM.generate with output_kind CUMULATIVE: every output holds all tokens so far
         def __init__(self):

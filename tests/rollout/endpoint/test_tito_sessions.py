@@ -48,13 +48,18 @@ def reference(tiny_model_dir):
 
 def chat_agent(base_url, prompt, system):
     c = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=60)
-    messages = ([{"role": "system", "content": "Answer briefly."}] if system else []) + [{"role": "user", "content": prompt}]
+    messages = ([{"role": "system", "content": "Answer briefly."}] if system else []) + [
+        {"role": "user", "content": prompt}
+    ]
     replies = []
     for follow in ("Are you sure?", None):
         r = c.chat.completions.create(model="m", messages=messages, max_tokens=5)
         replies.append(r.choices[0].message.content)
         if follow:
-            messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": follow}]
+            messages += [
+                {"role": "assistant", "content": r.choices[0].message.content},
+                {"role": "user", "content": follow},
+            ]
     return replies
 
 
@@ -70,8 +75,9 @@ def text_agent(base_url, prompt):
 
 def test_a_group_of_differing_prompts_trains_each_call_s_own_context(engine, tiny_model_dir, reference):
     rec = Recording(engine)
-    fleet = Fleet(rec, tiny_model_dir, *SESSIONS, f"rollout.group_size={G}", f"rollout.env.min_group_samples={G}",
-                  n_prompts=8)
+    fleet = Fleet(
+        rec, tiny_model_dir, *SESSIONS, f"rollout.group_size={G}", f"rollout.env.min_group_samples={G}", n_prompts=8
+    )
     fleet.server.endpoint = Endpoint(fleet.cfg, rec, fleet.server.env)
     tok = engine.tokenizer
     kinds = ["system", "plain", "text", "plain"]
@@ -84,7 +90,11 @@ def test_a_group_of_differing_prompts_trains_each_call_s_own_context(engine, tin
         assert len({s["group"] for s in opened}) == 1  # one task's sessions: one group
         for k, (s, kind) in enumerate(zip(opened, kinds)):
             prompt = s["task"]["prompt"]
-            got = text_agent(s["base_url"], prompt) if kind == "text" else chat_agent(s["base_url"], prompt, kind == "system")
+            got = (
+                text_agent(s["base_url"], prompt)
+                if kind == "text"
+                else chat_agent(s["base_url"], prompt, kind == "system")
+            )
             replies[float(k)] = (kind, got)
             closed = httpx.post(f"{root}/fleetrl/sessions/{s['session_id']}/close", json={"reward": float(k)}).json()
             assert closed["turns"] == 2
@@ -98,18 +108,23 @@ def test_a_group_of_differing_prompts_trains_each_call_s_own_context(engine, tin
     offsets, mask_all = g.offsets(), g.loss_mask_array()
     for i in range(G):
         kind, got = replies[g.rewards[i]]
-        prompt, tokens = g.prompt_of(i).tolist(), g.token_array()[offsets[i]:offsets[i + 1]].tolist()
-        mask = mask_all[offsets[i]:offsets[i + 1]]
+        prompt, tokens = g.prompt_of(i).tolist(), g.token_array()[offsets[i] : offsets[i + 1]].tolist()
+        mask = mask_all[offsets[i] : offsets[i + 1]]
         head = tok.decode(prompt)
         assert head.startswith({"system": "<|system|>Answer briefly.", "plain": "<|user|>", "text": "Q: "}[kind])
         # each call's context, as the engine got it, is this sample's prompt + its tokens so far
         whole = prompt + tokens
-        calls = [(ctx, out) for ctx, out in rec.calls if ctx[: len(prompt)] == prompt and whole[: len(ctx)] == ctx
-                 and whole[len(ctx):len(ctx) + len(out.token_ids)] == out.token_ids]
+        calls = [
+            (ctx, out)
+            for ctx, out in rec.calls
+            if ctx[: len(prompt)] == prompt
+            and whole[: len(ctx)] == ctx
+            and whole[len(ctx) : len(ctx) + len(out.token_ids)] == out.token_ids
+        ]
         assert len(calls) == 2  # both calls of this session, and no other session's
         for ctx, out in calls:
             pos, n = len(ctx) - len(prompt), len(out.token_ids)
-            assert mask[pos:pos + n].all()  # the sampled tokens are trained (mask 1) ...
+            assert mask[pos : pos + n].all()  # the sampled tokens are trained (mask 1) ...
             assert pos == 0 or mask[pos - 1] == 0  # ... and the second call's follows its observation (mask 0)
         # the replies the agent got are the sampled tokens, special tokens included (a final stop token is not shown)
         cuts = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))

@@ -10,9 +10,14 @@ class Chatter:
     """Answers every assistant turn with an observation (alternating user and tool messages); done
     after ``turns`` steps. Reward: the number of turns whose text had a digit, on the last step."""
 
-    example_messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
-                        {"role": "user", "content": "go on 0"}, {"role": "assistant", "content": "b"},
-                        {"role": "tool", "content": "tool says 1"}, {"role": "assistant", "content": "c"}]
+    example_messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "go on 0"},
+        {"role": "assistant", "content": "b"},
+        {"role": "tool", "content": "tool says 1"},
+        {"role": "assistant", "content": "c"},
+    ]
 
     def __init__(self, turns: int = 9, reward: bool = True):
         self.turns, self.give_reward, self.seen = turns, reward, []
@@ -26,7 +31,12 @@ class Chatter:
         done = n >= self.turns
         reward = float(sum(any(c.isdigit() for c in t) for t in self.seen)) if done and self.give_reward else None
         role = "user" if n % 2 else "tool"
-        return [{"role": role, "content": f"{'go on' if role == 'user' else 'tool says'} {n}"}], reward, done, {"steps": 1}
+        return (
+            [{"role": role, "content": f"{'go on' if role == 'user' else 'tool says'} {n}"}],
+            reward,
+            done,
+            {"steps": 1},
+        )
 
 
 class AsyncChatter(Chatter):

@@ -11,13 +11,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from fleetrl.common import messages as m
+from fleetrl.common.chat.codec import ChatCodec, check_prefix_stable
 from fleetrl.common.config import ConfigError, load_config
 from fleetrl.common.config.env import EnvType, ToolParserName
 from fleetrl.common.plugins.registry import RegistryError
 from fleetrl.rollout.engines.params import SamplingParams
 from fleetrl.rollout.engines.records import Generation
 from fleetrl.rollout.envs import ENVS, Episode, create_env
-from fleetrl.common.chat.codec import ChatCodec, check_prefix_stable
 from fleetrl.rollout.envs.base import TemplateMismatch
 from fleetrl.rollout.envs.parsers import TOOL_PARSERS
 from fleetrl.rollout.envs.tools import calc
@@ -39,8 +39,9 @@ class Scripted:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
         cut = len(ids) > request.params.max_new_tokens
         ids = ids[: request.params.max_new_tokens]
-        return Generation(ids, [-0.5] * len(ids), "length" if cut else "stop",
-                          self.tokenizer.decode(ids, skip_special_tokens=True))
+        return Generation(
+            ids, [-0.5] * len(ids), "length" if cut else "stop", self.tokenizer.decode(ids, skip_special_tokens=True)
+        )
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +71,13 @@ def run(env, tok, texts, prompt="12*34=", answer="408"):
     return ep, engine
 
 
-TOOLS = ["rollout.env.type=tool", "rollout.env.tool.parser=pythonic",
-         f"rollout.env.tool.tools=[fleetrl.rollout.envs.tools:calc, {__name__}:slow_tool, {__name__}:broken_tool]",
-         "rollout.env.tool.timeout_s=0.3", "rollout.env.max_turns=4"]
+TOOLS = [
+    "rollout.env.type=tool",
+    "rollout.env.tool.parser=pythonic",
+    f"rollout.env.tool.tools=[fleetrl.rollout.envs.tools:calc, {__name__}:slow_tool, {__name__}:broken_tool]",
+    "rollout.env.tool.timeout_s=0.3",
+    "rollout.env.max_turns=4",
+]
 
 
 def test_tool_calls_run_and_the_answer_ends_the_episode(tiny_model_dir, tok):
@@ -94,7 +99,7 @@ def test_tool_calls_run_and_the_answer_ends_the_episode(tiny_model_dir, tok):
 
 def test_malformed_calls_and_tool_errors_are_answered_and_counted(tiny_model_dir, tok):
     env = create_env(cfg_of(tiny_model_dir, *TOOLS), tok)
-    ep, _ = run(env, tok, ['calc("12*34"', "nosuch(x=1)", 'broken_tool("x")', 'calc(1, 2)', "408"])
+    ep, _ = run(env, tok, ['calc("12*34"', "nosuch(x=1)", 'broken_tool("x")', "calc(1, 2)", "408"])
     assert not ep.failed and ep.turns == 4 and ep.truncated == "turns"  # max_turns=4 ends it, counted
     assert "malformed tool call" in ep.messages[2]["content"] and "unknown tool" in ep.messages[4]["content"]
     assert ep.messages[6]["content"] == "error: ZeroDivisionError: division by zero"
@@ -113,8 +118,9 @@ def test_a_tool_timeout_fails_the_sample(tiny_model_dir, tok):
 
 
 def test_budgets_end_episodes_and_are_counted(tiny_model_dir, tok):
-    env = create_env(cfg_of(tiny_model_dir, *TOOLS, "rollout.env.max_total_tokens=30",
-                            "rollout.env.max_tokens_per_turn=14"), tok)
+    env = create_env(
+        cfg_of(tiny_model_dir, *TOOLS, "rollout.env.max_total_tokens=30", "rollout.env.max_tokens_per_turn=14"), tok
+    )
     # 12 sampled + 11 observation tokens, then 7 left: the second call is cut by the episode's budget
     ep, engine = run(env, tok, ['calc("1+1")', 'calc("2+2")', "4"])
     assert [r.params.max_new_tokens for r in engine.requests] == [14, 7]
@@ -130,19 +136,34 @@ def test_budgets_end_episodes_and_are_counted(tiny_model_dir, tok):
 USER = ["rollout.env.type=user", "rollout.env.step_timeout_s=0.5"]
 
 
-@pytest.mark.parametrize("mode,kind", [("raise", "errors"), ("sleep", "timeouts"), ("bad", "errors"),
-                                       ("nan", "errors")])
+@pytest.mark.parametrize(
+    "mode,kind", [("raise", "errors"), ("sleep", "timeouts"), ("bad", "errors"), ("nan", "errors")]
+)
 def test_user_env_failures_drop_the_sample_and_are_counted(tiny_model_dir, tok, mode, kind):
-    env = create_env(cfg_of(tiny_model_dir, *USER, "rollout.env.user.cls=tests.rollout.envs.envs_for_tests:Flaky",
-                            f"rollout.env.user.args={{mode: {mode}, at: 2, every: 1}}"), tok)
+    env = create_env(
+        cfg_of(
+            tiny_model_dir,
+            *USER,
+            "rollout.env.user.cls=tests.rollout.envs.envs_for_tests:Flaky",
+            f"rollout.env.user.args={{mode: {mode}, at: 2, every: 1}}",
+        ),
+        tok,
+    )
     ep, _ = run(env, tok, ["a", "b", "c"])
     assert ep.failed and ep.failure == kind and ep.reward is None
     assert env.metrics()[f"env/{kind}_total"] == 1
 
 
 def test_user_env_async_and_rewards(tiny_model_dir, tok):
-    env = create_env(cfg_of(tiny_model_dir, *USER, "rollout.env.user.cls=tests.rollout.envs.envs_for_tests:AsyncChatter",
-                            "rollout.env.user.args={turns: 3}"), tok)
+    env = create_env(
+        cfg_of(
+            tiny_model_dir,
+            *USER,
+            "rollout.env.user.cls=tests.rollout.envs.envs_for_tests:AsyncChatter",
+            "rollout.env.user.args={turns: 3}",
+        ),
+        tok,
+    )
     ep, _ = run(env, tok, ["1", "x", "2"])
     assert not ep.failed and ep.turns == 3 and ep.reward == 2.0  # two of the three turns had a digit
     assert env.metrics()["env/info/steps_total"] == 3
@@ -150,11 +171,24 @@ def test_user_env_async_and_rewards(tiny_model_dir, tok):
 
 def test_config_errors_name_the_key(tiny_model_dir, tok):
     with pytest.raises(ConfigError, match=r"rollout.env.user.cls.*must be a class"):
-        create_env(cfg_of(tiny_model_dir, "rollout.env.type=user",
-                          "rollout.env.user.cls=tests.rollout.envs.envs_for_tests:NoClass"), tok)
+        create_env(
+            cfg_of(
+                tiny_model_dir,
+                "rollout.env.type=user",
+                "rollout.env.user.cls=tests.rollout.envs.envs_for_tests:NoClass",
+            ),
+            tok,
+        )
     with pytest.raises(ConfigError, match=r"rollout.env.user.args"):
-        create_env(cfg_of(tiny_model_dir, "rollout.env.type=user", "rollout.env.user.args={nope: 1}",
-                          "rollout.env.user.cls=tests.rollout.envs.envs_for_tests:Chatter"), tok)
+        create_env(
+            cfg_of(
+                tiny_model_dir,
+                "rollout.env.type=user",
+                "rollout.env.user.args={nope: 1}",
+                "rollout.env.user.cls=tests.rollout.envs.envs_for_tests:Chatter",
+            ),
+            tok,
+        )
     with pytest.raises(ConfigError, match=r"rollout.env.tool.tools\[0\]"):
         create_env(cfg_of(tiny_model_dir, "rollout.env.type=tool", "rollout.env.tool.tools=[nowhere.mod:fn]"), tok)
     with pytest.raises(RegistryError, match="valid names"):
@@ -206,9 +240,20 @@ class QwenLike:
 
 
 def test_prefix_check_names_the_first_mismatching_position(tok):
-    check_prefix_stable(ChatCodec(tok), [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-                                         {"role": "tool", "content": "t"}, {"role": "assistant", "content": "b"}])
-    conv = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>hm</think>a"},
-            {"role": "user", "content": "more"}, {"role": "assistant", "content": "b"}]
+    check_prefix_stable(
+        ChatCodec(tok),
+        [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a"},
+            {"role": "tool", "content": "t"},
+            {"role": "assistant", "content": "b"},
+        ],
+    )
+    conv = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "<think>hm</think>a"},
+        {"role": "user", "content": "more"},
+        {"role": "assistant", "content": "b"},
+    ]
     with pytest.raises(TemplateMismatch, match=r"character 24 \(token 24\)"):
         check_prefix_stable(ChatCodec(QwenLike()), conv)

@@ -15,9 +15,14 @@ from tests.rollout.envs import envs_for_tests
 from tests.rollout.envs.envs_for_tests import Chatter
 from tests.rollout.test_server import Fleet, wait_for
 
-FLAKY = ["rollout.env.type=user", "rollout.env.user.cls=tests.rollout.envs.envs_for_tests:Flaky",
-         "rollout.env.user.args={mode: raise, at: 2, every: 3}", "rollout.env.max_tokens_per_turn=4",
-         "rollout.group_size=2", "rollout.prompts_per_batch=2"]
+FLAKY = [
+    "rollout.env.type=user",
+    "rollout.env.user.cls=tests.rollout.envs.envs_for_tests:Flaky",
+    "rollout.env.user.args={mode: raise, at: 2, every: 3}",
+    "rollout.env.max_tokens_per_turn=4",
+    "rollout.group_size=2",
+    "rollout.prompts_per_batch=2",
+]
 
 
 def run_fleet(engine, tiny_model_dir, *overrides, n_groups=3, n_prompts=6):
@@ -33,8 +38,9 @@ def run_fleet(engine, tiny_model_dir, *overrides, n_groups=3, n_prompts=6):
 
 def test_groups_that_lost_samples_are_dropped_and_their_prompts_return(engine, tiny_model_dir):
     envs_for_tests.Flaky.calls = 0
-    fleet, groups = run_fleet(engine, tiny_model_dir, *FLAKY, "rollout.env.min_group_samples=2", n_groups=1,
-                              n_prompts=20)
+    fleet, groups = run_fleet(
+        engine, tiny_model_dir, *FLAKY, "rollout.env.min_group_samples=2", n_groups=1, n_prompts=20
+    )
     env = fleet.server.env.stats.totals
     assert env["errors"] >= 1 and env["samples_dropped"] == env["errors"] and env["groups_dropped"] >= 1
     assert fleet.server.stats.totals["prompts_returned"] >= env["groups_dropped"]
@@ -102,9 +108,17 @@ def env_server():
 
 def test_http_environment_with_retries(engine, tiny_model_dir, env_server):
     server, calls = env_server
-    fleet, groups = run_fleet(engine, tiny_model_dir, "rollout.env.type=http", f"rollout.env.http.url={server.url}",
-                              "rollout.env.http.backoff_s=0.01", "rollout.env.max_tokens_per_turn=4",
-                              "rollout.group_size=2", "rollout.prompts_per_batch=2", n_groups=2)
+    fleet, groups = run_fleet(
+        engine,
+        tiny_model_dir,
+        "rollout.env.type=http",
+        f"rollout.env.http.url={server.url}",
+        "rollout.env.http.backoff_s=0.01",
+        "rollout.env.max_tokens_per_turn=4",
+        "rollout.group_size=2",
+        "rollout.prompts_per_batch=2",
+        n_groups=2,
+    )
     assert calls["failed"] >= 1 and calls["step"] >= 9 and fleet.server.env.stats.totals["errors"] == 0
     for g in groups:
         assert g.metadata["turns"] == [3, 3] and all(parts == {"env": r} for parts, r in zip(g.reward_parts, g.rewards))
@@ -112,9 +126,17 @@ def test_http_environment_with_retries(engine, tiny_model_dir, env_server):
 
 
 def test_http_environment_unreachable_fails_samples(engine, tiny_model_dir):
-    fleet = Fleet(engine, tiny_model_dir, "rollout.env.type=http", f"rollout.env.http.url=http://127.0.0.1:{free_port()}",
-                  "rollout.env.http.retries=1", "rollout.env.http.backoff_s=0.01", "rollout.group_size=2",
-                  "rollout.prompts_per_batch=1", n_prompts=2)
+    fleet = Fleet(
+        engine,
+        tiny_model_dir,
+        "rollout.env.type=http",
+        f"rollout.env.http.url=http://127.0.0.1:{free_port()}",
+        "rollout.env.http.retries=1",
+        "rollout.env.http.backoff_s=0.01",
+        "rollout.group_size=2",
+        "rollout.prompts_per_batch=1",
+        n_prompts=2,
+    )
     try:
         fleet.start_thread()
         wait_for(lambda: fleet.server.env.stats.totals["groups_dropped"] >= 1, 30, "a dropped group")

@@ -16,9 +16,14 @@ from fleetrl.learner.update import response_logprobs
 from tests.rollout.test_server import Fleet, wait_for
 
 TURNS = 9
-ENV = ["rollout.env.type=user", "rollout.env.user.cls=tests.rollout.envs.envs_for_tests:Chatter",
-       f"rollout.env.user.args={{turns: {TURNS}}}", "rollout.env.max_turns=12", "rollout.env.max_tokens_per_turn=5",
-       "rollout.env.max_total_tokens=400"]
+ENV = [
+    "rollout.env.type=user",
+    "rollout.env.user.cls=tests.rollout.envs.envs_for_tests:Chatter",
+    f"rollout.env.user.args={{turns: {TURNS}}}",
+    "rollout.env.max_turns=12",
+    "rollout.env.max_tokens_per_turn=5",
+    "rollout.env.max_total_tokens=400",
+]
 
 
 class Recording:
@@ -72,20 +77,25 @@ def test_multi_turn_tokens_trained_are_the_tokens_sampled(engine, tiny_model_dir
             a, b = offsets[i], offsets[i + 1]
             tokens, mask, logp = tokens_all[a:b], mask_all[a:b], logp_all[a:b]
             # find the episode whose first request had this prompt and whose samples are these tokens
-            turns = next(t for t in by_episode.values() if t[0][0] == prompt and
-                         np.array_equal(np.concatenate([np.asarray(o.token_ids, np.int32) for _, o in t]),
-                                        tokens[mask == 1]))
+            turns = next(
+                t
+                for t in by_episode.values()
+                if t[0][0] == prompt
+                and np.array_equal(np.concatenate([np.asarray(o.token_ids, np.int32) for _, o in t]), tokens[mask == 1])
+            )
             assert len(turns) == TURNS
             sampled = np.concatenate([np.asarray(o.token_ids, np.int32) for _, o in turns])
             assert tokens[mask == 1].tobytes() == sampled.tobytes()  # byte for byte
-            assert logp[mask == 1].tobytes() == np.concatenate(
-                [np.asarray(o.logprobs, np.float32) for _, o in turns]).tobytes()
+            assert (
+                logp[mask == 1].tobytes()
+                == np.concatenate([np.asarray(o.logprobs, np.float32) for _, o in turns]).tobytes()
+            )
             # every request's context was prompt + the response tokens so far: never re-tokenized
             pos = 0
             for t, (context, out) in enumerate(turns):
                 assert context == prompt + tokens[:pos].tolist(), f"turn {t} context"
-                assert tokens[pos:pos + len(out.token_ids)].tolist() == out.token_ids
-                assert mask[pos:pos + len(out.token_ids)].tolist() == [1] * len(out.token_ids)
+                assert tokens[pos : pos + len(out.token_ids)].tolist() == out.token_ids
+                assert mask[pos : pos + len(out.token_ids)].tolist() == [1] * len(out.token_ids)
                 pos += len(out.token_ids)
                 obs_end = pos + int(np.argmax(mask[pos:] == 1)) if t + 1 < len(turns) else len(tokens)
                 obs = tok.decode(tokens[pos:obs_end].tolist())
@@ -115,5 +125,8 @@ def test_multi_turn_tokens_trained_are_the_tokens_sampled(engine, tiny_model_dir
             assert mb.mask[row, :n].numpy().tolist() == g.loss_mask_array()[a:b].astype(np.float32).tolist()
         worst = max(worst, float((logp - mb.behav_logp).abs()[on].max()))
     assert worst <= 1e-5, worst
-    assert batch.last.tolist() == [int(np.flatnonzero(g.loss_mask_array()[g.offsets()[i]:g.offsets()[i + 1]])[-1])
-                                   for g in groups for i in range(g.num_responses)]
+    assert batch.last.tolist() == [
+        int(np.flatnonzero(g.loss_mask_array()[g.offsets()[i] : g.offsets()[i + 1]])[-1])
+        for g in groups
+        for i in range(g.num_responses)
+    ]
