@@ -48,6 +48,9 @@ from fleetrl.rollout.engines.records import Generation, Request
 from fleetrl.rollout.envs.parsers import TOOL_PARSERS
 
 log = logging.getLogger("fleetrl.rollout.endpoint")
+# on close, calls still in flight (an agent waiting for a task, a generation) get this long to finish, then are
+# cancelled (aiohttp waits up to twice this): its default of 60 s outlived close()'s wait and failed the shutdown
+SHUTDOWN_GRACE_S = 3.0
 
 
 class Endpoint:
@@ -95,7 +98,12 @@ class Endpoint:
     async def _start(self) -> None:
         from aiohttp import web
 
-        self.runner = web.AppRunner(self.app(), access_log=None, keepalive_timeout=self.opts.idle_timeout_s)
+        self.runner = web.AppRunner(
+            self.app(),
+            access_log=None,
+            keepalive_timeout=self.opts.idle_timeout_s,
+            shutdown_timeout=SHUTDOWN_GRACE_S,
+        )
         await self.runner.setup()
         port = self.opts.port + self.index if self.opts.port else 0
         loop = asyncio.get_running_loop()  # our own listener: every new connection passes the cap (guard.py)
@@ -114,7 +122,7 @@ class Endpoint:
 
     def close(self) -> None:
         if self.runner is not None and self.engine.loop.loop.is_running():
-            self.engine.loop.call(self._stop(), timeout=10)
+            self.engine.loop.call(self._stop(), timeout=2 * SHUTDOWN_GRACE_S + 4)
         self.runner = None
 
     def app(self) -> Any:

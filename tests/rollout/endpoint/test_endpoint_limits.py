@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 from types import SimpleNamespace
 
@@ -156,3 +157,39 @@ def test_while_clients_wait_a_slot_goes_to_the_one_holding_fewest():
         manager.fail_waiting("test over")
 
     asyncio.run(scenario())
+
+
+def test_close_returns_while_an_agent_still_waits_for_a_task(engine, tiny_model_dir):
+    """The endpoint demo's rollout server exited 1 at the end: close() waited 10 s for aiohttp's shutdown, which
+    gives calls in flight (an agent waiting 30 s for a task) 60 s. Now they get a short grace, then are cancelled."""
+    from fleetrl.rollout.endpoint.sessions import AgentEnv
+
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "rollout.env.type=openai",
+            "rollout.openai.enabled=true",
+            "rollout.openai.port=0",
+        ],
+    )
+    ep = Endpoint(cfg, engine, AgentEnv(cfg, engine.tokenizer))
+    ep.start()
+    outcome: list[object] = []
+
+    def wait_for_a_task():
+        try:
+            outcome.append(httpx.post(f"{ep.root}/fleetrl/sessions", json={"wait_s": 60}, timeout=90).status_code)
+        except httpx.HTTPError as e:
+            outcome.append(e)
+
+    waiter = threading.Thread(target=wait_for_a_task, daemon=True)
+    waiter.start()
+    wait_for(lambda: any(ep.conns.busy.values()), 10, "the waiting agent's call in progress")
+    started = time.monotonic()
+    ep.close()  # raised TimeoutError after 10 s before
+    assert time.monotonic() - started < 10
+    waiter.join(15)
+    assert outcome and outcome[0] != 200  # the waiting call ended (cut or refused), it did not get a session
+    with pytest.raises(httpx.HTTPError):  # and nothing is served any more
+        httpx.get(f"{ep.root}/fleetrl/sessions/x", timeout=2)
