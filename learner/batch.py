@@ -14,7 +14,9 @@ stored on the micro-batch, on the device. Advantages need whole groups, so they 
     for mb in batch.micro: mb.input_ids, mb.targets, mb.mask, mb.behav_logp, mb.old_logp, mb.adv ...
     pairs = pack_pairs(pairs, max_tokens, device)                # PreferenceBatch (DPO)
 
-A sample's ``mask`` is its loss mask: 1 on tokens the policy sampled, 0 on tokens appended to the
+Each sample is packed after its own prompt: the group's shared prompt, or the prompt it carries itself
+(``SampleGroup.prompt_lengths``, agent sessions whose prompts differ), so the learner trains exactly
+the context the engine saw. A sample's ``mask`` is its loss mask: 1 on tokens the policy sampled, 0 on tokens appended to the
 sequence without being sampled (a multi-turn episode's observations, ``SampleGroup.loss_mask``) and
 on padding. Holes inside a response are fine everywhere: advantages, losses, KL and aggregation all
 read the mask.
@@ -175,11 +177,12 @@ def _samples_of(groups: list[SampleGroup]) -> tuple[list[_Sample], dict[str, lis
         prompt = g.prompt_array().astype(np.int64)
         tokens, lps = g.token_array().astype(np.int64), g.logprob_array()  # one conversion per group;
         masks, offsets = g.loss_mask_array().astype(np.float32), g.offsets()  # samples are views into it
-        versions = g.version_array()
+        versions, poffsets = g.version_array(), g.prompt_offsets()  # poffsets: per-sample prompts, or None
         baseline = g.baseline_reward
         for i in range(g.num_responses):
             a, b = offsets[i], offsets[i + 1]
-            samples.append(_Sample(prompt, tokens[a:b], masks[a:b], lps[a:b], versions[a:b]))
+            own = prompt if poffsets is None else prompt[poffsets[i] : poffsets[i + 1]]
+            samples.append(_Sample(own, tokens[a:b], masks[a:b], lps[a:b], versions[a:b]))
             cols["rewards"].append(g.rewards[i])
             cols["group_index"].append(gi)
             cols["versions"].append(g.policy_version)
@@ -294,10 +297,12 @@ def pair_chunks(lengths: Sequence[int], n_pairs: int, max_tokens: int) -> list[l
 
 
 def pack_pairs(
-    pairs: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]], max_tokens: int, device: torch.device, **fields
+    pairs: Sequence[tuple[Sequence[int], ...]], max_tokens: int, device: torch.device, **fields
 ) -> PreferenceBatch:
-    """``(prompt ids, chosen ids, rejected ids)`` pairs -> chunks of whole pairs on ``device``."""
+    """``(prompt ids, chosen ids, rejected ids)`` pairs -> chunks of whole pairs on ``device``. A fourth
+    element, when given, is the rejected response's own prompt (a group with per-sample prompts)."""
     P = len(pairs)
+    sides = [(x[0], x[1]) for x in pairs] + [(x[3] if len(x) > 3 else x[0], x[2]) for x in pairs]
     samples = [
         _Sample(
             np.asarray(p, dtype=np.int64),
@@ -305,7 +310,7 @@ def pack_pairs(
             np.ones(len(r), np.float32),
             np.zeros(len(r), np.float32),
         )
-        for p, r in [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs]
+        for p, r in sides
     ]
     totals = [s.total for s in samples]
     chunks = []

@@ -92,12 +92,13 @@ class CompletionLog:
         for gi, g in enumerate(groups):
             if gi >= self.prompts:
                 break
-            prompt = self.tokenizer.decode(g.prompt_array().tolist(), skip_special_tokens=False)
             masks, offsets = g.loss_mask_array(), g.offsets()
             for i in range(g.num_responses):
                 tokens = g.response_tokens(i).tolist()
                 # a multi-turn sample (appended, mask-0 tokens) keeps its role markers: the turns stay readable
                 multi = bool(len(g.loss_mask)) and not masks[offsets[i] : offsets[i + 1]].all()
+                if i == 0 or g.prompt_lengths:  # a sample with a prompt of its own shows it
+                    prompt = self.tokenizer.decode(g.prompt_of(i).tolist(), skip_special_tokens=False)
                 out.append(
                     {
                         "step": step,

@@ -76,7 +76,7 @@ def online_pairs(leased: Leased, max_tokens: int, device: torch.device) -> Prefe
         tokens, offsets = g.token_array(), g.offsets()
         for i in range(g.num_responses):
             responses.append(tokens[offsets[i] : offsets[i + 1]].astype(np.int64))
-            prompts.append(g.prompt_array().astype(np.int64))
+            prompts.append(g.prompt_of(i).astype(np.int64))
             rewards.append(g.rewards[i])
             gidx.append(gi)
             versions.append(g.policy_version)
@@ -84,9 +84,9 @@ def online_pairs(leased: Leased, max_tokens: int, device: torch.device) -> Prefe
             truncated.append(g.finish_reason(i) == "length")
     rewards_B, gidx_B = torch.tensor(rewards, dtype=torch.float32), torch.tensor(gidx, dtype=torch.int64)
     chosen, rejected, tied = pairs_from_groups(rewards_B, gidx_B)
-    pairs = [(prompts[c], responses[c], responses[r]) for c, r in zip(chosen.tolist(), rejected.tolist())]
+    pairs = [(prompts[c], responses[c], responses[r], prompts[r]) for c, r in zip(chosen.tolist(), rejected.tolist())]
     if not pairs:  # nothing to train on: one placeholder keeps the collective passes of other ranks matched
-        pairs = [(prompts[0], responses[0], responses[-1])]
+        pairs = [(prompts[0], responses[0], responses[-1], prompts[-1])]
     batch = pack_pairs(
         pairs,
         max_tokens,

@@ -1,10 +1,10 @@
 """Group assembly for one rollout server: a prompt's finished samples become one scored `Batch`.
 
 A prompt's ``group_size`` samples (plus, for ReMax, one greedy baseline) are done: keep the samples the
-environment's group rules let through (`rollout/group_rule.py`), settle the group's sessions, find the
-prompt the kept samples share, start the rewards (scorer threads) and hand back the `Batch` the finisher
-pushes. ``None`` means the prompt goes back to the broker (too few samples survived, no agent took the
-tasks, the samples' prompts differ); the reason is logged here and told to the environment.
+environment's group rules let through (`rollout/group_rule.py`), settle the group's sessions, start the
+rewards (scorer threads) and hand back the `Batch` the finisher pushes (each sample keeps the prompt it
+followed: `build_groups`). ``None`` means the prompt goes back to the broker (too few samples survived, no
+agent took the tasks); the reason is logged here and told to the environment.
 """
 
 from __future__ import annotations
@@ -61,19 +61,10 @@ class GroupAssembly:
                 "sessions; rollout.env.min_group_samples)",
             )
             return None
-        prompt_ids = env_groups.common_prompt(kept + (baselines or []), item.prompt_ids)
-        kept = env_groups.fitting(kept, prompt_ids, env_cfg, g, self.env.stats)
-        if kept is None or (baselines and not env_groups.fits(baselines[0], prompt_ids)):
-            log.warning(
-                "prompt %s: its samples' prompts differ and too few share one (group rule: "
-                "rollout.env.min_group_samples); it goes back to the broker",
-                item.prompt.prompt_id,
-            )
-            self.env.settled(group, False, "the group's samples began with different prompts and too few shared one")
-            return None
         self.env.settled(group, True, "")
-        samples = [[env_groups.rebase(s, prompt_ids) for s in kept]]
-        baselines = [env_groups.rebase(s, prompt_ids) for s in baselines] if baselines else None
+        if env_groups.shared_prompt(env_groups.own_prompts(kept, item.prompt_ids)) is None:
+            self.env.stats.add(groups_per_sample_prompts=1)  # each sample keeps its own prompt (build_groups)
+        samples = [kept]
         if item.trace is not None:
             item.trace.generated(
                 item.prompt.prompt_id,
@@ -89,7 +80,7 @@ class GroupAssembly:
         rewards = env_groups.score(self.scorer, inputs, samples[0] + (baselines or []))
         return Batch(
             lease,
-            [prompt_ids],
+            [item.prompt_ids],
             samples,
             item.version,
             now - item.started,

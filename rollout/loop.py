@@ -30,6 +30,7 @@ from fleetrl.broker.client.roles import RolloutClient
 from fleetrl.common import faults
 from fleetrl.common import messages as m
 from fleetrl.common.config import ConfigError
+from fleetrl.rollout import group_rule as env_groups
 from fleetrl.rollout.engines.records import Generation
 from fleetrl.rollout.envs.base import Episode
 from fleetrl.rollout.rewards import RewardInput, RewardResult
@@ -142,17 +143,20 @@ def build_groups(
         gid = uuid.uuid4().hex
         oldest, versions = group_versions(samples, batch.version)
         episodes = [s for s in samples if isinstance(s, Episode)]
+        own = env_groups.own_prompts(samples, ids)
+        shared = env_groups.shared_prompt(own)  # None: the samples' prompts differ, each keeps its own
         groups.append(
             m.build_group(
                 gid,
                 prompt.prompt_id,
                 oldest,
-                ids,
+                own if shared is None else shared,
                 [(s.token_ids, s.logprobs) for s in samples],
                 [r.reward for r in res],
                 [s.finish_reason for s in samples],
                 token_versions=versions,
                 loss_masks=loss_masks(samples),
+                per_sample_prompts=shared is None,
                 reward_parts=[dict(r.parts) for r in res],
                 failed=[r.failed for r in res],
                 failed_parts=[list(r.failed_parts) for r in res] if any(r.failed_parts for r in res) else [],

@@ -35,7 +35,8 @@ else fleetrl eval --config configs/multiturn.yaml --model models/multiturn-warm 
 if [ $ENDPOINT = 1 ]; then
   step "4/6 RL through the OpenAI endpoint: fleetrl run (rollout.env.type=openai) + an openai-client agent"
   fleetrl run --config configs/multiturn.yaml --run-dir "$RUN" --no-status rollout.env.type=openai \
-      rollout.openai.enabled=true rollout.openai.port=0 run.eval_interval=0 ${RL_ARGS:-} &
+      rollout.openai.enabled=true rollout.openai.port=0 run.eval_interval=0 \
+      rollout.openai.max_sessions_per_client="${AGENT_WORKERS:-128}" ${RL_ARGS:-} &
   RUN_PID=$!
   while [ ! -f "$RUN/rollout-0.openai.json" ]; do sleep 1; kill -0 $RUN_PID; done
   ROOT=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['base_url'][:-3])" "$RUN/rollout-0.openai.json")

@@ -210,3 +210,57 @@ class OpenAIConfig(Section):
     max_tokens: Annotated[
         int | None, doc("Longest completion of one call without max_tokens (null = rollout.max_new_tokens).")
     ] = None
+    max_body_bytes: Annotated[
+        int, doc("Largest request body; a larger one is refused with 413 before it is read whole.", ge=1024)
+    ] = 8 * 1024 * 1024
+    body_timeout_s: Annotated[
+        float,
+        doc(
+            "A request body not received whole within this long is refused with 408 (a slow sender holds no handler).",
+            gt=0,
+        ),
+    ] = 30.0
+    max_connections: Annotated[
+        int,
+        doc(
+            "Open connections at most; a new one beyond it closes the longest-idle one "
+            "(a connection with no call in progress).",
+            ge=1,
+        ),
+    ] = 256
+    idle_timeout_s: Annotated[
+        float,
+        doc(
+            "A connection with no call in progress for this long is closed; it is also "
+            "the time a new connection has to send its first request.",
+            gt=0,
+        ),
+    ] = 15.0
+    max_sessions_per_client: Annotated[
+        int,
+        doc(
+            "Training sessions one client (remote address) may hold open at once; more get 429 (0 = no limit). "
+            "An agent running N sessions in parallel needs N.",
+            ge=0,
+        ),
+    ] = 128
+
+    def __post_init__(self) -> None:
+        if not self.api_key and not is_loopback(self.host):
+            raise ValueError(
+                f"rollout.openai.host={self.host!r} is not a loopback address and rollout.openai.api_key "
+                "is not set: anyone who reaches the port could generate and train; set an api_key, or "
+                "bind 127.0.0.1"
+            )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

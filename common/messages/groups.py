@@ -39,6 +39,12 @@ class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     arrays are memoryviews into the frame they arrived in (no copy); use :meth:`token_array`,
     :meth:`logprob_array` and :meth:`response_tokens` to read them.
 
+    Each response is trained after the group's prompt; ``prompt_lengths`` (optional) gives each response a
+    prompt of its own instead: then ``prompt_tokens`` holds the G prompts back to back and response ``i``
+    follows ``prompt_tokens[poffsets[i]:poffsets[i + 1]]`` (:meth:`prompt_of`). A rollout sends it only
+    when its samples' prompts differ (agent sessions opened with and without a system message); frames
+    without it decode as before (one shared prompt).
+
     Two optional per-token arrays ride the same way (empty = the default for every token):
 
     - ``loss_mask`` (uint8): 1 for tokens the policy sampled and the learner trains on, 0 for tokens
@@ -70,6 +76,7 @@ class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     token_versions: memoryview = b""  # type: ignore[assignment]  # int32 LE [sum(lengths)] or empty (= all policy_version)
     baseline_reward: float | None = None  # ReMax: the reward of the prompt's greedy response (None = not sampled)
     failed_parts: list[list[str]] = []  # [G] the reward labels that failed on each sample; empty = none failed
+    prompt_lengths: list[int] = []  # [G] each response's own prompt (back to back in prompt_tokens); empty = shared
 
     def __post_init__(self) -> None:
         gid, n = self.group_id, len(self.lengths)
@@ -125,6 +132,16 @@ class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
             )
         if not len(self.prompt_tokens) or len(self.prompt_tokens) % 4:
             raise ValueError(f"group {gid} prompt_tokens is {len(self.prompt_tokens)} bytes, not int32 ids")
+        if self.prompt_lengths and (
+            len(self.prompt_lengths) != n
+            or min(self.prompt_lengths) < 1
+            or 4 * sum(self.prompt_lengths) != len(self.prompt_tokens)
+        ):
+            raise ValueError(
+                f"group {gid} has prompt_lengths {self.prompt_lengths[:8]} for {n} responses and "
+                f"{len(self.prompt_tokens) // 4} prompt tokens; send one length >= 1 per response "
+                "summing to the prompt tokens, or none (one shared prompt)"
+            )
         if not 0 <= self.policy_version <= MAX_POLICY_VERSION:
             raise ValueError(f"group {gid} has policy_version {self.policy_version} outside [0, {MAX_POLICY_VERSION}]")
 
@@ -141,7 +158,20 @@ class SampleGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
         return np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
 
     def prompt_array(self) -> np.ndarray:
+        """int32 [P]: the shared prompt (with ``prompt_lengths``: every response's prompt back to back)."""
         return np.frombuffer(self.prompt_tokens, dtype=TOKEN_DTYPE)
+
+    def prompt_offsets(self) -> np.ndarray | None:
+        """[G + 1] start of each response's own prompt in ``prompt_tokens``, or None for a shared prompt."""
+        if not self.prompt_lengths:
+            return None
+        return np.concatenate([[0], np.cumsum(self.prompt_lengths)]).astype(np.int64)
+
+    def prompt_of(self, i: int) -> np.ndarray:
+        """int32 [p]: the prompt response ``i`` follows (the shared one, or its own)."""
+        offsets = self.prompt_offsets()
+        whole = self.prompt_array()
+        return whole if offsets is None else whole[offsets[i] : offsets[i + 1]]
 
     def token_array(self) -> np.ndarray:
         return np.frombuffer(self.tokens, dtype=TOKEN_DTYPE)
@@ -179,11 +209,13 @@ def build_group(
     finish_reasons: list[str] | None = None,
     loss_masks: list[Any] | None = None,
     token_versions: list[Any] | None = None,
+    per_sample_prompts: bool = False,
     **fields: Any,
 ) -> SampleGroup:
     """A SampleGroup from per-response (token ids, log-probs) pairs (lists or arrays).
 
     ``loss_masks`` / ``token_versions``: one array per response (or None for the defaults).
+    ``prompt_ids``: the shared prompt, or (``per_sample_prompts=True``) one prompt per response.
     """
     tokens = [np.asarray(t, dtype=TOKEN_DTYPE) for t, _ in responses]
     logprobs = [np.asarray(lp, dtype=LOGPROB_DTYPE) for _, lp in responses]
@@ -191,8 +223,13 @@ def build_group(
         fields["loss_mask"] = b"".join(np.asarray(x, dtype=MASK_DTYPE).tobytes() for x in loss_masks)
     if token_versions is not None:
         fields["token_versions"] = b"".join(np.asarray(x, dtype=TOKEN_DTYPE).tobytes() for x in token_versions)
+    if per_sample_prompts:
+        fields["prompt_lengths"] = [len(p) for p in prompt_ids]
+        prompt_bytes = b"".join(np.asarray(p, dtype=TOKEN_DTYPE).tobytes() for p in prompt_ids)
+    else:
+        prompt_bytes = np.asarray(prompt_ids, dtype=TOKEN_DTYPE).tobytes()
     arrays: dict[str, Any] = dict(  # bytes for the memoryview fields (decoded groups hold memoryviews: both buffers)
-        prompt_tokens=np.asarray(prompt_ids, dtype=TOKEN_DTYPE).tobytes(),
+        prompt_tokens=prompt_bytes,
         tokens=b"".join(t.tobytes() for t in tokens),
         logprobs=b"".join(lp.tobytes() for lp in logprobs),
         finish_reasons=list(finish_reasons or []),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections import Counter, deque
@@ -40,6 +41,7 @@ from fleetrl.rollout.envs.episode import Budget, EpisodeBuilder
 log = logging.getLogger("fleetrl.rollout.endpoint")
 REAP_S = 0.5
 NO_AGENT = "no agent opened a session for this sample within {:g} s"
+SESSION_ID = re.compile(r"[0-9a-f]{32}")  # uuid4().hex
 
 
 class ApiError(Exception):
@@ -109,8 +111,8 @@ class Slot:
 class Session:
     """One agent's calls as one growing token sequence (see the module docstring)."""
 
-    def __init__(self, sid: str, slot: Slot, budget: Budget):
-        self.id, self.slot, self.budget = sid, slot, budget
+    def __init__(self, sid: str, slot: Slot, budget: Budget, client: str = ""):
+        self.id, self.slot, self.budget, self.client = sid, slot, budget, client
         self.builder: EpisodeBuilder | None = None
         self.codec: ChatCodec | None = None
         self.kind = ""  # "chat" | "completion", fixed by the first call
@@ -120,7 +122,7 @@ class Session:
         self.lock = asyncio.Lock()
         self.last_active = time.monotonic()
         self.truncated = ""
-        self.replay: tuple[str, dict[str, Any]] | None = None  # (call key, response) of the last call
+        self.replays: dict[str, dict[str, Any]] = {}  # call key -> its response, for every call that succeeded
         self.pending = ""  # the key of the call in progress
 
     def snapshot(self) -> tuple:
@@ -271,6 +273,9 @@ class SessionManager:
     def __init__(self, cfg: Any, stats: Any):
         self.cfg, self.stats = cfg, stats
         self.timeout_s = cfg.rollout.openai.session_timeout_s
+        self.per_client = cfg.rollout.openai.max_sessions_per_client
+        self.held: Counter[str] = Counter()  # client -> its open sessions
+        self.asking: Counter[str] = Counter()  # client -> its calls waiting in start()
         self.waiting: deque[Slot] = deque()
         self.open: dict[str, Session] = {}
         self.ended: dict[str, str] = {}  # session id -> how it ended (expired, closed...), for clear errors
@@ -296,29 +301,59 @@ class SessionManager:
         ready.set()
         return await slot.future
 
-    async def start(self, wait_s: float) -> Session:
-        """The oldest waiting slot as a new session; ApiError 503 when none comes within ``wait_s``."""
+    async def start(self, wait_s: float, client: str = "") -> Session:
+        """The oldest waiting slot as a new session for ``client``; ApiError 503 when none comes within ``wait_s``,
+        429 when the client holds ``max_sessions_per_client`` already. While several clients wait, a slot goes to
+        the one holding the fewest sessions (one client cannot take every task while others wait)."""
+        if self.per_client and self.held[client] >= self.per_client:
+            self.counts["sessions_refused_client_limit"] += 1
+            raise ApiError(
+                429,
+                f"this client ({client}) holds {self.held[client]} open sessions, the most one client may "
+                "(rollout.openai.max_sessions_per_client); close one first",
+                "too_many_sessions",
+            )
         ready = self._loop_state()
         deadline = time.monotonic() + wait_s
-        while not self.waiting:
-            ready.clear()
-            try:
-                await asyncio.wait_for(ready.wait(), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                raise ApiError(
-                    503,
-                    f"no task is waiting for an agent (waited {wait_s:g} s); the server may be paused "
-                    "or between leases: try again",
-                    "no_task",
-                    "server_error",
-                ) from None
+        self.asking[client] += 1
+        try:
+            while not self.waiting or self._yields(client):
+                ready.clear()
+                try:
+                    await asyncio.wait_for(ready.wait(), max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise ApiError(
+                        503,
+                        f"no task is waiting for an agent (waited {wait_s:g} s); the server may be "
+                        "paused or between leases: try again",
+                        "no_task",
+                        "server_error",
+                    ) from None
+        finally:
+            self.asking[client] -= 1
+            if not self.asking[client]:
+                del self.asking[client]
         slot = self.waiting.popleft()
+        if self.waiting:
+            ready.set()  # the other waiters look again
         sid = uuid.uuid4().hex
-        self.open[sid] = Session(sid, slot, Budget.from_config(self.cfg, slot.engine))
+        self.open[sid] = Session(sid, slot, Budget.from_config(self.cfg, slot.engine), client)
+        self.held[client] += 1
         self.counts["sessions_opened"] += 1
         return self.open[sid]
 
+    def _yields(self, client: str) -> bool:
+        """Whether ``client`` lets another waiting client that holds fewer sessions take the next slot."""
+        mine = self.held[client]
+        return any(self.held[other] < mine for other in self.asking if other != client)
+
     def get(self, sid: str) -> Session:
+        if not isinstance(sid, str) or not SESSION_ID.fullmatch(sid):
+            raise ApiError(
+                400,
+                f"{str(sid)[:80]!r} is not a session id (32 hexadecimal digits, as POST /fleetrl/sessions gives)",
+                "invalid_session_id",
+            )
         session = self.open.get(sid)
         if session is None:
             how = self.ended.get(sid)
@@ -335,6 +370,9 @@ class SessionManager:
     ) -> Episode:
         session = self.get(sid)
         del self.open[sid]
+        self.held[session.client] -= 1
+        if self.held[session.client] <= 0:
+            del self.held[session.client]
         self.ended[sid] = how
         self.groups[sid] = session.slot.request_id.rpartition("/")[0]
         while len(self.ended) > 10000:

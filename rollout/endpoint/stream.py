@@ -1,17 +1,30 @@
-"""``stream: true`` for the endpoint's routes: a finished response sent as OpenAI's server-sent events.
+"""How one call's response goes out: JSON, or (``stream: true``) OpenAI's server-sent events.
 
-The reply is generated whole first (a session's tokens and a tool call's parse need the whole turn),
-then written as the chunks an OpenAI server would send: per choice one chunk with the whole delta
-(role, content, tool calls with their ``index``) and one with its ``finish_reason``; with
-``stream_options.include_usage`` a last chunk with empty ``choices`` and the usage; then
-``data: [DONE]``. Clients that only stream (many agent harnesses do) work unchanged; they see the
-reply arrive at once rather than token by token.
+A streamed call without ``tools`` gets its text **as the tokens are sampled**: the engine hands each
+request's new tokens to ``Request.on_token`` (`Sender.watch`), and a pump writes one
+``chat.completion.chunk`` (or ``text_completion`` chunk) per batch of new text. The text sent trails
+the sampled tokens by one token (the newest may be the stop token, which is never shown) and, with stop
+strings, by the longest stop string (so a stop string is never sent); an incomplete UTF-8 character waits
+for its next byte. When the generation ends, the rest of the final text follows, then one chunk per
+choice with its ``finish_reason``, with ``stream_options.include_usage`` a last chunk with the usage, and
+``data: [DONE]``. A call with ``tools`` (a tool call is parsed from the whole turn) and a replayed
+session call send the finished reply the same way, at once. A failure after the first event is sent as
+an event ``{"error": {...}}`` (the HTTP status is already 200).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
+
+from fleetrl.rollout.endpoint.sessions import ApiError
+
+log = logging.getLogger("fleetrl.rollout.endpoint")
 
 
 def chat_chunks(resp: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
@@ -53,19 +66,163 @@ def completion_chunks(resp: dict[str, Any], include_usage: bool) -> list[dict[st
     return chunks
 
 
-async def send(request: Any, body: dict[str, Any], resp: dict[str, Any]) -> Any:
-    """``resp`` as JSON, or as server-sent events when the call asked for ``stream: true``."""
-    from aiohttp import web
+def safe_prefix(text: str, stops: Sequence[str]) -> str:
+    """What of a partial reply's ``text`` may be sent: cut at a stop string, else short of the longest one (it
+    may be completing), and without a trailing incomplete UTF-8 character."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    if found:
+        return text[: min(found)]
+    if stops:
+        text = text[: max(0, len(text) - max(map(len, stops)) + 1)]
+    return text.rstrip("\ufffd")
 
-    if not body.get("stream"):
-        return web.json_response(resp)
-    opts = body.get("stream_options")
-    include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
-    chunks = (chat_chunks if resp["object"] == "chat.completion" else completion_chunks)(resp, include_usage)
-    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await out.prepare(request)
-    for chunk in chunks:
-        await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
-    await out.write(b"data: [DONE]\n\n")
-    await out.write_eof()
-    return out
+
+class Sender:
+    """One call's response (see the module docstring). ``kind``: "chat" or "text"; ``decode(ids)``: the text
+    a list of sampled tokens shows (the same rule as the final reply's)."""
+
+    def __init__(self, request: Any, body: dict[str, Any], kind: str, model: str, decode: Callable[[list[int]], str]):
+        self.request, self.body, self.kind, self.decode = request, body, kind, decode
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created, self.model = int(time.time()), model
+        self.streaming = body.get("stream") is True
+        self.incremental = self.streaming and not body.get("tools")  # a tool call needs the whole turn
+        self.tokens: dict[int, list[int]] = {}
+        self.sent: dict[int, str] = {}
+        self.stops: tuple[str, ...] = ()
+        self.out: Any = None  # the StreamResponse once the first event went out
+        self.broken = False  # the client went away: the call still completes (a session records it)
+        self._wake = asyncio.Event()
+        self._done = False
+        self._pump: asyncio.Task | None = None
+
+    def watch(self, index: int, stops: Sequence[str] = ()) -> Callable[[list[int]], None] | None:
+        """The ``Request.on_token`` of choice ``index`` (None when the call does not stream incrementally)."""
+        if not self.incremental:
+            return None
+        loop = asyncio.get_running_loop()
+        self.tokens[index], self.sent[index], self.stops = [], "", tuple(stops)
+        if self._pump is None:
+            self._pump = loop.create_task(self._run_pump())
+
+        def on_token(ids: list[int]) -> None:  # engine thread (hf) or this loop (vllm)
+            loop.call_soon_threadsafe(self._arrived, index, ids)
+
+        return on_token
+
+    def _arrived(self, index: int, ids: list[int]) -> None:
+        self.tokens[index].extend(ids)
+        self._wake.set()
+
+    def _head(self) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _delta(self, index: int, text: str, first: bool) -> dict[str, Any]:
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            return {
+                **self._head(),
+                "choices": [{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}],
+            }
+        return {**self._head(), "choices": [{"index": index, "text": text, "finish_reason": None, "logprobs": None}]}
+
+    async def _write(self, obj: dict[str, Any] | str) -> None:
+        if self.broken:
+            return
+        try:
+            if self.out is None:
+                from aiohttp import web
+
+                self.out = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                )
+                await self.out.prepare(self.request)
+            data = obj if isinstance(obj, str) else json.dumps(obj)
+            await self.out.write(f"data: {data}\n\n".encode())
+        except (ConnectionError, RuntimeError) as e:  # the client closed the connection
+            log.debug("endpoint: a streaming client went away (%s)", e)
+            self.broken = True
+
+    async def _run_pump(self) -> None:
+        while not self._done:
+            await self._wake.wait()
+            self._wake.clear()
+            for index, ids in self.tokens.items():
+                text = safe_prefix(self.decode(ids[:-1]), self.stops)  # one token behind: the newest may end it
+                sent = self.sent[index]
+                if len(text) > len(sent) and text.startswith(sent):
+                    await self._write(self._delta(index, text[len(sent) :], first=not sent))
+                    self.sent[index] = text
+
+    async def _stop_pump(self) -> None:
+        self._done = True
+        self._wake.set()
+        if self._pump is not None:
+            await self._pump
+
+    async def respond(self, make: Callable[[], Awaitable[dict[str, Any]]]) -> Any:
+        """Run the call (``make`` returns the finished response object) and send its response."""
+        from aiohttp import web
+
+        try:
+            resp = await make()
+        except asyncio.CancelledError:
+            if self._pump is not None:
+                self._pump.cancel()
+            raise
+        except Exception as e:
+            await self._stop_pump()
+            if self.out is None:
+                raise
+            err = (
+                e
+                if isinstance(e, ApiError)
+                else ApiError(500, f"{type(e).__name__}: {e}", "server_error", "server_error")
+            )
+            if not isinstance(e, ApiError):
+                log.exception("endpoint: a streamed call failed after its first event")
+            await self._write(err.body())
+            await self._write("[DONE]")
+            return self.out
+        await self._stop_pump()
+        if not self.streaming:
+            return web.json_response(resp)
+        opts = self.body.get("stream_options")
+        include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+        for chunk in self._final_chunks(resp, include_usage):
+            await self._write(chunk)
+        await self._write("[DONE]")
+        if not self.broken:
+            await self.out.write_eof()
+        return self.out
+
+    def _final_chunks(self, resp: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+        whole = chat_chunks if self.kind == "chat" else completion_chunks
+        if not any(self.sent.values()) or resp["id"] != self.id:  # nothing sent yet (or a replay): all at once
+            return whole(resp, include_usage)
+        chunks = []
+        for choice in resp["choices"]:
+            index, sent = choice["index"], self.sent.get(choice["index"], "")
+            final = (choice["message"].get("content") or "") if self.kind == "chat" else choice["text"]
+            if not final.startswith(sent):
+                log.warning("endpoint: streamed text %r is not a prefix of the final %r", sent[-40:], final[-40:])
+            elif len(final) > len(sent):
+                chunks.append(self._delta(index, final[len(sent) :], first=not sent))
+            end = {"delta": {}} if self.kind == "chat" else {"text": ""}
+            chunks.append(
+                {
+                    **self._head(),
+                    "choices": [
+                        {
+                            "index": index,
+                            **end,
+                            "finish_reason": choice["finish_reason"],
+                            "logprobs": choice.get("logprobs"),
+                        }
+                    ],
+                }
+            )
+        if include_usage:
+            chunks.append({**self._head(), "choices": [], "usage": resp["usage"]})
+        return chunks

@@ -83,6 +83,23 @@ def shared_loop() -> EngineLoop:
         return _LOOP
 
 
+def stream_tokens(jobs: Sequence[_Job], token_R: torch.Tensor) -> None:
+    """Hand each streaming request (``Request.on_token``) the token its row just sampled. A failing
+    callback is logged and dropped: it never fails the decode step of the other rows."""
+    watching = [(row, job) for row, job in enumerate(jobs) if job.request.on_token is not None]
+    if not watching:
+        return
+    tokens = token_R.tolist()
+    for row, job in watching:
+        try:
+            job.request.on_token([tokens[row]])
+        except Exception:  # noqa: BLE001 - the caller's callback; its request still gets its Generation
+            log.exception(
+                "hf engine: the token callback of request %s failed; it gets no more tokens", job.request.request_id
+            )
+            job.request.on_token = None
+
+
 class HFEngine(Engine):
     def __init__(
         self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str, seed: int, num_threads: int | None = None
@@ -240,6 +257,7 @@ class HFEngine(Engine):
             rows.logits_RV, rows.groups, rows.jobs, self._generator, self._stop_ids_of
         )
         rows.record(token_R, logp_R, self.version)
+        stream_tokens(rows.jobs, token_R)
         done_R |= rows.steps_R >= rows.limit_R
         by_string_R = self._stop_string_hits(rows)
         if by_string_R is not None:

@@ -4,6 +4,7 @@ with the behaviour log-prob and the policy version of every sampled token; see `
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fleetrl.rollout.engines.params import SamplingParams
@@ -19,12 +20,16 @@ class Request:
         (None = the engine's own generator).
     request_id: unique while the request is in flight (abort and logs use it).
     trace: the W3C trace context (traceparent, tracestate) of the caller's span, or None.
+    on_token: streaming: called with the token ids sampled since its last call, as they are produced
+        (hf: from the decode thread; vllm: on the engine loop), so it must be thread-safe and quick.
+        What it got is not final (a stop string may cut the last tokens): the `Generation` is.
     """
 
     prompt_ids: list[int]
     params: SamplingParams
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     trace: dict[str, str] | None = None
+    on_token: Callable[[list[int]], None] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass

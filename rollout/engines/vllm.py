@@ -93,7 +93,8 @@ def check_params_fit(params: SamplingParams, mode: str) -> None:
         )
 
 
-def to_vllm_params(params: SamplingParams) -> Any:
+def to_vllm_params(params: SamplingParams, stream: bool = False) -> Any:
+    """vLLM's sampling params; ``stream``: outputs as tokens are produced (cumulative), else only the final one."""
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -109,8 +110,23 @@ def to_vllm_params(params: SamplingParams) -> Any:
         skip_special_tokens=True,
         seed=params.seed,
         logprobs=0,  # the sampled token's log-prob only
-        output_kind=RequestOutputKind.FINAL_ONLY,
+        output_kind=RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY,
     )
+
+
+def stream_new_tokens(request: Request, token_ids: Any, streamed: int) -> int:
+    """Hand ``request.on_token`` the tokens of a cumulative output past the first ``streamed``; returns how many
+    it has now. A failing callback is logged and dropped (the request still gets its Generation)."""
+    if len(token_ids) <= streamed or request.on_token is None:
+        return streamed
+    try:
+        request.on_token(list(token_ids[streamed:]))
+    except Exception:  # noqa: BLE001 - the caller's callback
+        log.exception(
+            "vllm engine: the token callback of request %s failed; it gets no more tokens", request.request_id
+        )
+        request.on_token = None
+    return len(token_ids)
 
 
 def span_versions(spans: Any, num_tokens: int, fallback: int) -> list[int]:
@@ -229,14 +245,15 @@ class VllmEngine(Engine):
             raise ValueError("the prompt is empty; every prompt needs at least one token")
         submitted = self.version
         prompt = {"prompt_token_ids": list(request.prompt_ids), "cache_salt": f"v{submitted}"}
-        final = None
+        final, streamed = None, 0
         # the caller's span (rollout.generate) as the parent of vLLM's own request spans, when vLLM traces
         # (engine arg otlp_traces_endpoint); vLLM ignores it otherwise
         trace = {"trace_headers": dict(request.trace)} if request.trace else {}
-        async for out in self._llm.generate(
-            prompt, to_vllm_params(request.params), request_id=request.request_id, **trace
-        ):
+        params = to_vllm_params(request.params, stream=request.on_token is not None)
+        async for out in self._llm.generate(prompt, params, request_id=request.request_id, **trace):
             final = out
+            if request.on_token is not None:  # streaming: the tokens new since the last output
+                streamed = stream_new_tokens(request, out.outputs[0].token_ids, streamed)
         if final is None:
             raise RuntimeError(f"vLLM returned nothing for request {request.request_id}")
         return to_generation(final.outputs[0], request.request_id, self.version, submitted)

@@ -155,7 +155,7 @@ class EnvStats:
         "samples_dropped",
         "groups_dropped",
         "groups_partial",
-        "prompt_mismatch",
+        "groups_per_sample_prompts",
     )
 
     def __init__(self) -> None:

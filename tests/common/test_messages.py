@@ -247,3 +247,23 @@ def test_the_remax_baseline_is_a_typed_field_an_old_frame_decodes_without_it_and
     g.baseline_reward = float("nan")
     with pytest.raises(m.ProtocolError, match="baseline_reward"):
         m.decode_request(m.encode(m.PushGroup(req_id=1, client_id="r0", group=g)))
+
+
+def test_per_sample_prompts_round_trip_and_frames_without_them_decode_as_before():
+    """Issue 28: a group whose samples' prompts differ carries each one (``prompt_lengths``)."""
+    g = m.build_group(
+        "g", "p", 0, [[1, 2, 3], [4]], [([5, 6], [-1, -2]), ([7], [-0.5])], [1.0, 0.0], per_sample_prompts=True
+    )
+    back = m.decode_group(m.encode(g))
+    assert (
+        back.prompt_lengths == [3, 1] and back.prompt_of(0).tolist() == [1, 2, 3] and back.prompt_of(1).tolist() == [4]
+    )
+    assert m.check_group(back) is None
+    old = msgspec.msgpack.decode(m.encode(m.build_group("h", "p", 0, [1, 2], [([5], [-1])], [1.0])))[:-1]
+    shared = m.decode_group(msgspec.msgpack.encode(old))  # a frame of the code before the field: one entry short
+    assert shared.prompt_lengths == [] and shared.prompt_of(0).tolist() == [1, 2] and shared.prompt_offsets() is None
+    raw = msgspec.msgpack.decode(m.encode(g))
+    for bad in ([3], [3, 2], [4, 0]):
+        raw[-1] = bad
+        with pytest.raises(m.ProtocolError, match="prompt_lengths"):
+            m.decode_group(msgspec.msgpack.encode(raw))

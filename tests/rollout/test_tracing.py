@@ -108,7 +108,7 @@ def test_the_vllm_engine_passes_the_trace_context_to_its_requests(monkeypatch):
     from fleetrl.rollout.engines import vllm
     from fleetrl.rollout.engines.vllm import VllmEngine
 
-    monkeypatch.setattr(vllm, "to_vllm_params", lambda params: params)
+    monkeypatch.setattr(vllm, "to_vllm_params", lambda params, stream=False: params)
 
     seen = []
 

@@ -1,0 +1,177 @@
+"""Real streaming, what an agent sees of special tokens, and resends of older calls (issue 28).
+
+- ``stream: true`` sends deltas as the tokens are sampled: the engine is held after its third token
+  until the client has received a delta, so a reply sent whole at the end would never get there;
+- a special token sampled mid-reply is trained, so the agent sees it too (it used to be stripped: 1,198
+  of 3,521 replies of a random model differed from what was trained);
+- a resend of an *older* call of a session gets that call's recorded reply (only the last one was kept);
+- the vLLM engine's streaming path (cumulative outputs -> ``on_token``), with a stand-in for vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from fleetrl.common.config import load_config
+from fleetrl.rollout.endpoint.server import Endpoint
+from fleetrl.rollout.engines.params import SamplingParams
+from fleetrl.rollout.engines.records import Request
+from tests.rollout.endpoint.test_endpoint import AgentFleet
+from tests.rollout.test_server import wait_for
+
+
+class Gated:
+    """The engine; a streaming request's third token waits until ``seen`` is set (at most 5 s)."""
+
+    def __init__(self, engine):
+        self.inner, self.seen, self.waited = engine, threading.Event(), None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def generate(self, request):
+        if request.on_token is not None:
+            inner, count = request.on_token, [0]
+
+            def on_token(ids):
+                count[0] += len(ids)
+                if count[0] == 3:  # the decode thread waits: no fourth token before the client saw a delta
+                    self.waited = self.seen.wait(5.0)
+                inner(ids)
+
+            request.on_token = on_token
+        return await self.inner.generate(request)
+
+
+@pytest.fixture(scope="module")
+def gated(engine, tiny_model_dir):
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "rollout.openai.enabled=true", "rollout.openai.port=0"])
+    eng = Gated(engine)
+    ep = Endpoint(cfg, eng)
+    ep.start()
+    yield ep, eng
+    ep.close()
+
+
+def test_the_first_delta_arrives_before_the_last_token_is_sampled(gated):
+    ep, eng = gated
+    c = openai.OpenAI(base_url=ep.base_url, api_key="x", max_retries=0, timeout=60)
+    for seed in range(8):  # a seeded reply (the same every run) long enough, whose first token shows text
+        eng.seen.clear()
+        eng.waited = None
+        deltas, finish = [], None
+        stream = c.completions.create(
+            model="m",
+            prompt="Once upon a time",
+            max_tokens=24,
+            seed=seed,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                deltas.append(chunk.choices[0].text)
+                eng.seen.set()
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+            usage = chunk.usage
+        eng.seen.set()
+        if usage.completion_tokens >= 6 and eng.waited:
+            break
+    assert eng.waited is True  # the engine was held at token 3 until the client had a delta: it was streamed
+    assert len(deltas) >= 2 and finish in ("stop", "length")
+    whole = c.completions.create(model="m", prompt="Once upon a time", max_tokens=24, seed=seed)
+    assert "".join(deltas) == whole.choices[0].text  # the deltas add up to the reply
+    chat = list(
+        c.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=8, seed=seed, stream=True
+        )
+    )
+    eng.seen.set()
+    assert chat[0].choices[0].delta.role == "assistant" and chat[-1].choices[0].finish_reason is not None
+
+
+def test_special_tokens_sampled_mid_reply_are_seen_and_an_older_call_is_replayed(engine, tiny_model_dir):
+    fleet = AgentFleet(
+        engine,
+        tiny_model_dir,
+        "rollout.env.min_group_samples=1",
+        "rollout.env.max_turns=3",
+        "rollout.max_new_tokens=16",
+        "rollout.openai.session_timeout_s=3",
+    )
+    tok = engine.tokenizer
+    specials = [t for t in tok.all_special_tokens if t != tok.eos_token]
+    found = None
+    try:
+        fleet.start_thread()
+        wait_for(lambda: fleet.server.endpoint.port, 20, "the endpoint")
+        root = fleet.server.endpoint.root
+        for k in range(40):  # a random model samples a special token in ~2% of its tokens
+            s = httpx.post(f"{root}/fleetrl/sessions", json={"wait_s": 20}, timeout=30).json()
+            c = openai.OpenAI(base_url=s["base_url"], api_key="x", max_retries=0, timeout=30)
+            ask = [{"role": "user", "content": s["task"]["prompt"]}]
+            first = c.chat.completions.create(model="m", messages=ask)
+            later = ask + [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+            second = c.chat.completions.create(model="m", messages=later)
+            again = c.chat.completions.create(model="m", messages=ask)  # a resend of the *first* call
+            assert again.id == first.id and again.choices[0].message.content == first.choices[0].message.content
+            replies = [first.choices[0].message.content, second.choices[0].message.content]
+            httpx.post(f"{root}/fleetrl/sessions/{s['session_id']}/close", json={"reward": float(k)})
+            if any(sp in r for r in replies for sp in specials):
+                found = (float(k), replies)
+                break
+        assert found is not None, "no special token sampled in 40 sessions"
+        groups = []
+        wait_for(
+            lambda: groups.extend(fleet.drain()) or any(found[0] in g.rewards for g in groups),
+            30,
+            "the session's group",
+        )
+    finally:
+        fleet.stop()
+    assert fleet.server.endpoint.counts["calls_replayed"] >= 1
+    g = next(g for g in groups if found[0] in g.rewards)
+    i = g.rewards.index(found[0])
+    tokens, mask = g.response_tokens(i).tolist(), g.loss_mask_array()[g.offsets()[i] : g.offsets()[i + 1]]
+    cuts = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    segments = [tokens[a:b] for a, b in zip(cuts[::2], cuts[1::2])]
+    shown = [tok.decode(x[:-1] if x[-1] == tok.eos_token_id else x, skip_special_tokens=False) for x in segments]
+    assert shown == found[1]  # what the agent got is what is trained, special tokens and all
+
+
+def test_the_vllm_engine_streams_cumulative_outputs(monkeypatch):
+    from fleetrl.rollout.engines import vllm as vllm_engine
+
+    def output(ids, finish=None):
+        lp = [{t: SimpleNamespace(logprob=-0.5)} for t in ids]
+        return SimpleNamespace(
+            outputs=[SimpleNamespace(token_ids=list(ids), logprobs=lp, finish_reason=finish, text="x" * len(ids))]
+        )
+
+    class FakeLLM:  # vLLM's AsyncLLM.generate with output_kind CUMULATIVE: every output holds all tokens so far
+        def __init__(self):
+            self.params = None
+
+        async def generate(self, prompt, params, request_id, **kw):
+            self.params = params
+            for k in (1, 3, 3, 5):
+                yield output([7, 8, 9, 10, 11][:k], "stop" if k == 5 else None)
+
+    monkeypatch.setattr(vllm_engine, "to_vllm_params", lambda params, stream=False: {"stream": stream})
+    monkeypatch.setattr(vllm_engine, "check_params_fit", lambda params, mode: None)
+    eng = vllm_engine.VllmEngine.__new__(vllm_engine.VllmEngine)
+    eng._llm, eng.version, eng.mode = FakeLLM(), 0, "raw_logprobs"
+    got = []
+    gen = asyncio.run(eng.generate(Request([1, 2], SamplingParams(), on_token=got.append)))
+    assert got == [[7], [8, 9], [10, 11]] and gen.token_ids == [7, 8, 9, 10, 11]
+    assert eng._llm.params == {"stream": True}
+    asyncio.run(eng.generate(Request([1, 2], SamplingParams())))
+    assert eng._llm.params == {"stream": False}  # rollouts do not stream: only the final output
