@@ -114,6 +114,7 @@ class RolloutServer:
         self.assembly = GroupAssembly(cfg, self.env, scorer, self.client_id, self.params, self.greedy_baseline)
         self.paused = False
         self.stop_reason = ""
+        self.closing = False  # set by shutdown(): failures of what is still in flight are expected from then on
         self._stop = stop_event or threading.Event()
         self.leases, self.stats = OpenLeases(), Stats()
         self.metrics = MetricsFile(self.run_dir / f"rollout-{server_index}.metrics.jsonl" if self.run_dir else None)
@@ -207,6 +208,7 @@ class RolloutServer:
         return lease
 
     def shutdown(self, finish: bool, give_back: bool) -> None:
+        self.closing = True
         self.env.begin_stop()
         if finish:
             try:
@@ -338,8 +340,12 @@ class RolloutServer:
     def _finished(self, key: int, item: InFlight) -> None:
         del self.inflight[key]
         if item.failed is not None:
-            log.error(
-                "generation failed for prompt %s (%s); it goes back to the broker", item.prompt.prompt_id, item.failed
+            # while the server shuts down, the closing engine fails what is in flight: expected, not an error
+            log.log(
+                logging.DEBUG if self.closing else logging.ERROR,
+                "generation failed for prompt %s (%s); it goes back to the broker",
+                item.prompt.prompt_id,
+                item.failed,
             )
             self._give_back(item)
             return

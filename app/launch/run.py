@@ -150,6 +150,15 @@ class Child:
             self.log_handle.close()
             self.log_handle = None
 
+    def last_line_with(self, text: str) -> str:
+        """The last line of its log that contains ``text`` (e.g. the reason a rollout server gave for stopping),
+        or "" (lines logged after it, such as requests the closing engine failed, do not hide it)."""
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return next((line for line in reversed(lines) if text in line), "")
+
     def last_words(self) -> str:
         """The last line of its log that says how it ended (its final `stopped` / `done` line), without the prefix."""
         try:
@@ -302,7 +311,7 @@ class Launcher:
                 raise LaunchError(
                     f"{child.name} stopped: its rewards gave no usable score for "
                     f"rollout.reward_stop_after={self.cfg.rollout.reward_stop_after} samples in a row; "
-                    f"its log ({child.log}) says:\n{child.tail(6)}"
+                    f"its log ({child.log}) says:\n{child.last_line_with('stopping: ') or child.tail(6)}"
                 )
             if self.cfg.run.restart_policy == "on-failure" and child.restarts < self.cfg.run.max_restarts:
                 self.restart(child, code)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from fleetrl.learner.health_rules import MismatchKlCeiling
 from tests.e2e.conftest import RunProcess, job_args, read_jsonl
 
 RULES = "health.rules=[{name: mismatch_kl_ceiling, action: alert}]"  # the default ceiling, 0.01
@@ -89,7 +90,9 @@ def test_an_engine_or_sync_fault_fires_the_mismatch_rule(
     fired = [e for e in events if e["rule"] == "mismatch_kl_ceiling"]
     mismatch = [(r["step"], r["off_policy/mismatch_kl"]) for r in rows if "off_policy/mismatch_kl" in r]
     assert fired, f"{fault}: the rule never fired; mismatch per step {mismatch}"
-    assert fired[0]["value"] > fired[0]["threshold"] == ceiling
+    # over the ceiling on average over the window, or on one measured step over SPIKE x the ceiling (issue 27)
+    assert fired[0]["threshold"] in (ceiling, MismatchKlCeiling.SPIKE * ceiling), fired[0]
+    assert fired[0]["value"] > fired[0]["threshold"]
     before = [v for s, v in mismatch if s <= 2]  # versions 0 and 1 sampled these: the fault starts at version 2
     assert before and max(before) < 1e-3, mismatch
 
