@@ -96,7 +96,9 @@ class VerifiersEnvOptions(Section):
     ] = None
     args: Annotated[
         dict[str, Any],
-        doc("Fields of the taskset's config (its `vf.TasksetConfig` subclass), e.g. {task: {...}, system_prompt: ...}."),
+        doc(
+            "Fields of the taskset's config (its `vf.TasksetConfig` subclass), e.g. {task: {...}, system_prompt: ...}."
+        ),
     ] = field(default_factory=dict)
     limit: Annotated[
         int | None,

@@ -18,8 +18,7 @@ from fleetrl.rollout.engines.params import SamplingParams
 from fleetrl.rollout.engines.records import Generation
 from fleetrl.rollout.envs import create_env
 from fleetrl.rollout.envs.verifiers_env import export
-
-from fleet_arith import digit_share  # noqa: I001 - this folder's taskset (conftest puts it on sys.path)
+from tests.verifiers.fleet_arith import digit_share
 
 ENV = ["rollout.env.type=verifiers", "rollout.env.verifiers.taskset=fleet_arith", "rollout.env.verifiers.args={n: 8}"]
 
