@@ -64,11 +64,11 @@ def load_taskset(opts: Any) -> Any:
         ) from None
     try:
         config = config_cls.model_validate({**opts.args, "id": opts.taskset})
-    except ValidationError as e:
+    except (ValidationError, ImportError, TypeError, ValueError) as e:  # a plugin the args name may not import
+        why = _first_error(e) if isinstance(e, ValidationError) else f"{type(e).__name__}: {e}"
         fields = ", ".join(sorted(config_cls.model_fields))
         raise ConfigError(
-            f"{KEY}.args: not a valid {config_cls.__name__} for taskset {opts.taskset!r} "
-            f"({_first_error(e)}); its fields: {fields}"
+            f"{KEY}.args: not a valid {config_cls.__name__} for taskset {opts.taskset!r} ({why}); its fields: {fields}"
         ) from None
     try:
         taskset = vf.load_taskset(config)
@@ -96,6 +96,10 @@ def _check_supported(taskset: Any, name: str) -> None:
         why = "it has no tasks"
     elif runtime := needs_runtime(first):
         why = f"its rubric needs a runtime (sandbox) for {', '.join(runtime)}"
+    elif not first.hooks("reward"):
+        why = "its tasks declare no reward (@vf.reward) to train on"
+    elif sync := [fn.__name__ for fn in (*first.hooks("metric"), *first.hooks("reward")) if not _is_async(fn)]:
+        why = f"its rubric's {', '.join(sync)} must be `async def` (verifiers awaits every @vf.reward and @vf.metric)"
     if why:
         raise ConfigError(
             f"{KEY}.taskset={name!r}: {why}, which the in-process verifiers environment does not run; "
@@ -238,6 +242,10 @@ class VerifiersSession(EnvSession):
             is_completed=True,
             ok=True,
         )
+
+
+def _is_async(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
 def needs_runtime(task: Any) -> list[str]:

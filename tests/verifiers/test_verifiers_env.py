@@ -119,6 +119,22 @@ def test_a_row_that_is_not_a_verifiers_task_fails_the_sample(exported, tiny_mode
         (["rollout.env.verifiers.args={n: many}"], ["rollout.env.verifiers.args", "ArithConfig", "n:"]),
         (["rollout.env.verifiers.args={n: 0}"], ["rollout.env.verifiers.taskset", "no tasks"]),
         (["rollout.env.verifiers.taskset=fleetrl"], ["rollout.env.verifiers.taskset='fleetrl'", "vf.Taskset"]),
+        (
+            ["rollout.env.verifiers.taskset=fleet_sync_rubric", "rollout.env.verifiers.args={}"],
+            ["exact must be `async"],
+        ),
+        (
+            ["rollout.env.verifiers.taskset=fleet_no_reward", "rollout.env.verifiers.args={}"],
+            ["no reward (@vf.reward)"],
+        ),
+        (
+            ["rollout.env.verifiers.args={task: {judges: [{id: reference}]}}"],
+            ["'fleet_arith': its tasks are", "judges"],
+        ),
+        (
+            ["rollout.env.verifiers.args={task: {judges: [{id: no_such_judge}]}}"],
+            ["rollout.env.verifiers.args", "judge"],
+        ),
     ],
 )
 def test_bad_config_names_the_key_and_the_fix(tmp_path, tiny_model_dir, overrides, says):
