@@ -245,7 +245,8 @@ class VerifiersSession(EnvSession):
 
 
 def _is_async(fn: Any) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    """Whether verifiers can await ``fn``: a coroutine function, or a config-plugged wrapper of one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(inspect.unwrap(fn))
 
 
 def needs_runtime(task: Any) -> list[str]:
