@@ -32,7 +32,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from fleetrl.app.launch.run import Child, child_env
+from fleetrl.app.launch.run import EXIT_REWARDS_HOPELESS, Child, child_env
 from fleetrl.app.launch.slurm import next_rollout_indices, prepare, resolve_run_dir
 from fleetrl.app.launch.supervisor import log_event
 from fleetrl.app.launch.world import Layout, world_map
@@ -158,6 +158,8 @@ class ProcessActor:
                 )
             time.sleep(0.2)
         code = child.returncode
+        if self.role == "rollout" and code == EXIT_REWARDS_HOPELESS:
+            return  # not a crash to restart from: `wait` returns the code and the launcher ends the job
         if code != 0 and not getattr(self, "stopping", False):
             log_event(self.run_dir, host=self.node_ip, role=self.role, child=self.name, event="died", code=code)
             print(
@@ -385,7 +387,7 @@ class RayJob:
             code, why = self.ray.get(ref), None
         except RayActorError as e:
             code, why = None, str(e).splitlines()[0]
-        if name.startswith("rollout"):
+        if name.startswith("rollout") and code != EXIT_REWARDS_HOPELESS:
             if code is None:  # its process died: Ray restarts the actor (max_restarts), `revive` watches for it
                 self.restarts[name] += 1
                 log_event(self.run_dir, role="rollout", child=name, event="died", why=why, restart=self.restarts[name])
@@ -400,6 +402,8 @@ class RayJob:
             print("fleetrl launch ray: the learner finished", flush=True)
             return 0
         cause = f"exited with code {code}" if code is not None else f"died ({why})"
+        if code == EXIT_REWARDS_HOPELESS and name.startswith("rollout"):
+            cause += ": its rewards gave no usable score (not restarted; see its log for the reward and its error)"
         role = "learner rank" if name.startswith("learner") else name
         print(
             f"fleetrl launch ray: FAILED: {role} {name} {cause}; see {self.run_dir}/logs/{name}/",

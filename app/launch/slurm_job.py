@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleetrl.app.launch.supervisor import log_event
+from fleetrl.app.launch.supervisor import REWARDS_HOPELESS, log_event
 from fleetrl.app.launch.world import Layout, slurm_nodes
 
 POLL_S = 0.25
@@ -201,11 +201,15 @@ class Driver:
         return 0
 
     def reported_failure(self) -> Step | None:
-        """The broker or learner step whose supervisor reported a failure (``failed-<role>-<host>.json``)."""
+        """The broker or learner step whose supervisor reported a failure (``failed-<role>-<host>.json``), or a
+        rollout step that reported a server whose rewards are hopeless (exit 4)."""
         if self.plan["kind"] != "job":
             return None
         for step in self.steps:
             if step.role != "rollout" and any((self.run_dir / "launch").glob(f"failed-{step.role}-*.json")):
+                return step
+        for step in self.steps:  # a rollout server whose rewards gave no usable score: every server shares them
+            if step.role == "rollout" and any(c.get("kind") == REWARDS_HOPELESS for c in self.causes("rollout")):
                 return step
         return None
 
@@ -275,7 +279,8 @@ class Driver:
             self.write_result("requeued", "walltime warning: checkpointed and requeued")
             return self.requeue("checkpoint written")
         limit = int(self.plan.get("requeue_on_failure", 0))
-        if code != 0 and self.failed_role and self.job_id and self.restart_count < limit and not self.cancel:
+        requeue = self.failed_role not in ("", "rollout")  # a rollout's hopeless rewards fail again after a requeue
+        if code != 0 and requeue and self.job_id and self.restart_count < limit and not self.cancel:
             self.write_result("requeued", self.failure, self.failed_role)
             return self.requeue(
                 f"the {self.failed_role} failed; requeue {self.restart_count + 1} of {limit} "

@@ -10,7 +10,8 @@ world map where it is, then
 - starts the role's processes: the broker; this node's rollout servers (one per GPU or tensor-parallel
   group, ``CUDA_VISIBLE_DEVICES`` sliced); this node's learner ranks (torchrun when a node runs several,
   else the rank itself with ``RANK``/``WORLD_SIZE`` from the world map);
-- restarts a rollout server that crashed, at most ``cluster.rollout.max_restarts`` times, each attempt
+- restarts a rollout server that crashed, at most ``cluster.rollout.max_restarts`` times (never one that exits
+  4, rewards hopeless: it reports it, and the job driver ends the job), each attempt
   logging to ``RUN/logs/<name>/attempt-<k>/output.log``; a server that gives up leaves the others running;
 - exits non-zero when the broker or a learner rank dies, after writing ``RUN/launch/failed-<role>-<host>.json``
   (who, exit code, log, its tail) for the job driver to name the cause;
@@ -34,13 +35,14 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from fleetrl.app.launch.run import Child, child_env
+from fleetrl.app.launch.run import EXIT_REWARDS_HOPELESS, Child, child_env
 from fleetrl.app.launch.world import Layout, World, world_map
 from fleetrl.common.config import load_config
 from fleetrl.common.config.schema import JobConfig
 
 POLL_S = 0.2
 EXIT_BROKER_UNREACHABLE = 4
+REWARDS_HOPELESS = "rewards_hopeless"  # a failure report's kind: a rollout exited 4; the job driver ends the job
 
 
 def log_event(run_dir: Path, **event) -> None:
@@ -276,6 +278,28 @@ class Supervisor:
             attempt=self.attempts[child.name],
         )
         limit = self.cfg.cluster.rollout.max_restarts
+        if code == EXIT_REWARDS_HOPELESS and not self.job_done():
+            # its rewards gave no usable score: a restart scores nothing again, and the other servers share the
+            # rewards, so the job driver ends the job on this report (as `fleetrl run` does)
+            self.given_up.add(child.name)
+            self.crashed.add(child.name)
+            log_event(
+                self.run_dir,
+                host=self.world.host,
+                role="rollout",
+                child=child.name,
+                event="gave_up",
+                why="rewards hopeless",
+            )
+            self.fail(
+                child.name,
+                code,
+                f"{child.name} on {self.world.host} stopped: its rewards gave no usable "
+                "score (not restarted: a restart would score nothing again)",
+                child,
+                kind=REWARDS_HOPELESS,
+            )
+            return False
         if code == 0 or self.job_done() or self.attempts[child.name] >= limit:
             self.given_up.add(child.name)
             why = "finished" if code == 0 or self.job_done() else f"gave up after {limit} restart(s)"
@@ -304,8 +328,9 @@ class Supervisor:
     def job_done(self) -> bool:
         return (self.run_dir / "launch" / "done").exists()
 
-    def fail(self, who: str, code: int, message: str, child: Child | None) -> None:
+    def fail(self, who: str, code: int, message: str, child: Child | None, kind: str = "") -> None:
         record = {
+            "kind": kind,  # "rewards_hopeless": a rollout server whose rewards gave no usable score
             "time": time.time(),
             "role": self.world.role,
             "child": who,

@@ -70,7 +70,13 @@ def test_one_poisoning_server_is_quarantined_and_the_run_goes_on(
             " {name: server_poison, action: quarantine}]",
         ],
     )
-    client, broker = inproc_client(fleet_groups(30, poison_from, zeros_from), "broker.max_staleness=100")
+    # a python reward declares no range, so the broker's own plausibility check (issue 31) lets -1e6 through
+    # (its bound is broker.max_abs_reward); with a declared range the broker refuses those groups first
+    client, broker = inproc_client(
+        fleet_groups(30, poison_from, zeros_from),
+        "broker.max_staleness=100",
+        "rollout.rewards=[{name: python, args: {function: 'tests.rollout.user_rewards:contains_answer'}}]",
+    )
     first = min(poison_from, zeros_from)
     assert train(cfg, tmp_path, client=client) == 0
     events = rows_of(tmp_path / "events.jsonl")

@@ -122,3 +122,33 @@ def test_a_rollout_report_does_not_end_the_job(tmp_path, scontrol):
     threading.Thread(target=later, daemon=True).start()
     assert d.run() == 0 and not scontrol.exists()
     assert json.loads((tmp_path / "launch" / "result.json").read_text())["state"] == "stopped"
+
+
+def test_a_rollout_whose_rewards_are_hopeless_ends_the_job_without_a_requeue(tmp_path, scontrol):
+    """A rollout supervisor reports exit 4 of kind rewards_hopeless: every server shares the rewards, so the job
+    ends as failed, naming it, and is not requeued (a requeue would fail the same way)."""
+    d = driver(tmp_path, restart_count=0)
+    (tmp_path / "launch").mkdir(exist_ok=True)
+    record = {
+        "time": time.time(),
+        "kind": "rewards_hopeless",
+        "role": "rollout",
+        "child": "rollout-1",
+        "host": "n4",
+        "code": 4,
+        "message": "",
+        "log": "/logs/n4",
+        "tail": "stopping: the rewards stopped working: the last 32 samples got no usable reward",
+    }
+
+    def later():
+        time.sleep(1.0)
+        (tmp_path / "launch" / "failed-rollout-n4.json").write_text(json.dumps(record))
+
+    threading.Thread(target=later, daemon=True).start()
+    t0 = time.monotonic()
+    assert d.run() == 1
+    assert time.monotonic() - t0 < 20 and not scontrol.exists()
+    result = json.loads((tmp_path / "launch" / "result.json").read_text())
+    assert result["state"] == "failed" and result["role"] == "rollout"
+    assert result["cause"].startswith("rollout-1 on n4 exited with code 4: stopping: the rewards stopped working")

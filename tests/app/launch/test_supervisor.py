@@ -126,3 +126,16 @@ def test_an_unreachable_broker_fails_fast_with_the_address_and_interface(tmp_pat
     record = json.loads(next((tmp_path / "launch").glob("failed-rollout-*.json")).read_text())
     assert f"127.0.0.1:{port}" in record["message"] and "cluster.broker_wait_s" in record["message"]
     assert sup.children[0].proc is None  # nothing was started against a broker nobody can reach
+
+
+def test_a_rollout_whose_rewards_are_hopeless_is_not_restarted_and_is_reported(tmp_path, broker_port):
+    """Exit 4 (rollout.reward_stop_after samples in a row had no usable reward): a restart would score nothing
+    again, so the server is not restarted and a failure report of that kind is written for the job driver."""
+    sup = supervisor(tmp_path, "rollout", broker_port, "cluster.rollout.max_restarts=3")
+    sup.children[0].argv = script("import sys; print('the rewards stopped working: ...'); sys.exit(4)")
+    assert sup.run() == 1
+    kinds = [e["event"] for e in events(tmp_path)]
+    assert kinds.count("started") == 1 and "failed" in kinds, kinds
+    report = json.loads((tmp_path / "launch" / f"failed-rollout-{sup.world.host}.json").read_text())
+    assert report["kind"] == "rewards_hopeless" and report["code"] == 4 and report["child"] == "rollout-0"
+    assert "the rewards stopped working" in report["tail"]
