@@ -267,6 +267,25 @@ def verifiers_problems(cfg: Any) -> list[str]:
         load_taskset(cfg.rollout.env.verifiers)
     except ConfigError as e:
         return [str(e)]
+    return export_problems(cfg.data.train)
+
+
+def export_problems(train: str) -> list[str]:
+    """data.train, when a local file, is a verifiers export (its rows carry ``vf_task``)."""
+    from pathlib import Path
+
+    from fleetrl.common.data.tables import DataError, first_row
+
+    fix = "write the taskset's tasks there with `fleetrl verifiers-data --config JOB.yaml`"
+    p = Path(train).expanduser()
+    if not p.exists():
+        return [f"data.train={train!r} does not exist; {fix}"]
+    try:
+        row = first_row(p, "data.train") if p.is_file() else None
+    except DataError:
+        return []  # check_data names it
+    if row is not None and "vf_task" not in row:
+        return [f"data.train={train!r} is not a verifiers export (its rows have no `vf_task` column); {fix}"]
     return []
 
 

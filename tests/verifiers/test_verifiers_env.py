@@ -143,3 +143,17 @@ def test_bad_config_names_the_key_and_the_fix(tmp_path, tiny_model_dir, override
         create_env(cfg, AutoTokenizer.from_pretrained(tiny_model_dir))
     for part in says:
         assert part in str(e.value), str(e.value)
+
+
+def test_config_validate_says_how_to_write_the_prompt_set(tmp_path, tiny_model_dir):
+    from fleetrl.app.checks import check_env
+
+    missing = tmp_path / "tasks.jsonl"
+    assert any(
+        "fleetrl verifiers-data" in p and "does not exist" in p for p in check_env(cfg_of(tiny_model_dir, missing))
+    )
+    other = tmp_path / "arith.jsonl"
+    other.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    assert any("not a verifiers export" in p for p in check_env(cfg_of(tiny_model_dir, other)))
+    export(cfg_of(tiny_model_dir, missing).rollout.env.verifiers, str(missing), 4)
+    assert check_env(cfg_of(tiny_model_dir, missing)) == []
