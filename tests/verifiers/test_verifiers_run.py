@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from tests.e2e.conftest import RunProcess, read_jsonl
 from tests.verifiers.conftest import HERE
+from tests.verifiers.fleet_arith import digit_share
 
 STEPS = 4
 
@@ -43,12 +44,22 @@ def test_fleetrl_run_trains_a_verifiers_taskset(tmp_path, tiny_model_dir):
         "learner.device=cpu",
     ]
     cli = [sys.executable, "-m", "fleetrl.app.cli"]
-    exported = subprocess.run(
-        [*cli, "verifiers-data", "--config", str(empty_config), *job], capture_output=True, text=True, timeout=120
-    )
-    assert exported.returncode == 0, exported.stdout + exported.stderr
-    assert "wrote 64 tasks of verifiers taskset 'fleet_arith'" in exported.stdout
-    assert all("vf_task" in json.loads(line) for line in data.read_text().splitlines())
+    held_out = tmp_path / "held_out.jsonl"
+    for extra, says in (
+        (["--limit", "8", "--out", str(held_out)], f"wrote 8 tasks of verifiers taskset 'fleet_arith' to {held_out}"),
+        (["--skip", "8"], f"wrote 56 tasks of verifiers taskset 'fleet_arith' to {data}"),  # data.train
+    ):
+        exported = subprocess.run(
+            [*cli, "verifiers-data", "--config", str(empty_config), *extra, *job],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert exported.returncode == 0, exported.stdout + exported.stderr
+        assert says in exported.stdout
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    held = [json.loads(line) for line in held_out.read_text().splitlines()]
+    assert all("vf_task" in r for r in rows) and not {r["vf_key"] for r in rows} & {r["vf_key"] for r in held}
 
     run_dir = tmp_path / "run"
     run = RunProcess(run_dir, str(empty_config), job)
@@ -75,3 +86,20 @@ def test_fleetrl_run_trains_a_verifiers_taskset(tmp_path, tiny_model_dir):
     after = load_file(str(run_dir / "checkpoints" / f"step-{STEPS:08d}" / "hf" / "model.safetensors"))
     moved = [k for k in before if k in after and not before[k].equal(after[k])]
     assert moved, "no weight changed after training"
+
+    # `fleetrl eval` of the trained model on the held-out tasks: each greedy reply scored by the rubric
+    model = run_dir / "checkpoints" / f"step-{STEPS:08d}" / "hf"
+    report = tmp_path / "eval.json"
+    evaluated = subprocess.run(
+        [*cli, "eval", "--config", str(empty_config), "--model", str(model), "--data", str(held_out), "--k", "0"]
+        + ["--success", "1.0", "--out", str(report), *job],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert evaluated.returncode == 0, evaluated.stdout + evaluated.stderr
+    records = json.loads(report.read_text())["rows"]
+    assert len(records) == 8
+    for r in records:
+        reply = r["greedy"].strip()
+        assert r["greedy_reward"] == pytest.approx(float(reply == r["answer"]) + 0.5 * digit_share(reply))
