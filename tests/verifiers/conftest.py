@@ -13,6 +13,11 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.append(str(HERE))
 
+try:
+    import verifiers.v1  # noqa: F401
+except ImportError:  # a plain `pytest` in .venv: these tests need .venv-verifiers (in the lane, pytest then
+    collect_ignore_glob = ["test_*.py"]  # finds no test and exits 5, so `make test-verifiers` still fails loudly)
+
 
 def pytest_collection_modifyitems(items):
     for item in items:
