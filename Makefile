@@ -7,8 +7,9 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
 VENV_VLLM ?= .venv-vllm
+VENV_VERIFIERS ?= .venv-verifiers
 
-.PHONY: demo test test-slow test-all test-cluster test-vllm test-health install docs clean-venv lint format
+.PHONY: demo test test-slow test-all test-cluster test-vllm test-verifiers test-health install docs clean-venv lint format
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +23,7 @@ demo: $(STAMP)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/demo.sh
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not gpu and not cluster and not quiet" --ignore=tests/vllm $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not gpu and not cluster and not quiet" --ignore=tests/vllm --ignore=tests/verifiers $(PYTEST_ARGS)
 
 # healthy runs stay quiet (issue 23): the demo at max_staleness 0/2/4/8, 300 steps each, no health event (~17 min;
 # not in .ci/run, which it would push past an hour)
@@ -41,12 +42,19 @@ test-vllm:
 	VENV=$(VENV_VLLM) bash scripts/vllm_env.sh
 	FLEETRL_VLLM_LANE=1 $(VENV_VLLM)/bin/python -m pytest -q tests/vllm -p no:cacheprovider $(PYTEST_ARGS)
 
+# The verifiers lane: verifiers 0.4.0 (the optional extra, ~100 packages) in its own .venv-verifiers with CPU torch
+# 2.13.0 (~2 min the first time; fails loudly when an install fails), then tests/verifiers: the adapter
+# (`rollout.env.type: verifiers`) and `fleetrl run` training a local verifiers taskset.
+test-verifiers:
+	VENV=$(VENV_VERIFIERS) bash scripts/verifiers_env.sh
+	$(VENV_VERIFIERS)/bin/python -m pytest -q -m verifiers tests/verifiers -p no:cacheprovider $(PYTEST_ARGS)
+
 # the slow lane of .ci/run: the 100k-frame fuzz, unbounded long polls, chaos in pinned states (~7 min on 2 cores)
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m "slow and not gpu and not cluster and not quiet" --ignore=tests/vllm $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "slow and not gpu and not cluster and not quiet" --ignore=tests/vllm --ignore=tests/verifiers $(PYTEST_ARGS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m "not cluster and not quiet" --ignore=tests/vllm $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not cluster and not quiet" --ignore=tests/vllm --ignore=tests/verifiers $(PYTEST_ARGS)
 
 # ruff (lint + format check, line length 120) over the code; mypy over the typed floors: common/, broker/ and
 # learner/algorithms/. mypy reads the fleetrl.* names through a tree of links in .lint/ (the editable install's

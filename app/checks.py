@@ -185,13 +185,15 @@ def check_rewards(cfg: JobConfig) -> list[str]:
 
 def check_env(cfg: JobConfig) -> list[str]:
     """rollout.env's user code: every tool function (`type: tool`) imports and has a schema; the environment
-    class (`type: user`) imports, has reset/step and takes rollout.env.user.args."""
+    class (`type: user`) imports, has reset/step and takes rollout.env.user.args; the verifiers taskset
+    (`type: verifiers`) imports, takes rollout.env.verifiers.args and runs in-process."""
     if not cfg.needs_fleet:
         return []
     from fleetrl.rollout.envs.tool_env import tool_problems
     from fleetrl.rollout.envs.user_env import user_env_problems
+    from fleetrl.rollout.envs.verifiers_env import verifiers_problems
 
-    return tool_problems(cfg) + user_env_problems(cfg)
+    return tool_problems(cfg) + user_env_problems(cfg) + verifiers_problems(cfg)
 
 
 def first_train_row(cfg: JobConfig) -> dict | None:

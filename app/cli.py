@@ -283,6 +283,13 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
 
 
 # name -> (implementation "module:function", one-line help, argument builder)
+def _verifiers_data_args(p: argparse.ArgumentParser) -> None:
+    _job_args(p)
+    p.add_argument("--out", metavar="FILE.jsonl", help="where to write the prompt set (default: data.train)")
+    p.add_argument("--limit", type=int, help="tasks to write (default: rollout.env.verifiers.limit, else all)")
+    p.add_argument("--skip", type=int, default=0, help="tasks to skip first (e.g. a held-out set written apart)")
+
+
 COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = {
     "broker": ("fleetrl.broker.server.service:main", "run the broker (queue, leases, staleness, spool)", _broker_args),
     "rollout": ("fleetrl.rollout.server:main", "run one rollout server (generate, score, push groups)", _rollout_args),
@@ -317,6 +324,11 @@ COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] 
         "fleetrl.learner.init_model:main",
         "write a tiny HF model + tokenizer built locally",
         _init_model_args,
+    ),
+    "verifiers-data": (
+        "fleetrl.rollout.envs.verifiers_env:main",
+        "write the job's verifiers taskset (rollout.env.verifiers) as its prompt set",
+        _verifiers_data_args,
     ),
     "init-data": (
         "fleetrl.common.data.tasks:main",

@@ -73,7 +73,7 @@ def score(scorer: Any, inputs: Sequence[RewardInput], samples: Sequence[Generati
     out: Future = Future()
     out.set_running_or_notify_cancel()
     given = {
-        i: RewardResult(reward=s.reward, parts={"env": s.reward}, failed=False)
+        i: RewardResult(reward=s.reward, parts=dict(s.reward_parts) or {"env": s.reward}, failed=False)
         for i, s in enumerate(samples)
         if i not in set(todo)
     }

@@ -6,6 +6,7 @@
     rollout.env: {type: user, user: {cls: mypkg.envs:Guess, args: {high: 16}}}
     rollout.env: {type: http, http: {url: http://127.0.0.1:9000}}
     rollout.env: {type: openai}      # samples come from external agents through rollout.openai
+    rollout.env: {type: verifiers, verifiers: {taskset: my_taskset, args: {...}}}   # a verifiers taskset, in-process
 
 ``type`` is looked up in one registry (``rollout/envs``); a test keeps ``EnvType`` equal to it. The
 budgets and the group rule are shared by every multi-turn type.
@@ -19,7 +20,7 @@ from msgspec import field
 
 from fleetrl.common.config.base import Section, doc
 
-EnvType = Literal["single_turn", "tool", "user", "http", "openai"]
+EnvType = Literal["single_turn", "tool", "user", "http", "openai", "verifiers"]
 """The names of the environment registry (``rollout/envs``); a test keeps the two equal."""
 
 ToolParserName = Literal["hermes", "pythonic", "json"]
@@ -84,13 +85,40 @@ class HttpEnvOptions(Section):
     )
 
 
+class VerifiersEnvOptions(Section):
+    taskset: Annotated[
+        str | None,
+        doc(
+            "The verifiers (0.4, `verifiers.v1`) taskset id: an installed module exporting one `vf.Taskset` subclass "
+            "in `__all__` (a built-in under `verifiers.v1.tasksets`, or any importable module, e.g. "
+            "`my_pkg.my_taskset`). Needs the `verifiers` extra."
+        ),
+    ] = None
+    args: Annotated[
+        dict[str, Any],
+        doc(
+            "Fields of the taskset's config (its `vf.TasksetConfig` subclass), e.g. {task: {...}, system_prompt: ...}."
+        ),
+    ] = field(default_factory=dict)
+    limit: Annotated[
+        int | None,
+        doc(
+            "Tasks `fleetrl verifiers-data` exports as the prompt set (null = all; an infinite taskset needs a limit)."
+        ),
+    ] = None
+    score_timeout_s: Annotated[
+        float, doc("Longest the taskset's rubric may take to score one episode; slower fails the sample.", gt=0)
+    ] = 60.0
+
+
 class EnvConfig(Section):
     type: Annotated[
         EnvType,
         doc(
             "How a sample is produced: `single_turn` (one completion, scored by rollout.rewards), `tool` (Python tools), "
-            "`user` (a class), `http` (a remote environment server) or `openai` (external agents through the "
-            "OpenAI-compatible endpoint, rollout.openai)."
+            "`user` (a class), `http` (a remote environment server), `openai` (external agents through the "
+            "OpenAI-compatible endpoint, rollout.openai) or `verifiers` (a verifiers taskset run in-process, scored "
+            "by its rubric)."
         ),
     ] = "single_turn"
     max_turns: Annotated[
@@ -144,6 +172,9 @@ class EnvConfig(Section):
     tool: Annotated[ToolEnvOptions, doc("`type: tool` settings.")] = field(default_factory=ToolEnvOptions)
     user: Annotated[UserEnvOptions, doc("`type: user` settings.")] = field(default_factory=UserEnvOptions)
     http: Annotated[HttpEnvOptions, doc("`type: http` settings.")] = field(default_factory=HttpEnvOptions)
+    verifiers: Annotated[VerifiersEnvOptions, doc("`type: verifiers` settings.")] = field(
+        default_factory=VerifiersEnvOptions
+    )
 
     def __post_init__(self) -> None:
         if self.type == "tool" and not self.tool.tools:
@@ -160,6 +191,13 @@ class EnvConfig(Section):
                 "rollout.env.type is `http` but rollout.env.http.url is not set; give the environment "
                 "server's base URL, e.g. http://127.0.0.1:9000"
             )
+        if self.type == "verifiers" and not self.verifiers.taskset:
+            raise ValueError(
+                "rollout.env.type is `verifiers` but rollout.env.verifiers.taskset is not set; name the verifiers "
+                "taskset id (an installed module exporting a vf.Taskset), e.g. my_pkg.my_taskset"
+            )
+        if self.verifiers.limit is not None and self.verifiers.limit < 1:
+            raise ValueError("rollout.env.verifiers.limit must be >= 1 (or null for every task)")
         if self.max_tokens_per_turn is not None and self.max_tokens_per_turn < 1:
             raise ValueError("rollout.env.max_tokens_per_turn must be >= 1 (or null for rollout.max_new_tokens)")
 

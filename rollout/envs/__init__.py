@@ -6,7 +6,7 @@
 
 ``single_turn`` (one completion), ``tool`` (Python functions as tools), ``user`` (a class by module
 path), ``http`` (a remote environment server), ``openai`` (external agents through the endpoint of
-``rollout.openai``). The registry holds factories that import their module when called.
+``rollout.openai``), ``verifiers`` (a verifiers taskset in-process, scored by its rubric). The registry holds factories that import their module when called.
 """
 
 from __future__ import annotations
@@ -80,6 +80,13 @@ def _openai(cfg: JobConfig, tokenizer: Any) -> Environment:
     from fleetrl.rollout.endpoint.sessions import AgentEnv
 
     return AgentEnv(cfg, tokenizer)
+
+
+@ENVS.register("verifiers")
+def _verifiers(cfg: JobConfig, tokenizer: Any) -> Environment:
+    from fleetrl.rollout.envs.verifiers_env import VerifiersEnv
+
+    return VerifiersEnv(cfg, tokenizer)
 
 
 def create_env(cfg: JobConfig, tokenizer: Any) -> Environment:

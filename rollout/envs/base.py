@@ -53,13 +53,15 @@ class EnvTimeout(EnvFailure):
 class StepResult:
     """What one step returns: the messages appended after the assistant's turn (``role`` user, tool,
     system...), the step's reward (None = none; an episode's reward is the sum of its steps' rewards,
-    or None when every step gave None), whether the episode is over, and free-form info (numbers in
-    it are summed into ``env/info/<key>`` metrics)."""
+    or None when every step gave None), whether the episode is over, free-form info (numbers in
+    it are summed into ``env/info/<key>`` metrics) and, optionally, the reward's named parts (recorded as
+    the sample's reward parts instead of one ``env`` part)."""
 
     observations: list[Message] = field(default_factory=list)
     reward: float | None = None
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    parts: dict[str, float] = field(default_factory=dict)  # the reward's named parts (a rubric's), summed per name
 
     @classmethod
     def coerce(cls, value: Any, where: str) -> StepResult:
@@ -112,6 +114,7 @@ class Episode(Generation):
     prompt_ids: list[int] = field(default_factory=list)  # the context before the first response token
     loss_mask: list[int] = field(default_factory=list)
     reward: float | None = None  # the environment's reward; None = score with rollout.rewards
+    reward_parts: dict[str, float] = field(default_factory=dict)  # its named parts (a rubric's); {} = {"env": reward}
     failure: str = ""  # EnvFailure.kind when the environment failed (the sample is dropped)
     error: str = ""
     truncated: str = ""  # the budget that ended the episode: turns, turn_tokens, total_tokens, context

@@ -92,6 +92,8 @@ class EpisodeBuilder:
     def step(self, result: StepResult) -> None:
         if result.reward is not None:
             self.rewards.append(result.reward)
+        for name, value in result.parts.items():
+            self.ep.reward_parts[name] = self.ep.reward_parts.get(name, 0.0) + value
         for key, value in result.info.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.ep.counts[f"info/{key}"] += value

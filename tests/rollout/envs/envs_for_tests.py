@@ -75,3 +75,15 @@ class Flaky(Chatter):
 
 class NoClass:
     pass
+
+
+class PartsChatter(Chatter):
+    """Like Chatter, but every step scores itself in named parts (``digit``: its text has a digit; ``turn``: 1),
+    reward ``digit + 0.1 * turn``, as a rubric would."""
+
+    def step(self, message):
+        from fleetrl.rollout.envs.base import StepResult
+
+        observations, _, done, info = super().step(message)
+        parts = {"digit": float(any(c.isdigit() for c in message["content"])), "turn": 1.0}
+        return StepResult(observations, parts["digit"] + 0.1 * parts["turn"], done, info, parts=parts)

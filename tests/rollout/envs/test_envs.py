@@ -134,6 +134,7 @@ def test_budgets_end_episodes_and_are_counted(tiny_model_dir, tok):
 
 
 USER = ["rollout.env.type=user", "rollout.env.step_timeout_s=0.5"]
+CHATTER = "tests.rollout.envs.envs_for_tests:Chatter"
 
 
 @pytest.mark.parametrize(
@@ -167,6 +168,29 @@ def test_user_env_async_and_rewards(tiny_model_dir, tok):
     ep, _ = run(env, tok, ["1", "x", "2"])
     assert not ep.failed and ep.turns == 3 and ep.reward == 2.0  # two of the three turns had a digit
     assert env.metrics()["env/info/steps_total"] == 3
+
+
+def test_an_environment_reward_keeps_its_named_parts(tiny_model_dir, tok):
+    from fleetrl.rollout import group_rule
+
+    env = create_env(
+        cfg_of(
+            tiny_model_dir,
+            *USER,
+            "rollout.env.user.cls=tests.rollout.envs.envs_for_tests:PartsChatter",
+            "rollout.env.user.args={turns: 3}",
+        ),
+        tok,
+    )
+    ep, _ = run(env, tok, ["1", "x", "2"])
+    assert not ep.failed and ep.reward_parts == {"digit": 2.0, "turn": 3.0}  # summed over the steps, per name
+    assert ep.reward == pytest.approx(2.3)
+    (result,) = group_rule.score(None, [None], [ep]).result()  # the environment's reward: no scorer asked
+    assert result.reward == pytest.approx(2.3) and result.parts == {"digit": 2.0, "turn": 3.0}
+    chatter = cfg_of(tiny_model_dir, *USER, f"rollout.env.user.cls={CHATTER}", "rollout.env.user.args={turns: 3}")
+    plain, _ = run(create_env(chatter, tok), tok, ["1", "x", "2"])
+    assert plain.reward == 2.0 and plain.reward_parts == {}
+    assert group_rule.score(None, [None], [plain]).result()[0].parts == {"env": plain.reward}  # no parts: one
 
 
 def test_config_errors_name_the_key(tiny_model_dir, tok):
