@@ -259,10 +259,12 @@ def main() -> int:
         "checkpoint.interval=0",
         *args.set,
     ]
+    # a tree from before the re-floor (issue 25) has its CLI in common/
+    old_tree = args.pythonpath and not (Path(args.pythonpath) / "fleetrl" / "app" / "cli.py").exists()
     argv = [
         sys.executable,
         "-m",
-        "fleetrl.app.cli",
+        "fleetrl.common.cli" if old_tree else "fleetrl.app.cli",
         "run",
         "--config",
         str(ROOT / "configs" / "demo.yaml"),
