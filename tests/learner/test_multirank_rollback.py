@@ -21,6 +21,27 @@ def rows_of(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def two_ranks(job, broker_address: str, run_dir) -> subprocess.Popen:
+    """A 2-rank learner under torchrun (one OpenMP thread each), output captured."""
+    argv = ["-m", "fleetrl.app.learner", "--config", str(job), "--broker", broker_address, "--run-dir", str(run_dir)]
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            *argv,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
 @pytest.mark.slow
 def test_two_ranks_roll_back_together(tmp_path, tiny_model_dir, arith_data):
     # 4 good steps (2 groups a step: one per rank), a collapse for 3 steps, then good again
@@ -57,29 +78,7 @@ def test_two_ranks_roll_back_together(tmp_path, tiny_model_dir, arith_data):
         assert all(a.status == "accepted" for a in acks)
         rollout.close()
         run_dir = tmp_path / "run"
-        learner = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node",
-                "2",
-                "--master-port",
-                str(free_port()),
-                "-m",
-                "fleetrl.app.learner",
-                "--config",
-                str(job),
-                "--broker",
-                broker.address,
-                "--run-dir",
-                str(run_dir),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
+        learner = two_ranks(job, broker.address, run_dir)
         out, _ = learner.communicate(timeout=300)
         assert learner.returncode == 0, out[-4000:]
         rolled = [e for e in rows_of(run_dir / "events.jsonl") if e["rule"] == "rollback"]
@@ -135,29 +134,7 @@ def test_two_ranks_end_on_a_checkpoint_step(tmp_path, tiny_model_dir, arith_data
         assert all(a.status == "accepted" for a in rollout.push_groups(scripted_groups([0.75] * 8)))
         rollout.close()
         run_dir = tmp_path / "run"
-        learner = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node",
-                "2",
-                "--master-port",
-                str(free_port()),
-                "-m",
-                "fleetrl.app.learner",
-                "--config",
-                str(job),
-                "--broker",
-                broker.address,
-                "--run-dir",
-                str(run_dir),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
+        learner = two_ranks(job, broker.address, run_dir)
         out, _ = learner.communicate(timeout=240)
         assert learner.returncode == 0, out[-4000:]
         saved = sorted(p.parent.name for p in (run_dir / "checkpoints").glob("step-*/meta.json"))
