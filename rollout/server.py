@@ -32,6 +32,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +124,7 @@ class RolloutServer:
         self.inflight: dict[int, InFlight] = {}  # admitted, not yet handed to the finisher (removed on the engine loop)
         self.pipeline_error: BaseException | None = None  # what a prompt's pipeline raised (the server raises it)
         self._wake = threading.Event()
+        self.announced = 0  # version announcements seen: a throttled lease asks again after one (`lease`)
         self._next_id = 0
         self._next_catchup = 0.0
         self._told_done = False
@@ -285,8 +287,12 @@ class RolloutServer:
                 return None
             if is_done_throttle(reply.reason):  # a `done` whose announcement this server missed
                 self.on_job_done(reply.reason.partition(": ")[2])
-            t0 = time.monotonic()
-            self.wait(min(max(reply.retry_after_s, THROTTLE_S[0]), THROTTLE_S[1]))
+            t0, seen = time.monotonic(), (self.version, self.announced)
+            # a new version frees admission (the learner acks its batch before it publishes) or lets this
+            # server's lag shrink: ask again then rather than sleep out the retry (issue 24)
+            wakes = reply.reason.startswith("at capacity") or "load new weights" in reply.reason
+            until = (lambda: (self.version, self.announced) != seen) if wakes else None
+            self.wait(min(max(reply.retry_after_s, THROTTLE_S[0]), THROTTLE_S[1]), until)
             self.stats.throttled(time.monotonic() - t0)
             log.debug("throttled by the broker: %s", reply.reason)
             return None
@@ -376,11 +382,14 @@ class RolloutServer:
                 return
             self.poll(0.0)
 
-    def wait(self, seconds: float) -> None:
-        """Sleep up to ``seconds`` while handling announcements, weights and finished samples."""
+    def wait(self, seconds: float, until: Callable[[], bool] | None = None) -> None:
+        """Sleep up to ``seconds`` while handling announcements, weights and finished samples; sooner once
+        ``until()`` holds."""
         deadline = time.monotonic() + seconds
         while not self.stopping and (left := deadline - time.monotonic()) > 0:
             self.poll(min(left, WAIT_SLICE_S))
+            if until is not None and until():
+                return
 
     def poll(self, timeout_s: float) -> None:
         """Announcements (waiting up to ``timeout_s`` for one), the catch-up poll, new weights."""
@@ -401,6 +410,7 @@ class RolloutServer:
 
     def on_announcement(self, ann: m.Announcement) -> None:
         if isinstance(ann, m.VersionAnnouncement):
+            self.announced += 1
             self.offer_version(ann.version, ann.weights)
         elif ann.action in ("pause", "resume"):
             self.set_paused(ann.action == "pause", ann.reason)

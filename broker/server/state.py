@@ -361,7 +361,8 @@ class BrokerState:
         c.admit_from = 0
         mark = self.prompts.mark()
         room = self._share_room(now)
-        prompts = self.prompts.take(min(req.n, self.capacity - self.load(), req.n if room is None else room))
+        free = self.admission.room(staleness(self.version, req.policy_version))
+        prompts = self.prompts.take(min(req.n, free, req.n if room is None else room))
         if not prompts:
             if self.prompts.exhausted and not self.prompts.leases:
                 return m.Error(
@@ -414,9 +415,12 @@ class BrokerState:
             )
         if not rollout_is_fresh(self.version, req.policy_version, self.bcfg.max_staleness):
             return 0.2, f"policy version {req.policy_version} is too stale (current {self.version}); load new weights"
-        if self.capacity - self.load() <= 0:
+        lag = staleness(self.version, req.policy_version)
+        if self.admission.room(lag) <= 0:
             if self.key:
                 self.shares.starved(self.key, now)
+            if lag and self.admission.room() > 0:  # room for fresher weights: the announcement is on its way
+                return 0.05, f"at capacity for weights {lag} version(s) behind ({self.version}); load new weights"
             return 0.1, f"at capacity ({self.capacity} groups)"
         if self._share_room(now) == 0:
             self.counters["prompt_share_throttled"] += 1

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -320,6 +321,37 @@ def test_throttle_is_obeyed_without_busy_loop(engine, tiny_model_dir):
         assert fleet.server.stats.throttled_s > 0 or fleet.server.stats.totals["throttles"] > 0
     finally:
         assert fleet.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("reason", "wakes"),
+    [
+        ("at capacity (12 groups)", True),
+        ("policy version 3 is too stale (current 6); load new weights", True),
+        ("paused", False),
+    ],
+)
+def test_a_throttle_for_capacity_or_lag_ends_at_the_next_version_announcement(engine, tiny_model_dir, reason, wakes):
+    """The learner acks its batch before it publishes, so a version announcement means room at the broker (or
+    a smaller lag): a server throttled for capacity or lag asks again then instead of sleeping out the retry.
+    Counted in polls, not seconds: one poll brings an announcement, and the wait ends after it."""
+    fleet = Fleet(engine, tiny_model_dir, "broker.queue_capacity=1000")
+    polls = []
+    try:
+        fleet.server.client = types.SimpleNamespace(
+            lease_prompts=lambda n, v: m.Throttle(req_id=1, retry_after_s=0.5 if wakes else 0.3, reason=reason)
+        )
+
+        def poll(timeout_s):  # the first poll handles a version announcement
+            polls.append(timeout_s)
+            fleet.server.announced += len(polls) == 1
+            time.sleep(timeout_s if len(polls) > 1 else 0)
+
+        fleet.server.poll = poll
+        assert fleet.server.lease(4) is None
+        assert len(polls) == 1 if wakes else len(polls) >= 2, polls
+    finally:
+        fleet.stop()
 
 
 def test_pause_resume_and_stop_announcements(engine, tiny_model_dir):

@@ -106,6 +106,7 @@ def simulate(
     kill_rate: float,
     admission: str = "measured",
     ticks: int = 120,
+    load_p: float = 0.7,
 ) -> dict:
     """A seeded run. Each tick every live rollout may die, load the announced weights, lease prompts and
     finish its oldest lease (by its speed); the learner leases, filters `filter_rate` of what comes (acking
@@ -134,11 +135,13 @@ def simulate(
             if rng.random() < kill_rate:  # dies mid-pipeline: its leases come back after client_timeout_s
                 live[r] = False
                 continue
-            if rng.random() < 0.7:
+            if rng.random() < load_p:
                 held[r] = state.version
             reply = lease_prompts(state, rng.randint(2, 8), client=f"r{r}", version=held[r], now=now)
-            if isinstance(reply, m.PromptLease):  # admission never grants beyond the window
+            if isinstance(reply, m.PromptLease):  # admission never grants beyond the window, less the lag's share
                 assert state.load() <= state.capacity
+                lag = state.version - held[r]
+                assert state.measured is None or state.load() <= state.measured.capacity_at(lag)
                 leases[r].append((reply, held[r]))
             if leases[r] and rng.random() < speed[r]:
                 lease, version = leases[r].pop(0)
@@ -190,7 +193,8 @@ def simulate(
     held_now = len(state.groups) - len(kept)
     # no acknowledged group is lost: each was trained, filtered, dropped as stale and counted, or is still held
     assert len(pushed) == len(consumed) + state.counters["dropped_stale"] - stale_on_arrival + held_now + len(kept)
-    return {"steps": step, "waits": waits, "capacity": state.capacity}
+    stale = state.counters["dropped_stale"]
+    return {"steps": step, "waits": waits, "capacity": state.capacity, "stale": stale}
 
 
 @settings(max_examples=8, deadline=None, derandomize=True)
@@ -200,11 +204,12 @@ def simulate(
     max_staleness=st.integers(0, 3),
     rollouts=st.integers(1, 4),
     kill_rate=st.sampled_from([0.0, 0.005, 0.03]),
+    load_p=st.sampled_from([0.2, 0.7, 1.0]),
 )
 def test_staleness_invariant_under_random_filter_rates_speeds_and_kills(
-    seed, filter_rate, max_staleness, rollouts, kill_rate
+    seed, filter_rate, max_staleness, rollouts, kill_rate, load_p
 ):
-    simulate(seed, filter_rate, max_staleness, rollouts, kill_rate)
+    simulate(seed, filter_rate, max_staleness, rollouts, kill_rate, load_p=load_p)
 
 
 def test_a_measured_window_keeps_a_filtering_learner_fed():
@@ -214,3 +219,48 @@ def test_a_measured_window_keeps_a_filtering_learner_fed():
     static = simulate(seed=5, filter_rate=0.5, max_staleness=2, rollouts=3, kill_rate=0.0, admission="static")
     assert measured["capacity"] > static["capacity"] == 12
     assert measured["steps"] > 1.2 * static["steps"] and measured["waits"] < static["waits"], (measured, static)
+
+
+def test_a_lagging_rollout_gets_the_window_less_the_versions_it_lags():
+    """Measured per version 8 (twice the share), max_staleness 2: a rollout on the newest weights may fill 3
+    versions' worth; one whose weights are a version behind only 2 (the third would be dropped as stale), one
+    at the bound only 1; the throttle tells the lagging one that fresher weights would get more."""
+    state = make_state(n_prompts=200)
+    state.measured.per_version = 8.0
+    publish(state, 5)
+    assert state.capacity == 24
+    lease = lease_prompts(state, 100, client="r1", version=4)
+    assert len(lease.prompts) == 16
+    throttle = lease_prompts(state, 4, client="r1", version=4)
+    assert isinstance(throttle, m.Throttle) and "load new weights" in throttle.reason
+    assert isinstance(lease_prompts(state, 100, client="r2", version=3), m.Throttle)  # 16 held > 1 version's 8
+    assert len(lease_prompts(state, 100, client="r0", version=5).prompts) == 8  # the newest weights: up to 24
+
+
+def test_lag_aware_admission_drops_less_as_stale_and_trains_as_much(monkeypatch):
+    """Rollouts that load announced weights late (30% a tick): sized without the lag, the window's tail is
+    generated and then dropped as stale while it holds room that fresher weights could have used; sized with
+    it, that work is not admitted, the room goes to rollouts on newer weights, and the learner trains more
+    steps with fewer groups dropped per step."""
+    kw = dict(seed=3, filter_rate=0.5, max_staleness=2, rollouts=3, kill_rate=0.0, load_p=0.3, ticks=200)
+    aware = simulate(**kw)
+    capacity_at = MeasuredCapacity.capacity_at
+    monkeypatch.setattr(MeasuredCapacity, "capacity_at", lambda self, lag: capacity_at(self, 0))
+    blind = simulate(**kw)
+    assert aware["steps"] > 1.5 * blind["steps"], (aware, blind)
+    assert aware["stale"] / aware["steps"] < 0.6 * blind["stale"] / blind["steps"], (aware, blind)
+
+
+def test_a_step_in_flight_counts_as_the_groups_taken_to_keep_it():
+    """Half filtered (8 taken per version for 4 trained): the 4 groups a learner trains on stand for the 8 its
+    version consumed, so the window grants 24 - 8 more, not 24 - 4 (those 4 would reach the learner a version
+    past the bound)."""
+    state = make_state(n_prompts=200)
+    state.measured.per_version = 8.0
+    assert state.capacity == 24 and state.measured.scale == 2.0
+    for p in lease_prompts(state, 4).prompts:
+        state.handle(m.PushGroup(req_id=2, client_id="r0", group=make_group(p.prompt_id, version=0)), 0.0)
+    batch = lease_batch(state, 4)
+    assert len(batch.groups) == 4 and state.load() == 4
+    assert len(lease_prompts(state, 100).prompts) == 16
+    assert isinstance(lease_prompts(state, 1), m.Throttle)
