@@ -10,6 +10,8 @@ and samples the CPU time of the job's whole process tree once a second. Reports,
 - ``cpu_s_per_1k``: CPU seconds per 1,000 trained samples, per role and for the whole job (the figure of
   merit on a shared box: wall-clock rates move with others' load, CPU per unit of work much less);
 - trained samples/s, the rollout's throttled seconds, the held-out accuracy curve (start, best, end);
+- ``stale_frac``: the share of the groups the learner's leases met that were dropped as stale (generated
+  work wasted: the admission window's tail);
 - others' CPU share: the machine's busy CPU spent neither by the job nor by this driver (a figure above
   10% is flagged).
 
@@ -80,6 +82,13 @@ def tree_cpu(root: psutil.Process, seen: dict[int, tuple[str, float]]) -> dict[s
     for role, cpu in seen.values():
         out[role] = out.get(role, 0.0) + cpu
     return out
+
+
+def stale_share(rows: list[dict]) -> float:
+    """Groups the learner's leases dropped as stale / all it was handed or dropped (trained, filtered, stale)."""
+    stale = sum(r.get("batch/dropped_stale", 0.0) for r in rows)
+    taken = sum(r.get("batch/groups", 0.0) + r.get("batch/filtered_groups", 0.0) for r in rows)
+    return stale / (stale + taken) if stale + taken else 0.0
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -347,6 +356,7 @@ def main() -> int:
         "trained_samples_per_s": rows[-1].get("batch/samples_total", 0.0) / rl_wall,
         "rollout_throttled_s": sum(r.get("rollout/throttled_s", 0.0) for r in rollout_rows),
         "filtered_groups_per_step": sum(r.get("batch/filtered_groups", 0.0) for r in rows) / len(rows),
+        "stale_frac": stale_share(rows),
         "broker_capacity_last": rows[-1].get("broker/capacity"),
         "eval": {
             "start": evals[0][1] if evals else None,
@@ -365,7 +375,8 @@ def main() -> int:
     print(
         f"{args.label}: {result['cores_busy']:.2f} of {cores} cores busy during RL ({roles}); learner waits "
         f"{100 * (result['wait_frac'] or 0):.0f}% of each step; {result['trained_samples_per_s']:.0f} trained samples/s; "
-        f"{result['steps']} steps; rollout throttled {result['rollout_throttled_s']:.0f} s; held-out "
+        f"{result['steps']} steps; rollout throttled {result['rollout_throttled_s']:.0f} s; "
+        f"{100 * result['stale_frac']:.0f}% of the groups leased dropped stale; held-out "
         f"{100 * (result['eval']['start'] or 0):.1f}% -> {100 * (result['eval']['end'] or 0):.1f}%; others' CPU share "
         f"{100 * result['others_cpu_share']:.1f}% (hypervisor steal {100 * result['steal_share']:.1f}% of it)"
         f"{'' if result['comparable'] else ' (BUSY: not comparable)'}"

@@ -42,15 +42,18 @@ class Admission:
     def room(self, lag: int = 0) -> int:
         """Groups a rollout whose weights are ``lag`` versions behind may still be granted (issue 24).
 
-        Measured, two corrections keep the window to work that can still be trained: it shrinks with the lag
-        (`MeasuredCapacity.capacity_at`), and a group in a learner's hands counts as the groups taken to
-        keep it (`MeasuredCapacity.scale`): a step in flight holds only its kept groups, but the version it
-        trains consumed its filtered ones too, so counting it at face value admits the window's tail only for
-        it to be dropped as stale (quiet demo, main 9dad667: bursts of ~20 stale groups, 18% of what was made)."""
+        Measured, the window holds only work that can still be trained. It shrinks with the lag
+        (`MeasuredCapacity.capacity_at`): those groups are already ``lag`` old. And the version being trained
+        counts as a whole version's consumption, less what learners have taken at it so far: groups queued
+        now are trained after the rest of this version's share, and a step in a learner's hands (its kept
+        groups, its filtered ones acknowledged at once) or trained and not yet published (between the ack
+        and the next version) is that share, not the handful of groups still in flight. Counted at face
+        value the window's tail was generated only to be dropped as stale (quiet demo, main 9dad667: 18% of
+        the groups made, in bursts of ~20 when a version was published)."""
         if self.measured is None:
             return self.fixed_capacity - self.load()
-        in_flight = math.ceil(round(self.batches.in_flight * self.measured.scale, 6))
-        return self.measured.capacity_at(lag) - (len(self.q) + self.prompts.leased + in_flight)
+        this_version = max(self.batches.in_flight, min(self.measured.taken, math.ceil(round(self.measured.per, 6))))
+        return self.measured.capacity_at(lag) - (len(self.q) + self.prompts.leased + this_version)
 
     def load(self) -> int:
         """Groups queued, being generated, or being trained: what admission control bounds."""

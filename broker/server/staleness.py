@@ -88,12 +88,12 @@ class MeasuredCapacity:
         ``L / per_version`` versions later, and its version is already ``lag`` old, so a window of
         ``max_staleness + 1`` versions admits the last ``lag`` versions' worth only to drop them as stale
         (issue 24: the rollout holds the learner's version minus one; 19-21% of generated groups were dropped)."""
-        return math.ceil(round(self.base * self.scale * max(1, self.windows - max(0, lag)), 6))
+        return math.ceil(round(self.per * max(1, self.windows - max(0, lag)), 6))
 
     @property
-    def scale(self) -> float:
-        """Groups taken per group trained (1 / the keep rate of dynamic sampling), bounded like the window."""
-        return min(max(self.per_version, self.base), self.base * self.max_factor) / self.base
+    def per(self) -> float:
+        """Groups taken per version, smoothed and bounded: at least the static share, at most ``max_factor`` x."""
+        return min(max(self.per_version, self.base), self.base * self.max_factor)
 
 
 def rollout_is_fresh(current_version: int, rollout_version: int, max_staleness: int) -> bool:

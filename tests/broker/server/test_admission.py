@@ -14,10 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetrl.broker.client.metrics import status_metrics
+from fleetrl.broker.server.admission import Admission
 from fleetrl.broker.server.staleness import MeasuredCapacity, admission_capacity
 from fleetrl.common import messages as m
 from tests.broker.conftest import make_state
-from tests.broker.server.test_state import lease_batch, lease_prompts, publish
+from tests.broker.server.test_state import ack, lease_batch, lease_prompts, publish
 from tests.helpers import make_group
 
 
@@ -237,30 +238,37 @@ def test_a_lagging_rollout_gets_the_window_less_the_versions_it_lags():
     assert len(lease_prompts(state, 100, client="r0", version=5).prompts) == 8  # the newest weights: up to 24
 
 
-def test_lag_aware_admission_drops_less_as_stale_and_trains_as_much(monkeypatch):
+def test_admission_for_trainable_work_drops_less_as_stale_and_trains_more(monkeypatch):
     """Rollouts that load announced weights late (30% a tick): sized without the lag, the window's tail is
     generated and then dropped as stale while it holds room that fresher weights could have used; sized with
     it, that work is not admitted, the room goes to rollouts on newer weights, and the learner trains more
     steps with fewer groups dropped per step."""
     kw = dict(seed=3, filter_rate=0.5, max_staleness=2, rollouts=3, kill_rate=0.0, load_p=0.3, ticks=200)
     aware = simulate(**kw)
+    monkeypatch.setattr(Admission, "room", lambda self, lag=0: self.capacity - self.load())  # the window before
     capacity_at = MeasuredCapacity.capacity_at
-    monkeypatch.setattr(MeasuredCapacity, "capacity_at", lambda self, lag: capacity_at(self, 0))
+    monkeypatch.setattr(MeasuredCapacity, "capacity_at", lambda self, lag: capacity_at(self, 0))  # and its check
     blind = simulate(**kw)
     assert aware["steps"] > 1.5 * blind["steps"], (aware, blind)
     assert aware["stale"] / aware["steps"] < 0.6 * blind["stale"] / blind["steps"], (aware, blind)
 
 
-def test_a_step_in_flight_counts_as_the_groups_taken_to_keep_it():
-    """Half filtered (8 taken per version for 4 trained): the 4 groups a learner trains on stand for the 8 its
-    version consumed, so the window grants 24 - 8 more, not 24 - 4 (those 4 would reach the learner a version
-    past the bound)."""
+def test_the_version_being_trained_counts_as_its_whole_share_until_the_next_is_published():
+    """Half filtered (8 taken per version for 4 trained). The learner took 8 at this version: 4 filtered and
+    acknowledged at once, 4 trained and acknowledged. Until it publishes the next version those 8 are this
+    version's share, so the window grants 24 - 8 (groups queued now are trained from the next version on),
+    not 24 (the 8 more would reach the learner a version past the bound). Once published, the count restarts."""
     state = make_state(n_prompts=200)
     state.measured.per_version = 8.0
-    assert state.capacity == 24 and state.measured.scale == 2.0
-    for p in lease_prompts(state, 4).prompts:
+    assert state.capacity == 24
+    for p in lease_prompts(state, 8).prompts:
         state.handle(m.PushGroup(req_id=2, client_id="r0", group=make_group(p.prompt_id, version=0)), 0.0)
-    batch = lease_batch(state, 4)
-    assert len(batch.groups) == 4 and state.load() == 4
-    assert len(lease_prompts(state, 100).prompts) == 16
-    assert isinstance(lease_prompts(state, 1), m.Throttle)
+    batch = lease_batch(state, 8)
+    ids = [g.group_id for g in batch.groups]
+    state.handle(m.AckBatch(req_id=4, client_id="l0", lease_id=batch.lease_id, group_ids=ids[:4], keep_rest=True), 0)
+    assert state.load() == 4  # the kept 4 in flight
+    assert len(lease_prompts(state, 100).prompts) == 16  # 24 - the 8 taken at this version
+    ack(state, batch, ids=ids[4:])
+    assert state.load() == 16 and isinstance(lease_prompts(state, 1), m.Throttle)  # trained, not yet published
+    publish(state, 1)
+    assert len(lease_prompts(state, 100, version=1).prompts) == 8  # a new version: 24 - the 16 leased
