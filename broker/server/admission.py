@@ -43,13 +43,12 @@ class Admission:
         """Groups a rollout whose weights are ``lag`` versions behind may still be granted (issue 24).
 
         Measured, the window holds only work that can still be trained. It shrinks with the lag
-        (`MeasuredCapacity.capacity_at`): those groups are already ``lag`` old. And the version being trained
-        counts as a whole version's consumption, less what learners have taken at it so far: groups queued
-        now are trained after the rest of this version's share, and a step in a learner's hands (its kept
-        groups, its filtered ones acknowledged at once) or trained and not yet published (between the ack
-        and the next version) is that share, not the handful of groups still in flight. Counted at face
-        value the window's tail was generated only to be dropped as stale (quiet demo, main 9dad667: 18% of
-        the groups made, in bursts of ~20 when a version was published)."""
+        (`MeasuredCapacity.capacity_at`): those groups are already ``lag`` old. And it runs from the start of
+        the version learners train now: what they have taken at it (kept groups in flight, filtered ones
+        acknowledged at once, a step trained whose next version is not published yet; at most a version's
+        share) has used its part, and groups queued now are trained after it. Counted as the kept groups in
+        flight only, the window's tail was generated to be dropped as stale (quiet demo, main 9dad667: 18%
+        of the groups made, in bursts of ~20 when a version was published)."""
         if self.measured is None:
             return self.fixed_capacity - self.load()
         this_version = max(self.batches.in_flight, min(self.measured.taken, math.ceil(round(self.measured.per, 6))))
