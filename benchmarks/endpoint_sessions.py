@@ -94,6 +94,7 @@ def run_mode(mode: str, model: str, a: argparse.Namespace) -> dict[str, float]:
             if mode == "endpoint"
             else []
         ),
+        *a.set,
     ]
     cfg = load_config(str(ROOT / "configs" / "multiturn.yaml"), overrides)
     prompts = PromptSource(
@@ -199,6 +200,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--agent", default=str(ROOT / "scripts" / "multiturn_agent.py"), help="the agent script to drive")
     p.add_argument("--modes", nargs="+", default=["tool", "endpoint"], choices=["tool", "endpoint"])
+    p.add_argument("--set", nargs="*", default=[], help="config overrides (key=value) for both modes")
     p.add_argument("--out", default=str(RESULTS))
     a = p.parse_args()
     model = a.model
