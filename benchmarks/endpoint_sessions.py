@@ -19,6 +19,12 @@ CPU seconds per sample (server + agent) are reported too: on a busy box they are
 on a CPU-bound quiet box the throughput ratio tends to ``cpu_ratio_tool_to_endpoint``.
 The CPU other processes used while it ran is recorded (``others_cpu_share``); the box is shared, so a
 figure with a share above 0.1 is not a quiet figure. Writes benchmarks/results/endpoint_sessions.json.
+Both modes get the whole box: the tool env's engine ``--threads`` (all cores); the endpoint's engine
+``--endpoint-threads`` (all cores less one) and the agent process the core left. The agent runs ``--workers``
+threads (32): measured on 2 cores (busy box, CPU seconds per sample, server + agent), 128 agent threads cost
+0.036 against 0.015-0.020 for 32 or 64 (the GIL: 128 threads each waiting on a call spend their CPU handing
+the lock around, and fewer of their calls reach the engine at once), and an engine with 2 torch threads beside
+the agent's process on 2 cores 0.087 against 0.036 with 1 (its OpenMP threads spin and wait for a core).
 ``--model`` defaults to a fresh ``small`` preset (untrained: mostly one-turn episodes); the demo's warm
 start (models/multiturn-warm) gives the demo's turn mix.
 """
@@ -94,6 +100,7 @@ def run_mode(mode: str, model: str, a: argparse.Namespace) -> dict[str, float]:
             if mode == "endpoint"
             else []
         ),
+        *a.set,
     ]
     cfg = load_config(str(ROOT / "configs" / "multiturn.yaml"), overrides)
     prompts = PromptSource(
@@ -101,7 +108,8 @@ def run_mode(mode: str, model: str, a: argparse.Namespace) -> dict[str, float]:
     )
     state = BrokerState(cfg, prompts, vocab_size=0)
     broker = InprocBroker(state)
-    engine = create_engine("hf", cfg.model, cfg.rollout, "cpu", 0, num_threads=a.threads)
+    threads = a.threads if mode == "tool" else a.endpoint_threads
+    engine = create_engine("hf", cfg.model, cfg.rollout, "cpu", 0, num_threads=threads)
     scorer = RewardScorer.from_config(cfg.rollout)
     server = RolloutServer(cfg, broker.client("rollout-0-bench", "rollout"), engine, scorer)
     if mode == "endpoint":
@@ -195,10 +203,17 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=45.0)
     p.add_argument("--warmup", type=float, default=15.0)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--workers", type=int, default=128)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--workers", type=int, default=32, help="the agent's threads (sessions at once)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="engine threads, tool mode")
+    p.add_argument(
+        "--endpoint-threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 1) - 1),
+        help="engine threads, endpoint mode (default: the cores less one, the agent's)",
+    )
     p.add_argument("--agent", default=str(ROOT / "scripts" / "multiturn_agent.py"), help="the agent script to drive")
     p.add_argument("--modes", nargs="+", default=["tool", "endpoint"], choices=["tool", "endpoint"])
+    p.add_argument("--set", nargs="*", default=[], help="config overrides (key=value) for both modes")
     p.add_argument("--out", default=str(RESULTS))
     a = p.parse_args()
     model = a.model

@@ -188,6 +188,15 @@ class HfConfig(Section):
             "null = no bound besides rollout.max_inflight x rollout.group_size. Lower it to bound the KV cache's memory.",
         ),
     ] = None
+    admission_wait_ms: Annotated[
+        float,
+        doc(
+            "Admission window (continuous batching): a request that arrives while others are queued or decoding "
+            "waits up to this long for more to arrive, so that they join in one prefill and one cache merge (the "
+            "endpoint's staggered calls). 0 = join at the next step. Bounded: no request waits longer than this "
+            "for admission (besides max_rows)."
+        ),
+    ] = 0.0
 
 
 class RolloutConfig(Section):
@@ -283,6 +292,10 @@ class RolloutConfig(Section):
         ):
             if value is not None and value < 1:
                 raise ValueError(f"{key}={value} must be >= 1 (or null for the default)")
+        if not 0 <= self.hf.admission_wait_ms <= 60_000:
+            raise ValueError(
+                f"rollout.hf.admission_wait_ms={self.hf.admission_wait_ms} must be between 0 (no window) and 60000"
+            )
         if self.env.type == "openai" and not self.openai.enabled:
             raise ValueError(
                 "rollout.env.type is `openai` (samples come from agents through the endpoint) but "

@@ -141,6 +141,7 @@ class HFEngine(Engine):
         self._cv = threading.Condition()
         self._pending: deque[_Job] = deque()
         self._continuous, self._max_rows = hf_cfg.continuous, hf_cfg.max_rows
+        self._window_s = hf_cfg.admission_wait_ms / 1000.0  # `rollout.hf.admission_wait_ms`
         self._stop_ids: dict[SamplingParams, torch.Tensor] = {}  # per sampling settings (`_Job.key`)
         self._pause_mode: str | None = None  # set by pause(): the decode thread parks at the next point
         self._parked = threading.Event()
@@ -206,9 +207,13 @@ class HFEngine(Engine):
                         self._thread = None  # the next request starts a new one
                         return
                     self._cv.wait(IDLE_S)
+                if not rows:
+                    self._hold()
                 if self._closed:
                     break
                 jobs = self._take(len(rows))
+                if not rows and not jobs:  # a pause ended the admission window's wait: park above
+                    continue
             try:
                 with torch.inference_mode():
                     rows = self._iterate(rows, jobs)
@@ -222,7 +227,7 @@ class HFEngine(Engine):
         """The pending jobs that join now (called under the lock): none while paused; continuous: the
         oldest ones up to `rollout.hf.max_rows` rows; waves: with no rows running, every pending job
         whose sampling settings match the oldest one's."""
-        if self._pause_mode is not None or (running and not self._continuous):
+        if self._pause_mode is not None or (running and not self._continuous) or self._window_left(running):
             return []
         room = self._max_rows - running if self._max_rows else len(self._pending)
         key = None if self._continuous or not self._pending else self._pending[0].key
@@ -232,6 +237,21 @@ class HFEngine(Engine):
             (taken if len(taken) < room and key in (None, job.key) else waiting).append(job)
         self._pending = waiting
         return taken
+
+    def _window_left(self, running: int) -> float:
+        """Seconds the admission window (`rollout.hf.admission_wait_ms`) still holds the queued jobs (under the
+        lock): it opens when the oldest queued job arrived and closes early once they fill `max_rows`. 0: closed."""
+        if not self._window_s or not self._pending:
+            return 0.0
+        if self._max_rows and len(self._pending) >= self._max_rows - running:
+            return 0.0
+        return max(0.0, self._pending[0].queued_at + self._window_s - time.monotonic())
+
+    def _hold(self) -> None:
+        """No rows running: wait (under the lock) while the admission window is open, so that the requests
+        arriving meanwhile join in one prefill; a close or a pause ends the wait at once."""
+        while not self._closed and self._pause_mode is None and (left := self._window_left(0)) > 0:
+            self._cv.wait(left)
 
     def _park(self) -> str | None:
         """At a step boundary: park while paused in a mode that acts on running rows; returns the mode

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -127,6 +128,7 @@ class _Job:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    queued_at: float = field(default_factory=time.monotonic)  # when it was queued (the admission window)
 
     @property
     def context(self) -> list[int]:
