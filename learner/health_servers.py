@@ -102,13 +102,14 @@ class StaleWeights(ServerRule):
 
     def observe_server(self, step: int, server: str, seen: dict[str, float]) -> Fired | None:
         recent = self.counts.setdefault(server, deque())
-        if seen.get("stale", 0.0) > 0:
-            recent.append((step, seen["stale"]))
+        stale = seen.get("stale", 0.0)
+        if stale > 0:
+            recent.append((step, stale))
         while recent and recent[0][0] <= step - self.window:
             recent.popleft()
         total = sum(n for _, n in recent)
-        if total <= self.threshold:
-            return None
+        if stale <= 0 or total <= self.threshold:
+            return None  # judged on steps with new stale groups: old evidence alone never fires it again
         version = int(seen.get("stale_version", -1))
         return Fired(
             total,

@@ -592,3 +592,19 @@ def test_stale_weights_fires_per_server_on_the_first_stale_group_and_names_the_v
     assert (
         monitor.observe_servers(3, {"r1": {"groups": 4.0, "stale": 2.0, "stale_version": 3.0}}) == []
     )  # once a window
+
+
+def test_stale_weights_is_quiet_once_the_stale_groups_stop():
+    # seen in the recovery bench: the alert came again at step 67 (20 after the first) naming "version -1",
+    # from the window's old evidence after the fleet had recovered
+    from fleetrl.common.config.learner import HealthConfig, HealthRule
+    from fleetrl.learner.health import HealthMonitor
+
+    monitor = HealthMonitor(HealthConfig(rules=[HealthRule(name="stale_weights", action="alert", window=5)]))
+    assert monitor.observe_servers(1, {"r0": {"groups": 4.0, "stale": 4.0, "stale_version": 1.0}})
+    for step in (2, 3):  # still stale: the alert is not repeated within its window
+        assert monitor.observe_servers(step, {"r0": {"groups": 4.0, "stale": 4.0, "stale_version": step}}) == []
+    for step in range(4, 12):
+        assert monitor.observe_servers(step, {"r0": {"groups": 4.0}}) == [], step
+    again = monitor.observe_servers(12, {"r0": {"groups": 4.0, "stale": 1.0, "stale_version": 9.0}})
+    assert len(again) == 1 and "policy version 9" in again[0].message
