@@ -64,9 +64,9 @@ class FleetGuard:
         servers = {s: dict(seen) for s, seen in leased.servers.items()}
         for g in leased.groups:
             reported = g.metadata.get("weights_fp") if isinstance(g.metadata, dict) else None
-            if not reported or not isinstance(reported, (list, tuple)):
-                continue
-            why = fingerprint.mismatch(reported, self.published(int(reported[0])))
+            if not isinstance(reported, (list, tuple)) or len(reported) != 4 or type(reported[0]) is not int:
+                continue  # none (an engine that gives none), or not ours to judge: never a crash, never an alarm
+            why = fingerprint.mismatch(reported, self.published(reported[0]))
             if why is None:
                 continue
             seen = servers.setdefault(g.server_id, {})
