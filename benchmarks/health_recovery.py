@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import sys
@@ -63,6 +64,12 @@ POINTS = 0.03
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def learner_stopped(run_dir: Path) -> bool:
+    """The learner exited 3 (the health monitor stopped the run), as `fleetrl run`'s log reports it."""
+    log = run_dir / "run.log"
+    return log.exists() and re.search(r"learner\s+exit 3\b", log.read_text(errors="replace")) is not None
 
 
 def run_one(name: str, work: dict, args, seed: int, fault: str | None, extra: list[str] | None = None) -> dict:
@@ -118,6 +125,8 @@ def run_one(name: str, work: dict, args, seed: int, fault: str | None, extra: li
         f"[{name}] seed {seed}" + (f", {fault} ({FAULTS[fault][0]}) from {args.inject_at}" if fault else ""), flush=True
     )
     code, cpu = run_child(name, argv, run_dir / "run.log", 60 * args.timeout_min, env=env)
+    if code != 0 and learner_stopped(run_dir):
+        code = 3  # `fleetrl run` exits 1 when its learner stops on the health monitor (exit 3): a stop, not a failure
     rows = read_jsonl(run_dir / "metrics.jsonl")
     result = {
         "name": name,
@@ -273,6 +282,9 @@ def main() -> int:
     runs = {r["name"]: r for r in previous.get("runs", [])}
     for done in sorted(Path(args.workdir, "runs").glob("*/done.json")):  # finished runs the JSON may lack
         runs[done.parent.name] = {**json.loads(done.read_text()), "name": done.parent.name}
+    for name, run in runs.items():  # recorded before stops were told from failures
+        if run.get("exit_code") not in (0, 3) and learner_stopped(Path(args.workdir, "runs", name)):
+            run["exit_code"] = 3
     if not args.analyze_only:
         work = prepare(Path(args.workdir), 0.25)
         for seed in seeds:  # seed by seed: a stopped sweep has whole comparisons
