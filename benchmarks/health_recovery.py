@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import sys
@@ -65,6 +66,12 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
+def learner_stopped(run_dir: Path) -> bool:
+    """The learner exited 3 (the health monitor stopped the run), as `fleetrl run`'s log reports it."""
+    log = run_dir / "run.log"
+    return log.exists() and re.search(r"learner\s+exit 3\b", log.read_text(errors="replace")) is not None
+
+
 def run_one(name: str, work: dict, args, seed: int, fault: str | None, extra: list[str] | None = None) -> dict:
     run_dir = Path(args.workdir) / "runs" / name
     done = run_dir / "done.json"
@@ -76,7 +83,7 @@ def run_one(name: str, work: dict, args, seed: int, fault: str | None, extra: li
         f"data.eval={work['eval']}",
         f"learner.total_steps={args.steps}",
         "learner.max_minutes=0",
-        "run.eval_interval=10",
+        f"run.eval_interval={args.eval_interval}",
         f"run.eval_n={args.eval_n}",
         "checkpoint.interval=10",
         "checkpoint.keep_last=3",
@@ -118,6 +125,8 @@ def run_one(name: str, work: dict, args, seed: int, fault: str | None, extra: li
         f"[{name}] seed {seed}" + (f", {fault} ({FAULTS[fault][0]}) from {args.inject_at}" if fault else ""), flush=True
     )
     code, cpu = run_child(name, argv, run_dir / "run.log", 60 * args.timeout_min, env=env)
+    if code != 0 and learner_stopped(run_dir):
+        code = 3  # `fleetrl run` exits 1 when its learner stops on the health monitor (exit 3): a stop, not a failure
     rows = read_jsonl(run_dir / "metrics.jsonl")
     result = {
         "name": name,
@@ -252,6 +261,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--inject-at", type=int, default=45)
     ap.add_argument("--eval-n", type=int, default=500)
+    ap.add_argument(
+        "--eval-interval",
+        type=int,
+        default=10,
+        help="steps between held-out evaluations (5 with --eval-n 250: the same evaluation cost, twice as often)",
+    )
+    ap.add_argument("--results", default=str(RESULTS), help="the JSON the runs are merged into")
     ap.add_argument("--rules", default="", help="a health.rules override (YAML/JSON list); default: the shipped rules")
     ap.add_argument("--timeout-min", type=float, default=40.0)
     ap.add_argument("--again", action="store_true", help="run finished runs again")
@@ -261,10 +277,14 @@ def main() -> int:
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
         ap.error(f"--faults: unknown {unknown}; valid: {', '.join(FAULTS)}")
-    previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results = Path(args.results)
+    previous = json.loads(results.read_text()) if results.exists() else {}
     runs = {r["name"]: r for r in previous.get("runs", [])}
     for done in sorted(Path(args.workdir, "runs").glob("*/done.json")):  # finished runs the JSON may lack
         runs[done.parent.name] = {**json.loads(done.read_text()), "name": done.parent.name}
+    for name, run in runs.items():  # recorded before stops were told from failures
+        if run.get("exit_code") not in (0, 3) and learner_stopped(Path(args.workdir, "runs", name)):
+            run["exit_code"] = 3
     if not args.analyze_only:
         work = prepare(Path(args.workdir), 0.25)
         for seed in seeds:  # seed by seed: a stopped sweep has whole comparisons
@@ -277,7 +297,7 @@ def main() -> int:
                 save(runs, args, faults, seeds)
     summary = save(runs, args, faults, seeds)
     print_table(summary)
-    print(f"\nraw figures: {RESULTS}")
+    print(f"\nraw figures: {results}")
     return 0
 
 
@@ -291,8 +311,9 @@ def save(runs: dict, args, faults: list[str], seeds: list[int]) -> dict:
         "summary": summary,
         "runs": sorted(runs.values(), key=lambda r: r["name"]),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=1, default=str))
+    results = Path(args.results)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(report, indent=1, default=str))
     return summary
 
 

@@ -77,8 +77,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 RECORD_RULES = (
     "[{name: non_finite}, {name: grad_spike}, {name: reward_drop, window: 10, threshold: 0.2}, "
     "{name: length_collapse, window: 10, threshold: 0.6}, {name: entropy_floor}, {name: mismatch_kl_ceiling}, "
-    "{name: reward_hacking}, {name: server_poison}]"
-)  # all alerts: the recorded stream is the run's own
+    "{name: reward_hacking}, {name: server_poison}, {name: stale_weights}]"
+)  # all alerts: the recorded stream is the run's own; the per-server rules (server_poison, stale_weights) judge
+# groups, not the metric stream, so their false alarms are these live alerts (``live_alerts_by_rule``), not a replay
 CANDIDATE = (
     '[{"name": "non_finite", "action": "rollback"}, {"name": "grad_spike", "action": "alert"}, '
     '{"name": "reward_drop", "action": "rollback", "window": 10, "threshold": 0.2}, '
@@ -290,16 +291,23 @@ def replay(names: list[str], args) -> int:
         "note": "healthy groups the fleet screen left out: its false positives",
     }
     report["live_alerts"] = sum(len(s.get("live_alerts", [])) for segs in segments.values() for s in segs)
-    (RESULTS / "health_streams.json").write_text(json.dumps(report, indent=1))
+    by_rule: dict[str, int] = {}
+    for segs in segments.values():
+        for seg in segs:
+            for e in seg.get("live_alerts", []):
+                by_rule[e["rule"]] = by_rule.get(e["rule"], 0) + 1
+    report["live_alerts_by_rule"] = by_rule
+    report["steps_recorded"] = sum(s["steps"] for segs in segments.values() for s in segs)
+    (RESULTS / f"health_streams{args.tag}.json").write_text(json.dumps(report, indent=1))
     print(
         f"fleet screen on the healthy runs: {screened:g} groups left out, {groups:g} trained; "
-        f"live alerts (every rule an alert): {report['live_alerts']}"
+        f"live alerts (every rule an alert): {report['live_alerts']} {by_rule} over {report['steps_recorded']} steps"
     )
     print("\n== the shipped defaults")
-    code = replay_main([*dirs, "--json", str(RESULTS / "health_replay.json")])
+    code = replay_main([*dirs, "--json", str(RESULTS / f"health_replay{args.tag}.json")])
     print("\n== the candidate set (defaults + reward_hacking -> rollback)")
     return code or replay_main(
-        [*dirs, "--rules", args.candidate_rules, "--json", str(RESULTS / "health_replay_candidate.json")]
+        [*dirs, "--rules", args.candidate_rules, "--json", str(RESULTS / f"health_replay_candidate{args.tag}.json")]
     )
 
 
@@ -318,6 +326,11 @@ def main() -> int:
     p.add_argument("--timeout-min", type=float, default=180.0, help="per segment")
     p.add_argument("--candidate-rules", default=CANDIDATE, help="JSON rule list replayed besides the defaults")
     p.add_argument("--replay-only", action="store_true")
+    p.add_argument(
+        "--tag",
+        default="",
+        help="suffix of the results files (e.g. _4x4: health_streams_4x4.json, health_replay_4x4.json)",
+    )
     args = p.parse_args()
     names = [n for n in args.only.split(",") if n]
     unknown = [n for n in names if n not in CONFIGS]

@@ -432,7 +432,8 @@ class RewardHacking(Rule):
 
     Two kinds of evidence, each enough on its own:
 
-    * **held-out divergence** (judged at each evaluation): over the last ``EVALS`` evaluations
+    * **held-out divergence** (judged at each evaluation): over the last ``EVALS`` evaluations, or all
+      those of the last ``2 x window`` steps when that is more (a probe run more often keeps its reach),
       ``eval/accuracy`` fell more than ``threshold`` below the best of them while the training reward's
       moving average (``window`` steps) rose more than ``REWARD_RISE`` since that best evaluation;
     * **cheap signals** (every step, between evaluations): with the reward's moving average at or above
@@ -466,7 +467,7 @@ class RewardHacking(Rule):
         keys = self.signals()
         self.recent: dict[str, deque[tuple[int, float]]] = {k: deque(maxlen=self.window) for k in keys}
         self.base_sum, self.base_n = {k: 0.0 for k in keys}, {k: 0 for k in keys}
-        self.evals: deque[tuple[int, float, float]] = deque(maxlen=self.EVALS)  # (step, accuracy, reward MA)
+        self.evals: deque[tuple[int, float, float]] = deque(maxlen=64)  # (step, accuracy, reward MA)
 
     def signals(self) -> tuple[str, ...]:
         return (self.metric, self.LENGTH, self.DISTINCT, self.IDENTICAL)
@@ -516,8 +517,10 @@ class RewardHacking(Rule):
         return self.cheap_signals(step)
 
     def held_out_divergence(self) -> Fired | None:
-        best_step, best_acc, best_reward = max(self.evals, key=lambda e: e[1])
         step, acc, reward = self.evals[-1]
+        span = [e for e in self.evals if e[0] >= step - 2 * self.window]
+        recent = span if len(span) > self.EVALS else list(self.evals)[-self.EVALS :]
+        best_step, best_acc, best_reward = max(recent, key=lambda e: e[1])
         drop, rise = best_acc - acc, reward - best_reward
         if drop <= self.threshold or rise <= self.REWARD_RISE:
             return None

@@ -80,3 +80,52 @@ class ServerPoison(ServerRule):
         self.reset()
         for server, points in state.get("counts", {}).items():
             self.counts[server] = deque(tuple(p) for p in points)
+
+
+@HEALTH_RULES.register("stale_weights")
+class StaleWeights(ServerRule):
+    """Fires for a server at the first group whose weights fingerprint (``metadata["weights_fp"]``: sampled
+    from the engine's live parameters after its load) differs from the one the learner published for the
+    version the server reports: new weights announced, other weights served (a silent sync failure). The
+    learner's ``FleetGuard`` does the comparing (common/weightsync/fingerprint.py) and counts ``stale``
+    groups per server; the rule fires when more than ``threshold`` (0) came within ``window`` steps."""
+
+    METRIC, WINDOW, THRESHOLD = "server/stale_weights", 20, 0.0
+    STATE = ("counts",)
+
+    def check_server(self) -> None:
+        if self.threshold < 0:
+            self.bad("threshold", "the number of stale groups to tolerate, >= 0 (fires above it), e.g. 0")
+
+    def reset(self) -> None:
+        self.counts: dict[str, deque[tuple[int, float]]] = {}
+
+    def observe_server(self, step: int, server: str, seen: dict[str, float]) -> Fired | None:
+        recent = self.counts.setdefault(server, deque())
+        stale = seen.get("stale", 0.0)
+        if stale > 0:
+            recent.append((step, stale))
+        while recent and recent[0][0] <= step - self.window:
+            recent.popleft()
+        total = sum(n for _, n in recent)
+        if stale <= 0 or total <= self.threshold:
+            return None  # judged on steps with new stale groups: old evidence alone never fires it again
+        version = int(seen.get("stale_version", -1))
+        return Fired(
+            total,
+            self.threshold,
+            f"rollout server {server} serves weights that are not the learner's policy version {version}: "
+            f"{total:g} groups in the last {self.window} steps carried a weights fingerprint (read from the "
+            "engine's live parameters after its load) other than the one published for their version. The "
+            "sync reported success but the engine kept other weights: check that server's weight load",
+            recent[0][0],
+            metric=f"server/{server}/stale_weights",
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"counts": {s: list(d) for s, d in self.counts.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reset()
+        for server, points in state.get("counts", {}).items():
+            self.counts[server] = deque(tuple(p) for p in points)

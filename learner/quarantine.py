@@ -12,10 +12,12 @@ the others). Training goes on with the rest of the fleet.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as tdist
 
+from fleetrl.common.weightsync import fingerprint
 from fleetrl.learner.health import HealthMonitor
 from fleetrl.learner.health_rules import HealthEvent
 from fleetrl.learner.runtime import Dist
@@ -25,9 +27,18 @@ log = logging.getLogger("fleetrl.learner")
 
 
 class FleetGuard:
-    def __init__(self, health: HealthMonitor | None, source: Any, client: Any, dist: Dist):
-        """``client``: the broker client, or None without a fleet; ``source`` needs ``quarantine(server)``."""
+    def __init__(
+        self,
+        health: HealthMonitor | None,
+        source: Any,
+        client: Any,
+        dist: Dist,
+        published: Callable[[int], dict[str, str] | None] = lambda version: None,
+    ):
+        """``client``: the broker client, or None without a fleet; ``source`` needs ``quarantine(server)``;
+        ``published(version)``: the fingerprints of the weights published as ``version`` (None: unknown)."""
         self.health, self.source, self.client, self.dist = health, source, client, dist
+        self.published = published
         self.active = health is not None and hasattr(source, "quarantine")
         self.events: list[HealthEvent] = []  # per-server events since the last pop_events
 
@@ -35,7 +46,7 @@ class FleetGuard:
         """Per-server rules on this step's screen counts; returns ``fleet/*`` metrics (the same on every rank)."""
         if not self.active:
             return {}
-        servers = self.gather(leased.servers)
+        servers = self.gather(self.stale(leased))
         for event in self.health.observe_servers(step, servers):
             self.events.append(event)
             if event.action == "quarantine":
@@ -46,6 +57,24 @@ class FleetGuard:
             "fleet/screened_groups": sum(s.get("screened", 0.0) for s in servers.values()),
             "fleet/quarantined_servers": float(len(self.health.quarantined)),
         }
+
+    def stale(self, leased: Leased) -> dict[str, dict[str, float]]:
+        """The screen's counts plus, per server, ``stale``: the kept groups whose weights fingerprint is not the
+        one published for the version it names (``stale_version``: the newest such version)."""
+        servers = {s: dict(seen) for s, seen in leased.servers.items()}
+        for g in leased.groups:
+            reported = g.metadata.get("weights_fp") if isinstance(g.metadata, dict) else None
+            if not isinstance(reported, (list, tuple)) or len(reported) != 4 or type(reported[0]) is not int:
+                continue  # none (an engine that gives none), or not ours to judge: never a crash, never an alarm
+            why = fingerprint.mismatch(reported, self.published(reported[0]))
+            if why is None:
+                continue
+            seen = servers.setdefault(g.server_id, {})
+            seen["stale"] = seen.get("stale", 0.0) + 1
+            seen["stale_version"] = max(seen.get("stale_version", -1.0), float(reported[0]))
+            if seen["stale"] == 1:
+                log.warning("health: rollout server %s %s", g.server_id, why)
+        return servers
 
     def gather(self, servers: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
         """Per-server counts summed over the ranks (one all_gather_object when there are several)."""
@@ -58,7 +87,7 @@ class FleetGuard:
             for server, seen in part.items():
                 mine = total.setdefault(server, {})
                 for k, v in seen.items():
-                    mine[k] = mine.get(k, 0.0) + v
+                    mine[k] = max(mine.get(k, v), v) if k == "stale_version" else mine.get(k, 0.0) + v
         return total
 
     def ask_broker(self, server: str, reason: str) -> None:

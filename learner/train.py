@@ -118,7 +118,13 @@ class Learner:
         self.lr_scale = 1.0  # health.lr_factor ** rollbacks
         from fleetrl.learner.quarantine import FleetGuard
 
-        self.guard = FleetGuard(self.health, self.source, client if self.fleet else None, dist)
+        self.guard = FleetGuard(
+            self.health,
+            self.source,
+            client if self.fleet else None,
+            dist,
+            published=lambda v: self.publisher.fingerprints.get(v) if self.publisher is not None else None,
+        )
         self.traces = StepTraces()
         self.completions = CompletionLog(cfg) if dist.is_main else None
 

@@ -40,6 +40,9 @@ class WeightApplier:
         self.stats = {"weights/pause_ms": 0.0, "weights/updates_inflight": 0.0}
         self._announced: dict[int, list[dict[str, str]]] = {}  # version -> the publish spans it was announced with
         self._warned_no_receiver = False
+        # [version, dtype, names, fp] of the weights the engine holds, read back after each load (None before the
+        # first: the learner publishes no version 0); every group carries it (metadata "weights_fp")
+        self.fingerprint: list[Any] | None = None
 
     def offer(self, version: int, weights: m.WeightsInfo) -> None:
         """An announced (or caught-up) version, for the receiver to fetch."""
@@ -94,6 +97,8 @@ class WeightApplier:
             pause_ms,
         )
         self.version = version
+        held = self.engine.weights_fingerprint()
+        self.fingerprint = [version, *held] if held is not None else None
         faults.at("rollout.version_loaded", version)
         self.stats["weights/pause_ms"] = pause_ms
         self.stats["weights/updates_inflight"] += 1

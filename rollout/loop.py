@@ -324,8 +324,10 @@ class Finisher:
         push_deadline_s: float,
         extra_metrics: Callable[[], dict[str, float]],
         on_done: Callable[[Batch | None], None] | None = None,
+        fingerprint: Callable[[], Any] = lambda: None,
     ):
         self.client, self.scorer, self.server_id = client, scorer, server_id
+        self.fingerprint = fingerprint  # -> [version, dtype, names, fp] of the engine's weights now, or None
         self.leases, self.stats, self.metrics = leases, stats, metrics
         self.push_deadline_s, self.extra_metrics = push_deadline_s, extra_metrics
         self.on_done = on_done or (lambda batch: None)
@@ -414,6 +416,9 @@ class Finisher:
             results = batch.rewards.result()
             groups, dropped, unscored = build_groups(batch, results, self.server_id, self.scorer.should_drop)
             groups = faults.at("rollout.groups", groups)  # FLEETRL_FAULT=poison_server (benchmarks); off by default
+            held = self.fingerprint()
+            for g in groups if held is not None else ():  # the learner's stale_weights rule compares it
+                g.metadata["weights_fp"] = held
             results = results[: sum(len(row) for row in batch.samples)]  # the greedy baselines are not samples
             if dropped:
                 self.client.return_prompts(batch.lease.lease_id, dropped)

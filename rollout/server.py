@@ -173,6 +173,7 @@ class RolloutServer:
             push_deadline,
             self.batch_stats,
             on_done=self._pushed,
+            fingerprint=lambda: self.weights.fingerprint,
         )
         STARTUP.mark("broker")
         self.on_current(reg.policy_version, reg.weights, reg.paused)

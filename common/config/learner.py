@@ -25,6 +25,7 @@ HealthRuleName = Literal[
     "non_finite",
     "reward_hacking",
     "server_poison",
+    "stale_weights",
 ]
 """The names of ``learner/health_rules.py``'s registry; a test keeps the two equal."""
 
@@ -142,6 +143,7 @@ class HealthConfig(Section):
             HealthRule(name="entropy_floor", action="alert"),
             HealthRule(name="mismatch_kl_ceiling", action="rollback"),  # ceiling 0.01: see the rule
             HealthRule(name="server_poison", action="quarantine"),  # one server's poison: that server, not the run
+            HealthRule(name="stale_weights", action="alert"),  # a server serving other weights than it reports
         ]
     )
     screen: Annotated[ScreenConfig, doc("The per-group screen in front of every step (docs/monitoring.md).")] = field(

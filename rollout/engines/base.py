@@ -125,6 +125,12 @@ class Engine(abc.ABC):
     def load_weights_from_dir(self, path: str) -> None:
         """Load every weight from the safetensors file(s) of a HF model directory (same checks)."""
 
+    def weights_fingerprint(self) -> tuple[str, str, str] | None:
+        """``(dtype, names, fp)`` of the weights this engine samples from now, read from its live parameters
+        (common/weightsync/fingerprint.py); None when the engine cannot give it cheaply (then the learner's
+        ``stale_weights`` rule has nothing to compare: the vLLM engine, whose workers hold fused tensors)."""
+        return None
+
     def weight_receiver(self, cfg: JobConfig, device: str, client_id: str) -> Any:
         """What receives announced versions for this engine: an in-process `WeightReceiver`."""
         from fleetrl.common.weightsync.receiver.receiver import WeightReceiver

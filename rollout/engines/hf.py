@@ -428,6 +428,11 @@ class HFEngine(Engine):
     def param_specs(self) -> list[ParamSpec]:
         return list(self._specs)
 
+    def weights_fingerprint(self) -> tuple[str, str, str] | None:
+        from fleetrl.common.weightsync.fingerprint import fingerprint
+
+        return fingerprint(self.model.named_parameters()) if self.model is not None else None
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         named = list(named_tensors)
         check_named_tensors(named, self._shapes, self._floats, "update_weights")

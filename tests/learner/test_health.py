@@ -50,6 +50,7 @@ def test_default_config_is_safe_and_builds():
         "entropy_floor": "alert",
         "mismatch_kl_ceiling": "rollback",
         "server_poison": "quarantine",
+        "stale_weights": "alert",
     }
     assert cfg.screen.enabled
     assert len(m.rules) == len(cfg.rules)
@@ -68,6 +69,7 @@ def test_default_config_is_safe_and_builds():
         ("grad_spike", "actor/grad_norm", 20, 20.0),
         ("non_finite", "", None, None),
         ("server_poison", "server/screened", 20, 2.0),
+        ("stale_weights", "server/stale_weights", 20, 0.0),
     ],
 )
 def test_rule_defaults_match_the_docs(name, metric, window, threshold):
@@ -574,3 +576,35 @@ def test_the_default_rules_are_quiet_on_the_converged_multi_turn_run():
     m = monitor(HealthRule(name="grad_spike", threshold=10.0))
     fired = [(r["step"], e.rule) for r in rows for e in m.observe(r["step"], {"actor/grad_norm": r["actor/grad_norm"]})]
     assert fired == [(250, "grad_spike")]
+
+
+def test_stale_weights_fires_per_server_on_the_first_stale_group_and_names_the_version():
+    from fleetrl.common.config.learner import HealthConfig, HealthRule
+    from fleetrl.learner.health import HealthMonitor
+
+    monitor = HealthMonitor(HealthConfig(rules=[HealthRule(name="stale_weights", action="alert")]))
+    assert monitor.observe_servers(1, {"r0": {"groups": 4.0}, "r1": {"groups": 4.0}}) == []
+    events = monitor.observe_servers(
+        2, {"r0": {"groups": 4.0}, "r1": {"groups": 4.0, "stale": 1.0, "stale_version": 2.0}}
+    )
+    assert [(e.rule, e.server, e.action) for e in events] == [("stale_weights", "r1", "alert")]
+    assert "policy version 2" in events[0].message and "r1" in events[0].message
+    assert (
+        monitor.observe_servers(3, {"r1": {"groups": 4.0, "stale": 2.0, "stale_version": 3.0}}) == []
+    )  # once a window
+
+
+def test_stale_weights_is_quiet_once_the_stale_groups_stop():
+    # seen in the recovery bench: the alert came again at step 67 (20 after the first) naming "version -1",
+    # from the window's old evidence after the fleet had recovered
+    from fleetrl.common.config.learner import HealthConfig, HealthRule
+    from fleetrl.learner.health import HealthMonitor
+
+    monitor = HealthMonitor(HealthConfig(rules=[HealthRule(name="stale_weights", action="alert", window=5)]))
+    assert monitor.observe_servers(1, {"r0": {"groups": 4.0, "stale": 4.0, "stale_version": 1.0}})
+    for step in (2, 3):  # still stale: the alert is not repeated within its window
+        assert monitor.observe_servers(step, {"r0": {"groups": 4.0, "stale": 4.0, "stale_version": step}}) == []
+    for step in range(4, 12):
+        assert monitor.observe_servers(step, {"r0": {"groups": 4.0}}) == [], step
+    again = monitor.observe_servers(12, {"r0": {"groups": 4.0, "stale": 1.0, "stale_version": 9.0}})
+    assert len(again) == 1 and "policy version 9" in again[0].message

@@ -114,3 +114,18 @@ def test_recovery_is_judged_50_steps_after_the_last_rollback_against_the_unfault
     table = summarize({"reward_hack-s1": run, "unfaulted-s1": base}, ["reward_hack"], [1])
     assert table["faults"]["reward_hack"]["recovered_median"]
     assert table["targets"]["detected_within_20_steps"].startswith("1 of 1")
+
+
+def test_a_run_its_learner_stopped_counts_as_a_stop_not_a_failure(tmp_path):
+    # `fleetrl run` exits 1 when its learner exits 3 (the monitor's stop); health_recovery.py took those runs
+    # for failures (no done.json, rerun every time, never compared as stopped): entropy_collapse-s2 and
+    # stale_fleet-s2 on 2026-12-06
+    from health_recovery import learner_stopped
+
+    (tmp_path / "run.log").write_text(
+        "fleetrl run: learner    exit 3: health: rollback limit reached: 3 rollbacks done\nfleetrl run: broker exit 0\n"
+    )
+    assert learner_stopped(tmp_path)
+    (tmp_path / "run.log").write_text("fleetrl run: learner    exit 1: Traceback ...\n")
+    assert not learner_stopped(tmp_path)
+    assert not learner_stopped(tmp_path / "missing")

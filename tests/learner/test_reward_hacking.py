@@ -180,3 +180,26 @@ def test_distinct_2_does_not_fall_when_each_prompt_converges_to_its_own_answer()
     # (counting all 16 responses, 6 of 48: the rule would read learning as a collapse)
     learned = diversity_metrics([(1, 2)] * 8 + [(3, 4)] * 8, [0] * 8 + [1] * 8)
     assert learned["response/distinct_2"] == pytest.approx(1.0) and learned["response/identical_frac"] == 0.5
+
+
+def _recorded(name: str) -> list[dict]:
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parent / "data" / f"{name}.metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _replay(rows: list[dict]) -> list:
+    m = monitor()
+    return [e for row in rows for e in m.observe(int(row["step"]), {k: v for k, v in row.items() if k != "step"})]
+
+
+def test_a_probe_every_5_steps_keeps_the_reach_of_the_held_out_path():
+    # benchmarks/health_recovery.py --eval-interval 5 --eval-n 250, seed 1 (2026-12-06): the reward hack from
+    # version 45 shows on the held-out probe from step 75 (0.268 at 70 -> 0.208, 0.148, 0.104). The last 3
+    # evaluations then span only 10 steps, over which the reward MA rose < 0.05: the rule never fired. It now
+    # judges all the evaluations of the last 2 x window steps when they are more than 3.
+    events = _replay(_recorded("reward_hack_eval5"))
+    assert events and events[0].step == 85 and events[0].metric == "eval/accuracy"
+    assert _replay(_recorded("unfaulted_eval5")) == []  # the unfaulted run of the same seed and probe: quiet

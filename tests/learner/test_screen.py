@@ -192,3 +192,31 @@ def test_server_rules_read_no_step_metrics_and_survive_a_checkpoint_and_a_rollba
     assert again.observe_servers(32, {"s": {"groups": 1.0, "screened": 1.0}})[0].server == "s"  # counts carried over
     again.rewind_to(state, 30)
     assert again.quarantined == {"s": 32}  # a rollback does not lift a quarantine
+
+
+def test_the_guard_counts_groups_whose_weights_fingerprint_is_not_the_published_one():
+    import torch
+
+    from fleetrl.learner.quarantine import FleetGuard
+    from fleetrl.learner.runtime import Dist
+    from fleetrl.learner.source import Leased
+
+    published = {5: {"names": "n1", "bfloat16": "aaaa", "float32": "bbbb", "float16": "cccc"}}
+    guard = FleetGuard(None, object(), None, Dist(0, 1, 0, torch.device("cpu")), published=published.get)
+    groups = []
+    for i, fp in enumerate(
+        [
+            [5, "bfloat16", "n1", "aaaa"],  # the published weights
+            [5, "bfloat16", "n1", "ffff"],  # other weights under version 5: stale
+            [4, "bfloat16", "n1", "ffff"],  # a version with no record: not compared
+            [5, "bfloat16", "other", "ffff"],  # other tensors (a fusing engine): not compared
+            ["x", "bfloat16", "n1", "ffff"],  # malformed version: ignored, no crash
+            None,
+        ]
+    ):
+        g = honest(i, server="a" if i < 2 else "b")
+        if fp is not None:
+            g.metadata["weights_fp"] = fp
+        groups.append(g)
+    servers = guard.stale(Leased(groups=groups, servers={"a": {"groups": 2.0}, "b": {"groups": 4.0}}))
+    assert servers == {"a": {"groups": 2.0, "stale": 1.0, "stale_version": 5.0}, "b": {"groups": 4.0}}

@@ -41,6 +41,7 @@ from fleetrl.common import weightsync as ws
 from fleetrl.common.config.schema import JobConfig, SyncConfig
 from fleetrl.common.plugins.registry import Registry
 from fleetrl.common.telemetry import tracing
+from fleetrl.common.weightsync import fingerprint
 from fleetrl.common.weightsync.sender.broadcast import Announce, BroadcastSender, Sent, Tensors
 
 if TYPE_CHECKING:  # torch is imported where it is used: this package imports without it
@@ -59,6 +60,7 @@ METRIC_KEYS = (
     "sync/dropped",
     "sync/tampered",
 )
+KEEP_FPS = 64  # versions whose fingerprints the publisher keeps (a group older than that is not compared)
 OVERLAP_TRANSPORTS = ("gloo",)  # nccl would need a second copy of the weights on the GPU; files announce at the end
 
 SENDERS: Registry[type] = Registry("weight transport", config_key="sync.transport")
@@ -73,6 +75,8 @@ class WeightPublisher:
         self._sender = SENDERS[self.cfg.transport](self.cfg, Path(run_dir), self.plan) if rank == 0 else None
         self.overlap = self.cfg.overlap and self.cfg.transport in OVERLAP_TRANSPORTS
         self._background: BackgroundRound | None = None  # the overlapped round in flight (rank 0)
+        # version -> fingerprints of the weights published as it (weightsync/fingerprint.py), the newest KEEP_FPS
+        self.fingerprints: dict[int, dict[str, str]] = {}
 
     def publish(
         self,
@@ -83,9 +87,11 @@ class WeightPublisher:
         expected_receivers: int,
     ) -> dict[str, float]:
         """One sync round (see the module docstring); returns ``sync/*`` metrics (zeros off rank 0)."""
-        it = iter(params)
+        samples: dict[str, Any] = {}
+        it = _tapped(iter(params), samples)
         if self._sender is None:
             _drain(it)
+            self._record(version, samples)
             return dict.fromkeys(METRIC_KEYS, 0.0)
         t0 = time.perf_counter()
         attributes = {"fleetrl.policy_version": version, "fleetrl.step": step, "fleetrl.transport": self.cfg.transport}
@@ -106,7 +112,14 @@ class WeightPublisher:
                 f"publish: params yielded {extra} tensors beyond the {len(self.specs)} specs; "
                 "build the publisher's specs from the same named_parameters() that publish() iterates"
             )
+        self._record(version, samples)
         return sent_metrics(sent, time.perf_counter() - t0)
+
+    def _record(self, version: int, samples: dict[str, Any]) -> None:
+        if samples:
+            self.fingerprints[version] = fingerprint.fingerprints(samples)
+        for old in sorted(self.fingerprints)[:-KEEP_FPS]:
+            del self.fingerprints[old]
 
     def start(
         self,
@@ -124,7 +137,8 @@ class WeightPublisher:
             return self.publish(version, step, params, announce, expected_receivers)
         t0 = time.perf_counter()
         previous = self.wait()
-        it = iter(params)
+        samples: dict[str, Any] = {}
+        it = _tapped(iter(params), samples)
         try:
             copy = [
                 (spec, tensor.detach().clone()) for spec, tensor in _checked(it, self.specs)
@@ -136,6 +150,7 @@ class WeightPublisher:
                 f"publish: params yielded {extra} tensors beyond the {len(self.specs)} specs; "
                 "build the publisher's specs from the same named_parameters() that publish() iterates"
             )
+        self._record(version, samples)
         sender = self._sender
         attributes = {
             "fleetrl.policy_version": version,
@@ -244,6 +259,14 @@ def _checked(it: Iterator[tuple[str, torch.Tensor]], specs: list[messages.ParamS
                 "params must yield exactly the specs, in the same order"
             )
         yield spec, tensor
+
+
+def _tapped(it: Iterator[tuple[str, torch.Tensor]], samples: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream as it is, each floating tensor's fingerprint sample kept in ``samples`` on the way."""
+    for name, tensor in it:
+        if tensor.is_floating_point():
+            samples[name] = fingerprint.sample(tensor)
+        yield name, tensor
 
 
 def _drain(it: Iterator[Any]) -> int:
