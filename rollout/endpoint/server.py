@@ -164,6 +164,11 @@ class Endpoint:
                 )
                 self.counts[f"errors/{code}"] += 1
                 return web.json_response(err.body(), status=e.status)
+            except ConnectionResetError:  # the client hung up mid-request (an agent stopped): not a server error
+                log.info("endpoint: %s %s: the client closed the connection mid-request", request.method, request.path)
+                self.counts["errors/client_disconnected"] += 1
+                err = ApiError(400, "the client closed the connection mid-request", "client_disconnected")
+                return web.json_response(err.body(), status=400)  # nobody reads it; aiohttp drops it quietly
             except Exception as e:  # noqa: BLE001 - a bug or an engine failure: reported, the server goes on
                 log.exception("endpoint: %s %s failed", request.method, request.path)
                 self.counts["errors/server_error"] += 1

@@ -193,3 +193,23 @@ def test_close_returns_while_an_agent_still_waits_for_a_task(engine, tiny_model_
     assert outcome and outcome[0] != 200  # the waiting call ended (cut or refused), it did not get a session
     with pytest.raises(httpx.HTTPError):  # and nothing is served any more
         httpx.get(f"{ep.root}/fleetrl/sessions/x", timeout=2)
+
+
+def test_a_client_that_hangs_up_mid_body_is_counted_not_logged_as_a_server_error(guarded, caplog):
+    """Before: an agent stopped while sending a body (the benchmark's end) gave a traceback at ERROR,
+    "POST /fleetrl/sessions failed ... ConnectionResetError", counted as a server error."""
+    before = dict(guarded.counts)
+    with caplog.at_level("INFO", logger="fleetrl"):
+        s = socket.create_connection(("127.0.0.1", guarded.port))
+        s.sendall(
+            b"POST /fleetrl/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+        )
+        time.sleep(0.3)
+        s.close()
+        assert wait_for(
+            lambda: guarded.counts["errors/client_disconnected"] > before.get("errors/client_disconnected", 0), 10.0
+        )
+    assert guarded.counts["errors/server_error"] == before.get("errors/server_error", 0)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
+    assert "closed the connection mid-request" in caplog.text
+    assert served(guarded)
