@@ -62,6 +62,57 @@ def share_of(total: int, rank: int, world: int) -> int:
     return total // world + (1 if rank < total % world else 0)
 
 
+class RefusalWatch:
+    """While a rank waits for groups, whether the broker is refusing what the fleet sends.
+
+    A fleet whose every group is refused at ingest (e.g. a policy collapsed to exact-0.0 log-probs at
+    temperature > 0: ``broker.max_zero_logprob_fraction``) looks like an idle fleet from here. After
+    ``first_s`` of waiting this takes the broker's ``implausible/*`` counters as a baseline, warns every
+    ``every_s`` when they rose, and names them in the idle error.
+    """
+
+    def __init__(self, client: LearnerClient, first_s: float = 5.0, every_s: float = 30.0):
+        self.client, self.first_s, self.every_s = client, first_s, every_s
+        self.t0 = time.monotonic()
+        self.base: dict[str, int] | None = None
+        self.warned_at = self.t0
+
+    def _counters(self) -> dict[str, int]:
+        try:
+            counters = self.client.status().counters
+        except Exception:  # noqa: BLE001 - a status call that fails only loses the diagnosis
+            return {}
+        return {k: v for k, v in counters.items() if k.startswith("implausible/")}
+
+    def rose(self) -> dict[str, int]:
+        if self.base is None:
+            return {}
+        now = self._counters()
+        return {k: v - self.base.get(k, 0) for k, v in now.items() if v > self.base.get(k, 0)}
+
+    def check(self) -> None:
+        t = time.monotonic()
+        if self.base is None:
+            if t - self.t0 >= self.first_s:
+                self.base, self.warned_at = self._counters(), t
+            return
+        if t - self.warned_at >= self.every_s:
+            self.warned_at = t
+            if text := self.summary():
+                log.warning("no groups for %.0f s%s", t - self.t0, text)
+
+    def summary(self) -> str:
+        rose = self.rose()
+        if not rose:
+            return ""
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(rose.items()))
+        return (
+            f", while the broker refused {sum(rose.values())} groups at ingest ({kinds}): the rollouts run but "
+            "what they send is refused (the broker's log names each group and why; a policy collapsed to "
+            "log-probs of exactly 0.0 at temperature > 0 trips broker.max_zero_logprob_fraction)"
+        )
+
+
 class BrokerBatchSource:
     def __init__(self, client: LearnerClient, cfg: JobConfig, rank: int, world: int):
         self.client, self.cfg = client, cfg
@@ -72,18 +123,22 @@ class BrokerBatchSource:
         self.quarantined: set[str] = set()  # servers whose groups are left out (HealthMonitor.quarantined)
 
     def _lease(self, n: int, deadline: float, should_stop: Callable[[], bool]) -> m.BatchLease:
+        wait = self.cfg.learner.batch_wait_s
+        refusals = RefusalWatch(self.client, first_s=min(5.0, 0.2 * wait), every_s=min(30.0, 0.5 * wait))
         while True:
             if should_stop():
                 raise Interrupted()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise FleetIdle(
-                    f"no groups arrived within learner.batch_wait_s={self.cfg.learner.batch_wait_s:g} s; "
-                    "check that rollout servers run (`fleetrl status --broker ADDR`) or raise that setting"
+                    f"no groups arrived within learner.batch_wait_s={self.cfg.learner.batch_wait_s:g} s"
+                    f"{refusals.summary()}; check that rollout servers run (`fleetrl status --broker ADDR`) "
+                    "or raise that setting"
                 )
             reply = self.client.lease_batch(n, wait_s=min(2.0, left), min_groups=n)
             if isinstance(reply, m.BatchLease):
                 return reply
+            refusals.check()
             time.sleep(min(reply.retry_after_s, max(0.0, deadline - time.monotonic())))
 
     def next(self, step: int, should_stop: Callable[[], bool] = lambda: False) -> Leased:

@@ -1,0 +1,61 @@
+"""A rank waiting for groups tells an idle fleet from a fleet whose every group the broker refuses.
+
+Before: a policy collapsed to log-probs of exactly 0.0 at temperature > 0 (issue 27's entropy-collapse fault,
+seed 3) had every group refused at ingest (broker.max_zero_logprob_fraction); the learner waited 600 s and
+died with "no groups arrived ... check that rollout servers run", which sent the operator to the wrong place."""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from fleetrl.common import messages as m
+from fleetrl.common.config import load_config
+from fleetrl.learner.source import BrokerBatchSource, FleetIdle
+
+
+class Broker:
+    """A learner client whose leases always come back empty; ``status`` counts refusals at ``per_call``."""
+
+    def __init__(self, per_call: int):
+        self.per_call, self.refused, self.leases = per_call, 0, 0
+
+    def lease_batch(self, n: int, wait_s: float = 0.0, min_groups: int = 1):
+        self.leases += 1
+        time.sleep(0.01)
+        return m.Throttle(req_id=0, retry_after_s=0.05, reason="no groups")
+
+    def status(self):
+        self.refused += self.per_call
+        return SimpleNamespace(counters={"implausible/logprob": self.refused, "refused/lease": 5})
+
+
+def source(client, wait_s: float = 1.0) -> BrokerBatchSource:
+    return BrokerBatchSource(client, load_config(None, [f"learner.batch_wait_s={wait_s}"]), 0, 1)
+
+
+def test_an_idle_error_names_the_groups_the_broker_refused_meanwhile(caplog):
+    client = Broker(per_call=7)
+    with caplog.at_level(logging.WARNING, logger="fleetrl.learner.source"), pytest.raises(FleetIdle) as e:
+        source(client).next(1)
+    text = str(e.value)
+    assert "learner.batch_wait_s=1" in text and "refused" in text and "implausible/logprob" in text, text
+    assert "max_zero_logprob_fraction" in text
+    assert "refused/lease" not in text  # only ingest refusals are the rollouts' groups
+    assert any("implausible/logprob" in r.getMessage() for r in caplog.records)  # warned before giving up
+
+
+def test_a_truly_idle_fleet_keeps_the_plain_message():
+    with pytest.raises(FleetIdle) as e:
+        source(Broker(per_call=0)).next(1)
+    assert "refused" not in str(e.value) and "check that rollout servers run" in str(e.value)
+
+
+def test_a_broker_whose_status_fails_still_gives_the_idle_error():
+    client = Broker(per_call=3)
+    client.status = lambda: (_ for _ in ()).throw(TimeoutError("status timed out"))
+    with pytest.raises(FleetIdle, match="no groups arrived"):
+        source(client).next(1)
