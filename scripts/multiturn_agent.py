@@ -22,6 +22,7 @@ import json
 import operator
 import sys
 import time
+import traceback
 
 import openai
 
@@ -124,6 +125,9 @@ async def worker(http: httpx.AsyncClient, args: argparse.Namespace, totals: dict
             if failures > 30:
                 return
             await asyncio.sleep(1.0)
+        except Exception:  # noqa: BLE001 - a bug ends this task (printed), as it ended a thread before: not the agent
+            traceback.print_exc()
+            return
 
 
 async def report(totals: dict[str, float], out: str | None, done: asyncio.Event) -> None:
