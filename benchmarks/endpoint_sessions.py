@@ -9,7 +9,8 @@ both modes sample the same policy), in alternating order (tool, endpoint, tool, 
 
 - **tool**: ``rollout.env.type: tool``, episodes run inside the server;
 - **endpoint**: ``rollout.env.type: openai``, the same episodes driven by ``scripts/multiturn_agent.py``
-  (the official ``openai`` client, ``--workers`` threads) in its own process.
+  (the official ``openai`` client's ``AsyncOpenAI``, ``--workers`` sessions as asyncio tasks on one pooled
+  http client) in its own process; ``--agent`` drives another agent script with the same arguments.
 
 Each mode warms up ``--warmup`` seconds, then counts the samples of the groups drained during
 ``--seconds``. Reported per mode: samples/s (median of the rounds), the ratio endpoint/tool (target >=
@@ -20,11 +21,12 @@ on a CPU-bound quiet box the throughput ratio tends to ``cpu_ratio_tool_to_endpo
 The CPU other processes used while it ran is recorded (``others_cpu_share``); the box is shared, so a
 figure with a share above 0.1 is not a quiet figure. Writes benchmarks/results/endpoint_sessions.json.
 Both modes get the whole box: the tool env's engine ``--threads`` (all cores); the endpoint's engine
-``--endpoint-threads`` (all cores less one) and the agent process the core left. The agent runs ``--workers``
-threads (32): measured on 2 cores (busy box, CPU seconds per sample, server + agent), 128 agent threads cost
-0.036 against 0.015-0.020 for 32 or 64 (the GIL: 128 threads each waiting on a call spend their CPU handing
-the lock around, and fewer of their calls reach the engine at once), and an engine with 2 torch threads beside
-the agent's process on 2 cores 0.087 against 0.036 with 1 (its OpenMP threads spin and wait for a core).
+``--endpoint-threads`` (all cores less one) and the agent process the core left: an engine with 2 torch
+threads beside the agent's process on 2 cores cost 0.060-0.087 CPU seconds a sample against 0.016-0.036 with 1
+(its OpenMP threads spin and wait for a core). The agent runs ``--workers`` 128 sessions (the tool env's
+episodes per lease); measured on 2 cores (busy box, docs/notes/issue-28.md), the async agent with 128 costs
+about what the old thread-per-session agent did with 32 (server + agent ~0.016 s a sample: the server's share
+smaller with more calls in flight, the agent's larger), where 128 threads cost 0.036.
 ``--model`` defaults to a fresh ``small`` preset (untrained: mostly one-turn episodes); the demo's warm
 start (models/multiturn-warm) gives the demo's turn mix.
 """
@@ -203,7 +205,7 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=45.0)
     p.add_argument("--warmup", type=float, default=15.0)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--workers", type=int, default=32, help="the agent's threads (sessions at once)")
+    p.add_argument("--workers", type=int, default=128, help="the agent's sessions at once")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="engine threads, tool mode")
     p.add_argument(
         "--endpoint-threads",

@@ -1,26 +1,35 @@
 """An agent written with the official `openai` client, trained through a rollout server's endpoint.
 
     fleetrl run --config configs/multiturn.yaml rollout.env.type=openai rollout.openai.enabled=true &
-    python scripts/multiturn_agent.py --server http://127.0.0.1:8000 --workers 16
+    python scripts/multiturn_agent.py --server http://127.0.0.1:8000 --workers 128
 
 `solve` is an ordinary tool-using agent loop: it would run unchanged against any OpenAI-compatible
 server. The only fleetrl-specific lines are in `run_session`: take a task (POST /fleetrl/sessions),
 point the client's base_url at the session, and close the session with a reward. The agent scores
 itself here (exact match); `--server-reward` leaves the scoring to the job's rollout.rewards instead.
+
+Concurrency the way one drives many sessions from Python: `openai.AsyncOpenAI` in one asyncio loop,
+`--workers` sessions as tasks, one pooled `httpx.AsyncClient` under every task's client. (Threads
+around the sync client cost ~3x the CPU a call: GIL hand-offs; see docs/notes/issue-28.md.)
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import asyncio
 import json
 import operator
 import sys
-import threading
 import time
+import traceback
 
-import httpx
 import openai
+
+try:  # the http library the installed openai pools with: httpx2 from openai 3 (httpcore2's pool costs O(n) a
+    import httpx2 as httpx  # request; httpcore's scans every pooled connection for each idle one: O(n^2), ~20 ms
+except ImportError:  # of CPU a call with 256 connections), httpx before
+    import httpx
 
 CALC_TOOL = {
     "type": "function",
@@ -46,13 +55,15 @@ def calc(expression: str) -> str:
     return str(int(value) if float(value).is_integer() else value)
 
 
-def solve(client: openai.OpenAI, question: str, max_turns: int = 3) -> tuple[str, dict[str, int]]:
+async def solve(client: openai.AsyncOpenAI, question: str, max_turns: int = 3) -> tuple[str, dict[str, int]]:
     """The agent: ask, run the tool calls the model makes, hand the results back, until it answers."""
     messages = [{"role": "user", "content": question}]
     stats = {"turns": 0, "tool_calls": 0, "tool_errors": 0}
     for _ in range(max_turns):
         try:
-            reply = client.chat.completions.create(model="policy", messages=messages, tools=[CALC_TOOL], max_tokens=16)
+            reply = await client.chat.completions.create(
+                model="policy", messages=messages, tools=[CALC_TOOL], max_tokens=16
+            )
         except openai.BadRequestError as e:
             if e.code in ("context_length_exceeded", "session_budget_exceeded"):
                 return "", stats  # out of budget: no answer (the session is closed and scored as it stands)
@@ -73,82 +84,61 @@ def solve(client: openai.OpenAI, question: str, max_turns: int = 3) -> tuple[str
     return "", stats
 
 
-def run_session(
-    http: httpx.Client, server: str, api_key: str, server_reward: bool, totals: dict[str, float], lock: threading.Lock
-) -> bool:
-    r = http.post(
-        f"{server}/fleetrl/sessions", json={"wait_s": 10}, headers={"Authorization": f"Bearer {api_key}"}, timeout=30
-    )
+async def run_session(
+    http: httpx.AsyncClient, client: openai.AsyncOpenAI, args: argparse.Namespace, totals: dict[str, float]
+) -> None:
+    """One fleetrl session: take a task, solve it with a client pointed at the session, close it with a reward."""
+    auth = {"Authorization": f"Bearer {args.api_key}"}
+    r = await http.post(f"{args.server}/fleetrl/sessions", json={"wait_s": 10}, headers=auth, timeout=30)
     if r.status_code == 503:
-        return True  # no task right now (paused, between leases): ask again
+        return  # no task right now (paused, between leases): ask again
     r.raise_for_status()
     session = r.json()
-    client = openai.OpenAI(
-        base_url=session["base_url"],
-        api_key=api_key,
-        max_retries=2,  # <- the only change
-        http_client=http,
-    )  # one HTTP client for every session: see main()
+    url = f"{args.server}/fleetrl/sessions/{session['session_id']}"
+    client.base_url = session["base_url"]  # <- the only change to an agent: its client's base_url
     try:
-        answer, stats = solve(client, session["task"]["prompt"])
+        answer, stats = await solve(client, session["task"]["prompt"])
     except openai.APIError as e:
-        http.post(
-            f"{server}/fleetrl/sessions/{session['session_id']}/abandon", headers={"Authorization": f"Bearer {api_key}"}
-        )
+        await http.post(f"{url}/abandon", headers=auth)
         print(f"session {session['session_id']} abandoned: {e}", file=sys.stderr)
-        return True
+        return
     reward = float(answer.strip() == str(session["task"]["answer"]))
-    http.post(
-        f"{server}/fleetrl/sessions/{session['session_id']}/close",
-        json={} if server_reward else {"reward": reward},
-        headers={"Authorization": f"Bearer {api_key}"},
-    )
-    with lock:
-        totals["sessions"] += 1
-        totals["correct"] += reward
-        for k, v in stats.items():
-            totals[k] = totals.get(k, 0) + v
-    return True
+    await http.post(f"{url}/close", json={} if args.server_reward else {"reward": reward}, headers=auth)
+    totals["sessions"] += 1
+    totals["correct"] += reward
+    for k, v in stats.items():
+        totals[k] = totals.get(k, 0) + v
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--server", default="http://127.0.0.1:8000", help="the rollout server's endpoint root")
-    p.add_argument("--api-key", default="none", help="rollout.openai.api_key, if set")
-    p.add_argument("--workers", type=int, default=16, help="sessions run at once (>= rollout.group_size)")
-    p.add_argument("--minutes", type=float, default=60.0, help="stop after this long")
-    p.add_argument("--server-reward", action="store_true", help="close without a reward: rollout.rewards score it")
-    p.add_argument("--out", help="write the totals as JSON lines here, every 30 s")
-    args = p.parse_args()
-    totals: dict[str, float] = {"sessions": 0, "correct": 0}
-    lock, stop = threading.Lock(), threading.Event()
-    deadline = time.monotonic() + 60 * args.minutes
-    # One HTTP client (thread-safe, pooled) for every call: a new httpx/openai client per session builds an SSL
-    # context each time (~15-35 ms of CPU), which made the agent, not the server, the demo's bottleneck.
-    http = httpx.Client(
-        timeout=60, limits=httpx.Limits(max_connections=2 * args.workers, max_keepalive_connections=2 * args.workers)
-    )
+async def worker(http: httpx.AsyncClient, args: argparse.Namespace, totals: dict[str, float], deadline: float) -> None:
+    """Sessions one after another until the deadline; gives up after 30 failures in a row (the server is gone)."""
+    # One openai client a worker, on the shared pool, re-pointed at each session: a client made per session (or by
+    # with_options) looks the platform up again in a worker thread on its first call (~5% of the agent's CPU).
+    client = openai.AsyncOpenAI(base_url=args.server, api_key=args.api_key, max_retries=2, http_client=http)
+    failures = 0
+    while time.monotonic() < deadline:
+        try:
+            await run_session(http, client, args, totals)
+            failures = 0
+        except (httpx.HTTPError, openai.APIConnectionError):
+            failures += 1  # the server is starting, or gone at the end of the run
+            if failures > 30:
+                return
+            await asyncio.sleep(1.0)
+        except Exception:  # noqa: BLE001 - a bug ends this task (printed), as it ended a thread before: not the agent
+            traceback.print_exc()
+            return
 
-    def worker() -> None:
-        failures = 0
-        while not stop.is_set() and time.monotonic() < deadline:
-            try:
-                run_session(http, args.server, args.api_key, args.server_reward, totals, lock)
-                failures = 0
-            except (httpx.HTTPError, openai.APIConnectionError):
-                failures += 1  # the server is starting, or gone at the end of the run
-                if failures > 30:
-                    return
-                time.sleep(1.0)
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(args.workers)]
-    for t in threads:
-        t.start()
+async def report(totals: dict[str, float], out: str | None, done: asyncio.Event) -> None:
+    """Every 30 s (with --out; else every second, printing nothing): the totals and the window's success rate."""
     t0, last = time.monotonic(), dict(totals)
-    while any(t.is_alive() for t in threads):
-        time.sleep(30 if args.out else 1)
-        with lock:
-            now = dict(totals)
+    while not done.is_set():
+        try:
+            await asyncio.wait_for(done.wait(), 30 if out else 1)
+        except TimeoutError:
+            pass
+        now = dict(totals)
         n = now["sessions"] - last["sessions"]
         line = {
             "time": time.time(),
@@ -158,10 +148,36 @@ def main() -> int:
             "turns_per_session": (now.get("turns", 0) - last.get("turns", 0)) / n if n else None,
         }
         last = now
-        if args.out and n:
-            with open(args.out, "a") as f:
+        if out and n:
+            with open(out, "a") as f:
                 f.write(json.dumps(line) + "\n")
             print(json.dumps(line), flush=True)
+
+
+async def run(args: argparse.Namespace) -> dict[str, float]:
+    totals: dict[str, float] = {"sessions": 0, "correct": 0}
+    deadline = time.monotonic() + 60 * args.minutes
+    # One pooled HTTP client under every call: a new httpx/openai client per session builds an SSL context each
+    # time (~15-35 ms of CPU).
+    limits = httpx.Limits(max_connections=2 * args.workers, max_keepalive_connections=2 * args.workers)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as http:
+        done = asyncio.Event()
+        reporter = asyncio.create_task(report(totals, args.out, done))
+        await asyncio.gather(*(worker(http, args, totals, deadline) for _ in range(args.workers)))
+        done.set()
+        await reporter
+    return totals
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--server", default="http://127.0.0.1:8000", help="the rollout server's endpoint root")
+    p.add_argument("--api-key", default="none", help="rollout.openai.api_key, if set")
+    p.add_argument("--workers", type=int, default=128, help="sessions run at once (>= rollout.group_size)")
+    p.add_argument("--minutes", type=float, default=60.0, help="stop after this long")
+    p.add_argument("--server-reward", action="store_true", help="close without a reward: rollout.rewards score it")
+    p.add_argument("--out", help="write the totals as JSON lines here, every 30 s")
+    asyncio.run(run(p.parse_args(argv)))
     return 0
 
 
