@@ -232,16 +232,24 @@ def survived(r: dict, sc: Scenario) -> bool:
 
 
 def broadcast_checks(run_dir: Path) -> dict:
-    """The round the rollout died in: re-formed, the learner delayed <= 2 x bucket timeout, the other got it."""
+    """The round the rollout died in, the learner delayed <= 2 x bucket timeout, the other rollout got it.
+
+    The dead receiver leaves the fleet one of two ways, depending on where the learner's (overlapped) round
+    was when the pin was hit: the round re-forms without it (``sync/reforms``), or the round's sends had
+    already been buffered and it is the *next* round that forms without it, after waiting for it to join
+    (fewer ``sync/receivers`` than the fleet had). Both are the affected rounds judged here."""
     rows = read_jsonl(run_dir / "metrics.jsonl")
+    fleet = max((r.get("sync/receivers", 0) for r in rows), default=0)
     reformed = [r for r in rows if r.get("sync/reforms", 0) >= 1]
+    affected = [r for r in rows if r.get("sync/reforms", 0) >= 1 or 0 < r.get("sync/receivers", fleet) < fleet]
     killed = {e["child"] for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "restart"}
     other = read_jsonl(run_dir / f"rollout-{1 if 'rollout-0' in killed else 0}.metrics.jsonl")
-    versions = [int(r.get("policy/version", 0)) for r in reformed]
+    versions = [int(r.get("policy/version", 0)) for r in affected]
     return {
         "reformed_rounds": len(reformed),
-        "sync_s_of_reformed": [round(r.get("timing/sync_s", 0.0), 2) for r in reformed],
-        "learner_delay_ok": bool(reformed) and all(r.get("timing/sync_s", 0.0) <= 2 * BUCKET_S + 1.0 for r in reformed),
+        "affected_rounds": len(affected),
+        "sync_s_of_affected": [round(r.get("timing/sync_s", 0.0), 2) for r in affected],
+        "learner_delay_ok": bool(affected) and all(r.get("timing/sync_s", 0.0) <= 2 * BUCKET_S + 1.0 for r in affected),
         "survivor_got_reformed_versions": bool(versions)
         and all(any(r.get("rollout/policy_version", -1) >= v for r in other) for v in versions),
         "survivor_missed_rounds": other[-1].get("weights/rounds_missed") if other else None,

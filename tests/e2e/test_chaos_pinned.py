@@ -34,5 +34,7 @@ def test_pinned_kill_is_survived(chaos, scenario):
     assert report["survived"], report
     assert report["lost"] == 0 and report["duplicated"] == 0 and report["versions_monotonic"]
     if scenario == "rollout-broadcast":
-        assert report["learner_delay_ok"] and report["reformed_rounds"] >= 1, report  # <= 2 x bucket timeout
+        # <= 2 x bucket timeout in the round that dropped the dead receiver (re-formed, or the next one formed
+        # without it: which one depends on whether the overlapped round's sends were buffered before the kill)
+        assert report["learner_delay_ok"] and report["affected_rounds"] >= 1, report
         assert report["survivor_got_reformed_versions"], report  # the other rollout got that version
