@@ -37,29 +37,47 @@ class ServerRule(Rule):
         return ()  # nothing in the step's metrics: no missing-metric warning
 
 
+class CountingServerRule(ServerRule):
+    """A per-server rule over counts of that server's groups in the last ``window`` steps."""
+
+    STATE = ("counts",)
+
+    def reset(self) -> None:
+        self.counts: dict[str, deque[tuple[int, float]]] = {}
+
+    def count(self, server: str, step: int, n: float) -> float:
+        """Add ``n`` at ``step`` (when > 0), forget what left the window, return the window's total."""
+        recent = self.counts.setdefault(server, deque())
+        if n > 0:
+            recent.append((step, n))
+        while recent and recent[0][0] <= step - self.window:
+            recent.popleft()
+        return sum(c for _, c in recent)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"counts": {s: list(d) for s, d in self.counts.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reset()
+        for server, points in state.get("counts", {}).items():
+            self.counts[server] = deque(tuple(p) for p in points)
+
+
 @HEALTH_RULES.register("server_poison")
-class ServerPoison(ServerRule):
+class ServerPoison(CountingServerRule):
     """Fires for a server when the screen left out more than ``threshold`` of its groups over the last
     ``window`` steps: groups no honest server could have sent (impossible log-probs, a reward far outside
     the fleet's). One stray group is left out and counted; a server that keeps sending them is poison."""
 
     METRIC, WINDOW, THRESHOLD = "server/screened", 20, 2.0
-    STATE = ("counts",)
 
     def check_server(self) -> None:
         if self.threshold < 0:
             self.bad("threshold", "the number of screened groups to tolerate, >= 0 (fires above it), e.g. 2")
 
-    def reset(self) -> None:
-        self.counts: dict[str, deque[tuple[int, float]]] = {}
-
     def observe_server(self, step: int, server: str, seen: dict[str, float]) -> Fired | None:
-        recent = self.counts.setdefault(server, deque())
-        if seen.get("screened", 0.0) > 0:
-            recent.append((step, seen["screened"]))
-        while recent and recent[0][0] <= step - self.window:
-            recent.popleft()
-        total = sum(n for _, n in recent)
+        total = self.count(server, step, seen.get("screened", 0.0))
+        recent = self.counts[server]
         if total <= self.threshold:
             return None
         return Fired(
@@ -73,17 +91,9 @@ class ServerPoison(ServerRule):
             metric=f"server/{server}/screened",
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"counts": {s: list(d) for s, d in self.counts.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.reset()
-        for server, points in state.get("counts", {}).items():
-            self.counts[server] = deque(tuple(p) for p in points)
-
 
 @HEALTH_RULES.register("stale_weights")
-class StaleWeights(ServerRule):
+class StaleWeights(CountingServerRule):
     """Fires for a server at the first group whose weights fingerprint (``metadata["weights_fp"]``: sampled
     from the engine's live parameters after its load) differs from the one the learner published for the
     version the server reports: new weights announced, other weights served (a silent sync failure). The
@@ -91,23 +101,15 @@ class StaleWeights(ServerRule):
     groups per server; the rule fires when more than ``threshold`` (0) came within ``window`` steps."""
 
     METRIC, WINDOW, THRESHOLD = "server/stale_weights", 20, 0.0
-    STATE = ("counts",)
 
     def check_server(self) -> None:
         if self.threshold < 0:
             self.bad("threshold", "the number of stale groups to tolerate, >= 0 (fires above it), e.g. 0")
 
-    def reset(self) -> None:
-        self.counts: dict[str, deque[tuple[int, float]]] = {}
-
     def observe_server(self, step: int, server: str, seen: dict[str, float]) -> Fired | None:
-        recent = self.counts.setdefault(server, deque())
         stale = seen.get("stale", 0.0)
-        if stale > 0:
-            recent.append((step, stale))
-        while recent and recent[0][0] <= step - self.window:
-            recent.popleft()
-        total = sum(n for _, n in recent)
+        total = self.count(server, step, stale)
+        recent = self.counts[server]
         if stale <= 0 or total <= self.threshold:
             return None  # judged on steps with new stale groups: old evidence alone never fires it again
         version = int(seen.get("stale_version", -1))
@@ -121,11 +123,3 @@ class StaleWeights(ServerRule):
             recent[0][0],
             metric=f"server/{server}/stale_weights",
         )
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"counts": {s: list(d) for s, d in self.counts.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.reset()
-        for server, points in state.get("counts", {}).items():
-            self.counts[server] = deque(tuple(p) for p in points)
