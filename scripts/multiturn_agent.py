@@ -85,15 +85,21 @@ async def solve(client: openai.AsyncOpenAI, question: str, max_turns: int = 3) -
 
 
 async def run_session(
-    http: httpx.AsyncClient, client: openai.AsyncOpenAI, args: argparse.Namespace, totals: dict[str, float]
-) -> None:
-    """One fleetrl session: take a task, solve it with a client pointed at the session, close it with a reward."""
+    http: httpx.AsyncClient,
+    client: openai.AsyncOpenAI,
+    args: argparse.Namespace,
+    totals: dict[str, float],
+    session: dict | None = None,
+) -> dict | None:
+    """One fleetrl session: take a task (or the ``session`` the last close opened), solve it with a client pointed
+    at the session, close it with a reward; returns the next session when the close opened one."""
     auth = {"Authorization": f"Bearer {args.api_key}"}
-    r = await http.post(f"{args.server}/fleetrl/sessions", json={"wait_s": 10}, headers=auth, timeout=30)
-    if r.status_code == 503:
-        return  # no task right now (paused, between leases): ask again
-    r.raise_for_status()
-    session = r.json()
+    if session is None:
+        r = await http.post(f"{args.server}/fleetrl/sessions", json={"wait_s": 10}, headers=auth, timeout=30)
+        if r.status_code == 503:
+            return None  # no task right now (paused, between leases): ask again
+        r.raise_for_status()
+        session = r.json()
     url = f"{args.server}/fleetrl/sessions/{session['session_id']}"
     client.base_url = session["base_url"]  # <- the only change to an agent: its client's base_url
     try:
@@ -101,13 +107,19 @@ async def run_session(
     except openai.APIError as e:
         await http.post(f"{url}/abandon", headers=auth)
         print(f"session {session['session_id']} abandoned: {e}", file=sys.stderr)
-        return
+        return None
     reward = float(answer.strip() == str(session["task"]["answer"]))
-    await http.post(f"{url}/close", json={} if args.server_reward else {"reward": reward}, headers=auth)
+    # the close also opens the next session when a task is waiting ("next", wait_s 0: the answer to the close is
+    # not held back): one request a session fewer than a separate open
+    body: dict = {"next": {"wait_s": 0}} if time.monotonic() < args.deadline else {}
+    if not args.server_reward:
+        body["reward"] = reward
+    r = await http.post(f"{url}/close", json=body, headers=auth, timeout=30)
     totals["sessions"] += 1
     totals["correct"] += reward
     for k, v in stats.items():
         totals[k] = totals.get(k, 0) + v
+    return r.json().get("next") if r.status_code == 200 else None
 
 
 async def worker(http: httpx.AsyncClient, args: argparse.Namespace, totals: dict[str, float], deadline: float) -> None:
@@ -115,12 +127,13 @@ async def worker(http: httpx.AsyncClient, args: argparse.Namespace, totals: dict
     # One openai client a worker, on the shared pool, re-pointed at each session: a client made per session (or by
     # with_options) looks the platform up again in a worker thread on its first call (~5% of the agent's CPU).
     client = openai.AsyncOpenAI(base_url=args.server, api_key=args.api_key, max_retries=2, http_client=http)
-    failures = 0
-    while time.monotonic() < deadline:
+    failures, session = 0, None
+    while session is not None or time.monotonic() < deadline:  # a session the last close opened is run too
         try:
-            await run_session(http, client, args, totals)
+            session = await run_session(http, client, args, totals, session)
             failures = 0
         except (httpx.HTTPError, openai.APIConnectionError):
+            session = None
             failures += 1  # the server is starting, or gone at the end of the run
             if failures > 30:
                 return
@@ -154,13 +167,34 @@ async def report(totals: dict[str, float], out: str | None, done: asyncio.Event)
             print(json.dumps(line), flush=True)
 
 
+def http_client(kind: str, limits: httpx.Limits) -> httpx.AsyncClient:
+    """The pooled HTTP client under every call. "aiohttp": `openai.DefaultAioHttpClient` (the openai package's
+    aiohttp transport, `pip install openai[aiohttp]`): its C-parsed HTTP/1.1 costs about half the agent's CPU a
+    call of the default pool (pure-Python h11 and httpcore, whose pool scans every connection per request);
+    "httpx": the default. "auto": aiohttp when installed."""
+    aio = getattr(openai, "DefaultAioHttpClient", None)
+    if kind == "aiohttp" or (kind == "auto" and aio is not None and _has_aiohttp()):
+        if aio is None:
+            raise SystemExit("--http aiohttp needs an openai with DefaultAioHttpClient (pip install 'openai[aiohttp]')")
+        return aio(timeout=60, limits=limits)
+    return httpx.AsyncClient(timeout=60, limits=limits)
+
+
+def _has_aiohttp() -> bool:
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 async def run(args: argparse.Namespace) -> dict[str, float]:
     totals: dict[str, float] = {"sessions": 0, "correct": 0}
-    deadline = time.monotonic() + 60 * args.minutes
+    deadline = args.deadline = time.monotonic() + 60 * args.minutes
     # One pooled HTTP client under every call: a new httpx/openai client per session builds an SSL context each
     # time (~15-35 ms of CPU).
-    limits = httpx.Limits(max_connections=2 * args.workers, max_keepalive_connections=2 * args.workers)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as http:
+    limits = httpx.Limits(max_connections=args.workers + 8, max_keepalive_connections=args.workers + 8)
+    async with http_client(args.http, limits) as http:
         done = asyncio.Event()
         reporter = asyncio.create_task(report(totals, args.out, done))
         await asyncio.gather(*(worker(http, args, totals, deadline) for _ in range(args.workers)))
@@ -176,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=128, help="sessions run at once (>= rollout.group_size)")
     p.add_argument("--minutes", type=float, default=60.0, help="stop after this long")
     p.add_argument("--server-reward", action="store_true", help="close without a reward: rollout.rewards score it")
+    p.add_argument(
+        "--http",
+        choices=["auto", "aiohttp", "httpx"],
+        default="auto",
+        help="the HTTP transport (auto: aiohttp if installed)",
+    )
     p.add_argument("--out", help="write the totals as JSON lines here, every 30 s")
     asyncio.run(run(p.parse_args(argv)))
     return 0

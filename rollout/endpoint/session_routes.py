@@ -2,7 +2,10 @@
 
 POST /fleetrl/sessions                a session for the next waiting task: {"wait_s": 30}
 GET  /fleetrl/sessions/<id>           its state; once ended, its fate (trained, dropped + reason, pending)
-POST /fleetrl/sessions/<id>/close     {"reward": r} or {} (rollout.rewards score the last reply)
+POST /fleetrl/sessions/<id>/close     {"reward": r} or {} (rollout.rewards score the last reply); with
+                                      "next": {"wait_s": 30} it also opens the agent's next session (as
+                                      POST /fleetrl/sessions would) and answers it under "next": one
+                                      request fewer a session
 POST /fleetrl/sessions/<id>/abandon   its tokens are not trained
 """
 
@@ -103,18 +106,29 @@ class SessionRoutes:
             raise ApiError(
                 409, f"session {sid} has a call in progress; close it after the call returns", "session_busy"
             )
+        nxt = body.get("next")
+        if nxt is not None and not isinstance(nxt, dict):
+            raise ApiError(
+                400, f'next must be an object ({{"wait_s": 30}}) or null, got {nxt!r}', "invalid_value", param="next"
+            )
+        wait_s = None if nxt is None else number(nxt, "wait_s", 30.0, float, 0, 3600)
         ep = manager.end(sid, None if reward is None else float(reward))
         fate = manager.fate(sid, ep)
-        return web.json_response(
-            {
-                "session_id": sid,
-                "reward": ep.reward,
-                "turns": ep.turns,
-                "tokens": len(ep.token_ids),
-                **fate,
-                "trained": {"trained": True, "dropped": False}.get(fate["status"]),
-            }
-        )
+        out = {
+            "session_id": sid,
+            "reward": ep.reward,
+            "turns": ep.turns,
+            "tokens": len(ep.token_ids),
+            **fate,
+            "trained": {"trained": True, "dropped": False}.get(fate["status"]),
+        }
+        if wait_s is not None:  # the session is closed whatever comes next; a next that fails says why
+            try:
+                out["next"] = self._state(await manager.start(wait_s, request.remote or ""))
+            except ApiError as e:
+                out["next"] = None
+                out["next_error"] = {**e.body()["error"], "status": e.status}
+        return web.json_response(out)
 
     async def abandon_session(self, request: Any) -> Any:
         from aiohttp import web

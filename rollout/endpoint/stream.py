@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -83,7 +83,7 @@ class Sender:
 
     def __init__(self, request: Any, body: dict[str, Any], kind: str, model: str, decode: Callable[[list[int]], str]):
         self.request, self.body, self.kind, self.decode = request, body, kind, decode
-        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{os.urandom(16).hex()}"
         self.created, self.model = int(time.time()), model
         self.streaming = body.get("stream") is True
         self.incremental = self.streaming and not body.get("tools")  # a tool call needs the whole turn

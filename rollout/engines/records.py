@@ -3,7 +3,7 @@ with the behaviour log-prob and the policy version of every sampled token; see `
 
 from __future__ import annotations
 
-import uuid
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,7 +27,7 @@ class Request:
 
     prompt_ids: list[int]
     params: SamplingParams
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    request_id: str = field(default_factory=lambda: os.urandom(16).hex())  # uuid4().hex: 5x the CPU
     trace: dict[str, str] | None = None
     on_token: Callable[[list[int]], None] | None = field(default=None, compare=False, repr=False)
 

@@ -48,6 +48,7 @@ def test_the_async_agent_closes_every_session_with_its_reward(engine, tiny_model
             workers=2 * G,
             minutes=0.05,
             server_reward=False,
+            http="auto",
             out=str(out),
         )
         totals = asyncio.run(agent.run(args))

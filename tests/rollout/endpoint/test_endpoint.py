@@ -322,3 +322,29 @@ def test_no_agent_is_logged_once_as_such_and_the_header_does_not_collide_with_ve
         fleet.stop()
     assert sum("no agent took a task" in w for w in warnings) == 1
     assert not any("lost too many samples" in w for w in warnings)
+
+
+def test_close_with_next_opens_the_agents_next_session(engine, tiny_model_dir):
+    """Issue 28 (CPU per session): ``close`` with ``"next": {"wait_s": ...}`` also opens the next session, as
+    POST /fleetrl/sessions would, so an agent makes one request a session fewer; a bad ``next`` closes nothing."""
+    fleet = AgentFleet(engine, tiny_model_dir)
+    try:
+        fleet.start_thread()
+        wait_for(lambda: fleet.server.endpoint.port, 20, "the endpoint")
+        s = httpx.post(f"{fleet.root}/fleetrl/sessions", json={"wait_s": 20}, timeout=30).json()
+        agent(s["task"]["prompt"], s["base_url"])
+        url = f"{fleet.root}/fleetrl/sessions/{s['session_id']}"
+        bad = httpx.post(f"{url}/close", json={"reward": 1.0, "next": 5})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "next"
+        assert httpx.get(url).json()["turns"] == 3  # still open: the refused close changed nothing
+        closed = httpx.post(f"{url}/close", json={"reward": 1.0, "next": {"wait_s": 20}}, timeout=30).json()
+        assert closed["session_id"] == s["session_id"] and closed["turns"] == 3 and closed["status"] == "pending"
+        nxt = closed["next"]
+        assert nxt["session_id"] != s["session_id"] and nxt["base_url"].endswith(f"/sessions/{nxt['session_id']}/v1")
+        assert nxt["task"]["prompt"] and nxt["turns"] == 0
+        assert len(agent(nxt["task"]["prompt"], nxt["base_url"])) == 3  # a live session, as an opened one
+        assert httpx.get(f"{fleet.root}/fleetrl/sessions/{nxt['session_id']}").json()["turns"] == 3
+        plain = httpx.post(f"{fleet.root}/fleetrl/sessions/{nxt['session_id']}/close", json={"reward": 0.0}).json()
+        assert "next" not in plain and plain["turns"] == 3
+    finally:
+        fleet.stop()
