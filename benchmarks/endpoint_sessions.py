@@ -68,6 +68,19 @@ def tree_cpu(procs: list[psutil.Process]) -> float:
     return total
 
 
+def thread_cpu() -> dict[str, float]:
+    """This process's CPU seconds by thread: ``decode`` (the hf engine's decode thread: the model), ``loop`` (the
+    engines' event loop: HTTP, JSON, sessions, chat templates; the tool env's episodes and tools), ``native``
+    (threads Python did not start: torch's and the tokenizer's pools), ``other`` (the rollout server, draining)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    kinds = {"hf-engine-decode": "decode", "hf-engines-loop": "loop"}
+    out = dict.fromkeys(("decode", "loop", "native", "other"), 0.0)
+    for t in psutil.Process().threads():
+        name = names.get(t.id)
+        out["native" if name is None else kinds.get(name, "other")] += t.user_time + t.system_time
+    return out
+
+
 def calc_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
     rng = random.Random(seed)
     rows = []
@@ -153,7 +166,7 @@ def run_mode(mode: str, model: str, a: argparse.Namespace) -> dict[str, float]:
             drain()
             time.sleep(0.2)
         ep0 = server.endpoint.metrics() if mode == "endpoint" else {}
-        busy0, own0, agent0 = machine_busy(), tree_cpu(procs[:1]), tree_cpu(procs[1:])
+        busy0, own0, agent0, threads0 = machine_busy(), tree_cpu(procs[:1]), tree_cpu(procs[1:]), thread_cpu()
         t0, samples = time.monotonic(), 0
         while time.monotonic() - t0 < a.seconds:
             samples += drain()
@@ -161,6 +174,7 @@ def run_mode(mode: str, model: str, a: argparse.Namespace) -> dict[str, float]:
         wall = time.monotonic() - t0
         samples += drain()
         own, agent_cpu = tree_cpu(procs[:1]) - own0, tree_cpu(procs[1:]) - agent0
+        by_thread = {k: round((v - threads0[k]) / max(samples, 1), 5) for k, v in thread_cpu().items()}
         others = max(0.0, (machine_busy() - busy0) - own - agent_cpu) / (wall * (os.cpu_count() or 1))
         out = {
             "samples_per_s": samples / wall,
@@ -169,6 +183,7 @@ def run_mode(mode: str, model: str, a: argparse.Namespace) -> dict[str, float]:
             "others_cpu_share": round(others, 3),
             "server_cpu_s": round(own, 1),
             "cpu_s_per_sample": round((own + agent_cpu) / max(samples, 1), 4),
+            "server_cpu_s_per_sample_by_thread": by_thread,
         }
         if mode == "endpoint":
             ep1 = server.endpoint.metrics()

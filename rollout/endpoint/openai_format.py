@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from fleetrl.common.chat.codec import decode
 from fleetrl.rollout.endpoint.sessions import ApiError, Session
 from fleetrl.rollout.engines.params import SamplingParams
 from fleetrl.rollout.engines.records import Generation
@@ -66,7 +67,7 @@ def seen(gen: Generation, tokenizer: Any, params: SamplingParams) -> Generation:
     ids = list(gen.token_ids)
     if ids and gen.finish_reason == "stop" and ids[-1] in set(tokenizer.all_special_ids) | set(params.stop_token_ids):
         ids = ids[:-1]
-    text = tokenizer.decode(ids, skip_special_tokens=False)
+    text = decode(tokenizer, ids)
     cut = find_stop(text, params.stop) if params.stop else -1
     return dataclasses.replace(gen, text=text[:cut] if cut >= 0 else text)
 

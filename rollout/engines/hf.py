@@ -39,6 +39,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from fleetrl.common.chat.codec import decode
 from fleetrl.common.chat.tokenizer import job_tokenizer
 from fleetrl.common.config.schema import HfConfig, ModelConfig, RolloutConfig
 from fleetrl.rollout.engines.base import Engine
@@ -388,7 +389,7 @@ class HFEngine(Engine):
         tokens, logps, versions_ = rows.sampled(row)
         ids, lps, versions = job.tokens + tokens, job.logprobs + logps, job.versions + versions_
         by_id = ids[-1] in set(self._stop_ids_of(job.key).tolist())
-        text = self.tokenizer.decode(ids[:-1] if by_id else ids, skip_special_tokens=True)
+        text = decode(self.tokenizer, ids[:-1] if by_id else ids, skip_special_tokens=True)
         cut = find_stop(text, params.stop) if params.stop else -1
         if cut >= 0 and not by_string:
             # A stop string the window could not see (a special token inside it, or a recompute

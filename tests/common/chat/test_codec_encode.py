@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from fleetrl.common.chat.codec import ChatCodec
+from fleetrl.common.chat.codec import ChatCodec, decode
 
 TEXTS = [
     "12*34=",
@@ -53,9 +53,24 @@ def test_encode_falls_back_when_the_backend_would_differ(tok):
         assert len(codec.encode(text)) > 8
     finally:
         backend.no_truncation()
+    before = tok.split_special_tokens
     tok.split_special_tokens = True
     try:
         assert codec._backend is None
         assert codec.encode("<|im_end|>") == wrapper_ids(tok, "<|im_end|>")
     finally:
-        tok.split_special_tokens = False
+        tok.split_special_tokens = before
+
+
+def test_decode_gives_the_tokenizers_text(tok):
+    ids_of = [wrapper_ids(tok, text) for text in TEXTS] + [[], [0, 1, 2], list(range(40))]
+    for ids in ids_of:
+        for skip in (False, True):
+            assert decode(tok, ids, skip) == tok.decode(ids, skip_special_tokens=skip), (ids, skip)
+    before = tok.clean_up_tokenization_spaces
+    tok.clean_up_tokenization_spaces = True  # the wrapper would post-process: decode goes through it
+    try:
+        ids = wrapper_ids(tok, "a , b .")
+        assert decode(tok, ids) == tok.decode(ids)
+    finally:
+        tok.clean_up_tokenization_spaces = before
