@@ -68,17 +68,28 @@ def tree_cpu(procs: list[psutil.Process]) -> float:
     return total
 
 
-def thread_cpu() -> dict[str, float]:
-    """This process's CPU seconds by thread: ``decode`` (the hf engine's decode thread: the model), ``loop`` (the
-    engines' event loop: HTTP, JSON, sessions, chat templates; the tool env's episodes and tools), ``native``
-    (threads Python did not start: torch's and the tokenizer's pools), ``other`` (the rollout server, draining)."""
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """This process's threads: id -> (kind, CPU seconds). Kinds: ``decode`` (the hf engine's decode thread: the
+    model), ``loop`` (the engines' event loop: HTTP, JSON, sessions, chat templates; the tool env's episodes and
+    tools), ``native`` (threads Python did not start: torch's and the tokenizer's pools), ``other`` (the rollout
+    server, draining)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     kinds = {"hf-engine-decode": "decode", "hf-engines-loop": "loop"}
-    out = dict.fromkeys(("decode", "loop", "native", "other"), 0.0)
-    for t in psutil.Process().threads():
-        name = names.get(t.id)
-        out["native" if name is None else kinds.get(name, "other")] += t.user_time + t.system_time
-    return out
+    return {
+        t.id: ("native" if names.get(t.id) is None else kinds.get(names[t.id], "other"), t.user_time + t.system_time)
+        for t in psutil.Process().threads()
+    }
+
+
+def cpu_by_thread(before: dict[int, tuple[str, float]], own_s: float, samples: int) -> dict[str, float]:
+    """CPU seconds per sample by kind of thread since ``before``; ``decode`` is the rest of the process's CPU (the
+    decode thread ends when idle and a new one starts: a thread that ended is counted there)."""
+    out = dict.fromkeys(("loop", "native", "other"), 0.0)
+    for tid, (kind, cpu) in thread_cpu().items():
+        if kind != "decode":
+            out[kind] += cpu - before.get(tid, (kind, 0.0))[1]
+    out["decode"] = own_s - sum(out.values())
+    return {k: round(v / max(samples, 1), 5) for k, v in out.items()}
 
 
 def calc_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
@@ -174,7 +185,7 @@ def run_mode(mode: str, model: str, a: argparse.Namespace) -> dict[str, float]:
         wall = time.monotonic() - t0
         samples += drain()
         own, agent_cpu = tree_cpu(procs[:1]) - own0, tree_cpu(procs[1:]) - agent0
-        by_thread = {k: round((v - threads0[k]) / max(samples, 1), 5) for k, v in thread_cpu().items()}
+        by_thread = cpu_by_thread(threads0, own, samples)
         others = max(0.0, (machine_busy() - busy0) - own - agent_cpu) / (wall * (os.cpu_count() or 1))
         out = {
             "samples_per_s": samples / wall,
