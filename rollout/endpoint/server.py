@@ -4,7 +4,8 @@
     POST /v1/chat/completions             messages (+ tools) -> a reply, tool calls parsed
     POST /v1/completions                  prompt text (or token ids) -> a completion
     POST /fleetrl/sessions                a training session for the next waiting task (rollout.env.type: openai)
-    POST /fleetrl/sessions/<id>/close     {"reward": r} or {} (then rollout.rewards score the last reply)
+    POST /fleetrl/sessions/<id>/close     {"reward": r} or {} (then rollout.rewards score the last reply);
+                                          + "next": {"wait_s": s} also opens the agent's next session
     POST /fleetrl/sessions/<id>/abandon   the session's tokens are not trained
     GET  /fleetrl/sessions/<id>           the session's state;   GET /fleetrl/health
 
