@@ -157,7 +157,9 @@ def overrides(name: str, work: dict[str, str], steps: int, seed: int, args) -> l
         "learner.device=cpu",
         "rollout.device=cpu",
     ]
-    return sets + (["rollout.max_new_tokens=5"] if task == "arithmetic" else [])
+    # arithmetic: the demo's reward, exact match, for every algorithm (configs/dpo_online.yaml's format terms are
+    # for the random tiny model, and with them `fleetrl run` refuses the held-out probe: run.eval_success ambiguous)
+    return sets + (["rollout.max_new_tokens=5", "rollout.rewards=[{name: exact}]"] if task == "arithmetic" else [])
 
 
 def recorded(name: str, workdir: Path) -> list[dict]:
