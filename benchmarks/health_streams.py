@@ -75,14 +75,14 @@ CONFIGS = {  # name: (config, max_staleness, lr, task)
 }
 RESULTS = ROOT / "benchmarks" / "results"
 RECORD_RULES = (
-    "[{name: non_finite}, {name: grad_spike}, {name: reward_drop, window: 10, threshold: 0.2}, "
+    "[{name: non_finite}, {name: grad_spike}, {name: reward_drop, window: 30, threshold: 0.25, persist: 5}, "
     "{name: length_collapse, window: 10, threshold: 0.6}, {name: entropy_floor}, {name: mismatch_kl_ceiling}, "
     "{name: reward_hacking}, {name: server_poison}, {name: stale_weights}]"
 )  # all alerts: the recorded stream is the run's own; the per-server rules (server_poison, stale_weights) judge
 # groups, not the metric stream, so their false alarms are these live alerts (``live_alerts_by_rule``), not a replay
 CANDIDATE = (
     '[{"name": "non_finite", "action": "rollback"}, {"name": "grad_spike", "action": "alert"}, '
-    '{"name": "reward_drop", "action": "rollback", "window": 10, "threshold": 0.2}, '
+    '{"name": "reward_drop", "action": "rollback", "window": 30, "threshold": 0.25, "persist": 5}, '
     '{"name": "length_collapse", "action": "rollback", "window": 10, "threshold": 0.6}, '
     '{"name": "entropy_floor", "action": "alert"}, {"name": "mismatch_kl_ceiling", "action": "rollback"}, '
     '{"name": "reward_hacking", "action": "rollback"}]'
