@@ -255,6 +255,14 @@ def healthy(seg: dict) -> bool:
     return len(curve) >= 2 and max(curve[-2:]) >= curve[0] - 0.05
 
 
+def healthy_extra(path: Path) -> bool:
+    """A run given by --extra: a sweep's segment (its done.json has the held-out curve) is judged like the sweep's
+    own; any other run (a recovery bench's unfaulted run, a bare metrics.jsonl) is taken as healthy."""
+    done = path / "done.json"
+    seg = json.loads(done.read_text()) if done.exists() else {}
+    return "eval_curve" not in seg or healthy(seg)
+
+
 def replay(names: list[str], args) -> int:
     every = {n: recorded(n, Path(args.workdir)) for n in names}
     segments = {n: [s for s in segs if healthy(s)] for n, segs in every.items()}
@@ -265,6 +273,12 @@ def replay(names: list[str], args) -> int:
     if any(declined.values()):
         print(f"segments left out, held-out fell > 5 points (not healthy runs): {declined}")
     dirs = [str(Path(args.workdir) / "streams" / n / f"seg-{s['segment']:02d}") for n in names for s in segments[n]]
+    extra = [p for p in args.extra if healthy_extra(Path(p))]
+    if extra:
+        print(
+            f"also replayed: {len(extra)} other healthy runs ({len(args.extra) - len(extra)} left out: held-out fell)"
+        )
+        dirs += extra
     if not dirs:
         print("no finished segment to replay", file=sys.stderr)
         return 1
@@ -299,6 +313,7 @@ def replay(names: list[str], args) -> int:
             for e in seg.get("live_alerts", []):
                 by_rule[e["rule"]] = by_rule.get(e["rule"], 0) + 1
     report["live_alerts_by_rule"] = by_rule
+    report["extra_replayed"] = extra
     report["steps_recorded"] = sum(s["steps"] for segs in segments.values() for s in segs)
     (RESULTS / f"health_streams{args.tag}.json").write_text(json.dumps(report, indent=1))
     print(
@@ -328,6 +343,13 @@ def main() -> int:
     p.add_argument("--timeout-min", type=float, default=180.0, help="per segment")
     p.add_argument("--candidate-rules", default=CANDIDATE, help="JSON rule list replayed besides the defaults")
     p.add_argument("--replay-only", action="store_true")
+    p.add_argument(
+        "--extra",
+        nargs="*",
+        default=[],
+        help="other healthy runs replayed with the segments (run dirs or metrics.jsonl: the 8 x 8 segments, the "
+        "multi-turn run, unfaulted recovery runs); a segment dir with a done.json is left out if its held-out fell",
+    )
     p.add_argument(
         "--tag",
         default="",

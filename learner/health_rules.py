@@ -258,6 +258,7 @@ class RewardDrop(MovingAverageRule):
     drop that lasts: a healthy run's reward wanders for tens of steps, a divergence sits at the bottom)."""
 
     METRIC, WINDOW, THRESHOLD, PERSIST = "reward/mean", 20, 0.2, True
+    EARLY = 10  # with persist: the best average counts from this many steps (or `window`, if fewer) on
     STATE = ("points", "best", "best_step", "recent")
 
     def check(self) -> None:
@@ -273,6 +274,8 @@ class RewardDrop(MovingAverageRule):
         value, ma = finite(metrics, self.metric), self.push(step, metrics)
         if value is not None:
             self.recent.append((step, value))
+        if self.spec.persist and len(self.points) >= min(self.window, self.EARLY):  # a collapse right after the
+            ma = sum(v for _, v in self.points) / len(self.points)  # start is judged before a full window is in
         if ma is None:
             return None
         if ma > self.best:

@@ -109,8 +109,8 @@ class HealthRule(Section):
         Annotated[int, Meta(ge=1)] | None,
         doc(
             "reward_drop only: fire when each of the last `persist` steps' own reward is more than threshold "
-            "under the best `window`-step average (a drop that lasts); null = compare the `window`-step "
-            "average itself (the older, noisier form)."
+            "under the best `window`-step average (a drop that lasts; the average counts from 10 steps in); "
+            "null = compare the `window`-step average itself (the older, noisier form)."
         ),
     ] = None
 

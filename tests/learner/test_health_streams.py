@@ -29,3 +29,15 @@ def test_every_sweep_configuration_has_an_unambiguous_held_out_probe(name, tmp_p
     assert check_rewards(cfg) == []
     if CONFIGS[name][3] == "arithmetic":
         assert [r.name for r in cfg.rollout.rewards] == ["exact"]
+
+
+def test_extra_runs_are_judged_like_segments_only_when_they_are_segments(tmp_path):
+    from health_streams import healthy_extra
+
+    fell, held, recovery = tmp_path / "fell", tmp_path / "held", tmp_path / "recovery"
+    for d in (fell, held, recovery):
+        d.mkdir()
+    (fell / "done.json").write_text('{"eval_curve": [[0, 0.25], [50, 0.1], [100, 0.12]]}')
+    (held / "done.json").write_text('{"eval_curve": [[0, 0.25], [50, 0.3], [100, 0.22]]}')
+    (recovery / "done.json").write_text('{"name": "unfaulted-s1", "seed": 1}')  # health_recovery.py's, no curve
+    assert [healthy_extra(d) for d in (fell, held, recovery, tmp_path / "metrics.jsonl")] == [False, True, True, True]
