@@ -54,14 +54,14 @@ def make_groups(vocab: int, n_groups: int = 16, group_size: int = 8, resp_len: i
     return groups
 
 
-def learner_step_fn(model_dir: str):
+def learner_step_fn(model_dir: str, overrides: list[str] = []):  # noqa: B006 - read only
     """(one learner step from leased groups, samples per step) on the code this script runs against."""
     import torch
 
     from fleetrl.common.config import load_config
     from fleetrl.learner.runtime import build_engine, init_distributed, load_causal_lm, train_dtype
 
-    cfg = load_config(None, [f"model.path={model_dir}", "learner.device=cpu", "learner.lr=1e-5"])
+    cfg = load_config(None, [f"model.path={model_dir}", "learner.device=cpu", "learner.lr=1e-5", *overrides])
     dist = init_distributed(cfg)
     dtype = train_dtype(cfg, dist.device)
     engine, _, _ = build_engine(load_causal_lm(model_dir, cfg, dtype), cfg, dtype)
@@ -81,8 +81,8 @@ def learner_step_fn(model_dir: str):
         return (lambda: actor.step(batch_from_groups(groups), 0)), 128
 
 
-def time_fleetrl(model_dir: str, steps: int, tmp: Path) -> list[tuple[float, float]]:
-    step, _ = learner_step_fn(model_dir)
+def time_fleetrl(model_dir: str, steps: int, tmp: Path, overrides: list[str]) -> list[tuple[float, float]]:
+    step, _ = learner_step_fn(model_dir, overrides)
     times = []
     for i in range(steps + 3):
         t, c = time.perf_counter(), time.process_time()
@@ -165,6 +165,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--presets", nargs="*", default=["tiny", "small"])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "learner_step.json"))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override of the learner")
     ap.add_argument("--label", default="after", help="name of this measurement in --out (e.g. before / after)")
     ap.add_argument("--compare", nargs=2, metavar=("BEFORE_JSON", "AFTER_JSON"), help="print after vs before and exit")
     args = ap.parse_args()
@@ -188,7 +189,7 @@ def main() -> None:
             ours, bare = [], []
             for _ in range(2):
                 bare += time_bare(model_dir, args.steps // 2)
-                ours += time_fleetrl(model_dir, args.steps // 2, Path(tmp))
+                ours += time_fleetrl(model_dir, args.steps // 2, Path(tmp), args.set)
             o, b = statistics.median(w for w, _ in ours), statistics.median(w for w, _ in bare)
             oc, bc = statistics.median(c for _, c in ours), statistics.median(c for _, c in bare)
             report["presets"][preset] = {
@@ -206,7 +207,7 @@ def main() -> None:
                 f"{1000 * b:7.1f} ms   overhead {o / b - 1:+.1%}   | CPU time: fleetrl {1000 * oc:6.1f} ms "
                 f"({128 / oc:6.0f} samples/CPU-s), bare {1000 * bc:6.1f} ms, overhead {oc / bc - 1:+.1%}"
             )
-    report["label"] = args.label
+    report["label"], report["overrides"] = args.label, args.set
     report["load"] = other_load()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))

@@ -73,6 +73,8 @@ class PolicyActor:
             self.device,
             order,
             min_micro=self.cfg.learner.mini_batches,
+            # gradient checkpointing keeps no cache: one forward per row then
+            share_prompts=self.cfg.learner.shared_prompts and not self.cfg.model.gradient_checkpointing,
         )
 
     def needs_old_pass(self) -> bool:

@@ -34,6 +34,22 @@ from fleetrl.common.messages import SampleGroup
 
 
 @dataclass
+class SharedPrompts:
+    """A micro-batch's distinct prompts, forwarded once (``learner.shared_prompts``): row r's response
+    attends to the keys and values of prompt ``row_prompt[r]`` (learner/update.py: response_logprobs).
+
+    Prompts are right-padded to P; ``response_ids`` are the rows' response tokens as inputs, ``[b, T - 1]``
+    (the last one predicts nothing; token 0 is predicted by the prompt's last position)."""
+
+    prompt_ids: torch.Tensor  # [u, P]
+    prompt_mask: torch.Tensor  # [u, P]
+    prompt_len: torch.Tensor  # [u]
+    row_prompt: torch.Tensor  # [b] index into the u prompts
+    response_ids: torch.Tensor  # [b, T - 1]
+    response_mask: torch.Tensor  # [b, T - 1]
+
+
+@dataclass
 class MicroBatch:
     """Samples ``index`` of a batch as one right-padded forward pass; every tensor is on the device.
 
@@ -55,6 +71,7 @@ class MicroBatch:
     values: torch.Tensor | None = None
     adv: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    shared: SharedPrompts | None = None  # set when rows share prompts and learner.shared_prompts is on
 
     @property
     def size(self) -> int:
@@ -132,7 +149,44 @@ def plan_micro_batches(totals: Sequence[int], order: Sequence[int], max_tokens: 
     return runs
 
 
-def _to_micro(samples: list[_Sample], ids: list[int], device: torch.device, pad_id: int = 0) -> MicroBatch:
+def _shared_prompts(samples: list[_Sample], ids: list[int], T: int, pad_id: int = 0) -> dict[str, np.ndarray] | None:
+    """The micro-batch's distinct prompts (token for token) and each row's, or None when no two rows share one."""
+    index: dict[bytes, int] = {}
+    firsts: list[int] = []  # a sample of each distinct prompt
+    row_prompt = np.empty(len(ids), dtype=np.int64)
+    for row, i in enumerate(ids):
+        k = index.setdefault(samples[i].prompt.tobytes(), len(index))
+        if k == len(firsts):
+            firsts.append(i)
+        row_prompt[row] = k
+    if len(firsts) == len(ids):
+        return None
+    P = max(len(samples[i].prompt) for i in firsts)
+    prompt_ids = np.full((len(firsts), P), pad_id, dtype=np.int64)
+    prompt_mask = np.zeros((len(firsts), P), dtype=np.int64)
+    for k, i in enumerate(firsts):
+        p = len(samples[i].prompt)
+        prompt_ids[k, :p] = samples[i].prompt
+        prompt_mask[k, :p] = 1
+    response_ids = np.full((len(ids), T - 1), pad_id, dtype=np.int64)
+    response_mask = np.zeros((len(ids), T - 1), dtype=np.int64)
+    for row, i in enumerate(ids):
+        n = min(len(samples[i].response), T - 1)
+        response_ids[row, :n] = samples[i].response[:n]
+        response_mask[row, :n] = 1
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "prompt_len": prompt_mask.sum(1),
+        "row_prompt": row_prompt,
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+    }
+
+
+def _to_micro(
+    samples: list[_Sample], ids: list[int], device: torch.device, pad_id: int = 0, share: bool = False
+) -> MicroBatch:
     T = max(1, max(len(samples[i].response) for i in ids))
     L = max(samples[i].total for i in ids)
     b = len(ids)
@@ -157,6 +211,7 @@ def _to_micro(samples: list[_Sample], ids: list[int], device: torch.device, pad_
         if s.versions is not None:
             versions[row, :n] = s.versions
     put = lambda a: torch.from_numpy(a).to(device, non_blocking=True)  # noqa: E731
+    shared = _shared_prompts(samples, ids, T, pad_id) if share else None
     return MicroBatch(
         torch.tensor(ids, dtype=torch.int64),
         put(input_ids),
@@ -167,6 +222,7 @@ def _to_micro(samples: list[_Sample], ids: list[int], device: torch.device, pad_
         put(behav),
         T,
         token_versions=put(versions),
+        shared=SharedPrompts(**{k: put(v) for k, v in shared.items()}) if shared is not None else None,
     )
 
 
@@ -197,12 +253,14 @@ def pack_groups(
     device: torch.device,
     order: torch.Tensor | None = None,
     min_micro: int = 1,
+    share_prompts: bool = False,
 ) -> RolloutBatch:
     """The one planning step of a learner step: leased groups -> micro-batches on ``device``.
 
     ``order``: the permutation samples are taken in before the stable sort by length (the learner
     draws it from its seeded generator). ``min_micro``: at least this many micro-batches (one per
-    mini-batch), splitting the budget's runs when there are fewer.
+    mini-batch), splitting the budget's runs when there are fewer. ``share_prompts``: micro-batches whose
+    rows share prompts also carry them once (``MicroBatch.shared``).
     """
     samples, cols = _samples_of(groups)
     B = len(samples)
@@ -212,7 +270,7 @@ def pack_groups(
     while len(runs) < min(min_micro, B):  # one micro-batch per mini-batch at least: split the largest run
         k = max(range(len(runs)), key=lambda j: len(runs[j]))
         runs[k : k + 1] = [runs[k][: len(runs[k]) // 2], runs[k][len(runs[k]) // 2 :]]
-    micro = [_to_micro(samples, run, device) for run in runs]
+    micro = [_to_micro(samples, run, device, share=share_prompts) for run in runs]
     T = max(1, max((len(s.response) for s in samples), default=1))
     mask_np = np.zeros((B, T), dtype=np.float32)
     for b, s in enumerate(samples):

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as tdist
 
 from fleetrl.learner.algorithms import entropy_from_logits
-from fleetrl.learner.batch import MicroBatch
+from fleetrl.learner.batch import MicroBatch, SharedPrompts
 
 T = TypeVar("T")
 
@@ -70,8 +70,11 @@ def response_logprobs(
 
     ``entropy``: False (none), True (with its gradient, for an entropy bonus) or ``"metric"`` (only
     logged: computed without building a graph through it)."""
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-    logits_bTV = torch.gather(logits, 1, mb.logit_pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()
+    if mb.shared is not None:
+        logits_bTV = shared_prompt_logits(model, mb.shared).float()
+    else:
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+        logits_bTV = torch.gather(logits, 1, mb.logit_pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()
     if temperature > 0 and temperature != 1.0:
         logits_bTV = logits_bTV / temperature
     logp = torch.log_softmax(logits_bTV, dim=-1).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
@@ -81,6 +84,40 @@ def response_logprobs(
         with torch.no_grad():
             return logp, entropy_from_logits(logits_bTV.detach())
     return logp, entropy_from_logits(logits_bTV)
+
+
+def shared_prompt_logits(model, sp: SharedPrompts) -> torch.Tensor:
+    """The logits that predict each row's response tokens ``[b, T, V]``, with each distinct prompt forwarded once.
+
+    Pass 1 runs the u prompts (right-padded) and keeps their keys and values; row r's copy of its prompt's
+    cache (a differentiable gather: gradients from every sample reach the shared prompt) is the past of
+    pass 2, which runs the rows' response tokens at positions ``prompt_len + t``, with the prompt's padding
+    masked. Token 0 is predicted by the prompt's last position. Same attention as one forward over the
+    row ``prompt + response``: the log-probs agree to float rounding."""
+    from transformers import DynamicCache
+
+    first = model(input_ids=sp.prompt_ids, attention_mask=sp.prompt_mask, use_cache=True)
+    last = first.logits[torch.arange(sp.prompt_ids.shape[0], device=sp.prompt_len.device), sp.prompt_len - 1]
+    head = last.index_select(0, sp.row_prompt).unsqueeze(1)  # [b, 1, V]
+    if sp.response_ids.shape[1] == 0:
+        return head
+    past = DynamicCache(
+        ddp_cache_data=[
+            (layer.keys.index_select(0, sp.row_prompt), layer.values.index_select(0, sp.row_prompt))
+            for layer in first.past_key_values.layers
+        ]
+    )
+    positions = sp.prompt_len.index_select(0, sp.row_prompt).unsqueeze(1) + torch.arange(
+        sp.response_ids.shape[1], device=sp.response_ids.device
+    )
+    rest = model(
+        input_ids=sp.response_ids,
+        attention_mask=torch.cat([sp.prompt_mask.index_select(0, sp.row_prompt), sp.response_mask], dim=1),
+        position_ids=positions,
+        past_key_values=past,
+        use_cache=True,
+    ).logits
+    return torch.cat([head, rest], dim=1)
 
 
 @torch.no_grad()

@@ -50,6 +50,14 @@ class LearnerConfig(Section):
     max_tokens_per_microbatch: Annotated[
         int, doc("Token budget of one forward/backward; responses are packed up to it.", ge=1)
     ] = 8192
+    shared_prompts: Annotated[
+        bool,
+        doc(
+            "Forward each distinct prompt of a micro-batch once and let its samples' responses attend to its "
+            "keys and values (a group's samples share their prompt): the same log-probs and gradients up to "
+            "float rounding, for fewer FLOPs; false = one forward over every prompt + response row."
+        ),
+    ] = True
     lr: Annotated[float, doc("Peak learning rate of AdamW.", gt=0)] = 1e-6
     weight_decay: Annotated[float, doc("AdamW weight decay.", ge=0)] = 0.0
     betas: Annotated[list[float], doc("AdamW betas.")] = field(default_factory=lambda: [0.9, 0.999])
