@@ -80,3 +80,12 @@ def test_persist_is_refused_on_other_rules_and_survives_a_checkpoint():
     c = HealthMonitor(HealthConfig(rules=[rule]), None)
     c.load_state_dict(state)
     assert not c.observe(9, {"reward/mean": 0.2})
+
+
+def test_persist_from_yaml_and_a_bad_value_names_the_key():
+    from fleetrl.common.config import ConfigError, load_config
+
+    cfg = load_config(None, ["health.rules=[{name: reward_drop, action: rollback, window: 30, persist: 5}]"])
+    assert cfg.health.rules[0].persist == 5
+    with pytest.raises(ConfigError, match="persist"):
+        load_config(None, ["health.rules=[{name: reward_drop, persist: 0}]"])
