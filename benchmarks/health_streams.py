@@ -28,7 +28,12 @@ benchmarks/results/health_streams.json (the segments: steps, exit code, held-out
 | rloo-s1-lr1e-4 | rloo | 1 | 1e-4 | arithmetic |
 | ppo-s2-lr1e-4 | ppo (GAE, critic) | 2 | 1e-4 | arithmetic |
 | dpo-online-s1 | dpo_online | 1 | 1e-4 | arithmetic |
-| multiturn-s2 | multiturn (calc tool, 3 turns) | 2 | 2e-4 | calc |
+| multiturn-s2-lr1e-4 | multiturn (calc tool, 3 turns) | 2 | 1e-4 | calc |
+
+Multi-turn at 1e-4 too: at 2 x 4 episodes a step (``--mt-groups 2``) the configs/multiturn.yaml LR 2e-4
+(``multiturn-s2``, the first 4 x 4 sweep) collapsed 6 of 7 segments (reward ~0.3 -> 0 by step 10-36, held-out
+23% -> 0%); at 1e-4 the seeds that collapsed first (101, 404) learned over 60 steps (23% -> 41%, 76%).
+Its recorded segments are replayed with ``--extra`` (the healthy ones only).
 
 LR 1e-4, not the demo's 2e-4: at 8 x 8 a step (the demo: 16 x 8 and dynamic sampling) GRPO and DAPO at 2e-4
 slid from 23% to 15-17% held-out in 250 steps, RLOO at 1e-4 rose to 36-46%.
@@ -71,18 +76,18 @@ CONFIGS = {  # name: (config, max_staleness, lr, task)
     "rloo-s1-lr1e-4": ("rloo", 1, 1e-4, "arithmetic"),
     "ppo-s2-lr1e-4": ("ppo", 2, 1e-4, "arithmetic"),
     "dpo-online-s1": ("dpo_online", 1, 1e-4, "arithmetic"),
-    "multiturn-s2": ("multiturn", 2, 2e-4, "calc"),
+    "multiturn-s2-lr1e-4": ("multiturn", 2, 1e-4, "calc"),  # was multiturn-s2 at 2e-4: see the docstring
 }
 RESULTS = ROOT / "benchmarks" / "results"
 RECORD_RULES = (
-    "[{name: non_finite}, {name: grad_spike}, {name: reward_drop, window: 10, threshold: 0.2}, "
+    "[{name: non_finite}, {name: grad_spike}, {name: reward_drop, window: 30, threshold: 0.25, persist: 5}, "
     "{name: length_collapse, window: 10, threshold: 0.6}, {name: entropy_floor}, {name: mismatch_kl_ceiling}, "
     "{name: reward_hacking}, {name: server_poison}, {name: stale_weights}]"
 )  # all alerts: the recorded stream is the run's own; the per-server rules (server_poison, stale_weights) judge
 # groups, not the metric stream, so their false alarms are these live alerts (``live_alerts_by_rule``), not a replay
 CANDIDATE = (
     '[{"name": "non_finite", "action": "rollback"}, {"name": "grad_spike", "action": "alert"}, '
-    '{"name": "reward_drop", "action": "rollback", "window": 10, "threshold": 0.2}, '
+    '{"name": "reward_drop", "action": "rollback", "window": 30, "threshold": 0.25, "persist": 5}, '
     '{"name": "length_collapse", "action": "rollback", "window": 10, "threshold": 0.6}, '
     '{"name": "entropy_floor", "action": "alert"}, {"name": "mismatch_kl_ceiling", "action": "rollback"}, '
     '{"name": "reward_hacking", "action": "rollback"}]'
@@ -157,7 +162,9 @@ def overrides(name: str, work: dict[str, str], steps: int, seed: int, args) -> l
         "learner.device=cpu",
         "rollout.device=cpu",
     ]
-    return sets + (["rollout.max_new_tokens=5"] if task == "arithmetic" else [])
+    # arithmetic: the demo's reward, exact match, for every algorithm (configs/dpo_online.yaml's format terms are
+    # for the random tiny model, and with them `fleetrl run` refuses the held-out probe: run.eval_success ambiguous)
+    return sets + (["rollout.max_new_tokens=5", "rollout.rewards=[{name: exact}]"] if task == "arithmetic" else [])
 
 
 def recorded(name: str, workdir: Path) -> list[dict]:
@@ -253,6 +260,14 @@ def healthy(seg: dict) -> bool:
     return len(curve) >= 2 and max(curve[-2:]) >= curve[0] - 0.05
 
 
+def healthy_extra(path: Path) -> bool:
+    """A run given by --extra: a sweep's segment (its done.json has the held-out curve) is judged like the sweep's
+    own; any other run (a recovery bench's unfaulted run, a bare metrics.jsonl) is taken as healthy."""
+    done = path / "done.json"
+    seg = json.loads(done.read_text()) if done.exists() else {}
+    return "eval_curve" not in seg or healthy(seg)
+
+
 def replay(names: list[str], args) -> int:
     every = {n: recorded(n, Path(args.workdir)) for n in names}
     segments = {n: [s for s in segs if healthy(s)] for n, segs in every.items()}
@@ -263,6 +278,12 @@ def replay(names: list[str], args) -> int:
     if any(declined.values()):
         print(f"segments left out, held-out fell > 5 points (not healthy runs): {declined}")
     dirs = [str(Path(args.workdir) / "streams" / n / f"seg-{s['segment']:02d}") for n in names for s in segments[n]]
+    extra = [p for p in args.extra if healthy_extra(Path(p))]
+    if extra:
+        print(
+            f"also replayed: {len(extra)} other healthy runs ({len(args.extra) - len(extra)} left out: held-out fell)"
+        )
+        dirs += extra
     if not dirs:
         print("no finished segment to replay", file=sys.stderr)
         return 1
@@ -297,6 +318,7 @@ def replay(names: list[str], args) -> int:
             for e in seg.get("live_alerts", []):
                 by_rule[e["rule"]] = by_rule.get(e["rule"], 0) + 1
     report["live_alerts_by_rule"] = by_rule
+    report["extra_replayed"] = extra
     report["steps_recorded"] = sum(s["steps"] for segs in segments.values() for s in segs)
     (RESULTS / f"health_streams{args.tag}.json").write_text(json.dumps(report, indent=1))
     print(
@@ -326,6 +348,13 @@ def main() -> int:
     p.add_argument("--timeout-min", type=float, default=180.0, help="per segment")
     p.add_argument("--candidate-rules", default=CANDIDATE, help="JSON rule list replayed besides the defaults")
     p.add_argument("--replay-only", action="store_true")
+    p.add_argument(
+        "--extra",
+        nargs="*",
+        default=[],
+        help="other healthy runs replayed with the segments (run dirs or metrics.jsonl: the 8 x 8 segments, the "
+        "multi-turn run, unfaulted recovery runs); a segment dir with a done.json is left out if its held-out fell",
+    )
     p.add_argument(
         "--tag",
         default="",

@@ -63,6 +63,7 @@ class Rule:
     STATE: ClassVar[tuple[str, ...]] = ()
     AT_CHECKPOINT: ClassVar[bool] = False  # judged by on_checkpoint (observe only accumulates)
     PER_SERVER: ClassVar[bool] = False  # judged per rollout server (learner/health_servers.py)
+    PERSIST: ClassVar[bool] = False  # takes ``persist`` (steps in a row)
 
     def __init__(self, spec: HealthRule, key: str):
         self.spec, self.key, self.action = spec, key, spec.action
@@ -73,6 +74,8 @@ class Rule:
             self.bad("threshold", "must be a finite number")
         if self.window is not None and self.window < 1:
             self.bad("window", "must be >= 1")
+        if spec.persist is not None and not self.PERSIST:
+            self.bad("persist", "only reward_drop takes persist; leave it out")
         if self.action == "quarantine" and not self.PER_SERVER:
             self.bad(
                 "action",
@@ -105,7 +108,7 @@ class Rule:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reset()
-        for k in self.STATE:
+        for k in (k for k in self.STATE if k in state):  # a window an older checkpoint lacks starts empty
             if isinstance(getattr(self, k), deque):
                 getattr(self, k).extend(tuple(x) if isinstance(x, list) else x for x in state[k])
             else:
@@ -250,10 +253,13 @@ class RewardFloor(Limit):
 
 @HEALTH_RULES.register("reward_drop")
 class RewardDrop(MovingAverageRule):
-    """Fires when the moving average falls more than ``threshold`` below its best since start / rollback."""
+    """Fires when the reward falls more than ``threshold`` below its best ``window``-step average since start /
+    rollback: the moving average itself (``persist`` null), or each of the last ``persist`` steps' own value (a
+    drop that lasts: a healthy run's reward wanders for tens of steps, a divergence sits at the bottom)."""
 
-    METRIC, WINDOW, THRESHOLD = "reward/mean", 20, 0.2
-    STATE = ("points", "best", "best_step")
+    METRIC, WINDOW, THRESHOLD, PERSIST = "reward/mean", 20, 0.2, True
+    EARLY = 10  # with persist: the best average counts from this many steps (or `window`, if fewer) on
+    STATE = ("points", "best", "best_step", "recent")
 
     def check(self) -> None:
         if self.threshold <= 0:
@@ -262,23 +268,34 @@ class RewardDrop(MovingAverageRule):
     def reset(self) -> None:
         super().reset()
         self.best, self.best_step = -math.inf, -1
+        self.recent: deque[tuple[int, float]] = deque(maxlen=self.spec.persist or 1)
 
     def observe(self, step: int, metrics: dict[str, float]) -> Fired | None:
-        ma = self.push(step, metrics)
+        value, ma = finite(metrics, self.metric), self.push(step, metrics)
+        if value is not None:
+            self.recent.append((step, value))
+        if self.spec.persist and len(self.points) >= min(self.window, self.EARLY):  # a collapse right after the
+            ma = sum(v for _, v in self.points) / len(self.points)  # start is judged before a full window is in
         if ma is None:
             return None
         if ma > self.best:
             self.best, self.best_step = ma, step
         limit = self.best - self.threshold
-        if ma >= limit:
+        if not self.spec.persist:
+            return None if ma >= limit else self.fired(ma, limit, f"averaged {ma:.4g} over the last {self.window}")
+        worst_case = max(v for _, v in self.recent)  # the highest of the last `persist` steps
+        if len(self.recent) < self.spec.persist or worst_case >= limit:
             return None
+        return self.fired(worst_case, limit, f"stayed at or under {worst_case:.4g} for {self.spec.persist}")
+
+    def fired(self, value: float, limit: float, what: str) -> Fired:
         return Fired(
-            ma,
+            value,
             limit,
-            f"{self.metric} averaged {ma:.4g} over the last {self.window} steps, "
-            f"{self.best - ma:.4g} below its best {self.best:.4g} (step {self.best_step}), more than the "
-            f"allowed drop {self.threshold:.4g}: the policy is getting worse (reward collapse)",
-            self.onset(limit, above=False),
+            f"{self.metric} {what} steps, {self.best - value:.4g} below its best {self.best:.4g} ({self.window}-step "
+            f"average, step {self.best_step}), more than the allowed drop {self.threshold:.4g}: the policy is "
+            "getting worse (reward collapse)",
+            self.recent[0][0] if self.spec.persist else self.onset(limit, above=False),
         )
 
 
