@@ -11,6 +11,7 @@ screened or filtered) is acknowledged, so the broker neither redelivers nor lose
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from fleetrl.learner.algorithms import dynamic_sampling_filter
 from fleetrl.learner.screen import FleetScreen
 
 log = logging.getLogger(__name__)
+OVERLEASE = 4  # a dynamic-sampling lease asks for at most this many times the groups the step still needs
+KEEP_ALPHA = 0.2  # weight of the newest lease in the running keep rate
 
 
 class FleetIdle(RuntimeError):
@@ -121,8 +124,19 @@ class BrokerBatchSource:
         self.filtered_total = 0
         self.screen = FleetScreen(cfg.health.screen) if cfg.health.enabled and cfg.health.screen.enabled else None
         self.quarantined: set[str] = set()  # servers whose groups are left out (HealthMonitor.quarantined)
+        # dynamic sampling keeps about this fraction of a lease (a running average): a lease asks for what the
+        # step still needs divided by it, so a step takes one or two leases, not a halving series of them
+        self.keep_rate = 1.0
 
-    def _lease(self, n: int, deadline: float, should_stop: Callable[[], bool]) -> m.BatchLease:
+    def _ask(self, need: int) -> int:
+        """How many groups to lease for ``need`` more kept ones: ``need / keep_rate``, at most OVERLEASE x need."""
+        if not self.dynamic:
+            return need
+        return min(math.ceil(need / max(self.keep_rate, 1.0 / OVERLEASE)), OVERLEASE * need)
+
+    def _lease(
+        self, n: int, deadline: float, should_stop: Callable[[], bool], least: int | None = None
+    ) -> m.BatchLease:
         wait = self.cfg.learner.batch_wait_s
         refusals = RefusalWatch(self.client, first_s=min(5.0, 0.2 * wait), every_s=min(30.0, 0.5 * wait))
         while True:
@@ -135,7 +149,7 @@ class BrokerBatchSource:
                     f"{refusals.summary()}; check that rollout servers run (`fleetrl status --broker ADDR`) "
                     "or raise that setting"
                 )
-            reply = self.client.lease_batch(n, wait_s=min(2.0, left), min_groups=n)
+            reply = self.client.lease_batch(n, wait_s=min(2.0, left), min_groups=least or n)
             if isinstance(reply, m.BatchLease):
                 return reply
             refusals.check()
@@ -148,12 +162,19 @@ class BrokerBatchSource:
         out = Leased(groups=[])
         rounds, last = 0, []
         while rounds < (self.cfg.learner.max_lease_rounds if self.dynamic else 1):
-            lease = self._lease(self.want - len(out.groups), deadline, should_stop)
+            need = self.want - len(out.groups)
+            lease = self._lease(self._ask(need), deadline, should_stop, least=need)
             out.dropped_stale += lease.dropped_stale
             plausible = self._screen(lease.groups, out)
             kept = self._filter(plausible) if self.dynamic and plausible else plausible
+            if self.dynamic and plausible:
+                self.keep_rate += KEEP_ALPHA * (len(kept) / len(plausible) - self.keep_rate)
+            # kept beyond the step's share stay in the lease, not acknowledged: the step's ack requeues them
+            # at the front of the queue (the broker checks their staleness again when they are leased)
+            surplus = {g.group_id for g in kept[need:]}
+            kept = kept[:need]
             kept_ids = {g.group_id for g in kept}
-            done_now = [g.group_id for g in lease.groups if g.group_id not in kept_ids]
+            done_now = [g.group_id for g in lease.groups if g.group_id not in kept_ids and g.group_id not in surplus]
             if done_now:
                 # done with them now: they would otherwise hold admission capacity while the rank keeps leasing
                 self.client.ack_batch(lease.lease_id, done_now, step, keep_rest=bool(kept))

@@ -546,7 +546,14 @@ class BrokerState:
 
     def _on_AckBatch(self, req: m.AckBatch, now: float, role: str | None = None) -> m.Message:
         self._touch(req.client_id, now, "learner")
-        return self.batches.ack(req, now)
+        lease = self.batches.leases.get(req.lease_id)
+        held = len(lease.group_ids) if lease is not None and lease.client_id == req.client_id else 0
+        ack = self.batches.ack(req, now)
+        closes = not (req.keep_rest and req.group_ids)
+        if self.measured is not None and held and closes and ack.count < held:
+            # groups the learner leased and gave back untrained (requeued): not consumed by this version
+            self.measured.taken_by_learner(ack.count - held)
+        return ack
 
     def _on_Commit(self, req: m.Commit, now: float, role: str | None = None) -> m.Message:
         self._touch(req.client_id, now, "learner")
