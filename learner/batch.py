@@ -149,8 +149,11 @@ def plan_micro_batches(totals: Sequence[int], order: Sequence[int], max_tokens: 
     return runs
 
 
-def _shared_prompts(samples: list[_Sample], ids: list[int], T: int, pad_id: int = 0) -> dict[str, np.ndarray] | None:
-    """The micro-batch's distinct prompts (token for token) and each row's, or None when no two rows share one."""
+def _shared_prompts(
+    samples: list[_Sample], ids: list[int], targets: np.ndarray, pad_id: int = 0
+) -> dict[str, np.ndarray] | None:
+    """The micro-batch's distinct prompts (token for token) and each row's, or None when no two rows share one.
+    ``targets`` ``[b, T]``: the rows' response tokens, 0 beyond each row's length (the response inputs)."""
     index: dict[bytes, int] = {}
     firsts: list[int] = []  # a sample of each distinct prompt
     row_prompt = np.empty(len(ids), dtype=np.int64)
@@ -168,12 +171,10 @@ def _shared_prompts(samples: list[_Sample], ids: list[int], T: int, pad_id: int 
         p = len(samples[i].prompt)
         prompt_ids[k, :p] = samples[i].prompt
         prompt_mask[k, :p] = 1
-    response_ids = np.full((len(ids), T - 1), pad_id, dtype=np.int64)
-    response_mask = np.zeros((len(ids), T - 1), dtype=np.int64)
-    for row, i in enumerate(ids):
-        n = min(len(samples[i].response), T - 1)
-        response_ids[row, :n] = samples[i].response[:n]
-        response_mask[row, :n] = 1
+    T = targets.shape[1]
+    lengths = np.array([len(samples[i].response) for i in ids])
+    response_mask = (np.arange(T - 1) < lengths[:, None]).astype(np.int64)
+    response_ids = np.where(response_mask > 0, targets[:, : T - 1], pad_id)
     return {
         "prompt_ids": prompt_ids,
         "prompt_mask": prompt_mask,
@@ -211,7 +212,7 @@ def _to_micro(
         if s.versions is not None:
             versions[row, :n] = s.versions
     put = lambda a: torch.from_numpy(a).to(device, non_blocking=True)  # noqa: E731
-    shared = _shared_prompts(samples, ids, T, pad_id) if share else None
+    shared = _shared_prompts(samples, ids, targets, pad_id) if share else None
     return MicroBatch(
         torch.tensor(ids, dtype=torch.int64),
         put(input_ids),
