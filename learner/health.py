@@ -345,7 +345,7 @@ class HealthMonitor:
     def reset_after_rollback(self, step: int) -> None:
         """Forget rolling windows and recent firings: training continues from the checkpoint at ``step``."""
         for rule in self.rules:
-            rule.reset()
+            rule.rewind(step)
         self._reset_tracking()
         self.checkpoints = {c: h for c, h in self.checkpoints.items() if c <= step}
 

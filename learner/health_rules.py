@@ -94,6 +94,10 @@ class Rule:
     def reset(self) -> None:
         """Forget every rolling window (after a rollback)."""
 
+    def rewind(self, step: int) -> None:
+        """After a rollback to the checkpoint at ``step``: what the rule keeps of its past (by default nothing)."""
+        self.reset()
+
     def watches(self) -> tuple[str, ...]:
         return (self.metric,)
 
@@ -459,8 +463,16 @@ class RewardHacking(Rule):
       ``DISTINCT_FRACTION`` x its baseline, or ``response/identical_frac`` above ``IDENTICAL_CEILING``
       and ``IDENTICAL_RISE`` above its baseline (all moving averages over ``window`` steps).
 
-    ``since`` is where the divergence began: the step after the best evaluation, or the first step in
-    the window whose own value crossed a cheap signal's limit.
+    * **held-out answers** (judged at each evaluation): the held-out greedy answers' mean length
+      (``eval/response_len_mean``: the same problems every time) under ``1 - ANSWER_SHIFT`` x its baseline
+      (the mean of the last ``EVALS`` evaluations within ``ANSWER_SHIFT`` of theirs: a slow healthy drift
+      moves it, a hack or a burst of garbage does not; kept across a rollback up to the restored step) while the reward's moving average
+      and the mean of its last ``window // 2`` steps are at or above the reward's baseline (a hack pays; a
+      divergence's reward falls to 0 first).
+
+    ``since`` is where the divergence began: the step after the best evaluation, the first step in the
+    window whose own value crossed a cheap signal's limit, or the step after the last evaluation whose
+    answers were within the limit.
     """
 
     METRIC, WINDOW, THRESHOLD = "reward/mean", 10, 0.1
@@ -472,7 +484,8 @@ class RewardHacking(Rule):
     )
     EVALS, REWARD_RISE = 3, 0.05
     LENGTH_FRACTION, DISTINCT_FRACTION, IDENTICAL_CEILING, IDENTICAL_RISE = 0.6, 0.5, 0.5, 0.25
-    STATE = ("recent", "base_sum", "base_n", "evals")
+    ANSWER_LENGTH, ANSWER_SHIFT = "eval/response_len_mean", 0.03  # healthy runs: <= 1.6% (docs/monitoring.md)
+    STATE = ("recent", "base_sum", "base_n", "evals", "answers")
 
     def check(self) -> None:
         if not 0 < self.threshold < 1:
@@ -485,12 +498,13 @@ class RewardHacking(Rule):
         self.recent: dict[str, deque[tuple[int, float]]] = {k: deque(maxlen=self.window) for k in keys}
         self.base_sum, self.base_n = {k: 0.0 for k in keys}, {k: 0 for k in keys}
         self.evals: deque[tuple[int, float, float]] = deque(maxlen=64)  # (step, accuracy, reward MA)
+        self.answers: deque[tuple[int, float]] = deque(maxlen=self.EVALS)  # (step, length): the last clean evals
 
     def signals(self) -> tuple[str, ...]:
         return (self.metric, self.LENGTH, self.DISTINCT, self.IDENTICAL)
 
     def watches(self) -> tuple[str, ...]:
-        return (*self.signals(), self.EVAL)
+        return (*self.signals(), self.EVAL, self.ANSWER_LENGTH)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -498,6 +512,7 @@ class RewardHacking(Rule):
             "base_sum": dict(self.base_sum),
             "base_n": dict(self.base_n),
             "evals": list(self.evals),
+            "answers": list(self.answers),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -507,6 +522,12 @@ class RewardHacking(Rule):
         self.base_sum.update(state["base_sum"])
         self.base_n.update(state["base_n"])
         self.evals.extend(tuple(e) for e in state["evals"])
+        self.answers.extend(tuple(a) for a in state.get("answers", []))  # an older checkpoint: a fresh baseline
+
+    def rewind(self, step: int) -> None:
+        answers = [a for a in self.answers if a[0] <= step]  # the restored policy's own held-out answers
+        self.reset()
+        self.answers.extend(answers)
 
     def ma(self, key: str) -> float | None:
         points = self.recent[key]
@@ -531,7 +552,41 @@ class RewardHacking(Rule):
             fired = self.held_out_divergence()
             if fired is not None:
                 return fired
-        return self.cheap_signals(step)
+        fired = self.held_out_answers(step, finite(metrics, self.ANSWER_LENGTH))
+        return fired if fired is not None else self.cheap_signals(step)
+
+    def reward_holds(self) -> bool:
+        """The reward's moving average and the mean of its last ``window // 2`` steps at or above its baseline."""
+        reward, base = self.ma(self.metric), self.baseline(self.metric)
+        last = [v for _, v in self.recent[self.metric]][-max(2, self.window // 2) :]
+        return reward is not None and base is not None and reward >= base and sum(last) / len(last) >= base
+
+    def held_out_answers(self, step: int, length: float | None) -> Fired | None:
+        if length is None:
+            return None
+        if len(self.answers) < self.EVALS:
+            self.answers.append((step, length))
+            return None
+        base = sum(v for _, v in self.answers) / len(self.answers)
+        limit = (1 - self.ANSWER_SHIFT) * base
+        if length > (1 + self.ANSWER_SHIFT) * base:
+            return None  # longer: not what this evidence watches, and no baseline (a divergence's garbage)
+        if length >= limit:
+            self.answers.append((step, length))
+            return None
+        if not self.reward_holds():
+            return None  # shorter but unpaid: not a hack (a divergence's reward is at 0); not a baseline either
+        clean = self.answers[-1][0]
+        return Fired(
+            length,
+            limit,
+            f"held-out answers got shorter: {self.ANSWER_LENGTH} {length:.4g} tokens, under "
+            f"{1 - self.ANSWER_SHIFT:g} x {base:.4g} (its last {self.EVALS} evaluations within the limit, up to "
+            f"step {clean}), while {self.metric} held at or above its baseline: the policy answers the same "
+            f"problems differently for more reward (reward hacking)",
+            clean + 1,
+            metric=self.ANSWER_LENGTH,
+        )
 
     def held_out_divergence(self) -> Fired | None:
         step, acc, reward = self.evals[-1]
