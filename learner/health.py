@@ -27,6 +27,7 @@ from typing import Any
 
 from fleetrl.common.config.learner import HealthConfig
 from fleetrl.common.plugins.registry import RegistryError
+from fleetrl.learner.health_hacking import RewardHacking  # noqa: F401 (registers reward_hacking)
 from fleetrl.learner.health_rules import HEALTH_RULES, Fired, HealthEvent, Rule
 from fleetrl.learner.health_servers import ServerRule  # registers the per-server rules
 
