@@ -86,3 +86,28 @@ def test_health_recovery_reports_both_delays_for_a_reward_hack_run():
     )
     # persistent-s3: onset 51, detected at 80 (29 steps)
     assert table["targets"]["reward_hack_runs_detected_within_20_steps_of_onset"].startswith("1 of 2")
+
+
+def test_the_replay_mode_reads_this_checkouts_detection_off_a_recorded_run(tmp_path):
+    from health_recovery_replay import replayed
+
+    runs = json.loads((Path(__file__).parent / "data" / "reward_hack_streams.json").read_text())["runs"]
+    rec = runs["p10/reward_hack-s1"]
+    rows = {s: {"step": s, "reward/mean": r} for s, r in rec["reward"]}
+    for s, acc, length in rec["evals"]:
+        rows[s].update({"eval/accuracy": acc, "eval/response_len_mean": length})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows.values()))
+    live = [
+        {"step": 80, "rule": "reward_hacking", "action": "rollback"},
+        {"step": 80, "rule": "rollback", "action": "rollback"},
+    ]
+    run = {"fault": "reward_hack", "inject_at": 45, "exit_code": 0, "events": live, "curve": []}
+    out = replayed(run, tmp_path, "[{name: reward_hacking, action: rollback}]")
+    assert out["replay_readable"] and [(e["step"], e["rule"]) for e in out["events"]] == [
+        (70, "reward_hacking"),
+        (70, "rollback"),
+    ]
+    # a live event before the replayed one: what followed is another run, the recorded events stand
+    early = {**run, "events": [{"step": 50, "rule": "reward_drop", "action": "rollback"}]}
+    out = replayed(early, tmp_path, "[{name: reward_hacking, action: rollback}]")
+    assert not out["replay_readable"] and out["events"] == early["events"]
