@@ -33,7 +33,8 @@ class RewardHacking(Rule):
       (the mean of the last ``EVALS`` evaluations within ``ANSWER_SHIFT`` of theirs: a slow healthy drift
       moves it, a hack or a burst of garbage does not; kept across a rollback up to the restored step) while the reward's moving average
       and the mean of its last ``window // 2`` steps are at or above the reward's baseline (a hack pays; a
-      divergence's reward falls to 0 first).
+      divergence's reward falls to 0 first) and ``eval/accuracy`` is not above the best of those baseline
+      evaluations (a healthy run that learns to answer more concisely gets more answers right).
 
     ``since`` is where the divergence began: the step after the best evaluation, the first step in the
     window whose own value crossed a cheap signal's limit, or the step after the last evaluation whose
@@ -63,7 +64,8 @@ class RewardHacking(Rule):
         self.recent: dict[str, deque[tuple[int, float]]] = {k: deque(maxlen=self.window) for k in keys}
         self.base_sum, self.base_n = {k: 0.0 for k in keys}, {k: 0 for k in keys}
         self.evals: deque[tuple[int, float, float]] = deque(maxlen=64)  # (step, accuracy, reward MA)
-        self.answers: deque[tuple[int, float]] = deque(maxlen=self.EVALS)  # (step, length): the last clean evals
+        # (step, length, accuracy) of the last clean evaluations
+        self.answers: deque[tuple[int, float, float | None]] = deque(maxlen=self.EVALS)
 
     def signals(self) -> tuple[str, ...]:
         return (self.metric, self.LENGTH, self.DISTINCT, self.IDENTICAL)
@@ -87,7 +89,8 @@ class RewardHacking(Rule):
         self.base_sum.update(state["base_sum"])
         self.base_n.update(state["base_n"])
         self.evals.extend(tuple(e) for e in state["evals"])
-        self.answers.extend(tuple(a) for a in state.get("answers", []))  # an older checkpoint: a fresh baseline
+        for a in state.get("answers", []):  # an older checkpoint: a fresh baseline
+            self.answers.append((a[0], a[1], a[2] if len(a) > 2 else None))
 
     def rewind(self, step: int) -> None:
         answers = [a for a in self.answers if a[0] <= step]  # the restored policy's own held-out answers
@@ -117,7 +120,7 @@ class RewardHacking(Rule):
             fired = self.held_out_divergence()
             if fired is not None:
                 return fired
-        fired = self.held_out_answers(step, finite(metrics, self.ANSWER_LENGTH))
+        fired = self.held_out_answers(step, finite(metrics, self.ANSWER_LENGTH), accuracy)
         return fired if fired is not None else self.cheap_signals(step)
 
     def reward_holds(self) -> bool:
@@ -126,29 +129,32 @@ class RewardHacking(Rule):
         last = [v for _, v in self.recent[self.metric]][-max(2, self.window // 2) :]
         return reward is not None and base is not None and reward >= base and sum(last) / len(last) >= base
 
-    def held_out_answers(self, step: int, length: float | None) -> Fired | None:
+    def held_out_answers(self, step: int, length: float | None, accuracy: float | None) -> Fired | None:
         if length is None:
             return None
         if len(self.answers) < self.EVALS:
-            self.answers.append((step, length))
+            self.answers.append((step, length, accuracy))
             return None
-        base = sum(v for _, v in self.answers) / len(self.answers)
+        base = sum(a[1] for a in self.answers) / len(self.answers)
         limit = (1 - self.ANSWER_SHIFT) * base
         if length > (1 + self.ANSWER_SHIFT) * base:
             return None  # longer: not what this evidence watches, and no baseline (a divergence's garbage)
         if length >= limit:
-            self.answers.append((step, length))
+            self.answers.append((step, length, accuracy))
             return None
         if not self.reward_holds():
             return None  # shorter but unpaid: not a hack (a divergence's reward is at 0); not a baseline either
+        best = max((a[2] for a in self.answers if a[2] is not None), default=None)
+        if accuracy is not None and best is not None and accuracy > best:
+            return None  # shorter and more often right than ever in the baseline: concise, not hacked
         clean = self.answers[-1][0]
         return Fired(
             length,
             limit,
             f"held-out answers got shorter: {self.ANSWER_LENGTH} {length:.4g} tokens, under "
             f"{1 - self.ANSWER_SHIFT:g} x {base:.4g} (its last {self.EVALS} evaluations within the limit, up to "
-            f"step {clean}), while {self.metric} held at or above its baseline: the policy answers the same "
-            f"problems differently for more reward (reward hacking)",
+            f"step {clean}), while {self.metric} held at or above its baseline and {self.EVAL} did not beat "
+            f"theirs: the policy answers the same problems differently for more reward (reward hacking)",
             clean + 1,
             metric=self.ANSWER_LENGTH,
         )

@@ -127,6 +127,18 @@ def test_a_slow_drift_moves_the_baseline_a_fall_does_not():
     assert fired(monitor(), stream([3.5, 3.5, 3.5, 4.0, 4.5])) == {}
 
 
+def test_shorter_answers_that_get_more_right_are_not_a_hack():
+    # the 4 x 4 sweep's DAPO segment 14 (healthy): held-out answers 3.55 -> 3.42 tokens at step 200 (3.5% under
+    # its last three) while held-out accuracy reached its best, 0.28 (0.25 / 0.23 / 0.26 before)
+    rows = stream([3.55, 3.55, 3.53, 3.42, 3.52])
+    for (_, row), acc in zip([r for r in rows if ACC in r[1]], [0.25, 0.23, 0.26, 0.28, 0.26]):
+        row[ACC] = acc
+    assert fired(monitor(), rows) == {}
+    # the same answers with the accuracy no better than the baseline's best: fired
+    rows[39][1][ACC] = 0.26
+    assert list(fired(monitor(), rows)) == [40]
+
+
 def test_shorter_answers_without_pay_are_not_a_hack_and_not_a_baseline():
     rows = stream([3.5, 3.5, 3.5, 3.0, 3.5, 3.0])
     for step, row in rows:
@@ -141,13 +153,13 @@ def test_a_rollback_keeps_the_restored_policys_answers_and_a_checkpoint_carries_
     fired(m, stream([3.5, 3.4, 3.6]))  # baseline 3.5 from the evaluations at 10, 20, 30
     m.reset_after_rollback(20)  # back to step 20: the evaluation at 30 belonged to the abandoned policy
     (rule,) = m.rules
-    assert [s for s, _ in rule.answers] == [10, 20]
-    state = rule.state_dict()
-    assert state["answers"] == [(10, 3.5), (20, 3.4)] or state["answers"] == [[10, 3.5], [20, 3.4]]
+    assert [a[0] for a in rule.answers] == [10, 20]
+    state = json.loads(json.dumps(rule.state_dict()))  # as a checkpoint stores it
+    assert state["answers"] == [[10, 3.5, 0.3], [20, 3.4, 0.3]]
     fresh = monitor()
     (other,) = fresh.rules
     other.load_state_dict(state)
-    assert list(other.answers) == [(10, 3.5), (20, 3.4)]
+    assert list(other.answers) == [(10, 3.5, 0.3), (20, 3.4, 0.3)]
     older = {k: v for k, v in state.items() if k != "answers"}  # a checkpoint from before this evidence
     other.load_state_dict(older)
     assert list(other.answers) == []
