@@ -134,3 +134,56 @@ def targets(faults: dict[str, dict], healthy: dict) -> dict:
         ),
         "fault_kinds_recovered_by_rollback": f"{recovered} of {len(faults)} (target >= 4 of 5)",
     }
+
+
+# The onset of reward hacking (the ``reward_hack`` fault pays 1 for an empty or one-character answer): read from
+# what the policy does, not from when the bug appears. The measure is the held-out probe's greedy answers
+# (``eval/response_len_mean``, tokens with the end-of-sequence one, over the same fixed problems every time):
+# a paid answer is one character and the end token (2 tokens), so the share of held-out answers the bug would
+# pay, over the pre-fault level, is the fall of the mean length from its pre-fault mean divided by
+# (that mean - 2). Why not the training batch: its mean length moves with the prompt mix (2- or 3-digit sums,
+# 16 prompts a step) and with dynamic sampling, which drops the groups a hack pays in full (every answer 1);
+# on the unfaulted runs of 2026-12-06 its 5-step estimate reached a 0.16 share while the held-out one stayed
+# under 0.04. The completions log holds 2 prompts every 20 steps: too few to date anything.
+PAID_ANSWER_TOKENS = 2.0
+ONSET_MARGIN = 0.05  # a share of held-out answers: over the largest excursion of the 9 unfaulted runs (0.037)
+
+
+def eval_lengths(rows: list[dict]) -> list[tuple[int, float]]:
+    """(step, held-out greedy mean answer length in tokens) of every metrics row that has one."""
+    return [
+        (int(r["step"]), float(r["eval/response_len_mean"]))
+        for r in rows
+        if isinstance(r.get("eval/response_len_mean"), (int, float)) and math.isfinite(r["eval/response_len_mean"])
+    ]
+
+
+def hack_onset(
+    lengths: list[tuple[int, float]],
+    inject_at: int,
+    margin: float = ONSET_MARGIN,
+    paid_tokens: float = PAID_ANSWER_TOKENS,
+) -> dict:
+    """When the policy began to give the answers the reward bug pays (see the note above ``ONSET_MARGIN``).
+
+    ``seen_step`` is the first evaluation at or after ``inject_at`` whose paid share exceeds the pre-fault
+    level (the evaluations before ``inject_at``, averaged) by more than ``margin``; ``onset_step`` is the first
+    step after the last evaluation that did not (and not before ``inject_at``): the earliest step the change
+    can have begun, so a delay counted from it is the longest it can be at this probe cadence."""
+    before = [v for s, v in lengths if s < inject_at]
+    out = {"onset_step": None, "seen_step": None, "share": None, "baseline_tokens": None, "margin": margin}
+    if not before:
+        return out
+    base = sum(before) / len(before)
+    out["baseline_tokens"] = base
+    if base <= paid_tokens:
+        return out  # answers already as short as the paid ones: no share to read
+    clean = max(s for s, _ in lengths if s < inject_at)
+    for step, value in sorted(lengths):
+        if step < inject_at:
+            continue
+        share = (base - value) / (base - paid_tokens)
+        if share > margin:
+            return {**out, "onset_step": max(clean + 1, inject_at), "seen_step": step, "share": share}
+        clean = step
+    return out

@@ -21,7 +21,11 @@ last rollback step R; then, against the unfaulted run of the same seed, the wors
 the injection (accuracy lost) and the held-out accuracy averaged over the evaluations from R + 50 to
 R + 70 (recovered: within 3 points of the unfaulted run's average over the same steps; one evaluation
 of 500 problems swings +-5 points between neighbours on a healthy run). A run the monitor stopped is
-compared at its last evaluation. Resumable: a finished run is not run again (``--again`` to force); results are merged into
+compared at its last evaluation. A reward-hack run (reward_hack, persistent) also gets the **onset** of the
+hack, read from what the policy does (``health_analysis.hack_onset``: the first evaluation at which the share
+of held-out greedy answers the bug pays, from their mean length, exceeds its pre-fault level by more than
+0.05; the onset is the step after the last evaluation that did not) and the detection delay from the bug and
+from that onset. Resumable: a finished run is not run again (``--again`` to force); results are merged into
 benchmarks/results/health_recovery.json.
 
     nice -n 10 python benchmarks/health_recovery.py [--faults divergence,reward_hack] [--seeds 1,2,3]
@@ -42,7 +46,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from health_analysis import detection, eval_curve  # noqa: E402
+from health_analysis import ONSET_MARGIN, detection, eval_curve, eval_lengths, hack_onset  # noqa: E402
 from vs_trl import ROOT, prepare, run_child, tail  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "health_recovery.json"
@@ -137,6 +141,7 @@ def run_one(name: str, work: dict, args, seed: int, fault: str | None, extra: li
         "inject_at": args.inject_at,
         "steps": max((int(r["step"]) for r in rows), default=0),
         "curve": eval_curve(rows),
+        "eval_len": eval_lengths(rows),
         "events": read_jsonl(run_dir / "events.jsonl"),
         "command": (
             f"FLEETRL_FAULT={FAULTS[fault][0]} FLEETRL_FAULT_AT={args.inject_at} FLEETRL_FAULT_FOR={FAULTS[fault][1]} "
@@ -191,7 +196,31 @@ def compare(run: dict, base: dict) -> dict:
         )
     else:
         out.update(judged_at=None, accuracy=None, unfaulted=None, gap=None, recovered=False)
+    if FAULTS.get(run.get("fault") or "", ("",))[0] == "reward_hack":
+        out.update(onset(run, det))
     return out
+
+
+def onset(run: dict, det: dict) -> dict:
+    """A reward-hack run: when the policy began to exploit the bug (health_analysis.hack_onset, from the held-out
+    answers' lengths) and the detection delay counted from the bug and from that onset."""
+    at = run["inject_at"]
+    found = hack_onset([tuple(x) for x in run.get("eval_len") or []], at)
+    detected_at = at + det["delay_steps"] if det["detected"] else None
+    return {
+        "bug_step": at,
+        "onset_step": found["onset_step"],
+        "onset_seen_step": found["seen_step"],
+        "onset_share": found["share"],
+        "detected_step": detected_at,
+        "delay_from_bug": det["delay_steps"],
+        "delay_from_onset": None
+        if detected_at is None or found["onset_step"] is None
+        else detected_at - found["onset_step"],
+        "delay_from_seen": None
+        if detected_at is None or found["seen_step"] is None
+        else detected_at - found["seen_step"],
+    }
 
 
 def summarize(runs: dict[str, dict], faults: list[str], seeds: list[int]) -> dict:
@@ -220,10 +249,14 @@ def summarize(runs: dict[str, dict], faults: list[str], seeds: list[int]) -> dic
         for f in six.values()
         if f["detected"] == len(f["seeds"]) and f["max_delay"] is not None and f["max_delay"] <= 20
     )
+    hacks = [r for f in table.values() for r in f["seeds"].values() if "delay_from_onset" in r]
+    from_onset = [r["delay_from_onset"] for r in hacks]
     return {
         "faults": table,
         "targets": {
             "detected_within_20_steps": f"{detected_fast} of {len(six)} (target 6 of 6)",
+            "reward_hack_runs_detected_within_20_steps_of_onset": f"{sum(d is not None and d <= 20 for d in from_onset)}"
+            f" of {len(hacks)} (onset found in {sum(r['onset_step'] is not None for r in hacks)})",
             "recovered_within_3_points_median": f"{sum(f['recovered_median'] for f in six.values())} of {len(six)} "
             "(target >= 5 of 6)",
         },
@@ -245,6 +278,22 @@ def print_table(summary: dict) -> None:
                 f"{pct(r['unfaulted']):>7}{pct(r['gap']):>7}"
             )
         print(f"{'':<18}median gap {pct(f['median_gap'])} points; recovered: {f['recovered_median']}")
+    hacks = [(fault, seed, r) for fault, f in summary["faults"].items() for seed, r in f["seeds"].items()]
+    hacks = [h for h in hacks if "delay_from_onset" in h[2]]
+    if hacks:
+        print(
+            f"\nreward hacking from its onset (held-out paid share > pre-fault + {ONSET_MARGIN}; onset = the step "
+            "after the last evaluation under it)\n"
+            f"{'fault':<18}{'seed':>5}{'bug':>5}{'onset':>7}{'seen':>6}{'share':>7}{'detected':>10}{'from bug':>10}"
+            f"{'from onset':>12}"
+        )
+        for fault, seed, r in hacks:
+            share = "-" if r["onset_share"] is None else f"{r['onset_share']:.2f}"
+            print(
+                f"{fault:<18}{seed:>5}{r['bug_step']:>5}"
+                f"{str(r['onset_step']):>7}{str(r['onset_seen_step']):>6}{share:>7}{str(r['detected_step']):>10}"
+                f"{str(r['delay_from_bug']):>10}{str(r['delay_from_onset']):>12}"
+            )
     for k, v in summary["targets"].items():
         print(f"  {k}: {v}")
 
@@ -272,6 +321,12 @@ def main() -> int:
     ap.add_argument("--timeout-min", type=float, default=40.0)
     ap.add_argument("--again", action="store_true", help="run finished runs again")
     ap.add_argument("--analyze-only", action="store_true")
+    ap.add_argument(
+        "--replay",
+        action="store_true",
+        help="with --analyze-only: the detection this checkout's rules give on the recorded runs (their metrics "
+        "replayed through the rules they ran under), written to the results JSON's name + _replay",
+    )
     args = ap.parse_args()
     faults, seeds = [f for f in args.faults.split(",") if f], [int(s) for s in args.seeds.split(",") if s]
     unknown = [f for f in faults if f not in FAULTS]
@@ -282,9 +337,15 @@ def main() -> int:
     runs = {r["name"]: r for r in previous.get("runs", [])}
     for done in sorted(Path(args.workdir, "runs").glob("*/done.json")):  # finished runs the JSON may lack
         runs[done.parent.name] = {**json.loads(done.read_text()), "name": done.parent.name}
+    for name, run in runs.items():  # recorded before the held-out answer lengths were kept: from the run's files
+        metrics = Path(args.workdir, "runs", name, "metrics.jsonl")
+        if "eval_len" not in run and metrics.exists():
+            run["eval_len"] = eval_lengths(read_jsonl(metrics))
     for name, run in runs.items():  # recorded before stops were told from failures
         if run.get("exit_code") not in (0, 3) and learner_stopped(Path(args.workdir, "runs", name)):
             run["exit_code"] = 3
+    if args.analyze_only and not args.rules:  # nothing runs: the recorded runs keep the rules they ran under
+        args.rules = previous.get("rules", "")
     if not args.analyze_only:
         work = prepare(Path(args.workdir), 0.25)
         for seed in seeds:  # seed by seed: a stopped sweep has whole comparisons
@@ -295,6 +356,10 @@ def main() -> int:
                     runs[name] = run_one(name, work, args, seed, None, EXTRA[fault][0])
                 runs[f"{fault}-s{seed}"] = run_one(f"{fault}-s{seed}", work, args, seed, fault)
                 save(runs, args, faults, seeds)
+    if args.replay:
+        from health_recovery_replay import replay_report  # noqa: PLC0415 (that mode only)
+
+        return replay_report(runs, args, faults, seeds)
     summary = save(runs, args, faults, seeds)
     print_table(summary)
     print(f"\nraw figures: {results}")
@@ -307,7 +372,7 @@ def save(runs: dict, args, faults: list[str], seeds: list[int]) -> dict:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         "command": "python benchmarks/health_recovery.py " + " ".join(sys.argv[1:]),
         "time": time.strftime("%Y-%m-%d %H:%M"),
-        "rules": args.rules or "the shipped defaults",
+        "rules": args.rules if args.rules and args.rules != "the shipped defaults" else "the shipped defaults",
         "summary": summary,
         "runs": sorted(runs.values(), key=lambda r: r["name"]),
     }

@@ -27,6 +27,7 @@ from typing import Any
 
 from fleetrl.common.config.learner import HealthConfig
 from fleetrl.common.plugins.registry import RegistryError
+from fleetrl.learner.health_hacking import RewardHacking  # noqa: F401 (registers reward_hacking)
 from fleetrl.learner.health_rules import HEALTH_RULES, Fired, HealthEvent, Rule
 from fleetrl.learner.health_servers import ServerRule  # registers the per-server rules
 
@@ -345,7 +346,7 @@ class HealthMonitor:
     def reset_after_rollback(self, step: int) -> None:
         """Forget rolling windows and recent firings: training continues from the checkpoint at ``step``."""
         for rule in self.rules:
-            rule.reset()
+            rule.rewind(step)
         self._reset_tracking()
         self.checkpoints = {c: h for c, h in self.checkpoints.items() if c <= step}
 
