@@ -327,7 +327,7 @@ def replay(names: list[str], args) -> int:
     )
     print("\n== the shipped defaults")
     code = replay_main([*dirs, "--json", str(RESULTS / f"health_replay{args.tag}.json")])
-    print("\n== the candidate set (defaults + reward_hacking -> rollback)")
+    print("\n== the candidate set (the defaults, reward_hacking with every evidence: its accuracy divergence too)")
     return code or replay_main(
         [*dirs, "--rules", args.candidate_rules, "--json", str(RESULTS / f"health_replay_candidate{args.tag}.json")]
     )

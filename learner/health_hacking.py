@@ -52,6 +52,7 @@ class RewardHacking(Rule):
     LENGTH_FRACTION, DISTINCT_FRACTION, IDENTICAL_CEILING, IDENTICAL_RISE = 0.6, 0.5, 0.5, 0.25
     ANSWER_LENGTH, ANSWER_SHIFT = "eval/response_len_mean", 0.03  # healthy runs: <= 1.6% (docs/monitoring.md)
     STATE = ("recent", "base_sum", "base_n", "evals", "answers")
+    EVIDENCE = ("divergence", "answers", "signals")  # health.rules[].evidence picks among them (default: all)
 
     def check(self) -> None:
         if not 0 < self.threshold < 1:
@@ -117,11 +118,13 @@ class RewardHacking(Rule):
         accuracy = finite(metrics, self.EVAL)
         if accuracy is not None and reward is not None:
             self.evals.append((step, accuracy, reward))
-            fired = self.held_out_divergence()
+            fired = self.held_out_divergence() if "divergence" in self.evidence else None
             if fired is not None:
                 return fired
         fired = self.held_out_answers(step, finite(metrics, self.ANSWER_LENGTH), accuracy)
-        return fired if fired is not None else self.cheap_signals(step)
+        if fired is not None and "answers" in self.evidence:
+            return fired
+        return self.cheap_signals(step) if "signals" in self.evidence else None
 
     def reward_holds(self) -> bool:
         """The reward's moving average and the mean of its last ``window // 2`` steps at or above its baseline."""

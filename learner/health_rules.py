@@ -64,6 +64,7 @@ class Rule:
     AT_CHECKPOINT: ClassVar[bool] = False  # judged by on_checkpoint (observe only accumulates)
     PER_SERVER: ClassVar[bool] = False  # judged per rollout server (learner/health_servers.py)
     PERSIST: ClassVar[bool] = False  # takes ``persist`` (steps in a row)
+    EVIDENCE: ClassVar[tuple[str, ...]] = ()  # the evidence kinds ``evidence`` may pick (reward_hacking)
 
     def __init__(self, spec: HealthRule, key: str):
         self.spec, self.key, self.action = spec, key, spec.action
@@ -76,6 +77,11 @@ class Rule:
             self.bad("window", "must be >= 1")
         if spec.persist is not None and not self.PERSIST:
             self.bad("persist", "only reward_drop takes persist; leave it out")
+        if spec.evidence is not None and not self.EVIDENCE:
+            self.bad("evidence", "only reward_hacking takes evidence; leave it out")
+        if spec.evidence is not None and not spec.evidence:
+            self.bad("evidence", f"list at least one of {', '.join(self.EVIDENCE)}, or leave it out for all")
+        self.evidence = frozenset(spec.evidence if spec.evidence is not None else self.EVIDENCE)
         if self.action == "quarantine" and not self.PER_SERVER:
             self.bad(
                 "action",

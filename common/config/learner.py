@@ -121,6 +121,14 @@ class HealthRule(Section):
             "null = compare the `window`-step average itself (the older, noisier form)."
         ),
     ] = None
+    evidence: Annotated[
+        list[Literal["divergence", "answers", "signals"]] | None,
+        doc(
+            "reward_hacking only: which evidence may fire it: divergence (held-out accuracy falls while the reward "
+            "rises), answers (the held-out greedy answers change, shorter, while the reward holds), signals (the "
+            "training samples' length, distinct-2 or identical share against the run's baseline); null = all three."
+        ),
+    ] = None
 
 
 class ScreenConfig(Section):
@@ -160,6 +168,9 @@ class HealthConfig(Section):
             HealthRule(name="length_collapse", action="rollback", window=10, threshold=0.6),
             HealthRule(name="entropy_floor", action="alert"),
             HealthRule(name="mismatch_kl_ceiling", action="rollback"),  # ceiling 0.01: see the rule
+            # held-out answers and cheap signals: 0 rollbacks on 32,100 healthy steps, every recorded hack caught
+            # 4-19 steps after its onset; the accuracy divergence (8 false rollbacks there) is opt-in
+            HealthRule(name="reward_hacking", action="rollback", evidence=["answers", "signals"]),
             HealthRule(name="server_poison", action="quarantine"),  # one server's poison: that server, not the run
             HealthRule(name="stale_weights", action="alert"),  # a server serving other weights than it reports
         ]

@@ -51,7 +51,9 @@ def test_default_config_is_safe_and_builds():
         "mismatch_kl_ceiling": "rollback",
         "server_poison": "quarantine",
         "stale_weights": "alert",
+        "reward_hacking": "rollback",  # on the held-out answers and cheap signals only (issue 27)
     }
+    assert {r.name: r.evidence for r in cfg.rules}["reward_hacking"] == ["answers", "signals"]
     assert cfg.screen.enabled
     assert len(m.rules) == len(cfg.rules)
     assert HealthMonitor(HealthConfig(enabled=False), None).rules == []
@@ -564,7 +566,10 @@ def test_the_default_rules_are_quiet_on_the_converged_multi_turn_run():
     rows = multiturn_healthy()
     assert [r["step"] for r in rows] == list(range(1, 301))
     m = HealthMonitor(HealthConfig(), None)
-    watched = {k for rule in m.rules for k in rule.watches()} - {"actor/kl"}  # the run reports no actor/kl
+    # the run reports no actor/kl; the copy was cut before reward_hacking (default since the fourth session of
+    # 2026-12-06) read the held-out answers' length: its answers evidence is replayed on the 4 x 4 sweep's
+    # multi-turn segments instead (benchmarks/health_streams.py --replay-only, docs/monitoring.md)
+    watched = {k for rule in m.rules for k in rule.watches()} - {"actor/kl", "eval/response_len_mean"}
     assert watched <= {k for r in rows for k in r}, "the copy must keep every metric the default rules watch"
     events, verdicts = [], []
     for r in rows:  # as the learner feeds them, with its checkpoints (configs/multiturn.yaml: every 200 steps)
