@@ -40,13 +40,16 @@ def detection(events: list[dict], inject_at: int) -> dict:
     }
 
 
+def eval_series(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    """(step, value of ``key``) of every metrics row where it is a finite number."""
+    return [
+        (int(r["step"]), float(r[key])) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+    ]
+
+
 def eval_curve(rows: list[dict]) -> list[tuple[int, float]]:
     """(step, held-out accuracy) of every metrics row that has one."""
-    return [
-        (int(r["step"]), float(r["eval/accuracy"]))
-        for r in rows
-        if isinstance(r.get("eval/accuracy"), (int, float)) and math.isfinite(r["eval/accuracy"])
-    ]
+    return eval_series(rows, "eval/accuracy")
 
 
 def recovery(
@@ -151,11 +154,7 @@ ONSET_MARGIN = 0.05  # a share of held-out answers: over the largest excursion o
 
 def eval_lengths(rows: list[dict]) -> list[tuple[int, float]]:
     """(step, held-out greedy mean answer length in tokens) of every metrics row that has one."""
-    return [
-        (int(r["step"]), float(r["eval/response_len_mean"]))
-        for r in rows
-        if isinstance(r.get("eval/response_len_mean"), (int, float)) and math.isfinite(r["eval/response_len_mean"])
-    ]
+    return eval_series(rows, "eval/response_len_mean")
 
 
 def hack_onset(
