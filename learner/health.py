@@ -52,6 +52,7 @@ class HealthMonitor:
             self.rules.append(cls(spec, f"health.rules[{i}]"))
         self.events: list[HealthEvent] = []
         self.rollbacks_done = 0
+        self.last_rollback: int | None = None  # the step the newest rollback left (health.rollback_cooldown_steps)
         self.stop_reason = ""
         self.checkpoints: dict[int, bool] = {}  # step -> healthy verdict
         self._revoked: list[int] = []
@@ -205,6 +206,8 @@ class HealthMonitor:
         ``health.max_rollbacks`` becomes stop."""
         events = list(events)
         action = max((e.action for e in events), key=ACTION_RANK.__getitem__, default="none")
+        if action == "rollback" and self._cooling(events):
+            return "alert"
         if action == "rollback" and self.rollbacks_done >= self.cfg.max_rollbacks:
             self.stop_reason = (
                 f"rollback limit reached: {self.rollbacks_done} rollbacks done, "
@@ -217,6 +220,36 @@ class HealthMonitor:
                 f"{e.rule} at step {e.step}" for e in events if e.action == "stop"
             )
         return action
+
+    def _cooling(self, events: list[HealthEvent]) -> bool:
+        """A rollback asked for within ``health.rollback_cooldown_steps`` steps of the last one (and not by
+        ``non_finite``): the restored weights were healthy, so evidence that is back at once lives outside them (a
+        fleet sampling wrong, stale weights, a reward bug) and another rollback now would only spend the budget.
+        Emits a ``rollback_cooldown`` alert saying so; the rule rolls back again if it still fires afterwards."""
+        wanted = [e for e in events if e.action == "rollback"]
+        step = max(e.step for e in wanted)
+        cooldown = self.cfg.rollback_cooldown_steps
+        if self.last_rollback is None or not 0 < step - self.last_rollback <= cooldown:
+            return False
+        if any(e.rule == "non_finite" for e in wanted):
+            return False  # a non-finite update is never kept
+        rules = ", ".join(sorted({e.rule for e in wanted}))
+        self._emit(
+            HealthEvent(
+                step,
+                "rollback_cooldown",
+                "alert",
+                "health/rollbacks",
+                float(step - self.last_rollback),
+                float(cooldown),
+                f"{rules} asked for a rollback {step - self.last_rollback} step(s) after the rollback at step "
+                f"{self.last_rollback}: the restored weights were healthy, so the cause is outside them (the fleet, "
+                f"the data or the reward); not rolling back again before step {self.last_rollback + cooldown + 1} "
+                f"(health.rollback_cooldown_steps={cooldown}); checkpoints meanwhile are not tagged healthy",
+                time.time(),
+            )
+        )
+        return True
 
     def rollback_target(self, candidates: Iterable[int]) -> int | None:
         """Newest of ``candidates`` (steps of complete checkpoints) tagged healthy and older than the start of
@@ -302,6 +335,7 @@ class HealthMonitor:
 
     def record_rollback(self, to_step: int, from_step: int) -> HealthEvent:
         self.rollbacks_done += 1
+        self.last_rollback = from_step
         event = HealthEvent(
             from_step,
             "rollback",
@@ -333,13 +367,22 @@ class HealthMonitor:
         kept = (
             self.events,
             self.rollbacks_done,
+            self.last_rollback,
             self.stop_reason,
             self.checkpoints,
             self.why_unhealthy,
             self.quarantined,
         )
         self.load_state_dict(state)
-        self.events, self.rollbacks_done, self.stop_reason, checkpoints, self.why_unhealthy, self.quarantined = kept
+        (
+            self.events,
+            self.rollbacks_done,
+            self.last_rollback,
+            self.stop_reason,
+            checkpoints,
+            self.why_unhealthy,
+            self.quarantined,
+        ) = kept
         self.pending, self.onsets = [], {}
         self.checkpoints = {c: h for c, h in checkpoints.items() if c <= step}
 
@@ -379,6 +422,7 @@ class HealthMonitor:
             "rules": [(r.spec.name, r.state_dict()) for r in self.rules],
             "events": [asdict(e) for e in self.events],
             "rollbacks_done": self.rollbacks_done,
+            "last_rollback": self.last_rollback,
             "stop_reason": self.stop_reason,
             "checkpoints": dict(self.checkpoints),
             "last_bad": self.last_bad,
@@ -406,6 +450,7 @@ class HealthMonitor:
         self.events = [HealthEvent.from_dict(e) for e in state["events"]]
         self.pending = [HealthEvent.from_dict(e) for e in state["pending"]]
         self.rollbacks_done, self.stop_reason = state["rollbacks_done"], state["stop_reason"]
+        self.last_rollback = state.get("last_rollback")
         self.checkpoints = {int(k): bool(v) for k, v in state["checkpoints"].items()}
         self.last_bad = state["last_bad"]
         self.onsets = {k: (int(v[0]), int(v[1])) for k, v in state.get("onsets", {}).items()}

@@ -185,3 +185,13 @@ class HealthConfig(Section):
     max_rollbacks: Annotated[
         int, doc("Rollbacks allowed; a rollback beyond this stops the run with the health report.", ge=0)
     ] = 3
+    rollback_cooldown_steps: Annotated[
+        int,
+        doc(
+            "After a rollback, a rule asking for another within this many steps raises an alert instead (the "
+            "restored weights were healthy, so evidence back at once comes from outside them: the fleet, the data "
+            "or the reward); the rule rolls back again once the cooldown is over. non_finite always rolls back. "
+            "0 = off.",
+            ge=0,
+        ),
+    ] = 10
