@@ -21,7 +21,8 @@ last rollback step R; then, against the unfaulted run of the same seed, the wors
 the injection (accuracy lost) and the held-out accuracy averaged over the evaluations from R + 50 to
 R + 70 (recovered: within 3 points of the unfaulted run's average over the same steps; one evaluation
 of 500 problems swings +-5 points between neighbours on a healthy run). A run the monitor stopped is
-compared at its last evaluation. A reward-hack run (reward_hack, persistent) also gets the **onset** of the
+compared at its last evaluation; a run that died (e.g. ``FleetIdle``: every group refused for
+``learner.batch_wait_s``) is never recovered and counts as the worst gap in the median of its seeds. A reward-hack run (reward_hack, persistent) also gets the **onset** of the
 hack, read from what the policy does (``health_analysis.hack_onset``: the first evaluation at which the share
 of held-out greedy answers the bug pays, from their mean length, exceeds its pre-fault level by more than
 0.05; the onset is the step after the last evaluation that did not) and the detection delay from the bug and
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -188,11 +190,16 @@ def compare(run: dict, base: dict) -> dict:
         "recovered_from_step": recovered_from,
         "accuracy_lost_max": max(dips, default=None),
         "stopped": run["exit_code"] == 3,
+        "died": run["exit_code"] not in (0, 3),  # e.g. FleetIdle: every group refused, nothing trained for batch_wait_s
     }
     if judged:
         acc, ref = statistics.mean(a for _, a in judged), statistics.mean(base_at[s] for s, _ in judged)
         out.update(
-            judged_at=[s for s, _ in judged], accuracy=acc, unfaulted=ref, gap=ref - acc, recovered=acc >= ref - POINTS
+            judged_at=[s for s, _ in judged],
+            accuracy=acc,
+            unfaulted=ref,
+            gap=ref - acc,
+            recovered=acc >= ref - POINTS and not out["died"],  # a run that died recovered nothing
         )
     else:
         out.update(judged_at=None, accuracy=None, unfaulted=None, gap=None, recovered=False)
@@ -234,14 +241,17 @@ def summarize(runs: dict[str, dict], faults: list[str], seeds: list[int]) -> dic
         }
         if not per_seed:
             continue
-        gaps = [r["gap"] for r in per_seed.values() if r["gap"] is not None]
+        # a run that died counts as the worst gap: the median of 3 is recovered only if 2 seeds are
+        gaps = [math.inf if r["died"] else r["gap"] for r in per_seed.values() if r["gap"] is not None or r["died"]]
+        median = statistics.median(gaps) if gaps else None
         delays = [r["delay_steps"] for r in per_seed.values() if r["delay_steps"] is not None]
         table[fault] = {
             "seeds": per_seed,
             "detected": sum(r["detected"] for r in per_seed.values()),
             "max_delay": max(delays, default=None),
-            "median_gap": statistics.median(gaps) if gaps else None,
-            "recovered_median": bool(gaps) and statistics.median(gaps) <= POINTS,
+            "median_gap": median if gaps and median != math.inf else None,
+            "median_seed_died": median == math.inf,
+            "recovered_median": median is not None and median <= POINTS,
         }
     six = {k: f for k, f in table.items() if k != "poison_server"}  # the six; the quarantine apart
     detected_fast = sum(
@@ -275,9 +285,10 @@ def print_table(summary: dict) -> None:
                 f"{fault:<18}{seed:>5}{str(r['delay_steps']):>7}  {str(r['first_rule']):<22}{r['action']:<9}"
                 f"{r['rollbacks']:>3}{pct(r['accuracy_lost_max']):>7}{str((r['judged_at'] or ['-'])[0]):>5}"
                 f"{pct(r['accuracy']):>7}"
-                f"{pct(r['unfaulted']):>7}{pct(r['gap']):>7}"
+                f"{pct(r['unfaulted']):>7}{pct(r['gap']):>7}" + ("  died (not recovered)" if r.get("died") else "")
             )
-        print(f"{'':<18}median gap {pct(f['median_gap'])} points; recovered: {f['recovered_median']}")
+        median = "a run that died" if f.get("median_seed_died") else f"{pct(f['median_gap'])} points"
+        print(f"{'':<18}median gap {median}; recovered: {f['recovered_median']}")
     hacks = [(fault, seed, r) for fault, f in summary["faults"].items() for seed, r in f["seeds"].items()]
     hacks = [h for h in hacks if "delay_from_onset" in h[2]]
     if hacks:

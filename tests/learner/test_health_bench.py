@@ -116,6 +116,33 @@ def test_recovery_is_judged_50_steps_after_the_last_rollback_against_the_unfault
     assert table["targets"]["detected_within_20_steps"].startswith("1 of 1")
 
 
+def test_a_run_that_died_is_not_recovered_and_is_the_worst_seed_of_the_median():
+    # entropy_collapse seeds 2 and 3 (2026-12-06, fifth session): the learner died with FleetIdle (every group
+    # refused for batch_wait_s) 2 and 5 points under the unfaulted run at its last evaluation; that was counted
+    # as recovered within 3 points, and made the median seed look recovered
+    from health_recovery import compare, summarize
+
+    base = {"inject_at": 45, "exit_code": 0, "events": [], "curve": [(s, 0.3) for s in range(0, 151, 10)]}
+    rolled = [ev(48, "mismatch_kl_ceiling", "rollback"), ev(48, "rollback", "rollback")]
+    recovered = {**base, "events": rolled}
+    died = {**base, "exit_code": 1, "events": rolled, "curve": [(s, 0.28) for s in range(0, 51, 10)]}
+    r = compare(died, base)
+    assert r["died"] and r["judged_at"] == [50] and r["gap"] == pytest.approx(0.02) and not r["recovered"]
+    runs = {"unfaulted-s1": base, "unfaulted-s2": base, "unfaulted-s3": base}
+    one = summarize(
+        {**runs, "entropy_collapse-s1": recovered, "entropy_collapse-s2": died, "entropy_collapse-s3": died},
+        ["entropy_collapse"],
+        [1, 2, 3],
+    )["faults"]["entropy_collapse"]
+    assert one["median_seed_died"] and one["median_gap"] is None and not one["recovered_median"]
+    two = summarize(
+        {**runs, "entropy_collapse-s1": recovered, "entropy_collapse-s2": recovered, "entropy_collapse-s3": died},
+        ["entropy_collapse"],
+        [1, 2, 3],
+    )["faults"]["entropy_collapse"]
+    assert not two["median_seed_died"] and two["median_gap"] == pytest.approx(0.0) and two["recovered_median"]
+
+
 def test_a_run_its_learner_stopped_counts_as_a_stop_not_a_failure(tmp_path):
     # `fleetrl run` exits 1 when its learner exits 3 (the monitor's stop); health_recovery.py took those runs
     # for failures (no done.json, rerun every time, never compared as stopped): entropy_collapse-s2 and
