@@ -22,9 +22,9 @@ the injection (accuracy lost) and the held-out accuracy averaged over the evalua
 R + 70 (recovered: within 3 points of the unfaulted run's average over the same steps; one evaluation
 of 500 problems swings +-5 points between neighbours on a healthy run). A run the monitor stopped is
 compared at its last evaluation; a run that died (e.g. ``FleetIdle``: every group refused for
-``learner.batch_wait_s``) is never recovered and counts as the worst gap in the median of its seeds. A reward-hack run (reward_hack, persistent) also gets the **onset** of the
-hack, read from what the policy does (``health_analysis.hack_onset``: the first evaluation at which the share
-of held-out greedy answers the bug pays, from their mean length, exceeds its pre-fault level by more than
+``learner.batch_wait_s``) is never recovered and counts as the worst gap in the median of its seeds. A
+reward-hack run (reward_hack, persistent) also gets the **onset** of the hack, read from what the policy does
+(``health_analysis.hack_onset``: the first evaluation at which the share of held-out greedy answers the bug pays, from their mean length, exceeds its pre-fault level by more than
 0.05; the onset is the step after the last evaluation that did not) and the detection delay from the bug and
 from that onset. Resumable: a finished run is not run again (``--again`` to force); results are merged into
 benchmarks/results/health_recovery.json.
@@ -249,7 +249,7 @@ def summarize(runs: dict[str, dict], faults: list[str], seeds: list[int]) -> dic
             "seeds": per_seed,
             "detected": sum(r["detected"] for r in per_seed.values()),
             "max_delay": max(delays, default=None),
-            "median_gap": median if gaps and median != math.inf else None,
+            "median_gap": None if median == math.inf else median,
             "median_seed_died": median == math.inf,
             "recovered_median": median is not None and median <= POINTS,
         }
