@@ -16,18 +16,18 @@ on ``--eval-n`` problems every 10 steps, a checkpoint every 10 steps, and the he
 | persistent | reward_hack | 400 versions | the same reward bug, never fixed: it outlives every rollback |
 | poison_server | poison_server | 400 versions | with 2 rollout servers, server 1 pays -1e6 and reports log-probs of 0.0 (not one of the six: the quarantine's check) |
 
-Per run: the detection delay (first health event at or after the injection), the rule, the action, the
-last rollback step R; then, against the unfaulted run of the same seed, the worst held-out dip after
-the injection (accuracy lost) and the held-out accuracy averaged over the evaluations from R + 50 to
-R + 70 (recovered: within 3 points of the unfaulted run's average over the same steps; one evaluation
-of 500 problems swings +-5 points between neighbours on a healthy run). A run the monitor stopped is
-compared at its last evaluation; a run that died (e.g. ``FleetIdle``: every group refused for
-``learner.batch_wait_s``) is never recovered and counts as the worst gap in the median of its seeds. A
-reward-hack run (reward_hack, persistent) also gets the **onset** of the hack, read from what the policy does
-(``health_analysis.hack_onset``: the first evaluation at which the share of held-out greedy answers the bug pays, from their mean length, exceeds its pre-fault level by more than
-0.05; the onset is the step after the last evaluation that did not) and the detection delay from the bug and
-from that onset. Resumable: a finished run is not run again (``--again`` to force); results are merged into
-benchmarks/results/health_recovery.json.
+Per run: the detection delay (first health event at or after the injection), the rule, the action, the last
+rollback step R; then, against the unfaulted run of the same seed, the worst held-out dip after the injection
+(accuracy lost) and the held-out accuracy averaged over the evaluations from R + 50 to R + 70 (recovered:
+within 3 points of the unfaulted run's average over the same steps; one evaluation of 500 problems swings +-5
+points between neighbours on a healthy run). A run the monitor stopped is compared at its last evaluation; a
+run that died (e.g. ``FleetIdle``: every group refused for ``learner.batch_wait_s``) is never recovered and
+counts as the worst gap in the median of its seeds. A reward-hack run (reward_hack, persistent) also gets the
+**onset** of the hack, read from what the policy does (``health_analysis.hack_onset``: the first evaluation at
+which the share of held-out greedy answers the bug pays, from their mean length, exceeds its pre-fault level
+by more than 0.05; the onset is the step after the last evaluation that did not) and the detection delay from
+the bug and from that onset. Resumable: a finished run is not run again (``--again`` to force); results are
+merged into benchmarks/results/health_recovery.json.
 
     nice -n 10 python benchmarks/health_recovery.py [--faults divergence,reward_hack] [--seeds 1,2,3]
     python benchmarks/health_recovery.py --analyze-only
