@@ -2,7 +2,8 @@
 
 `fleetrl run` samples its children's process trees (torchrun's workers included) once a second and keeps
 each process's last reading, so a process that exits before the summary still counts up to its last
-sample. The summary line and ``<run-dir>/cpu.json`` give cores busy (CPU seconds / wall seconds) in all
+sample (one that exits before its first sample, e.g. the learner of a run shorter than a second, counts 0); the
+children still running are read once more at the end. The summary line and ``<run-dir>/cpu.json`` give cores busy (CPU seconds / wall seconds) in all
 and per child, and the share of the machine that other processes used meanwhile (a figure measured
 while that share is high says little about the job).
 """

@@ -466,6 +466,7 @@ class Launcher:
                     f"learner exited with code {code}; its log ({learner.log}) ends with:\n{learner.tail()}"
                 )
             summary = line.summary(time.monotonic() - rl_start)
+            cpu.sample(self._pids())  # the children still running, up to now (a short run may have had no sample)
             used = cpu.result()
             cpu.save(used, self.run_dir)
             self.shutdown(learner_done=True)
