@@ -46,7 +46,7 @@ from fleetrl.rollout.endpoint.sessions import AgentEnv, ApiError, Session, plain
 from fleetrl.rollout.endpoint.stream import Sender
 from fleetrl.rollout.engines.params import SamplingParams
 from fleetrl.rollout.engines.records import Generation, Request
-from fleetrl.rollout.envs.parsers import TOOL_PARSERS
+from fleetrl.rollout.envs.parsers import STREAM_MARKERS, TOOL_PARSERS
 
 log = logging.getLogger("fleetrl.rollout.endpoint")
 # on close, calls still in flight (an agent waiting for a task, a generation) get this long to finish, then are
@@ -357,6 +357,7 @@ class Endpoint:
             kind,
             body.get("model") or self.opts.model_name,
             lambda ids: tok.decode(ids, skip_special_tokens=session is None),
+            STREAM_MARKERS.get(self.cfg.rollout.env.tool.parser),
         )
 
     def _chat_response(

@@ -7,9 +7,12 @@ the sampled tokens by one token (the newest may be the stop token, which is neve
 strings, by the longest stop string (so a stop string is never sent); an incomplete UTF-8 character waits
 for its next byte. When the generation ends, the rest of the final text follows, then one chunk per
 choice with its ``finish_reason``, with ``stream_options.include_usage`` a last chunk with the usage, and
-``data: [DONE]``. A call with ``tools`` (a tool call is parsed from the whole turn) and a replayed
-session call send the finished reply the same way, at once. A failure after the first event is sent as
-an event ``{"error": {...}}`` (the HTTP status is already 200).
+``data: [DONE]``. A call with ``tools`` streams the text before the parser's tool-call marker (hermes:
+``<tool_call>``; ``parsers.STREAM_MARKERS``) the same way, less trailing whitespace (a reply with a call
+has its content stripped); the calls, parsed from the whole turn, follow in one ``tool_calls`` delta at
+the end. A reply that starts with whitespace, a parser without a marker (pythonic, json: the whole turn
+is one call or content) and a replayed session call send the finished reply at once. A failure after
+the first event is sent as an event ``{"error": {...}}`` (the HTTP status is already 200).
 """
 
 from __future__ import annotations
@@ -81,12 +84,22 @@ class Sender:
     """One call's response (see the module docstring). ``kind``: "chat" or "text"; ``decode(ids)``: the text
     a list of sampled tokens shows (the same rule as the final reply's)."""
 
-    def __init__(self, request: Any, body: dict[str, Any], kind: str, model: str, decode: Callable[[list[int]], str]):
+    def __init__(
+        self,
+        request: Any,
+        body: dict[str, Any],
+        kind: str,
+        model: str,
+        decode: Callable[[list[int]], str],
+        tool_marker: str | None = None,
+    ):
         self.request, self.body, self.kind, self.decode = request, body, kind, decode
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{os.urandom(16).hex()}"
         self.created, self.model = int(time.time()), model
         self.streaming = body.get("stream") is True
-        self.incremental = self.streaming and not body.get("tools")  # a tool call needs the whole turn
+        # with tools, only the text before the tool-call marker streams; no marker: the whole turn is needed
+        self.tool_marker = tool_marker if body.get("tools") else None
+        self.incremental = self.streaming and (not body.get("tools") or self.tool_marker is not None)
         self.tokens: dict[int, list[int]] = {}
         self.sent: dict[int, str] = {}
         self.stops: tuple[str, ...] = ()
@@ -149,11 +162,21 @@ class Sender:
             await self._wake.wait()
             self._wake.clear()
             for index, ids in self.tokens.items():
-                text = safe_prefix(self.decode(ids[:-1]), self.stops)  # one token behind: the newest may end it
+                text = self._sendable(self.decode(ids[:-1]))  # one token behind: the newest may end it
                 sent = self.sent[index]
                 if len(text) > len(sent) and text.startswith(sent):
                     await self._write(self._delta(index, text[len(sent) :], first=not sent))
                     self.sent[index] = text
+
+    def _sendable(self, text: str) -> str:
+        """What of a partial reply may be sent: short of a stop string and, with tools, of the tool-call marker,
+        less trailing whitespace (nothing when the reply starts with whitespace: a reply with a call has its
+        content stripped, one without keeps it, and which it is shows only at the end)."""
+        if self.tool_marker is None:
+            return safe_prefix(text, self.stops)
+        if text[:1].isspace():
+            return ""
+        return safe_prefix(text, (*self.stops, self.tool_marker)).rstrip()
 
     async def _stop_pump(self) -> None:
         self._done = True
@@ -209,6 +232,22 @@ class Sender:
                 log.warning("endpoint: streamed text %r is not a prefix of the final %r", sent[-40:], final[-40:])
             elif len(final) > len(sent):
                 chunks.append(self._delta(index, final[len(sent) :], first=not sent))
+            if self.kind == "chat" and choice["message"].get("tool_calls"):
+                calls = [{"index": i, **call} for i, call in enumerate(choice["message"]["tool_calls"])]
+                head = {"role": "assistant"} if not sent and len(final) <= len(sent) else {}
+                chunks.append(
+                    {
+                        **self._head(),
+                        "choices": [
+                            {
+                                "index": index,
+                                "delta": {**head, "tool_calls": calls},
+                                "finish_reason": None,
+                                "logprobs": None,
+                            }
+                        ],
+                    }
+                )
             end = {"delta": {}} if self.kind == "chat" else {"text": ""}
             chunks.append(
                 {

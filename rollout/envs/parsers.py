@@ -67,6 +67,11 @@ def _call_from_json(obj: Any) -> ToolCall | str:
 
 HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
+# The text that opens a tool call, for the parsers whose calls follow free text: a streamed reply (the
+# endpoint's ``stream: true`` with ``tools``) may send the text before it as it is sampled. The other parsers
+# read the whole turn as one call or as content, so their replies stream at the end.
+STREAM_MARKERS: dict[str, str] = {"hermes": "<tool_call>"}
+
 
 @TOOL_PARSERS.register("hermes")
 def hermes(text: str, params: dict[str, list[str]]) -> Parsed:

@@ -175,3 +175,104 @@ def test_the_vllm_engine_streams_cumulative_outputs(monkeypatch):
     assert eng._llm.params == {"stream": True}
     asyncio.run(eng.generate(Request([1, 2], SamplingParams())))
     assert eng._llm.params == {"stream": False}  # rollouts do not stream: only the final output
+
+
+class Scripted:
+    """The engine, replaying a fixed reply token by token through ``on_token``; the token at ``hold`` (an index
+    into the reply) waits until ``seen`` is set (at most ``patience`` s), and ``waited`` says whether it was."""
+
+    def __init__(self, engine, text: str, hold: int, patience: float = 5.0):
+        tok = engine.tokenizer
+        self.inner, self.text = engine, text
+        self.ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+        self.hold, self.patience, self.seen, self.waited = hold, patience, threading.Event(), None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def generate(self, request):
+        from fleetrl.rollout.engines.records import Generation
+
+        def emit():
+            for k, t in enumerate(self.ids):
+                if k == self.hold and request.on_token is not None:
+                    self.waited = self.seen.wait(self.patience)
+                if request.on_token is not None:
+                    request.on_token([t])
+
+        await asyncio.get_running_loop().run_in_executor(None, emit)
+        return Generation(list(self.ids), [-0.5] * len(self.ids), "stop", self.text)
+
+
+GUESS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "guess",
+            "description": "Guess the number",
+            "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+        },
+    }
+]
+CALL = '<tool_call>{"name": "guess", "arguments": {"n": 7}}</tool_call>'
+
+
+def scripted_endpoint(engine, tiny_model_dir, text, *overrides, patience=5.0):
+    cfg = load_config(
+        None,
+        [f"model.path={tiny_model_dir}", "rollout.openai.enabled=true", "rollout.openai.port=0", *overrides],
+    )
+    prefix = engine.tokenizer.encode(text[: text.find("<tool_call>")], add_special_tokens=False)
+    eng = Scripted(engine, text, hold=len(prefix) + 3, patience=patience)  # inside the tool call's marker
+    ep = Endpoint(cfg, eng)
+    ep.start()
+    return ep, eng
+
+
+def stream_call(ep, eng):
+    """(content deltas, the tool_calls deltas, finish reason, whether a delta came before the call's tokens)."""
+    c = openai.OpenAI(base_url=ep.base_url, api_key="x", max_retries=0, timeout=60)
+    ask = [{"role": "user", "content": "Guess a number from 1 to 10."}]
+    content, calls, finish = [], [], None
+    for chunk in c.chat.completions.create(model="m", messages=ask, tools=GUESS, stream=True):
+        choice = chunk.choices[0]
+        if choice.delta.content:
+            content.append(choice.delta.content)
+            eng.seen.set()
+        calls.extend(choice.delta.tool_calls or [])
+        finish = choice.finish_reason or finish
+    eng.seen.set()
+    whole = c.chat.completions.create(model="m", messages=ask, tools=GUESS)
+    return content, calls, finish, eng.waited, whole.choices[0].message
+
+
+def test_a_reply_with_a_tool_call_streams_its_text_before_the_call(engine, tiny_model_dir):
+    ep, eng = scripted_endpoint(engine, tiny_model_dir, f"Let me think: seven.\n{CALL}")
+    try:
+        content, calls, finish, waited, whole = stream_call(ep, eng)
+    finally:
+        ep.close()
+    assert waited is True  # the engine was held inside the call's tokens until the client had the text
+    assert "".join(content) == "Let me think: seven." == whole.content  # the deltas add up to the reply's content
+    assert not any("<" in d for d in content)  # no part of the marker was sent as text
+    assert [(d.index, d.function.name, d.function.arguments) for d in calls] == [(0, "guess", '{"n": 7}')]
+    assert calls[0].function.arguments == whole.tool_calls[0].function.arguments and finish == "tool_calls"
+
+
+def test_a_tool_reply_that_cannot_stream_comes_whole_at_the_end(engine, tiny_model_dir):
+    # a reply opening with whitespace (its content is stripped only when it holds a call) ...
+    ep, eng = scripted_endpoint(engine, tiny_model_dir, f"  Seven.\n{CALL}", patience=1.0)
+    try:
+        content, calls, finish, waited, whole = stream_call(ep, eng)
+    finally:
+        ep.close()
+    assert waited is False and "".join(content) == "Seven." == whole.content and finish == "tool_calls"
+    assert [d.function.name for d in calls] == ["guess"]
+    # ... and a parser that reads the whole turn as one call (pythonic: the engine is not asked to stream)
+    ep, eng = scripted_endpoint(engine, tiny_model_dir, "guess(n=7)", "rollout.env.tool.parser=pythonic")
+    try:
+        content, calls, finish, waited, whole = stream_call(ep, eng)
+    finally:
+        ep.close()
+    assert waited is None and content == [] and whole.content is None and finish == "tool_calls"
+    assert [(d.function.name, d.function.arguments) for d in calls] == [("guess", '{"n": 7}')]
