@@ -31,17 +31,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_trl import (  # noqa: E402  (the demo's workdir, child handling and curve summaries are shared)
+from curves import curve_from_metrics, summarize  # noqa: E402  (curve summaries, child handling and the workdir are shared)
+from harness import (  # noqa: E402
     EVAL_N,
     RESULTS,
     ROOT,
     START_MARGIN_S,
     _interrupt,
-    curve_from_metrics,
     final_weights_accuracy,
     prepare,
     run_child,
-    summarize,
     tail,
 )
 

@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from vs_trl import (  # noqa: E402 - after the path is set
+from harness import (  # noqa: E402 - after the path is set
     BUSY_SHARE,
     EVAL_N,
     GROUP_SIZE,

@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import ROOT, prepare, run_child, tail  # noqa: E402
 from health_analysis import detection, eval_curve, false_alarms, last_rollback_step, recovery, targets  # noqa: E402
-from vs_trl import ROOT, prepare, run_child, tail  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "health.json"
 FAULTS = {

@@ -48,8 +48,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import ROOT, prepare, run_child, tail  # noqa: E402
 from health_analysis import ONSET_MARGIN, detection, eval_curve, eval_lengths, hack_onset  # noqa: E402
-from vs_trl import ROOT, prepare, run_child, tail  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "health_recovery.json"
 FAULTS = {  # name: (FLEETRL_FAULT, FLEETRL_FAULT_FOR)

@@ -63,9 +63,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import ROOT, fleetrl_cli, run_child, tail  # noqa: E402
+from harness import prepare as prepare_demo
 from health_replay import main as replay_main  # noqa: E402
-from vs_trl import ROOT, fleetrl_cli, run_child, tail  # noqa: E402
-from vs_trl import prepare as prepare_demo
 
 CONFIGS = {  # name: (config, max_staleness, lr, task)
     "grpo-s0-lr1e-4": ("grpo", 0, 1e-4, "arithmetic"),

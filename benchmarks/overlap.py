@@ -43,7 +43,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_trl import BUSY_SHARE, ROOT, CpuWatch, prepare, stop  # noqa: E402
+from harness import BUSY_SHARE, ROOT, CpuWatch, prepare, stop  # noqa: E402
 
 from fleetrl.common.telemetry.cpu import machine_busy_s  # noqa: E402
 

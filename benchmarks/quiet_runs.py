@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_trl import ROOT, fleetrl_cli, prepare, run_child, tail  # noqa: E402
+from harness import ROOT, fleetrl_cli, prepare, run_child, tail  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "quiet_runs.json"
 DEFAULT_RULES = ("non_finite", "grad_spike", "reward_drop", "length_collapse", "entropy_floor", "mismatch_kl_ceiling")

@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_trl import BUSY_SHARE, ROOT, prepare  # noqa: E402
+from harness import BUSY_SHARE, ROOT, prepare  # noqa: E402
 
 from fleetrl.common.telemetry.cpu import machine_busy_s, others_cpu_share  # noqa: E402
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from vs_trl import combine, smoothed, time_to, time_to_trl_accuracy  # noqa: E402
+from curves import combine, smoothed, time_to, time_to_trl_accuracy  # noqa: E402
 
 
 def curve(*points):
