@@ -10,7 +10,7 @@ on ``--eval-n`` problems every 10 steps, a checkpoint every 10 steps, and the he
 | --- | --- | --- | --- |
 | divergence | lr_spike | (learner state) | learning rate x50 until a checkpoint is restored |
 | non_finite | nan_grad,nan_reward | 15 versions | one NaN update; 25% of reward scores NaN |
-| entropy_collapse | entropy_collapse | 15 versions | the fleet samples at temperature 0.1 |
+| entropy_collapse | entropy_collapse | 15 versions or 60 s | the fleet samples at temperature 0.1 (ends after 60 s as well: the broker refuses its groups, so no version passes) |
 | stale_fleet | stale_fleet | 15 versions | new weights announced, old weights kept (silent sync failure) |
 | reward_hack | reward_hack | 40 versions | the reward pays 1 for an empty or one-character answer (15 versions were too few for the policy to find it: reward and length never moved) |
 | persistent | reward_hack | 400 versions | the same reward bug, never fixed: it outlives every rollback |
@@ -61,7 +61,13 @@ FAULTS = {  # name: (FLEETRL_FAULT, FLEETRL_FAULT_FOR)
     "persistent": ("reward_hack", 400),
     "poison_server": ("poison_server", 400),
 }
-EXTRA = {"poison_server": (["rollout.num_servers=2"], {"FLEETRL_FAULT_SERVER": "1"})}  # overrides, environment
+EXTRA = {  # overrides, environment
+    "poison_server": (["rollout.num_servers=2"], {"FLEETRL_FAULT_SERVER": "1"}),
+    # at T 0.1 the broker refuses every group as implausible (log-probs of exactly 0.0): the learner waits, no
+    # version passes, and a fault counted in versions alone never ended (the run idled into FleetIdle); a real
+    # fleet's sampling settings get put right after a while, so this one also ends 60 s after it began
+    "entropy_collapse": ([], {"FLEETRL_FAULT_FOR_S": "60"}),
+}
 BASELINE = {"poison_server": "unfaulted2"}  # compared with an unfaulted run of the same shape (2 rollout servers)
 AFTER = 50  # judge the recovery this many steps after the last rollback
 SPAN = 20  # over the evaluations from AFTER to AFTER + SPAN steps after it
@@ -147,6 +153,7 @@ def run_one(name: str, work: dict, args, seed: int, fault: str | None, extra: li
         "events": read_jsonl(run_dir / "events.jsonl"),
         "command": (
             f"FLEETRL_FAULT={FAULTS[fault][0]} FLEETRL_FAULT_AT={args.inject_at} FLEETRL_FAULT_FOR={FAULTS[fault][1]} "
+            + "".join(f"{k}={v} " for k, v in EXTRA.get(fault, ([], {}))[1].items())
             if fault
             else ""
         )

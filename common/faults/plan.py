@@ -8,7 +8,10 @@ and scheduler state, the weights after one NaN update. Rollout faults are active
 version a server samples with lies in ``[FLEETRL_FAULT_AT, FLEETRL_FAULT_AT + FLEETRL_FAULT_FOR)``: they
 live outside the learner (a reward deployment, a weight sync, a server's sampling settings), so a
 rollback does not clear them; they end when that window does (versions keep counting forward through
-a rollback). Every process of a job inherits the environment, so one setting reaches the learner and
+a rollback), or, with ``FLEETRL_FAULT_FOR_S`` > 0, that many seconds after the process first injected them,
+whichever comes first. A fault whose groups the broker refuses (``entropy_collapse`` at a low enough
+temperature: log-probs of exactly 0.0) stops the learner, so no version passes: counted only in versions
+it would never end, where a real fleet's settings are put right after some time. Every process of a job inherits the environment, so one setting reaches the learner and
 the fleet. ``FLEETRL_FAULT_AT`` must be >= 1.
 
 Learner faults:
@@ -43,6 +46,7 @@ import dataclasses
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -73,6 +77,7 @@ class FaultPlan:
     noise: float = 0.05
     dtype: str = "float8_e5m2"
     server: int = 0  # poison_server: the rollout server index it hits
+    seconds: float = 0.0  # rollout faults also end this long after this process first injected them (0: never)
 
     def __post_init__(self):
         unknown = sorted(self.kinds - set(KINDS))
@@ -85,6 +90,8 @@ class FaultPlan:
                 "FLEETRL_FAULT_FOR must be >= 1, FLEETRL_FAULT_FRACTION in (0, 1], "
                 "FLEETRL_FAULT_LR_FACTOR > 0 and FLEETRL_FAULT_TEMPERATURE >= 0"
             )
+        if self.seconds < 0:
+            raise ValueError(f"FLEETRL_FAULT_FOR_S={self.seconds:g}: seconds must be >= 0 (0: no time bound)")
         if self.noise <= 0:
             raise ValueError(f"FLEETRL_FAULT_NOISE={self.noise}: the noise scale must be > 0")
 
@@ -92,8 +99,15 @@ class FaultPlan:
         return bool(self.kinds)
 
     def active(self, kind: str, clock: int) -> bool:
-        """Whether ``kind`` is injected at ``clock`` (learner step or rollout policy version)."""
-        return kind in self.kinds and self.at <= clock < self.at + self.duration
+        """Whether ``kind`` is injected at ``clock`` (learner step or rollout policy version), and, for a
+        rollout fault with ``seconds`` set, less than ``seconds`` after this process first injected it."""
+        if not (kind in self.kinds and self.at <= clock < self.at + self.duration):
+            return False
+        if not self.seconds or kind not in ROLLOUT_FAULTS:
+            return True
+        now = time.monotonic()
+        began = _BEGAN.setdefault(kind, now)
+        return now - began < self.seconds
 
     @classmethod
     def from_env(cls, given: Mapping[str, str] | None = None) -> FaultPlan:
@@ -111,21 +125,25 @@ class FaultPlan:
             float(env.get("FLEETRL_FAULT_NOISE", "0.05")),
             env.get("FLEETRL_FAULT_DTYPE", "float8_e5m2"),
             int(env.get("FLEETRL_FAULT_SERVER", "0")),
+            float(env.get("FLEETRL_FAULT_FOR_S", "0")),
         )
 
 
 PLAN = FaultPlan.from_env()
 if PLAN:
     log.warning(
-        "fault injection is ON (a testing aid): %s from %d for %d steps/versions",
+        "fault injection is ON (a testing aid): %s from %d for %d steps/versions%s",
         sorted(PLAN.kinds),
         PLAN.at,
         PLAN.duration,
+        f" or {PLAN.seconds:g} s" if PLAN.seconds else "",
     )
 
 
 ROLLOUT_VERSION = 0
 """The policy version this rollout process samples with (``note_version``), the clock of rollout faults."""
+_BEGAN: dict[str, float] = {}
+"""When this process first injected each time-bounded rollout fault (``time.monotonic()``)."""
 ROLLOUT_INDEX = 0
 """This rollout process's server index (``note_server``): ``poison_server`` hits one server only."""
 
@@ -144,6 +162,7 @@ def set_plan(plan: FaultPlan) -> None:
     """Replace the plan (tests; processes read theirs from the environment at import)."""
     global PLAN
     PLAN = plan
+    _BEGAN.clear()
 
 
 # ------------------------------------------------------------------------------ learner hooks

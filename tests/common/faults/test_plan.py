@@ -78,6 +78,29 @@ def test_entropy_collapse_lowers_the_temperature_in_the_window(plan):
     assert [faults.temperature(1.0, v) for v in (3, 4, 5, 6)] == [1.0, 0.1, 0.1, 1.0]
 
 
+def test_a_time_bounded_rollout_fault_ends_after_its_seconds_though_versions_stand_still(plan, monkeypatch):
+    """At T 0.1 the broker refuses every group, no version passes: the fault must still end (FLEETRL_FAULT_FOR_S)."""
+    clock = [100.0]
+    monkeypatch.setattr(faults.time, "monotonic", lambda: clock[0])
+    plan(kinds=frozenset({"entropy_collapse", "lr_spike"}), at=5, duration=15, temperature=0.1, seconds=60.0)
+    assert faults.temperature(0.7, 4) == 0.7  # before the window: the clock does not start
+    clock[0] = 150.0
+    assert faults.temperature(0.7, 5) == 0.1  # first injected at 150
+    clock[0] = 209.0
+    assert faults.temperature(0.7, 6) == 0.1
+    clock[0] = 210.0
+    assert faults.temperature(0.7, 6) == 0.7  # 60 s on: over, with the version still inside the window
+    assert faults.temperature(0.7, 19) == 0.7  # and it stays over
+    assert faults.lr_multiplier(5) == 50.0  # learner faults ignore the time bound
+    p = FaultPlan.from_env({"FLEETRL_FAULT": "entropy_collapse", "FLEETRL_FAULT_AT": "3", "FLEETRL_FAULT_FOR_S": "30"})
+    assert (
+        p.seconds == 30.0
+        and FaultPlan.from_env({"FLEETRL_FAULT": "entropy_collapse", "FLEETRL_FAULT_AT": "3"}).seconds == 0
+    )
+    with pytest.raises(ValueError, match="FLEETRL_FAULT_FOR_S=-1"):
+        FaultPlan(frozenset({"entropy_collapse"}), at=1, seconds=-1)
+
+
 def test_stale_fleet_keeps_the_weights_of_the_faults_start(plan):
     plan(kinds=frozenset({"stale_fleet"}), at=2, duration=2)
 
