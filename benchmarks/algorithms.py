@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from curves import curve_from_metrics, summarize  # noqa: E402  (curve summaries, child handling and the workdir are shared)
+from curves import curve_from_metrics, finish_plot, summarize, two_panels  # noqa: E402  (curve summaries, child handling and the workdir are shared)
 from harness import (  # noqa: E402
     EVAL_N,
     RESULTS,
@@ -137,12 +137,7 @@ def last_values(rows: list[dict], keys: tuple[str, ...], last: int = 20) -> dict
 
 
 def plot(results: dict[str, dict], budget_s: float, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_acc, ax_r) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, ax_acc, ax_r = two_panels()
     for name, r in results.items():
         if r.get("status") != "ok":
             continue
@@ -167,14 +162,7 @@ def plot(results: dict[str, dict], budget_s: float, path: Path, title: str) -> N
         xlim=(0, budget_s * 1.02),
         title="training reward",
     )
-    for ax in (ax_acc, ax_r):
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="best", fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    finish_plot(fig, (ax_acc, ax_r), title, path)
 
 
 def main() -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from harness import BUSY_SHARE
 
@@ -206,13 +207,33 @@ def plot_title(report: dict) -> str:
     return title
 
 
-def plot(results: dict[str, dict], budget_s: float, path: Path, title: str) -> None:
+def two_panels() -> tuple[Any, Any, Any]:
+    """A 12 x 4.5 in figure of two side-by-side axes, drawn off screen (Agg): ``(fig, left, right)``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_acc, ax_n) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    return fig, left, right
+
+
+def finish_plot(fig: Any, axes: tuple[Any, ...], title: str, path: Path) -> None:
+    """Grid and legend on each axis, the title over both, written to ``path`` and closed."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot(results: dict[str, dict], budget_s: float, path: Path, title: str) -> None:
+    fig, ax_acc, ax_n = two_panels()
     colors = {"fleetrl-async": "tab:blue", "fleetrl-sync": "tab:green", "trl": "tab:red"}
     for name, r in results.items():
         if r.get("status") != "ok":
@@ -241,11 +262,4 @@ def plot(results: dict[str, dict], budget_s: float, path: Path, title: str) -> N
         xlim=(0, budget_s * 1.02),
         title="samples",
     )
-    for ax in (ax_acc, ax_n):
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="best", fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    finish_plot(fig, (ax_acc, ax_n), title, path)

@@ -108,6 +108,27 @@ def prepare(workdir: Path, target_acc: float) -> dict:
     }
 
 
+def prepare_multiturn(workdir: Path, sft_minutes: float) -> dict:
+    """The multi-turn demo's model, calc data and warm start (scripts/multiturn_demo.sh's commands), cached like
+    ``prepare``: ``{"warm", "train", "eval"}``."""
+    model, warm = workdir / "models" / "multiturn", workdir / "models" / "multiturn-warm"
+    train, held_out = workdir / "data" / "calc.jsonl", workdir / "data" / "calc.eval.jsonl"
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    if not (model / "config.json").exists():
+        fleetrl_cli("init-model", "--out", str(model), "--preset", "small")
+    if not (train.exists() and held_out.exists()):
+        fleetrl_cli("init-data", "--task", "calc", "--out", str(train), "--n", "20000", "--eval-n", "500")
+    if not (warm / "config.json").exists():
+        fleetrl_cli(
+            "sft",
+            *("--model", str(model), "--data", str(train), "--eval-data", str(held_out), "--out", str(warm)),
+            *("--target-acc", "0.2", "--lr", "2e-4", "--eval-every", "10", "--eval-n", "100"),
+            *("--max-minutes", str(sft_minutes), "--config", str(ROOT / "configs" / "multiturn.yaml")),
+            log=workdir / "logs" / "sft-multiturn.log",
+        )
+    return {"warm": str(warm), "train": str(train), "eval": str(held_out)}
+
+
 # ------------------------------------------------------------------------------ children
 
 

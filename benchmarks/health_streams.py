@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import ROOT, fleetrl_cli, run_child, tail  # noqa: E402
+from harness import ROOT, prepare_multiturn, run_child, tail  # noqa: E402
 from harness import prepare as prepare_demo
 from health_replay import main as replay_main  # noqa: E402
 
@@ -97,40 +97,10 @@ CANDIDATE = (
 def prepare(workdir: Path) -> dict[str, dict[str, str]]:
     """Both tasks' warm starts and data, built once into ``workdir`` (the demo's recipe for arithmetic)."""
     demo = prepare_demo(workdir, 0.25)
-    model, warm = workdir / "models" / "multiturn", workdir / "models" / "multiturn-warm"
-    train, held_out = workdir / "data" / "calc.jsonl", workdir / "data" / "calc.eval.jsonl"
-    if not (model / "config.json").exists():
-        fleetrl_cli("init-model", "--out", str(model), "--preset", "small")
-    if not (train.exists() and held_out.exists()):
-        fleetrl_cli("init-data", "--task", "calc", "--out", str(train), "--n", "20000", "--eval-n", "500")
-    if not (warm / "config.json").exists():  # scripts/multiturn_demo.sh's warm start
-        fleetrl_cli(
-            "sft",
-            "--model",
-            str(model),
-            "--data",
-            str(train),
-            "--eval-data",
-            str(held_out),
-            "--out",
-            str(warm),
-            "--target-acc",
-            "0.2",
-            "--lr",
-            "2e-4",
-            "--eval-every",
-            "10",
-            "--eval-n",
-            "100",
-            "--max-minutes",
-            "30",
-            "--config",
-            str(ROOT / "configs" / "multiturn.yaml"),
-            log=workdir / "logs" / "sft-multiturn.log",
-        )
+    calc = prepare_multiturn(workdir, 30.0)
     return {
         "arithmetic": {"model": demo["warm"], "train": demo["train"], "eval": demo["eval"]},
-        "calc": {"model": str(warm), "train": str(train), "eval": str(held_out)},
+        "calc": {"model": calc["warm"], "train": calc["train"], "eval": calc["eval"]},
     }
 
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import ROOT, fleetrl_cli, prepare, run_child, tail  # noqa: E402
+from harness import ROOT, prepare, prepare_multiturn, run_child, tail  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "quiet_runs.json"
 DEFAULT_RULES = ("non_finite", "grad_spike", "reward_drop", "length_collapse", "entropy_floor", "mismatch_kl_ceiling")
@@ -34,43 +34,6 @@ CONFIGS = {  # name -> (config file, overrides)
     "s8": ("demo", ["broker.max_staleness=8"]),
     "multiturn": ("multiturn", []),
 }
-
-
-def prepare_multiturn(workdir: Path, minutes: float) -> dict:
-    """The multi-turn demo's model, data and warm start (scripts/multiturn_demo.sh's commands), cached."""
-    model, warm = workdir / "models" / "multiturn", workdir / "models" / "multiturn-warm"
-    train, held_out = workdir / "data" / "calc.jsonl", workdir / "data" / "calc.eval.jsonl"
-    (workdir / "logs").mkdir(parents=True, exist_ok=True)
-    if not (model / "config.json").exists():
-        fleetrl_cli("init-model", "--out", str(model), "--preset", "small")
-    if not held_out.exists():
-        fleetrl_cli("init-data", "--task", "calc", "--out", str(train), "--n", "20000", "--eval-n", "500")
-    if not (warm / "config.json").exists():
-        fleetrl_cli(
-            "sft",
-            "--model",
-            str(model),
-            "--data",
-            str(train),
-            "--eval-data",
-            str(held_out),
-            "--out",
-            str(warm),
-            "--target-acc",
-            "0.2",
-            "--lr",
-            "2e-4",
-            "--eval-every",
-            "10",
-            "--eval-n",
-            "100",
-            "--max-minutes",
-            str(minutes),
-            "--config",
-            "configs/multiturn.yaml",
-            log=workdir / "logs" / "sft-multiturn.log",
-        )
-    return {"warm": str(warm), "train": str(train), "eval": str(held_out)}
 
 
 def read_jsonl(path: Path) -> list[dict]:
