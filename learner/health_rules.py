@@ -186,10 +186,14 @@ class KlCeiling(Limit):
 
 @HEALTH_RULES.register("mismatch_kl_ceiling")
 class MismatchKlCeiling(Limit):
-    """The MA over ``window`` measured steps above the ceiling, or **one** measured step above ``SPIKE`` x the
-    ceiling: the metric exists only on steps that trained tokens of the version just published, which with
-    ``broker.max_staleness`` > 0 can be one step in fifteen, so a window of 5 measurements may take a hundred
-    steps to fill while a broken sync is already far off (a stale fleet measured 0.30 on its one step)."""
+    """The MA over ``window`` measured steps above the ceiling while this step's own measurement is too, or
+    **one** measured step above ``SPIKE`` x the ceiling: the metric exists only on steps that trained tokens of
+    the version just published, which with ``broker.max_staleness`` > 0 can be one step in fifteen, so a window of
+    5 measurements may take a hundred steps to fill while a broken sync is already far off (a stale fleet measured
+    0.30 on its one step). For the same reason a window can hold measurements twenty steps old: a step that
+    measures the engine in agreement (at or under the ceiling) does not fire on them, where it rolled a run back
+    to before a fault that had ended (benchmarks/health_recovery.py, entropy collapse: 1e-12 measured, the window's
+    0.075 from steps 49-52, a rollback from step 70 to 40)."""
 
     METRIC, WINDOW, THRESHOLD = "off_policy/mismatch_kl", 5, 0.01
     SPIKE = 10.0
@@ -203,7 +207,9 @@ class MismatchKlCeiling(Limit):
     def observe(self, step: int, metrics: dict[str, float]) -> Fired | None:
         fired = super().observe(step, metrics)
         value = finite(metrics, self.metric)
-        if fired is not None or value is None or value <= self.SPIKE * self.threshold:
+        if value is None or value <= self.threshold:
+            return None  # not measured on this step, or measured in agreement: the window's past is not now
+        if fired is not None or value <= self.SPIKE * self.threshold:
             return fired
         return Fired(
             value,

@@ -174,6 +174,21 @@ def test_one_measured_mismatch_far_over_the_ceiling_fires_without_a_full_window(
     assert [e for s in range(1, 5) for e in m.observe(s, {"off_policy/mismatch_kl": 0.05 if s == 2 else 1e-12})] == []
 
 
+def test_a_clean_measurement_does_not_fire_on_the_windows_old_evidence():
+    # benchmarks/health_recovery.py, entropy collapse seed 1: the fault's steps 49-52 measured 0.02-0.14, then
+    # nothing until step 70, which measured 1e-12 (the fault was over); the 5-measurement window still averaged
+    # 0.075 and rolled the run back from step 70 to step 40
+    rule = HEALTH_RULES.get("mismatch_kl_ceiling")(HealthRule(name="mismatch_kl_ceiling"), "health.rules[0]")
+    measured = {46: 0.0763, 47: 0.0797, 48: 0.17, 49: 0.139, 50: 0.119, 51: 0.0911, 52: 0.0238, 70: 1.1e-12}
+    fired = {s: rule.observe(s, {"off_policy/mismatch_kl": v}) for s, v in measured.items()}
+    assert sorted(s for s, f in fired.items() if f) == [48, 49, 50, 51, 52]  # spikes 48-50; the window 51, 52
+    assert fired[52].value == pytest.approx((0.17 + 0.139 + 0.119 + 0.0911 + 0.0238) / 5)
+    assert rule.observe(97, {}) is None  # a step that measures nothing judges nothing
+    # the window is kept: a bad measurement next fires on it at once
+    again = rule.observe(98, {"off_policy/mismatch_kl": 0.05})
+    assert again is not None and again.value == pytest.approx((0.119 + 0.0911 + 0.0238 + 1.1e-12 + 0.05) / 5)
+
+
 def _rollback_events(m: HealthMonitor, step: int, rule: str = "reward_drop") -> list[HealthEvent]:
     return [HealthEvent(step, rule, "rollback", "reward/mean", 0.1, 0.2, "fired", 0.0)]
 
