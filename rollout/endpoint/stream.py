@@ -234,7 +234,7 @@ class Sender:
                 chunks.append(self._delta(index, final[len(sent) :], first=not sent))
             if self.kind == "chat" and choice["message"].get("tool_calls"):
                 calls = [{"index": i, **call} for i, call in enumerate(choice["message"]["tool_calls"])]
-                head = {"role": "assistant"} if not sent and len(final) <= len(sent) else {}
+                head = {"role": "assistant"} if not sent and not final else {}  # no content delta went before
                 chunks.append(
                     {
                         **self._head(),
