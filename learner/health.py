@@ -117,6 +117,15 @@ class HealthMonitor:
                 events.append(event)
         return events
 
+    def note_refused(self, step: int, refused: int, why: str) -> HealthEvent:
+        """A ``fleet_refused`` alert: the learner has waited for step ``step`` while the broker refused what the
+        fleet sent (``RefusalWatch``). No rule runs while no step trains, so the stall is written here, for
+        events.jsonl to say why the run stands still; it decides nothing (the learner keeps waiting, up to
+        ``learner.batch_wait_s``)."""
+        event = HealthEvent(step, "fleet_refused", "alert", "broker/implausible", float(refused), 0.0, why, time.time())
+        self._emit(event)
+        return event
+
     def on_checkpoint(self, step: int) -> bool:
         """Healthy verdict for the checkpoint saved after ``step``; also runs checkpoint-level rules."""
         for i, rule in enumerate(self.rules):

@@ -71,11 +71,18 @@ class RefusalWatch:
     A fleet whose every group is refused at ingest (e.g. a policy collapsed to exact-0.0 log-probs at
     temperature > 0: ``broker.max_zero_logprob_fraction``) looks like an idle fleet from here. After
     ``first_s`` of waiting this takes the broker's ``implausible/*`` counters as a baseline, warns every
-    ``every_s`` when they rose, and names them in the idle error.
+    ``every_s`` when they rose (and hands ``on_refused`` the count and the warning: the trainer records it as a
+    ``fleet_refused`` health event), and names them in the idle error.
     """
 
-    def __init__(self, client: LearnerClient, first_s: float = 5.0, every_s: float = 30.0):
-        self.client, self.first_s, self.every_s = client, first_s, every_s
+    def __init__(
+        self,
+        client: LearnerClient,
+        first_s: float = 5.0,
+        every_s: float = 30.0,
+        on_refused: Callable[[int, str], None] | None = None,
+    ):
+        self.client, self.first_s, self.every_s, self.on_refused = client, first_s, every_s, on_refused
         self.t0 = time.monotonic()
         self.base: dict[str, int] | None = None
         self.warned_at = self.t0
@@ -103,6 +110,8 @@ class RefusalWatch:
             self.warned_at = t
             if text := self.summary():
                 log.warning("no groups for %.0f s%s", t - self.t0, text)
+                if self.on_refused is not None:
+                    self.on_refused(sum(self.rose().values()), f"no groups for {t - self.t0:.0f} s{text}")
 
     def summary(self) -> str:
         rose = self.rose()
@@ -127,6 +136,7 @@ class BrokerBatchSource:
         # dynamic sampling keeps about this fraction of a lease (a running average): a lease asks for what the
         # step still needs divided by it, so a step takes one or two leases, not a halving series of them
         self.keep_rate = 1.0
+        self.on_refused: Callable[[int, str], None] | None = None  # (groups refused, why): set by the trainer
 
     def _ask(self, need: int) -> int:
         """How many groups to lease for ``need`` more kept ones: ``need / keep_rate``, at most OVERLEASE x need."""
@@ -138,7 +148,9 @@ class BrokerBatchSource:
         self, n: int, deadline: float, should_stop: Callable[[], bool], least: int | None = None
     ) -> m.BatchLease:
         wait = self.cfg.learner.batch_wait_s
-        refusals = RefusalWatch(self.client, first_s=min(5.0, 0.2 * wait), every_s=min(30.0, 0.5 * wait))
+        refusals = RefusalWatch(
+            self.client, first_s=min(5.0, 0.2 * wait), every_s=min(30.0, 0.5 * wait), on_refused=self.on_refused
+        )
         while True:
             if should_stop():
                 raise Interrupted()

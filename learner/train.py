@@ -115,6 +115,9 @@ class Learner:
                 "instead, and non_finite will stop (set checkpoint.interval, e.g. 100, to let them act)",
                 ", ".join(idle),
             )
+        if self.health is not None and dist.is_main and hasattr(self.source, "on_refused"):
+            health = self.health
+            self.source.on_refused = lambda refused, why: health.note_refused(self.step + 1, refused, why)
         self.lr_scale = 1.0  # health.lr_factor ** rollbacks
         from fleetrl.learner.quarantine import FleetGuard
 

@@ -6,6 +6,7 @@ died with "no groups arrived ... check that rollout servers run", which sent the
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from types import SimpleNamespace
@@ -59,3 +60,32 @@ def test_a_broker_whose_status_fails_still_gives_the_idle_error():
     client.status = lambda: (_ for _ in ()).throw(TimeoutError("status timed out"))
     with pytest.raises(FleetIdle, match="no groups arrived"):
         source(client).next(1)
+
+
+def test_the_refusals_reach_events_jsonl_as_a_fleet_refused_alert(tmp_path):
+    # no step trains while the fleet's every group is refused, so no rule runs: the wait itself writes the event
+    from fleetrl.common.config.learner import HealthConfig
+    from fleetrl.learner.health import HealthMonitor
+
+    health = HealthMonitor(HealthConfig(), tmp_path / "events.jsonl")
+    src = source(Broker(per_call=7))
+    src.on_refused = lambda refused, why: health.note_refused(12, refused, why)
+    with pytest.raises(FleetIdle):
+        src.next(12)
+    rows = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert rows and {r["rule"] for r in rows} == {"fleet_refused"} and {r["action"] for r in rows} == {"alert"}
+    assert rows[0]["step"] == 12 and rows[0]["value"] >= 7 and rows[0]["metric"] == "broker/implausible"
+    assert rows[0]["message"].startswith("no groups for ") and "implausible/logprob" in rows[0]["message"]
+    assert health.last_bad is None and health.on_checkpoint(10)  # an alert that decides nothing
+
+
+def test_an_idle_fleet_writes_no_event(tmp_path):
+    from fleetrl.common.config.learner import HealthConfig
+    from fleetrl.learner.health import HealthMonitor
+
+    health = HealthMonitor(HealthConfig(), tmp_path / "events.jsonl")
+    src = source(Broker(per_call=0))
+    src.on_refused = lambda refused, why: health.note_refused(3, refused, why)
+    with pytest.raises(FleetIdle):
+        src.next(3)
+    assert not (tmp_path / "events.jsonl").exists()
