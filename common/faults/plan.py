@@ -105,7 +105,7 @@ class FaultPlan:
             return False
         if not self.seconds or kind not in ROLLOUT_FAULTS:
             return True
-        now = time.monotonic()
+        now = seconds_clock()
         began = _BEGAN.setdefault(kind, now)
         return now - began < self.seconds
 
@@ -143,7 +143,9 @@ if PLAN:
 ROLLOUT_VERSION = 0
 """The policy version this rollout process samples with (``note_version``), the clock of rollout faults."""
 _BEGAN: dict[str, float] = {}
-"""When this process first injected each time-bounded rollout fault (``time.monotonic()``)."""
+"""When this process first injected each time-bounded rollout fault (``seconds_clock()``)."""
+seconds_clock: Callable[[], float] = time.monotonic
+"""The clock of ``FLEETRL_FAULT_FOR_S`` (tests replace it here, not in the ``time`` module)."""
 ROLLOUT_INDEX = 0
 """This rollout process's server index (``note_server``): ``poison_server`` hits one server only."""
 

@@ -81,7 +81,7 @@ def test_entropy_collapse_lowers_the_temperature_in_the_window(plan):
 def test_a_time_bounded_rollout_fault_ends_after_its_seconds_though_versions_stand_still(plan, monkeypatch):
     """At T 0.1 the broker refuses every group, no version passes: the fault must still end (FLEETRL_FAULT_FOR_S)."""
     clock = [100.0]
-    monkeypatch.setattr(faults.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(faults, "seconds_clock", lambda: clock[0])
     plan(kinds=frozenset({"entropy_collapse", "lr_spike"}), at=5, duration=15, temperature=0.1, seconds=60.0)
     assert faults.temperature(0.7, 4) == 0.7  # before the window: the clock does not start
     clock[0] = 150.0
