@@ -15,6 +15,8 @@ import pytest
 
 from fleetrl.common import messages as m
 from fleetrl.common.config import load_config
+from fleetrl.common.config.learner import HealthConfig
+from fleetrl.learner.health import HealthMonitor
 from fleetrl.learner.source import BrokerBatchSource, FleetIdle
 
 
@@ -62,17 +64,20 @@ def test_a_broker_whose_status_fails_still_gives_the_idle_error():
         source(client).next(1)
 
 
+def wait_with_health(tmp_path, per_call: int, step: int) -> tuple[HealthMonitor, list[dict]]:
+    """A rank waits for ``step`` until FleetIdle with the trainer's hook set; the monitor and its events.jsonl rows."""
+    health = HealthMonitor(HealthConfig(), tmp_path / "events.jsonl")
+    src = source(Broker(per_call=per_call))
+    src.on_refused = lambda refused, why: health.note_refused(step, refused, why)
+    with pytest.raises(FleetIdle):
+        src.next(step)
+    path = tmp_path / "events.jsonl"
+    return health, [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def test_the_refusals_reach_events_jsonl_as_a_fleet_refused_alert(tmp_path):
     # no step trains while the fleet's every group is refused, so no rule runs: the wait itself writes the event
-    from fleetrl.common.config.learner import HealthConfig
-    from fleetrl.learner.health import HealthMonitor
-
-    health = HealthMonitor(HealthConfig(), tmp_path / "events.jsonl")
-    src = source(Broker(per_call=7))
-    src.on_refused = lambda refused, why: health.note_refused(12, refused, why)
-    with pytest.raises(FleetIdle):
-        src.next(12)
-    rows = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    health, rows = wait_with_health(tmp_path, per_call=7, step=12)
     assert rows and {r["rule"] for r in rows} == {"fleet_refused"} and {r["action"] for r in rows} == {"alert"}
     assert rows[0]["step"] == 12 and rows[0]["value"] >= 7 and rows[0]["metric"] == "broker/implausible"
     assert rows[0]["message"].startswith("no groups for ") and "implausible/logprob" in rows[0]["message"]
@@ -80,12 +85,4 @@ def test_the_refusals_reach_events_jsonl_as_a_fleet_refused_alert(tmp_path):
 
 
 def test_an_idle_fleet_writes_no_event(tmp_path):
-    from fleetrl.common.config.learner import HealthConfig
-    from fleetrl.learner.health import HealthMonitor
-
-    health = HealthMonitor(HealthConfig(), tmp_path / "events.jsonl")
-    src = source(Broker(per_call=0))
-    src.on_refused = lambda refused, why: health.note_refused(3, refused, why)
-    with pytest.raises(FleetIdle):
-        src.next(3)
-    assert not (tmp_path / "events.jsonl").exists()
+    assert wait_with_health(tmp_path, per_call=0, step=3)[1] == []
