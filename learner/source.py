@@ -108,13 +108,15 @@ class RefusalWatch:
             return
         if t - self.warned_at >= self.every_s:
             self.warned_at = t
-            if text := self.summary():
+            rose = self.rose()
+            if text := self.summary(rose):
                 log.warning("no groups for %.0f s%s", t - self.t0, text)
                 if self.on_refused is not None:
-                    self.on_refused(sum(self.rose().values()), f"no groups for {t - self.t0:.0f} s{text}")
+                    self.on_refused(sum(rose.values()), f"no groups for {t - self.t0:.0f} s{text}")
 
-    def summary(self) -> str:
-        rose = self.rose()
+    def summary(self, rose: dict[str, int] | None = None) -> str:
+        """The refusals since the baseline, as a clause for a message ('' when none); ``rose`` if already read."""
+        rose = self.rose() if rose is None else rose
         if not rose:
             return ""
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(rose.items()))

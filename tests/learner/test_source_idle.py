@@ -86,3 +86,12 @@ def test_the_refusals_reach_events_jsonl_as_a_fleet_refused_alert(tmp_path):
 
 def test_an_idle_fleet_writes_no_event(tmp_path):
     assert wait_with_health(tmp_path, per_call=0, step=3)[1] == []
+
+
+def test_a_warning_reads_the_brokers_counters_once(tmp_path):
+    # each status call counts 7 more refusals here, so a second read would make the alert's value disagree with
+    # its own message (it did: the count came from one status call, the text from another)
+    _, rows = wait_with_health(tmp_path, per_call=7, step=5)
+    assert rows
+    for row in rows:
+        assert f"refused {int(row['value'])} groups" in row["message"], row
