@@ -358,7 +358,15 @@ class Endpoint:
             body.get("model") or self.opts.model_name,
             lambda ids: tok.decode(ids, skip_special_tokens=session is None),
             STREAM_MARKERS.get(self.cfg.rollout.env.tool.parser),
+            on_unconfirmed=lambda reply: self._unconfirmed(session, reply),
         )
+
+    def _unconfirmed(self, session: Session | None, reply: dict[str, Any]) -> None:
+        """A streamed reply's tool calls that its finished turn did not confirm: counted, and a session takes the
+        reply back as the client assembled it."""
+        self.counts["stream_calls_unconfirmed"] += 1
+        if session is not None:
+            session.accept_as_streamed(reply)
 
     def _chat_response(
         self,

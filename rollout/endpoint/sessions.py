@@ -117,6 +117,7 @@ class Session:
         self.codec: ChatCodec | None = None
         self.kind = ""  # "chat" | "completion", fixed by the first call
         self.conv: list[Message] = []  # the conversation as the agent sends it back (chat)
+        self.as_streamed: dict[int, Message] = {}  # reply index -> the reply as a stream's client assembled it
         self.text = ""  # the text so far (completions)
         self.last: Generation | None = None
         self.lock = asyncio.Lock()
@@ -169,7 +170,7 @@ class Session:
             self.builder = EpisodeBuilder(codec.initial(msgs), msgs)
             return self.builder.context()
         n = len(self.conv)
-        bad = next((i for i in range(n) if i >= len(msgs) or not same(msgs[i], self.conv[i])), None)
+        bad = next((i for i in range(n) if i >= len(msgs) or not self._same(i, msgs[i])), None)
         if bad is not None:
             raise ApiError(
                 400,
@@ -193,6 +194,16 @@ class Session:
         self.builder.appended(obs, self.slot.engine.version)
         self.conv = msgs
         return self.builder.context()
+
+    def _same(self, i: int, msg: Message) -> bool:
+        """Whether ``msg`` repeats message ``i``: as recorded or, for a streamed reply whose tool calls the finished
+        turn did not confirm (``stream.Sender``), as the client assembled it."""
+        return same(msg, self.conv[i]) or (i in self.as_streamed and same(msg, self.as_streamed[i]))
+
+    def accept_as_streamed(self, reply: Message) -> None:
+        """The last reply may come back as ``reply``: what a streaming client assembled of it."""
+        if self.conv and self.conv[-1].get("role") == "assistant":
+            self.as_streamed[len(self.conv) - 1] = plain(reply)
 
     def text_context(self, prompt: str | list[int], tokenizer: Any) -> list[int]:
         """The token context of a completions call: the new prompt must extend the session's text (or tokens)."""

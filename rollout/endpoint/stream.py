@@ -9,10 +9,17 @@ for its next byte. When the generation ends, the rest of the final text follows,
 choice with its ``finish_reason``, with ``stream_options.include_usage`` a last chunk with the usage, and
 ``data: [DONE]``. A call with ``tools`` streams the text before the parser's tool-call marker (hermes:
 ``<tool_call>``; ``parsers.STREAM_MARKERS``) the same way, less trailing whitespace (a reply with a call
-has its content stripped); the calls, parsed from the whole turn, follow in one ``tool_calls`` delta at
-the end. A reply that starts with whitespace, a parser without a marker (pythonic, json: the whole turn
-is one call or content) and a replayed session call send the finished reply at once. A failure after
-the first event is sent as an event ``{"error": {...}}`` (the HTTP status is already 200).
+has its content stripped); then each call streams as OpenAI's do: a ``tool_calls`` delta with its index,
+id, type and name once the name has been sampled, then pieces of its ``arguments`` text as they are
+sampled (``tool_stream``; the pieces are the model's own text, so they add up to the JSON it wrote). At
+the end the calls are parsed from the whole turn as in a reply that does not stream: the rest of a
+streamed call's arguments follows, then the calls that could not stream (written in another shape) whole,
+and the finished reply carries the streamed ids and arguments text. A streamed call the finished turn does
+not confirm (its JSON never closed, or the parser reads it otherwise) cannot be taken back: it is counted
+(``stream_calls_unconfirmed``), logged, and a session accepts the reply back either as the client
+assembled it or as parsed. A reply that starts with whitespace, a parser without a marker (pythonic,
+json: the whole turn is one call or content) and a replayed session call send the finished reply at once.
+A failure after the first event is sent as an event ``{"error": {...}}`` (the HTTP status is already 200).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fleetrl.rollout.endpoint.sessions import ApiError
+from fleetrl.rollout.endpoint.tool_stream import partial_calls
+from fleetrl.rollout.envs.parsers import ToolCall
 
 log = logging.getLogger("fleetrl.rollout.endpoint")
 
@@ -92,8 +101,12 @@ class Sender:
         model: str,
         decode: Callable[[list[int]], str],
         tool_marker: str | None = None,
+        on_unconfirmed: Callable[[dict[str, Any]], None] | None = None,
     ):
+        """``on_unconfirmed(message)``: a streamed reply whose calls the finished turn did not confirm, as the
+        client assembled it (a session accepts it back)."""
         self.request, self.body, self.kind, self.decode = request, body, kind, decode
+        self.on_unconfirmed = on_unconfirmed
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{os.urandom(16).hex()}"
         self.created, self.model = int(time.time()), model
         self.streaming = body.get("stream") is True
@@ -102,6 +115,8 @@ class Sender:
         self.incremental = self.streaming and (not body.get("tools") or self.tool_marker is not None)
         self.tokens: dict[int, list[int]] = {}
         self.sent: dict[int, str] = {}
+        self.opened: set[int] = set()  # choices whose first delta (with the role) went out
+        self.calls: dict[int, list[dict[str, str]]] = {}  # per choice, each streamed call's id, name, arguments
         self.stops: tuple[str, ...] = ()
         self.out: Any = None  # the StreamResponse once the first event went out
         self.broken = False  # the client went away: the call still completes (a session records it)
@@ -131,14 +146,33 @@ class Sender:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _delta(self, index: int, text: str, first: bool) -> dict[str, Any]:
+    def _delta(self, index: int, text: str) -> dict[str, Any]:
         if self.kind == "chat":
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            return {
-                **self._head(),
-                "choices": [{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}],
-            }
+            return self._chat_delta(index, {"content": text})
         return {**self._head(), "choices": [{"index": index, "text": text, "finish_reason": None, "logprobs": None}]}
+
+    def _chat_delta(self, index: int, delta: dict[str, Any]) -> dict[str, Any]:
+        """A chat chunk of choice ``index``; its first one carries the role."""
+        if index not in self.opened:
+            self.opened.add(index)
+            delta = {"role": "assistant", **delta}
+        return {**self._head(), "choices": [{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}]}
+
+    def _call_deltas(self, index: int, text: str) -> list[dict[str, Any]]:
+        """The ``tool_calls`` deltas that ``text`` (the reply so far) adds to what was streamed of choice ``index``."""
+        out, streamed = [], self.calls.setdefault(index, [])
+        for k, call in enumerate(partial_calls(text, self.tool_marker or "")):
+            if k == len(streamed):
+                streamed.append({"id": ToolCall(call.name, {}).id, "name": call.name, "arguments": ""})
+                entry = {"index": k, "id": streamed[k]["id"], "type": "function"}
+                function = {"name": call.name, "arguments": ""}
+                out.append(self._chat_delta(index, {"tool_calls": [{**entry, "function": function}]}))
+            sent = streamed[k]["arguments"]
+            if call.name == streamed[k]["name"] and len(call.arguments) > len(sent) and call.arguments.startswith(sent):
+                streamed[k]["arguments"] = call.arguments
+                piece = {"index": k, "function": {"arguments": call.arguments[len(sent) :]}}
+                out.append(self._chat_delta(index, {"tool_calls": [piece]}))
+        return out
 
     async def _write(self, obj: dict[str, Any] | str) -> None:
         if self.broken:
@@ -162,11 +196,15 @@ class Sender:
             await self._wake.wait()
             self._wake.clear()
             for index, ids in self.tokens.items():
-                text = self._sendable(self.decode(ids[:-1]))  # one token behind: the newest may end it
+                whole = self.decode(ids[:-1])  # one token behind: the newest may end it
+                text = self._sendable(whole)
                 sent = self.sent[index]
                 if len(text) > len(sent) and text.startswith(sent):
-                    await self._write(self._delta(index, text[len(sent) :], first=not sent))
+                    await self._write(self._delta(index, text[len(sent) :]))
                     self.sent[index] = text
+                if self.tool_marker is not None and self.kind == "chat" and self.sent[index] == text:
+                    for chunk in self._call_deltas(index, whole.rstrip("\ufffd")):
+                        await self._write(chunk)
 
     def _sendable(self, text: str) -> str:
         """What of a partial reply may be sent: short of a stop string and, with tools, of the tool-call marker,
@@ -222,7 +260,8 @@ class Sender:
 
     def _final_chunks(self, resp: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
         whole = chat_chunks if self.kind == "chat" else completion_chunks
-        if not any(self.sent.values()) or resp["id"] != self.id:  # nothing sent yet (or a replay): all at once
+        streamed_any = any(self.sent.values()) or any(self.calls.values())
+        if not streamed_any or resp["id"] != self.id:  # nothing sent yet (or a replay): all at once
             return whole(resp, include_usage)
         chunks = []
         for choice in resp["choices"]:
@@ -231,23 +270,9 @@ class Sender:
             if not final.startswith(sent):
                 log.warning("endpoint: streamed text %r is not a prefix of the final %r", sent[-40:], final[-40:])
             elif len(final) > len(sent):
-                chunks.append(self._delta(index, final[len(sent) :], first=not sent))
-            if self.kind == "chat" and choice["message"].get("tool_calls"):
-                calls = [{"index": i, **call} for i, call in enumerate(choice["message"]["tool_calls"])]
-                head = {"role": "assistant"} if not sent and not final else {}  # no content delta went before
-                chunks.append(
-                    {
-                        **self._head(),
-                        "choices": [
-                            {
-                                "index": index,
-                                "delta": {**head, "tool_calls": calls},
-                                "finish_reason": None,
-                                "logprobs": None,
-                            }
-                        ],
-                    }
-                )
+                chunks.append(self._delta(index, final[len(sent) :]))
+            if self.kind == "chat":
+                chunks += self._final_calls(index, choice["message"])
             end = {"delta": {}} if self.kind == "chat" else {"text": ""}
             chunks.append(
                 {
@@ -265,3 +290,57 @@ class Sender:
         if include_usage:
             chunks.append({**self._head(), "choices": [], "usage": resp["usage"]})
         return chunks
+
+    def _final_calls(self, index: int, message: dict[str, Any]) -> list[dict[str, Any]]:
+        """The ``tool_calls`` deltas that finish choice ``index``: the rest of each streamed call's arguments, then
+        the calls that did not stream, whole. ``message`` (the finished reply) takes the streamed ids and arguments
+        text when the turn confirms them; when it does not, ``on_unconfirmed`` gets the reply as the client has it."""
+        streamed, calls = self.calls.get(index, []), message.get("tool_calls") or []
+        full = [c for c in partial_calls(self.decode(self.tokens.get(index, [])), self.tool_marker or "") if c.closed]
+        confirmed = len(calls) >= len(streamed) and all(
+            k < len(full)
+            and s["name"] == full[k].name == calls[k]["function"]["name"]
+            and full[k].arguments.startswith(s["arguments"])
+            and _loads(full[k].arguments) == _loads(calls[k]["function"]["arguments"])
+            for k, s in enumerate(streamed)
+        )
+        out = []
+        if confirmed:
+            for k, s in enumerate(streamed):
+                rest = full[k].arguments[len(s["arguments"]) :]
+                if rest:
+                    out.append(self._chat_delta(index, {"tool_calls": [{"index": k, "function": {"arguments": rest}}]}))
+                calls[k] = {
+                    **calls[k],
+                    "id": s["id"],
+                    "function": {**calls[k]["function"], "arguments": full[k].arguments},
+                }
+            if streamed:
+                message["tool_calls"] = calls
+            later = [{"index": k, **call} for k, call in enumerate(calls) if k >= len(streamed)]
+            if later:
+                out.append(self._chat_delta(index, {"tool_calls": later}))
+            return out
+        log.info(  # the model's own output, counted: not worth a warning per reply of a policy still learning
+            "endpoint: the finished turn does not confirm the tool call(s) streamed so far (%s); the client keeps "
+            "what it got",
+            ", ".join(f"{s['name']}({s['arguments'][:40]}...)" for s in streamed),
+        )
+        if self.on_unconfirmed is not None:
+            assembled = {
+                "role": "assistant",
+                "content": message.get("content"),
+                "tool_calls": [
+                    {"id": s["id"], "type": "function", "function": {"name": s["name"], "arguments": s["arguments"]}}
+                    for s in streamed
+                ],
+            }
+            self.on_unconfirmed(assembled)
+        return out
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from types import SimpleNamespace
 
@@ -255,19 +256,20 @@ def test_a_reply_with_a_tool_call_streams_its_text_before_the_call(engine, tiny_
     assert waited is True  # the engine was held inside the call's tokens until the client had the text
     assert "".join(content) == "Let me think: seven." == whole.content  # the deltas add up to the reply's content
     assert not any("<" in d for d in content)  # no part of the marker was sent as text
-    assert [(d.index, d.function.name, d.function.arguments) for d in calls] == [(0, "guess", '{"n": 7}')]
-    assert calls[0].function.arguments == whole.tool_calls[0].function.arguments and finish == "tool_calls"
+    assert assemble(calls) == [(calls[0].id, "guess", '{"n": 7}')] and calls[0].function.name == "guess"
+    assert json.loads(assemble(calls)[0][2]) == json.loads(whole.tool_calls[0].function.arguments)
+    assert finish == "tool_calls"
 
 
 def test_a_tool_reply_that_cannot_stream_comes_whole_at_the_end(engine, tiny_model_dir):
-    # a reply opening with whitespace (its content is stripped only when it holds a call) ...
+    # a reply opening with whitespace (its content is stripped only when it holds a call: the text waits) ...
     ep, eng = scripted_endpoint(engine, tiny_model_dir, f"  Seven.\n{CALL}", patience=1.0)
     try:
         content, calls, finish, waited, whole = stream_call(ep, eng)
     finally:
         ep.close()
     assert waited is False and "".join(content) == "Seven." == whole.content and finish == "tool_calls"
-    assert [d.function.name for d in calls] == ["guess"]
+    assert [name for _, name, _ in assemble(calls)] == ["guess"]  # its text at the end; the call streams
     # ... and a parser that reads the whole turn as one call (pythonic: the engine is not asked to stream)
     ep, eng = scripted_endpoint(engine, tiny_model_dir, "guess(n=7)", "rollout.env.tool.parser=pythonic")
     try:
@@ -276,3 +278,109 @@ def test_a_tool_reply_that_cannot_stream_comes_whole_at_the_end(engine, tiny_mod
         ep.close()
     assert waited is None and content == [] and whole.content is None and finish == "tool_calls"
     assert [(d.function.name, d.function.arguments) for d in calls] == [("guess", '{"n": 7}')]
+
+
+def assemble(deltas) -> list[tuple[str, str, str]]:
+    """(id, name, arguments) per call from streamed ``tool_calls`` deltas, as an OpenAI client accumulates them."""
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        call = calls.setdefault(d.index, ["", "", ""])
+        call[0] += d.id or ""
+        call[1] += (d.function.name or "") if d.function else ""
+        call[2] += (d.function.arguments or "") if d.function else ""
+    return [tuple(calls[k]) for k in sorted(calls)]
+
+
+def stream_arguments(ep, eng):
+    """The streamed call deltas (the engine released once an arguments piece arrived), the finish reason, and a
+    non-streamed reply to the same call."""
+    c = openai.OpenAI(base_url=ep.base_url, api_key="x", max_retries=0, timeout=60)
+    ask = [{"role": "user", "content": "Guess a number from 1 to 10."}]
+    calls, finish, content = [], None, ""
+    for chunk in c.chat.completions.create(model="m", messages=ask, tools=GUESS, stream=True):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for d in choice.delta.tool_calls or []:
+            calls.append(d)
+            if d.function and d.function.arguments:
+                eng.seen.set()
+        finish = choice.finish_reason or finish
+    eng.seen.set()
+    whole = c.chat.completions.create(model="m", messages=ask, tools=GUESS)
+    return calls, finish, content, whole.choices[0].message
+
+
+LONG = '{"n": 7, "why": "seven is a lucky number, and lucky numbers win guessing games"}'
+
+
+def test_a_tool_calls_arguments_stream_in_pieces_as_they_are_sampled(engine, tiny_model_dir):
+    # two calls; the engine is held at the token of "games" (inside the first call's arguments) until the client
+    # has a piece of those arguments: a call sent whole at the end would never get there
+    text = f'Two tries.\n<tool_call>{{"name": "guess", "arguments": {LONG}}}</tool_call>\n{CALL}'
+    ep, eng = scripted_endpoint(engine, tiny_model_dir, text)
+    tok = engine.tokenizer
+    eng.hold = len(tok.encode(text[: text.find("games")], add_special_tokens=False))
+    try:
+        calls, finish, content, whole = stream_arguments(ep, eng)
+        unconfirmed = ep.counts["stream_calls_unconfirmed"]
+    finally:
+        ep.close()
+    assert eng.waited is True and finish == "tool_calls" and content == "Two tries." and unconfirmed == 0
+    got = assemble(calls)
+    assert [(name, args) for _, name, args in got] == [("guess", LONG), ("guess", '{"n": 7}')]
+    assert [json.loads(a) for _, _, a in got] == [json.loads(c.function.arguments) for c in whole.tool_calls]
+    first = [d for d in calls if d.index == 0]
+    assert first[0].id and first[0].type == "function" and first[0].function.name == "guess"
+    assert all(d.id is None and d.function.name is None for d in first[1:])  # id and name once, first
+    pieces = [d.function.arguments for d in first if d.function.arguments]
+    assert len(pieces) >= 2 and "games" not in pieces[0]  # a piece went out before "games" was sampled
+
+
+UNCLOSED = 'Hm.\n<tool_call>{"name": "guess", "arguments": {"n": 7, "why": "no end in sight'
+
+
+def test_a_streamed_call_the_turn_does_not_confirm_is_counted_and_the_client_keeps_it(engine, tiny_model_dir):
+    ep, eng = scripted_endpoint(engine, tiny_model_dir, UNCLOSED, patience=0.5)
+    try:
+        calls, finish, content, whole = stream_arguments(ep, eng)
+        unconfirmed = ep.counts["stream_calls_unconfirmed"]
+    finally:
+        ep.close()
+    assert whole.tool_calls is None and whole.content == UNCLOSED  # not a call once parsed: the raw text
+    assert content == UNCLOSED and finish == "stop" and unconfirmed == 1
+    [(_, name, args)] = assemble(calls)
+    assert name == "guess" and args == '{"n": 7, "why": "no end in sight'
+
+
+def test_a_session_takes_a_streamed_reply_back_as_its_client_assembled_it(engine, tiny_model_dir):
+    # the first reply's call never closes (not a call once parsed), yet the client holds the call it streamed;
+    # an agent sending that back must not find its session stuck on "message 1 differs"
+    eng = Scripted(engine, UNCLOSED, hold=-1)
+    fleet = AgentFleet(eng, tiny_model_dir, "rollout.env.min_group_samples=1", "rollout.openai.session_timeout_s=5")
+    try:
+        fleet.start_thread()
+        wait_for(lambda: fleet.server.endpoint.port, 20, "the endpoint")
+        s = httpx.post(f"{fleet.root}/fleetrl/sessions", json={"wait_s": 20}, timeout=30).json()
+        c = openai.OpenAI(base_url=s["base_url"], api_key="x", max_retries=0, timeout=30)
+        ask = [{"role": "user", "content": s["task"]["prompt"]}]
+        content, deltas = "", []
+        for chunk in c.chat.completions.create(model="m", messages=ask, tools=GUESS, stream=True):
+            content += chunk.choices[0].delta.content or "" if chunk.choices else ""
+            deltas += (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []
+        [(cid, name, args)] = assemble(deltas)
+        assembled = {
+            "role": "assistant",
+            "content": content,
+            "tool_calls": [{"id": cid, "type": "function", "function": {"name": name, "arguments": args}}],
+        }
+        later = ask + [assembled, {"role": "tool", "tool_call_id": cid, "content": "bad arguments"}]
+        second = c.chat.completions.create(model="m", messages=later, tools=GUESS)  # 400 before
+        assert second.choices[0].message.content == UNCLOSED
+        wrong = dict(
+            assembled, tool_calls=[{**assembled["tool_calls"][0], "function": {"name": name, "arguments": "{}"}}]
+        )
+        with pytest.raises(openai.BadRequestError, match="message 1 differs"):  # another call is still refused
+            c.chat.completions.create(model="m", messages=ask + [wrong, later[2]], tools=GUESS)
+    finally:
+        fleet.stop()
+    assert fleet.server.endpoint.counts["stream_calls_unconfirmed"] == 1
