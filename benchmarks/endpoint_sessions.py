@@ -10,7 +10,10 @@ both modes sample the same policy), in alternating order (tool, endpoint, tool, 
 - **tool**: ``rollout.env.type: tool``, episodes run inside the server;
 - **endpoint**: ``rollout.env.type: openai``, the same episodes driven by ``scripts/multiturn_agent.py``
   (the official ``openai`` client's ``AsyncOpenAI``, ``--workers`` sessions as asyncio tasks on one pooled
-  http client) in its own process; ``--agent`` drives another agent script with the same arguments.
+  http client) in its own process; ``--agent`` drives another agent script with the same arguments;
+- **endpoint-raw** (``--modes tool endpoint endpoint-raw``): the same agent with ``--client raw``, its calls
+  as plain JSON posts on the same HTTP client, without the openai package (what the endpoint gives an agent
+  whose client costs little).
 
 Each mode warms up ``--warmup`` seconds, then counts the samples of the groups drained during
 ``--seconds``. Reported per mode: samples/s (median of the rounds), the ratio endpoint/tool (target >=
@@ -123,7 +126,7 @@ def run_mode(mode: str, model: str, a: argparse.Namespace) -> dict[str, float]:
                 "rollout.openai.port=0",
                 f"rollout.openai.max_sessions_per_client={a.workers}",
             ]
-            if mode == "endpoint"
+            if mode != "tool"
             else []
         ),
         *a.set,
@@ -138,7 +141,7 @@ def run_mode(mode: str, model: str, a: argparse.Namespace) -> dict[str, float]:
     engine = create_engine("hf", cfg.model, cfg.rollout, "cpu", 0, num_threads=threads)
     scorer = RewardScorer.from_config(cfg.rollout)
     server = RolloutServer(cfg, broker.client("rollout-0-bench", "rollout"), engine, scorer)
-    if mode == "endpoint":
+    if mode != "tool":
         server.endpoint = Endpoint(cfg, engine, server.env)
     learner = broker.client("learner-0", "learner")
     thread = threading.Thread(target=server.run, daemon=True)
@@ -146,7 +149,7 @@ def run_mode(mode: str, model: str, a: argparse.Namespace) -> dict[str, float]:
     agent = None
     try:
         procs = [psutil.Process()]
-        if mode == "endpoint":
+        if mode != "tool":
             deadline = time.monotonic() + 60
             while not server.endpoint.port and time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -160,6 +163,7 @@ def run_mode(mode: str, model: str, a: argparse.Namespace) -> dict[str, float]:
                     str(a.workers),
                     "--minutes",
                     str((a.warmup + a.seconds + 30) / 60),
+                    *(["--client", "raw"] if mode == "endpoint-raw" else []),
                 ],
                 stdout=subprocess.DEVNULL,
             )
@@ -176,7 +180,7 @@ def run_mode(mode: str, model: str, a: argparse.Namespace) -> dict[str, float]:
         while time.monotonic() < end_warm:
             drain()
             time.sleep(0.2)
-        ep0 = server.endpoint.metrics() if mode == "endpoint" else {}
+        ep0 = server.endpoint.metrics() if mode != "tool" else {}
         busy0, own0, agent0, threads0 = machine_busy(), tree_cpu(procs[:1]), tree_cpu(procs[1:]), thread_cpu()
         t0, samples = time.monotonic(), 0
         while time.monotonic() - t0 < a.seconds:
@@ -196,7 +200,7 @@ def run_mode(mode: str, model: str, a: argparse.Namespace) -> dict[str, float]:
             "cpu_s_per_sample": round((own + agent_cpu) / max(samples, 1), 4),
             "server_cpu_s_per_sample_by_thread": by_thread,
         }
-        if mode == "endpoint":
+        if mode != "tool":
             ep1 = server.endpoint.metrics()
             d = {k: ep1.get(k, 0.0) - ep0.get(k, 0.0) for k in ep1}
             calls = d.get("openai/calls_session_total", 0.0) or 1.0
@@ -240,7 +244,13 @@ def main() -> int:
         help="engine threads, endpoint mode (default: the cores less one, the agent's)",
     )
     p.add_argument("--agent", default=str(ROOT / "scripts" / "multiturn_agent.py"), help="the agent script to drive")
-    p.add_argument("--modes", nargs="+", default=["tool", "endpoint"], choices=["tool", "endpoint"])
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["tool", "endpoint"],
+        choices=["tool", "endpoint", "endpoint-raw"],
+        help="endpoint-raw: the agent with --client raw (its calls as plain JSON posts, no openai package)",
+    )
     p.add_argument("--set", nargs="*", default=[], help="config overrides (key=value) for both modes")
     p.add_argument("--out", default=str(RESULTS))
     a = p.parse_args()
@@ -265,9 +275,16 @@ def main() -> int:
         "rounds": runs,
         "samples_per_s": {k: round(v, 2) for k, v in med.items()},
         "ratio_endpoint_to_tool": round(med["endpoint"] / med["tool"], 3) if med["tool"] else None,
+        **(
+            {"ratio_endpoint_raw_to_tool": round(med["endpoint-raw"] / med["tool"], 3)}
+            if med.get("endpoint-raw") and med["tool"]
+            else {}
+        ),
         "target_ratio": 0.5,
         "cpu_s_per_sample": cpu,
-        "cpu_ratio_tool_to_endpoint": round(cpu["tool"] / cpu["endpoint"], 3) if len(cpu) == 2 else None,
+        "cpu_ratio_tool_to_endpoint": round(cpu["tool"] / cpu["endpoint"], 3)
+        if {"tool", "endpoint"} <= set(cpu)
+        else None,
         "others_cpu_share_max": max(r["others_cpu_share"] for rs in runs.values() for r in rs),
         "quiet": all(r["others_cpu_share"] <= 0.1 for rs in runs.values() for r in rs),
         "time": time.time(),

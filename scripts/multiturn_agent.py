@@ -4,7 +4,8 @@
     python scripts/multiturn_agent.py --server http://127.0.0.1:8000 --workers 128
 
 `solve` is an ordinary tool-using agent loop: it would run unchanged against any OpenAI-compatible
-server. The only fleetrl-specific lines are in `run_session`: take a task (POST /fleetrl/sessions),
+server, its calls made with the official client (`--client openai`, the default) or as plain JSON posts on
+the same HTTP client (`--client raw`: what an agent that skips the openai package costs the box). The only fleetrl-specific lines are in `run_session`: take a task (POST /fleetrl/sessions),
 point the client's base_url at the session, and close the session with a reward (the close also opens the
 next session when a task is waiting: ``"next"``, one request a session fewer). The agent scores
 itself here (exact match); `--server-reward` leaves the scoring to the job's rollout.rewards instead.
@@ -25,6 +26,7 @@ import operator
 import sys
 import time
 import traceback
+from collections.abc import Awaitable, Callable
 
 import openai
 
@@ -57,44 +59,81 @@ def calc(expression: str) -> str:
     return str(int(value) if float(value).is_integer() else value)
 
 
-async def solve(client: openai.AsyncOpenAI, question: str, max_turns: int = 3) -> tuple[str, dict[str, int]]:
+Chat = Callable[[list[dict]], Awaitable[dict | None]]  # one call: the reply's message (None: out of budget)
+OUT_OF_BUDGET = ("context_length_exceeded", "session_budget_exceeded")
+
+
+async def solve(chat: Chat, question: str, max_turns: int = 3) -> tuple[str, dict[str, int]]:
     """The agent: ask, run the tool calls the model makes, hand the results back, until it answers."""
     messages = [{"role": "user", "content": question}]
     stats = {"turns": 0, "tool_calls": 0, "tool_errors": 0}
     for _ in range(max_turns):
+        msg = await chat(messages)
+        if msg is None:
+            return "", stats  # out of budget: no answer (the session is closed and scored as it stands)
+        stats["turns"] += 1
+        messages.append(msg)
+        if not msg.get("tool_calls"):
+            return msg.get("content") or "", stats
+        for call in msg["tool_calls"]:
+            stats["tool_calls"] += 1
+            try:
+                result = calc(**json.loads(call["function"]["arguments"]))
+            except Exception as e:  # noqa: BLE001 - the tool's error is its answer
+                stats["tool_errors"] += 1
+                result = f"error: {e}"
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+    return "", stats
+
+
+def openai_chat(client: openai.AsyncOpenAI) -> Chat:
+    """A call with the official client (what an agent built on `openai` does)."""
+
+    async def chat(messages: list[dict]) -> dict | None:
         try:
             reply = await client.chat.completions.create(
                 model="policy", messages=messages, tools=[CALC_TOOL], max_tokens=16
             )
         except openai.BadRequestError as e:
-            if e.code in ("context_length_exceeded", "session_budget_exceeded"):
-                return "", stats  # out of budget: no answer (the session is closed and scored as it stands)
+            if e.code in OUT_OF_BUDGET:
+                return None
             raise
-        msg = reply.choices[0].message
-        stats["turns"] += 1
-        messages.append(msg.model_dump(exclude_none=True))
-        if not msg.tool_calls:
-            return msg.content or "", stats
-        for call in msg.tool_calls:
-            stats["tool_calls"] += 1
-            try:
-                result = calc(**json.loads(call.function.arguments))
-            except Exception as e:  # noqa: BLE001 - the tool's error is its answer
-                stats["tool_errors"] += 1
-                result = f"error: {e}"
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    return "", stats
+        return reply.choices[0].message.model_dump(exclude_none=True)
+
+    return chat
+
+
+class CallFailed(Exception):
+    """A raw call the endpoint answered with an error."""
+
+
+def raw_chat(http: httpx.AsyncClient, base_url: str, auth: dict[str, str]) -> Chat:
+    """The same call as JSON over the pooled HTTP client, without the openai package (``--client raw``): what an
+    agent that posts its own requests costs."""
+
+    async def chat(messages: list[dict]) -> dict | None:
+        body = {"model": "policy", "messages": messages, "tools": [CALC_TOOL], "max_tokens": 16}
+        r = await http.post(f"{base_url}/chat/completions", json=body, headers=auth, timeout=60)
+        if r.status_code != 200:
+            error = r.json().get("error") or {}
+            if r.status_code == 400 and error.get("code") in OUT_OF_BUDGET:
+                return None
+            raise CallFailed(f"{r.status_code}: {error.get('message', r.text[:200])}")
+        return r.json()["choices"][0]["message"]
+
+    return chat
 
 
 async def run_session(
     http: httpx.AsyncClient,
-    client: openai.AsyncOpenAI,
+    client: openai.AsyncOpenAI | None,
     args: argparse.Namespace,
     totals: dict[str, float],
     session: dict | None = None,
 ) -> dict | None:
     """One fleetrl session: take a task (or the ``session`` the last close opened), solve it with a client pointed
-    at the session, close it with a reward; returns the next session when the close opened one."""
+    at the session (``client``; None: raw JSON calls), close it with a reward; returns the next session when the
+    close opened one."""
     auth = {"Authorization": f"Bearer {args.api_key}"}
     if session is None:
         r = await http.post(f"{args.server}/fleetrl/sessions", json={"wait_s": 10}, headers=auth, timeout=30)
@@ -103,10 +142,12 @@ async def run_session(
         r.raise_for_status()
         session = r.json()
     url = f"{args.server}/fleetrl/sessions/{session['session_id']}"
-    client.base_url = session["base_url"]  # <- the only change to an agent: its client's base_url
+    if client is not None:
+        client.base_url = session["base_url"]  # <- the only change to an agent: its client's base_url
+    chat = openai_chat(client) if client is not None else raw_chat(http, session["base_url"], auth)
     try:
-        answer, stats = await solve(client, session["task"]["prompt"])
-    except openai.APIError as e:
+        answer, stats = await solve(chat, session["task"]["prompt"])
+    except (openai.APIError, CallFailed) as e:
         await http.post(f"{url}/abandon", headers=auth)
         print(f"session {session['session_id']} abandoned: {e}", file=sys.stderr)
         return None
@@ -128,7 +169,9 @@ async def worker(http: httpx.AsyncClient, args: argparse.Namespace, totals: dict
     """Sessions one after another until the deadline; gives up after 30 failures in a row (the server is gone)."""
     # One openai client a worker, on the shared pool, re-pointed at each session: a client made per session (or by
     # with_options) looks the platform up again in a worker thread on its first call (~5% of the agent's CPU).
-    client = openai.AsyncOpenAI(base_url=args.server, api_key=args.api_key, max_retries=2, http_client=http)
+    client = None
+    if args.client == "openai":
+        client = openai.AsyncOpenAI(base_url=args.server, api_key=args.api_key, max_retries=2, http_client=http)
     failures, session = 0, None
     while session is not None or time.monotonic() < deadline:  # a session the last close opened is run too
         try:
@@ -210,6 +253,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["auto", "aiohttp", "httpx"],
         default="auto",
         help="the HTTP transport (auto: aiohttp if installed)",
+    )
+    p.add_argument(
+        "--client",
+        choices=["openai", "raw"],
+        default="openai",
+        help="openai: the official client's chat.completions.create; raw: the same calls as plain JSON posts",
     )
     p.add_argument("--out", help="write the totals as JSON lines here, every 30 s")
     asyncio.run(run(p.parse_args(argv)))

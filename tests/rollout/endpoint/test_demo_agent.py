@@ -1,5 +1,5 @@
-"""The demo's agent (scripts/multiturn_agent.py: `openai.AsyncOpenAI`, sessions as asyncio tasks on one pooled
-http client) against the real endpoint and server loop: every session it takes is closed with the reward it
+"""The demo's agent (scripts/multiturn_agent.py: `openai.AsyncOpenAI`, or plain JSON posts with `--client raw`,
+sessions as asyncio tasks on one pooled http client) against the real endpoint and server loop: every session it takes is closed with the reward it
 scored, the groups carry those rewards, and its totals and `--out` lines count what the server trained."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import asyncio
 import importlib.util
 import json
 from pathlib import Path
+
+import pytest
 
 from tests.rollout.endpoint.test_endpoint import AgentFleet, G
 from tests.rollout.test_server import wait_for
@@ -23,13 +25,14 @@ def load_agent():
     return mod
 
 
-def test_the_async_agent_closes_every_session_with_its_reward(engine, tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("client", ["openai", "raw"])
+def test_the_async_agent_closes_every_session_with_its_reward(engine, tiny_model_dir, tmp_path, monkeypatch, client):
     agent = load_agent()
     real_solve, seen = agent.solve, []
 
-    async def solve(client, question, max_turns=3):
+    async def solve(chat, question, max_turns=3):
         """The real agent loop (its calls reach the endpoint), then the right answer for even prompts."""
-        answer, stats = await real_solve(client, question, max_turns)
+        answer, stats = await real_solve(chat, question, max_turns)
         n = int(question[:2])
         if n % 2 == 0:
             answer = str(n + 1)  # the task rows are "NN+01=" -> NN + 1 (tests/broker/conftest.py)
@@ -49,6 +52,7 @@ def test_the_async_agent_closes_every_session_with_its_reward(engine, tiny_model
             minutes=0.05,
             server_reward=False,
             http="auto",
+            client=client,
             out=str(out),
         )
         totals = asyncio.run(agent.run(args))
