@@ -203,7 +203,7 @@ class Sender:
                     await self._write(self._delta(index, text[len(sent) :]))
                     self.sent[index] = text
                 if self.tool_marker is not None and self.kind == "chat" and self.sent[index] == text:
-                    for chunk in self._call_deltas(index, whole.rstrip("\ufffd")):
+                    for chunk in self._call_deltas(index, safe_prefix(whole, self.stops)):
                         await self._write(chunk)
 
     def _sendable(self, text: str) -> str:
@@ -296,7 +296,9 @@ class Sender:
         the calls that did not stream, whole. ``message`` (the finished reply) takes the streamed ids and arguments
         text when the turn confirms them; when it does not, ``on_unconfirmed`` gets the reply as the client has it."""
         streamed, calls = self.calls.get(index, []), message.get("tool_calls") or []
-        full = [c for c in partial_calls(self.decode(self.tokens.get(index, [])), self.tool_marker or "") if c.closed]
+        text = self.decode(self.tokens.get(index, []))
+        cut = [i for i in (text.find(stop) for stop in self.stops) if i >= 0]  # the reply ends at a stop string
+        full = [c for c in partial_calls(text[: min(cut)] if cut else text, self.tool_marker or "") if c.closed]
         confirmed = len(calls) >= len(streamed) and all(
             k < len(full)
             and s["name"] == full[k].name == calls[k]["function"]["name"]

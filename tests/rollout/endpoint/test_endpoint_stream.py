@@ -194,15 +194,23 @@ class Scripted:
     async def generate(self, request):
         from fleetrl.rollout.engines.records import Generation
 
-        def emit():
+        tok, stops = self.inner.tokenizer, request.params.stop or []
+        out: list[int] = []
+
+        def emit():  # like the engines: a stop string ends the reply, its text cut before it
             for k, t in enumerate(self.ids):
                 if k == self.hold and request.on_token is not None:
                     self.waited = self.seen.wait(self.patience)
+                out.append(t)
                 if request.on_token is not None:
                     request.on_token([t])
+                if any(stop in tok.decode(out) for stop in stops):
+                    return
 
         await asyncio.get_running_loop().run_in_executor(None, emit)
-        return Generation(list(self.ids), [-0.5] * len(self.ids), "stop", self.text)
+        text = tok.decode(out, skip_special_tokens=True)
+        cut = [i for i in (text.find(stop) for stop in stops) if i >= 0]
+        return Generation(out, [-0.5] * len(out), "stop", text[: min(cut)] if cut else self.text)
 
 
 GUESS = [
@@ -384,3 +392,20 @@ def test_a_session_takes_a_streamed_reply_back_as_its_client_assembled_it(engine
     finally:
         fleet.stop()
     assert fleet.server.endpoint.counts["stream_calls_unconfirmed"] == 1
+
+
+def test_a_stop_string_inside_a_calls_arguments_ends_what_streams_of_them(engine, tiny_model_dir):
+    text = f'<tool_call>{{"name": "guess", "arguments": {LONG}}}</tool_call>'
+    ep, eng = scripted_endpoint(engine, tiny_model_dir, text, patience=0.5)
+    try:
+        c = openai.OpenAI(base_url=ep.base_url, api_key="x", max_retries=0, timeout=60)
+        ask = [{"role": "user", "content": "Guess."}]
+        deltas, content = [], ""
+        for chunk in c.chat.completions.create(model="m", messages=ask, tools=GUESS, stop=["lucky"], stream=True):
+            content += chunk.choices[0].delta.content or ""
+            deltas += chunk.choices[0].delta.tool_calls or []
+    finally:
+        ep.close()
+    [(_, name, args)] = assemble(deltas)
+    # the reply ends before "lucky": no piece of the arguments past it went out, and the cut call is content
+    assert name == "guess" and args == '{"n": 7, "why": "seven is a ' and content == text[: text.find("lucky")]
