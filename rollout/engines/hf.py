@@ -42,6 +42,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from fleetrl.common.chat.codec import decode
 from fleetrl.common.chat.tokenizer import job_tokenizer
 from fleetrl.common.config.schema import HfConfig, ModelConfig, RolloutConfig
+from fleetrl.rollout.engines.attention import attention_for
 from fleetrl.rollout.engines.base import Engine
 from fleetrl.rollout.engines.event_loop import EngineLoop
 from fleetrl.rollout.engines.kv_rows import Rows
@@ -101,6 +102,20 @@ def stream_tokens(jobs: Sequence[_Job], token_R: torch.Tensor) -> None:
             job.request.on_token = None
 
 
+def load_model(model_cfg: ModelConfig, device: torch.device) -> torch.nn.Module:
+    """The model at ``model.path``, with grouped-query attention that copies no keys on CPU (`attention.py`);
+    a model whose code takes no registered attention function loads with its own default."""
+    kwargs = dict(dtype=resolve_dtype(model_cfg.dtype, device), trust_remote_code=model_cfg.trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_cfg.path, attn_implementation=attention_for(device), **kwargs
+        )
+    except ValueError as e:  # transformers refuses an attention implementation the model class does not support
+        log.info("hf engine: %s; loading with the model's default attention", e)
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, **kwargs)
+    return model.to(device)
+
+
 class HFEngine(Engine):
     def __init__(
         self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str, seed: int, num_threads: int | None = None
@@ -109,14 +124,16 @@ class HFEngine(Engine):
             torch.set_num_threads(num_threads)
         device_ = resolve_device(device)
         tokenizer = job_tokenizer(model_cfg)
-        model = AutoModelForCausalLM.from_pretrained(
-            model_cfg.path,
-            dtype=resolve_dtype(model_cfg.dtype, device_),
-            trust_remote_code=model_cfg.trust_remote_code,
-        ).to(device_)
+        model = load_model(model_cfg, device_)
         model.eval().requires_grad_(False)
         self._attach(model, tokenizer, device_, seed, rollout_cfg.hf)
-        log.info("hf engine: %s on %s (%s)", model_cfg.path, self.device, self.model.dtype)
+        log.info(
+            "hf engine: %s on %s (%s, %s attention)",
+            model_cfg.path,
+            self.device,
+            self.model.dtype,
+            self.model.config._attn_implementation,
+        )
 
     @classmethod
     def from_model(
