@@ -34,6 +34,7 @@ from typing import Any
 
 from fleetrl.rollout.endpoint.sessions import ApiError
 from fleetrl.rollout.endpoint.tool_stream import partial_calls
+from fleetrl.rollout.engines.stops import find_stop
 from fleetrl.rollout.envs.parsers import ToolCall
 
 log = logging.getLogger("fleetrl.rollout.endpoint")
@@ -81,9 +82,9 @@ def completion_chunks(resp: dict[str, Any], include_usage: bool) -> list[dict[st
 def safe_prefix(text: str, stops: Sequence[str]) -> str:
     """What of a partial reply's ``text`` may be sent: cut at a stop string, else short of the longest one (it
     may be completing), and without a trailing incomplete UTF-8 character."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    if found:
-        return text[: min(found)]
+    cut = find_stop(text, stops)
+    if cut >= 0:
+        return text[:cut]
     if stops:
         text = text[: max(0, len(text) - max(map(len, stops)) + 1)]
     return text.rstrip("\ufffd")
@@ -297,8 +298,8 @@ class Sender:
         text when the turn confirms them; when it does not, ``on_unconfirmed`` gets the reply as the client has it."""
         streamed, calls = self.calls.get(index, []), message.get("tool_calls") or []
         text = self.decode(self.tokens.get(index, []))
-        cut = [i for i in (text.find(stop) for stop in self.stops) if i >= 0]  # the reply ends at a stop string
-        full = [c for c in partial_calls(text[: min(cut)] if cut else text, self.tool_marker or "") if c.closed]
+        cut = find_stop(text, self.stops)  # the reply ends at a stop string
+        full = [c for c in partial_calls(text[:cut] if cut >= 0 else text, self.tool_marker or "") if c.closed]
         confirmed = len(calls) >= len(streamed) and all(
             k < len(full)
             and s["name"] == full[k].name == calls[k]["function"]["name"]
