@@ -68,6 +68,7 @@ class HealthMonitor:
         self.pending: list[HealthEvent] = []  # fired by checkpoint rules, returned by the next observe()
         self.streak = [0] * len(self.rules)
         self.missing = [0] * len(self.rules)
+        self.absences = [0] * len(self.rules)  # times a rule's metric went missing for MISSING_METRIC_WARN_STEPS
 
     # ------------------------------------------------------------------ per step
     def observe(self, step: int, metrics: dict[str, float]) -> list[HealthEvent]:
@@ -188,17 +189,32 @@ class HealthMonitor:
                 )
 
     def _watch_presence(self, i: int, rule: Rule, metrics: dict[str, float]) -> None:
+        """Say when a rule's metric has been absent for MISSING_METRIC_WARN_STEPS steps: at WARNING the first
+        time, at DEBUG after (an asynchronous run lacks off_policy/mismatch_kl for most steps: logged 8 times in
+        a quiet 3-minute demo, and every time it read like a misconfiguration)."""
         self.missing[i] = 0 if any(k in metrics for k in rule.watches()) else self.missing[i] + 1
-        if self.missing[i] == MISSING_METRIC_WARN_STEPS:
-            log.warning(
-                "%s (%s) watches %s, which the learner has not reported for %d steps: the rule cannot fire; "
-                "check %s.metric or the feature that produces it",
-                rule.key,
-                rule.spec.name,
-                " / ".join(rule.watches()),
-                MISSING_METRIC_WARN_STEPS,
-                rule.key,
+        if self.missing[i] != MISSING_METRIC_WARN_STEPS:
+            return
+        self.absences[i] += 1
+        watched = " / ".join(rule.watches())
+        if "off_policy/mismatch_kl" in rule.watches() and "off_policy/fresh_token_frac" in metrics:
+            why = (
+                "it is measured only over tokens that the learner's current weights sampled, and no trained token "
+                "was that fresh (off_policy/fresh_token_frac 0: the rollouts ran ahead within broker.max_staleness); "
+                "it fires again on steps that train such tokens"
             )
+        else:
+            why = f"the rule cannot fire; check {rule.key}.metric or the feature that produces it"
+        log.log(
+            logging.WARNING if self.absences[i] == 1 else logging.DEBUG,
+            "%s (%s) watches %s, which the learner has not reported for %d steps (%d time(s) so far): %s",
+            rule.key,
+            rule.spec.name,
+            watched,
+            MISSING_METRIC_WARN_STEPS,
+            self.absences[i],
+            why,
+        )
 
     def _emit(self, event: HealthEvent) -> None:
         self.events.append(event)

@@ -628,3 +628,37 @@ def test_stale_weights_is_quiet_once_the_stale_groups_stop():
         assert monitor.observe_servers(step, {"r0": {"groups": 4.0}}) == [], step
     again = monitor.observe_servers(12, {"r0": {"groups": 4.0, "stale": 1.0, "stale_version": 9.0}})
     assert len(again) == 1 and "policy version 9" in again[0].message
+
+
+def test_a_metric_absent_for_a_while_is_warned_once_with_its_cause(caplog):
+    """An asynchronous run trains few tokens that the learner's current weights sampled, so
+    off_policy/mismatch_kl is absent for most steps: the warning said "check the metric" every 20 steps
+    (8 times in a quiet 3-minute demo). Now it names the cause once at WARNING and repeats at DEBUG."""
+    from fleetrl.learner.health import MISSING_METRIC_WARN_STEPS
+
+    m = monitor(HealthRule(name="mismatch_kl_ceiling"), HealthRule(name="reward_drop"))
+    stale = {"off_policy/fresh_token_frac": 0.0, "reward/mean": 0.5}
+    with caplog.at_level(logging.DEBUG, logger="fleetrl.learner.health"):
+        step = 0
+        for _ in range(3):  # three gaps, each broken by one step that measured it
+            for _ in range(MISSING_METRIC_WARN_STEPS):
+                step += 1
+                m.observe(step, stale)
+            step += 1
+            m.observe(step, {**stale, "off_policy/fresh_token_frac": 0.2, "off_policy/mismatch_kl": 0.001})
+    gaps = [r for r in caplog.records if "has not reported" in r.getMessage()]
+    assert [r.levelno for r in gaps] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+    assert "fresh_token_frac 0" in gaps[0].getMessage() and "(1 time(s) so far)" in gaps[0].getMessage()
+    assert "(3 time(s) so far)" in gaps[2].getMessage()
+    assert not any("reward/mean" in r.getMessage() for r in gaps)  # reported every step: never warned
+
+
+def test_a_metric_nothing_produces_is_warned_as_a_configuration_problem(caplog):
+    from fleetrl.learner.health import MISSING_METRIC_WARN_STEPS
+
+    m = monitor(HealthRule(name="reward_drop", metric="reward/typo"))
+    with caplog.at_level(logging.WARNING, logger="fleetrl.learner.health"):
+        for step in range(1, MISSING_METRIC_WARN_STEPS + 1):
+            m.observe(step, {"reward/mean": 0.5})
+    (gap,) = [r for r in caplog.records if "has not reported" in r.getMessage()]
+    assert "reward/typo" in gap.getMessage() and "check health.rules[0].metric" in gap.getMessage()

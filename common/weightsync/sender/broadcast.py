@@ -213,18 +213,19 @@ class BroadcastSender:
         """Delete every key that no recent round of ours wrote or asked for (a non-member's SETs): what an
         outsider stores costs the learner's memory only until the next publish or catch-up poll."""
         live = tuple(self._live) + ((self._group.prefix,) if self._group is not None else ())
-        swept = 0
+        swept: list[str] = []
         for key in store.list_keys():
             if len(key) > ws.MAX_KEY_CHARS or not key.startswith(live):
                 store.delete_key(key)
-                swept += 1
+                swept.append(key)
         if swept:
             log.warning(
                 "weight sync: deleted %d store key(s) that no round of this learner uses (someone who can "
-                "reach sync.master_addr wrote them)",
-                swept,
+                "reach sync.master_addr wrote them): %s",
+                len(swept),
+                ", ".join(repr(k[:48]) for k in swept[:3]),
             )
-        return swept
+        return len(swept)
 
     def _set_plan(self, store: TCPStore, keys: ws.RoundKeys, plan: messages.RoundPlan) -> None:
         """Sign and publish a round's plan: receivers take only a plan that verifies under the announced key."""
@@ -278,9 +279,10 @@ class BroadcastSender:
             )
             member_keys = self._written_slots(store, keys)
         n_seals = len(self.layouts)
+        asked = ws.CatchupKeys(keys.secret, keys.round_id)  # the catch-up poll's add(request, 0) makes its key
         self._old_keys.append(
             member_keys
-            + [keys.plan, keys.abort, keys.count]
+            + [keys.plan, keys.abort, keys.count, asked.request, asked.offer]
             + [keys.progress(i) for i in range(n_seals)]
             + [keys.seal(i) for i in range(n_seals)]
         )

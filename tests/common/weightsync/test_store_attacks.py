@@ -146,6 +146,37 @@ def test_big_sets_by_a_non_member_are_swept_at_the_next_publish(learner_model, t
         pub.close()
 
 
+def test_the_learners_own_catchup_keys_are_deleted_not_swept_as_an_outsiders(
+    learner_model, tmp_path, monkeypatch, caplog
+):
+    """The catch-up poll reads each round's request counter with add(request, 0), which makes the key; it was
+    never deleted, so 16 rounds later the sweep removed it as "someone who can reach sync.master_addr wrote
+    them" (269 such warnings in a quiet 3-minute demo, no outsider anywhere). Now the round's catch-up keys go
+    with its other keys, and a run with no outsider sweeps nothing."""
+    from fleetrl.common.weightsync.sender import broadcast as sender
+
+    monkeypatch.setattr(sender, "CATCHUP_POLL_S", 0.01)
+    cfg = JobConfig(sync=SyncConfig(transport="gloo", timeout_s=TIMEOUT_S, bucket_mb=0.1))
+    pub = WeightPublisher(cfg, tmp_path, 0, specs_of(learner_model))
+    infos: list[messages.WeightsInfo] = []
+    try:
+        with caplog.at_level("WARNING", logger="fleetrl"):
+            for v in range(1, 25):
+                pub.publish(v, v, learner_model.named_parameters(), infos.append, 0)
+                other = outsider(infos[-1])
+                asked = ws.CatchupKeys(infos[-1].secret, infos[-1].round_id).request
+                deadline = time.monotonic() + TIMEOUT_S
+                while not other.check([asked]):  # the poll has read this round's counter
+                    assert time.monotonic() < deadline, "the catch-up poll never read the round's counter"
+                    time.sleep(0.01)
+        swept = [r.getMessage() for r in caplog.records if "no round of this learner uses" in r.getMessage()]
+        assert swept == []
+        catchup_keys = [k for k in other.list_keys() if k.startswith("catchup/")]
+        assert 0 < len(catchup_keys) <= 6  # the last rounds' only, not one per round published
+    finally:
+        pub.close()
+
+
 def forged_rounds_are_refused(receiver, plan: list, held: Callable[[], object]) -> None:
     """Drive ``receiver`` (a `WeightReceiver`, or a vLLM engine's `WorkerReceivers`) through two rounds it
     must refuse: one announced with no signing key, and one whose plan in the store (a store of the
