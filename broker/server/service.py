@@ -485,12 +485,17 @@ async def run_broker(cfg: JobConfig, run_dir: str | None) -> int:
         server.ctx.term()
         if audit is not None:
             audit.close()
+        c = state.counters
+        back = c["groups_out"] - c["groups_trained"]  # leased and given back untrained: a surplus, an expired lease
         log.info(
-            "broker stopped: %d groups in, %d out, %d still queued, %d dropped stale",
-            state.counters["groups_in"],
-            state.counters["groups_out"],
+            "broker stopped: %d groups in, %d consumed by learners, %d still queued, %d dropped stale%s",
+            c["groups_in"],
+            c["groups_trained"],
             len(state.queued),
-            state.counters["dropped_stale"],
+            c["dropped_stale"],
+            f"; groups were handed out {c['groups_out']} times, {back} of them given back untrained"
+            if back > 0
+            else "",
         )
     return 0
 

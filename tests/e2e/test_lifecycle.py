@@ -126,7 +126,14 @@ def test_ctrl_c_in_a_terminal_checkpoints_and_stops_everything_in_order(
     )
     assert learner and int(learner.group(1)) == meta["step"], out
     assert re.search(r"fleetrl run: rollout-0 +exit 0: stopped \(stop requested\)", out), out
-    assert re.search(r"fleetrl run: broker +exit 0: broker stopped: \d+ groups in", out), out
+    broker = re.search(
+        r"fleetrl run: broker +exit 0: broker stopped: (\d+) groups in, (\d+) consumed by learners, (\d+) still "
+        r"queued, (\d+) dropped stale",
+        out,
+    )
+    assert broker, out
+    into, consumed, queued, stale = map(int, broker.groups())
+    assert into == consumed + queued + stale > 0, out  # every group accounted for once (given-back ones too)
     # the broker stayed up until the learner was done with it
     logs = run_dir / "logs"
     assert log_time(logs / "broker.log", "broker stopped") >= log_time(logs / "learner.log", "learner stopped")
