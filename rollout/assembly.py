@@ -38,8 +38,10 @@ class GroupAssembly:
         self.cfg, self.env, self.scorer, self.client_id = cfg, env, scorer, client_id
         self.params, self.greedy_baseline = params, greedy_baseline
 
-    def build(self, key: int, item: InFlight) -> Batch | None:
-        """The prompt's scored batch (its rewards still computing), or None: give the prompt back."""
+    def build(self, key: int, item: InFlight, closing: bool = False) -> Batch | None:
+        """The prompt's scored batch (its rewards still computing), or None: give the prompt back. ``closing``:
+        the server is stopping, so sessions it ended lose samples as expected (logged at DEBUG, not WARNING:
+        an endpoint demo's normal end logged 24 warnings)."""
         now = time.monotonic()
         g, env_cfg = self.cfg.rollout.group_size, self.cfg.rollout.env
         kept = env_groups.survivors(item.samples[:g], env_cfg, g, self.env.stats)
@@ -49,7 +51,8 @@ class GroupAssembly:
             self.env.settled(group, False, "no agent took the group's tasks")  # logged once by the sessions
             return None
         if kept is None or (baselines and env_groups.is_dropped(baselines[0], "score")):
-            log.warning(
+            log.log(
+                logging.DEBUG if closing else logging.WARNING,
                 "prompt %s lost too many samples (failed environment steps or sessions; group rule: "
                 "rollout.env.min_group_samples); it goes back to the broker",
                 item.prompt.prompt_id,

@@ -356,7 +356,7 @@ class RolloutServer:
             )
             self._give_back(item)
             return
-        batch = self.assembly.build(key, item)
+        batch = self.assembly.build(key, item, self.closing)
         if batch is None:
             self._give_back(item)
         else:

@@ -348,3 +348,25 @@ def test_close_with_next_opens_the_agents_next_session(engine, tiny_model_dir):
         assert "next" not in plain and plain["turns"] == 3
     finally:
         fleet.stop()
+
+
+def test_sessions_cut_short_by_the_servers_stop_are_returned_without_a_warning_each(engine, tiny_model_dir, caplog):
+    """The endpoint demo's normal end logged "prompt ... lost too many samples" at WARNING for each of the 24
+    groups whose sessions timed out while the stop drained them. Those prompts go back to the broker as before,
+    quietly."""
+    fleet = AgentFleet(engine, tiny_model_dir, "rollout.openai.session_timeout_s=1")
+    with caplog.at_level("DEBUG", logger="fleetrl"):
+        try:
+            fleet.start_thread()
+            wait_for(lambda: fleet.server.endpoint.port, 20, "the endpoint")
+            opened = [
+                httpx.post(f"{fleet.root}/fleetrl/sessions", json={"wait_s": 20}, timeout=30).json() for _ in range(G)
+            ]
+            openai.OpenAI(base_url=opened[0]["base_url"], api_key="x", max_retries=0).chat.completions.create(
+                model="m", messages=[{"role": "user", "content": opened[0]["task"]["prompt"]}]
+            )
+        finally:
+            fleet.stop()
+    lost = [r for r in caplog.records if "lost too many samples" in r.getMessage()]
+    assert lost and all(r.levelname == "DEBUG" for r in lost)  # the group was cut short, and said so quietly
+    assert fleet.server.stats.heartbeat()["rollout/prompts_returned"] >= 1
