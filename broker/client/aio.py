@@ -59,6 +59,7 @@ class AsyncBrokerClient:
         self.registered: m.Registered | None = None
         self.bad_replies = 0
         self.reregistered = 0
+        self.left = False  # leave() was sent: a later request's "unregistered" is the truth, not a broker that forgot
 
     # ------------------------------------------------------------- lifecycle
     def _secure(self, sock: zmq.Socket) -> None:
@@ -111,7 +112,7 @@ class AsyncBrokerClient:
         except BaseException:
             await self.close()
             raise
-        self.registered = reply
+        self.registered, self.left = reply, False
         return reply
 
     def _on_monitor(self, batch: list[list[bytes]]) -> None:
@@ -203,7 +204,7 @@ class AsyncBrokerClient:
         attempts, busy = retries + 1, 0
         while attempts > 0:
             reply = await self._once(make, timeout)
-            if isinstance(reply, m.Error) and reply.code == "unregistered" and reregister:
+            if isinstance(reply, m.Error) and reply.code == "unregistered" and reregister and not self.left:
                 reregister = False
                 await self._reregister()
                 continue
@@ -319,7 +320,10 @@ class AsyncBrokerClient:
 
     async def leave(self, reason: str = "", done: bool = False, timeout_s: float = 5.0) -> m.Ack:
         """Leave the fleet now (graceful exit); ``done``: a learner that finished. One short try: a client on its
-        way out does not wait long for a broker that is gone (it is then dropped after client_timeout_s)."""
+        way out does not wait long for a broker that is gone (it is then dropped after client_timeout_s). From
+        then on no request registers this client again: a heartbeat that raced the stop re-joined a rollout that
+        had left, and every weight round waited 5 s for it until broker.client_timeout_s (a CI failure)."""
+        self.left = True
         return await self.request(
             lambda r: m.Leave(req_id=r, client_id=self.client_id, reason=reason, done=done),
             timeout_s=timeout_s,

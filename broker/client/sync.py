@@ -106,6 +106,8 @@ class ZmqBrokerClient:
         return self._run(self.client.return_prompts(lease_id, prompt_ids, unscored))
 
     def leave(self, reason: str = "", done: bool = False) -> m.Ack:
+        if self._heartbeat is not None:  # a client that left sends nothing more on its own
+            self._heartbeat.cancel()
         return self._run(self.client.leave(reason, done))
 
     def lease_batch(self, n: int, wait_s: float = 0.0, min_groups: int = 1) -> m.BatchLease | m.Throttle:

@@ -320,3 +320,25 @@ def test_status_cli_takes_a_run_directory_and_says_what_is_wrong(tmp_path, broke
             timeout=60,
         )
         assert bad.returncode == 1 and says in bad.stderr and "Traceback" not in bad.stdout + bad.stderr
+
+
+def test_a_client_that_left_is_not_registered_again_by_a_later_request(broker):
+    """A rollout stopped by SIGTERM left the fleet, then its heartbeat (racing the stop) got "unregistered" and
+    registered it again: the fleet counted it for broker.client_timeout_s and every weight round waited 5 s for
+    it (a CI failure of tests/e2e/test_lifecycle.py). A client that left stays gone."""
+    rollout, operator = client(broker.address, "r-leaving"), client(broker.address, "op", "operator")
+    try:
+
+        def listed() -> bool:
+            return any(c.client_id == "r-leaving" for c in operator.status().clients)
+
+        assert listed()
+        rollout.leave("stop requested")
+        assert not listed()
+        with pytest.raises(BrokerError) as e:
+            rollout.heartbeat(0)
+        assert e.value.code == "unregistered"
+        assert not listed() and rollout.client.reregistered == 0
+    finally:
+        rollout.close()
+        operator.close()
