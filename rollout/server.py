@@ -124,6 +124,8 @@ class RolloutServer:
         self.inflight: dict[int, InFlight] = {}  # admitted, not yet handed to the finisher (removed on the engine loop)
         self.pipeline_error: BaseException | None = None  # what a prompt's pipeline raised (the server raises it)
         self._wake = threading.Event()
+        if receiver is not None and hasattr(receiver, "on_ready"):  # vLLM's workers hold theirs: polled
+            receiver.on_ready = self._weights_ready
         self.announced = 0  # version announcements seen: a throttled lease asks again after one (`lease`)
         self._next_id = 0
         self._next_catchup = 0.0
@@ -439,6 +441,13 @@ class RolloutServer:
 
     def offer_version(self, version: int, weights: m.WeightsInfo) -> None:
         self.weights.offer(version, weights)
+
+    def _weights_ready(self) -> None:  # the receiver's thread: a complete version is held
+        """Wake the main loop, wherever it waits, to load it now: until it is loaded the broker counts this
+        server a version behind and shrinks its admission window (issue 24)."""
+        self._wake.set()
+        if self.sub is not None:
+            self.sub.wake()
 
     def apply_weights(self) -> None:
         """An in-flight update when the receiver holds a complete version (rollout/apply.py)."""

@@ -403,6 +403,9 @@ class AsyncBrokerClient:
         return AsyncSubscription(sock)
 
 
+WAKE = object()  # put on a subscription's queue by `wake`: ends a wait in `next` without an announcement
+
+
 class AsyncSubscription:
     """Version and control announcements from the broker's PUB socket."""
 
@@ -421,17 +424,25 @@ class AsyncSubscription:
     async def next(self, timeout_s: float | None = None) -> m.Announcement | None:
         """The next announcement, or None after ``timeout_s`` (0 = only what is already there)."""
         if timeout_s is not None and timeout_s <= 0:
-            return None if self.queue.empty() else self.queue.get_nowait()
-        try:
-            return await asyncio.wait_for(self.queue.get(), timeout_s)
-        except asyncio.TimeoutError:
-            return None
+            got = None if self.queue.empty() else self.queue.get_nowait()
+        else:
+            try:
+                got = await asyncio.wait_for(self.queue.get(), timeout_s)
+            except asyncio.TimeoutError:
+                return None
+        return None if got is WAKE else got
+
+    def wake(self) -> None:
+        """(this loop's thread) End a wait in `next` now: it returns None."""
+        self.queue.put_nowait(WAKE)
 
     async def drain(self) -> list[m.Announcement]:
         """Every announcement already queued (none waited for)."""
         out = []
         while not self.queue.empty():
-            out.append(self.queue.get_nowait())
+            got = self.queue.get_nowait()
+            if got is not WAKE:
+                out.append(got)
         return out
 
     def close(self) -> None:

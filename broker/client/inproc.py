@@ -62,12 +62,18 @@ class InprocBroker:
 class InprocSubscription:
     def __init__(self, queue: deque):
         self.queue = queue
+        self._woken = threading.Event()
 
     def next(self, timeout_s: float = 0.0) -> m.Announcement | None:
         deadline = time.monotonic() + timeout_s
-        while not self.queue and time.monotonic() < deadline:
-            time.sleep(0.01)
+        while not self.queue and time.monotonic() < deadline and not self._woken.is_set():
+            self._woken.wait(min(0.01, max(0.0, deadline - time.monotonic())))
+        self._woken.clear()
         return self.queue.popleft() if self.queue else None
+
+    def wake(self) -> None:
+        """(any thread) End a wait in `next` now."""
+        self._woken.set()
 
     def drain(self) -> list[m.Announcement]:
         out = []

@@ -30,6 +30,9 @@ class SubscriptionLike(Protocol):
 
     def next(self, timeout_s: float = 0.0) -> m.Announcement | None: ...
 
+    def wake(self) -> None:
+        """(any thread) End a wait in `next` now, without an announcement: it returns None."""
+
     def drain(self) -> list[m.Announcement]: ...
 
 

@@ -184,6 +184,10 @@ class Subscription:
     def next(self, timeout_s: float = 0.0) -> m.Announcement | None:
         return self._owner._run(self._sub.next(timeout_s))
 
+    def wake(self) -> None:
+        """(any thread) End a wait in `next` now, without an announcement: it returns None."""
+        self._owner._loop.call_soon_threadsafe(self._sub.wake)
+
     def drain(self) -> list[m.Announcement]:
         """Every announcement already there, in one visit to the client's loop (none when its queue is empty)."""
         if self._sub.queue.empty():  # read across threads: one that lands meanwhile is taken by the next call

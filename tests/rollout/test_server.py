@@ -428,6 +428,42 @@ def test_new_weights_are_loaded_between_batches(engine, tiny_model_dir, tmp_path
         engine.update_weights(original.items())
 
 
+def test_a_version_received_while_the_server_waits_is_loaded_at_once(engine, tiny_model_dir, monkeypatch):
+    """The receiver's thread holds a complete version while the main loop waits, throttled (blocked on the
+    announcements) or for a sample: the wait ends and the version is loaded then, not at the next slice. Until
+    it is loaded the broker counts this server a version behind and shrinks its window (issue 24). Slices
+    of 30 s here: without the wake each wait below runs out (it measured ~30 ms in the demo, a third of the
+    time between versions)."""
+    import fleetrl.rollout.server as server_module
+    from fleetrl.common.weightsync.receiver.receiver import Update
+
+    monkeypatch.setattr(server_module, "WAIT_SLICE_S", 30.0)
+    monkeypatch.setattr(server_module, "POLL_SLICE_S", 30.0)
+    fleet = Fleet(engine, tiny_model_dir, "broker.queue_capacity=1000", receiver=True)
+    same = [(name, t.detach().clone()) for name, t in engine.model.state_dict().items()]
+
+    def deliver_later(version: int) -> None:  # as the transport's thread does once a round completes
+        key = (time.time(), version)
+        threading.Timer(0.3, fleet.receiver._deliver, (Update(version, key, named=same), key)).start()
+
+    try:
+        fleet.server.start()
+        deliver_later(1)
+        t0 = time.monotonic()
+        fleet.server.wait(30.0, until=lambda: fleet.server.version == 1)  # a throttled server's wait
+        assert fleet.server.version == 1 and time.monotonic() - t0 < 10
+        deliver_later(2)
+        t0 = time.monotonic()
+        while fleet.server.version != 2 and time.monotonic() - t0 < 10:
+            fleet.server.wait_progress(30.0)  # waiting for a sample (an earlier wake may end one wait early)
+            fleet.server.poll(0.0)  # what the next step does first
+        assert fleet.server.version == 2 and time.monotonic() - t0 < 10
+        assert fleet.state.clients["rollout-0-test"].policy_version == 2  # told the broker at once
+    finally:
+        fleet.server.shutdown(finish=False, give_back=True)
+        fleet.stop()
+
+
 def test_broker_address_resolution(tmp_path):
     from fleetrl.common.config import load_config
 

@@ -85,6 +85,10 @@ class WeightReceiver:
         self._loading: Key = (0.0, 0)  # key of the update apply() is handing to the engine
         self._failed: dict[Key, float] = {}  # versions whose round failed here -> when
         self._closed = False
+        # called (on the transport's thread) when a complete version is held: the rollout's main loop waits
+        # on an event between polls, and a version that waits for the next poll leaves its weights a version
+        # behind the broker's count for up to a poll slice (issue 24)
+        self.on_ready: Callable[[], None] = lambda: None
         self._stats = {
             "weights/version": 0.0,
             "weights/load_s": 0.0,
@@ -135,8 +139,11 @@ class WeightReceiver:
                 self._stats["weights/rounds_missed"] += 1
                 self._failed = {k: t for k, t in self._failed.items() if t > time.monotonic()}
                 self._failed[key] = time.monotonic() + RETRY_FAILED_S
-            elif update.key > max([self._held_key] + [u.key for u in (self._pending,) if u is not None]):
-                self._pending = update
+                return
+            if update.key <= max([self._held_key] + [u.key for u in (self._pending,) if u is not None]):
+                return
+            self._pending = update
+        self.on_ready()
 
     def _count(self, name: str, n: float = 1.0, set_to: bool = False) -> None:
         with self._cv:

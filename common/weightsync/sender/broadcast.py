@@ -168,6 +168,11 @@ class BroadcastSender:
             )
             rnd = Round(keys, None)
             t0 = time.perf_counter()
+            # the first bucket is packed (copied and digested) while the receivers join, not after: the
+            # broker counts every rollout a version behind until its round ends (issue 24)
+            first = None
+            if self.layouts:
+                first = self._pack(self.layouts[0], [next(tensors)[1] for _ in self.layouts[0].slots], 0)
             members: list[messages.JoinRecord] = []  # stays empty when closing the round raises
             try:
                 members = self._close_round(store, keys, expected, deadline, rnd.sent)
@@ -182,7 +187,7 @@ class BroadcastSender:
                     e,
                 )
                 self._drop_group()
-            ok = self._stream(store, rnd, tensors, bool(members))
+            ok = self._stream(store, rnd, tensors, bool(members), first)
             sent = rnd.sent
             sent.seconds = time.perf_counter() - t0
             if self.cfg.catchup and self._host:
@@ -265,7 +270,7 @@ class BroadcastSender:
             and time.monotonic() < window_end
             and not self._publishing.is_set()
         ):  # a catch-up round does not hold back a publish
-            time.sleep(0.005)
+            time.sleep(0.001)
         joined = store.add(keys.count, ws.CLOSED) - ws.CLOSED
         if 0 <= joined <= ws.MAX_JOINS:
             member_keys = [keys.member(n) for n in range(1, joined + 1)]
@@ -370,16 +375,20 @@ class BroadcastSender:
         return self._group
 
     # ------------------------------------------------------------------------------ streaming
-    def _stream(self, store: TCPStore, rnd: Round, tensors: Tensors, live: bool) -> bool:
-        """Pack and broadcast each bucket, recovering from a failed bucket by re-forming; consumes every
-        tensor whatever happens (and fills the host copy). False when the round failed."""
+    def _stream(self, store: TCPStore, rnd: Round, tensors: Tensors, live: bool, first: Any = None) -> bool:
+        """Pack and broadcast each bucket (``first``: bucket 0, packed already), recovering from a failed
+        bucket by re-forming; consumes every tensor whatever happens (and fills the host copy). False when
+        the round failed."""
         inflight = None
         failed = rnd.group is None
         for i, layout in enumerate(self.layouts):
-            chunk = [next(tensors)[1] for _ in layout.slots]
-            if failed and not self.cfg.catchup:
-                continue
-            flat = self._pack(layout, chunk, i)
+            if i == 0 and first is not None:
+                flat = first
+            else:
+                chunk = [next(tensors)[1] for _ in layout.slots]
+                if failed and not self.cfg.catchup:
+                    continue
+                flat = self._pack(layout, chunk, i)
             rnd.held[i] = flat
             rnd.held.pop(i - 2, None)
             if failed:

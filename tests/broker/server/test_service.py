@@ -68,6 +68,28 @@ def test_happy_path_and_announcements(broker):
         learner.close()
 
 
+def test_a_subscription_wait_ends_on_wake_and_loses_no_announcement(broker):
+    """`wake` (another thread) ends a long `next` at once with None; an announcement around it still arrives,
+    once, and `drain` never returns the wake itself (the rollout's loop loads a received version this way)."""
+    rollout, learner = client(broker.address), client(broker.address, "learner-0", "learner")
+    try:
+        sub = rollout.subscribe()
+        time.sleep(0.3)  # PUB/SUB: the subscription takes effect asynchronously
+        threading.Timer(0.2, sub.wake).start()
+        t0 = time.monotonic()
+        assert sub.next(timeout_s=30.0) is None
+        assert time.monotonic() - t0 < 10
+        sub.wake()
+        learner.publish_version(1, 1, m.WeightsInfo())
+        time.sleep(0.3)
+        sub.wake()
+        assert [a.version for a in sub.drain()] == [1]
+        assert sub.next(timeout_s=0.0) is None and sub.drain() == []
+    finally:
+        rollout.close()
+        learner.close()
+
+
 def test_duplicate_and_invalid_groups_over_the_wire(broker):
     c = client(broker.address)
     try:

@@ -210,3 +210,26 @@ def test_broadcast_round_without_receivers_returns_at_once(tmp_path):
         ["steps"],
         ["mask"],
     ]
+
+
+def test_the_first_bucket_is_packed_before_the_round_waits_for_its_receivers(tmp_path, monkeypatch):
+    """Bucket 0 is copied and digested while the receivers join, not after: a rollout counts a version
+    behind from the announcement until the round ends (issue 24)."""
+    from fleetrl.common.weightsync.sender.broadcast import BroadcastSender
+
+    params = synthetic_params()
+    pub = WeightPublisher(job(tmp_path, transport="gloo", bucket_mb=1e-4), tmp_path, 0, specs_of(params))
+    digests_at_close: list[dict[int, str]] = []
+    close_round = BroadcastSender._close_round
+
+    def recording(self, store, keys, expected, deadline, sent, **kw):
+        digests_at_close.append(dict(self._digests))
+        return close_round(self, store, keys, expected, deadline, sent, **kw)
+
+    monkeypatch.setattr(BroadcastSender, "_close_round", recording)
+    try:
+        pub.publish(1, 1, iter(params), lambda info: None, 0)
+    finally:
+        pub.close()
+    embed = params[0][1].reshape(-1).contiguous().view(torch.uint8).numpy()  # bucket 0 holds embed.weight alone
+    assert digests_at_close == [{0: ws.digest(embed)}]
