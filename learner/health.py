@@ -190,8 +190,8 @@ class HealthMonitor:
 
     def _watch_presence(self, i: int, rule: Rule, metrics: dict[str, float]) -> None:
         """Say when a rule's metric has been absent for MISSING_METRIC_WARN_STEPS steps: at WARNING the first
-        time, at DEBUG after (an asynchronous run lacks off_policy/mismatch_kl for most steps: logged 8 times in
-        a quiet 3-minute demo, and every time it read like a misconfiguration)."""
+        time, at DEBUG after: an asynchronous run lacks off_policy/mismatch_kl on most steps (it is measured only
+        over tokens the current weights sampled), and a repeated warning would read like a misconfiguration."""
         self.missing[i] = 0 if any(k in metrics for k in rule.watches()) else self.missing[i] + 1
         if self.missing[i] != MISSING_METRIC_WARN_STEPS:
             return

@@ -321,8 +321,8 @@ class AsyncBrokerClient:
     async def leave(self, reason: str = "", done: bool = False, timeout_s: float = 5.0) -> m.Ack:
         """Leave the fleet now (graceful exit); ``done``: a learner that finished. One short try: a client on its
         way out does not wait long for a broker that is gone (it is then dropped after client_timeout_s). From
-        then on no request registers this client again: a heartbeat that raced the stop re-joined a rollout that
-        had left, and every weight round waited 5 s for it until broker.client_timeout_s (a CI failure)."""
+        then on no request registers this client again, so a heartbeat racing the stop cannot put a server that
+        left back into the fleet (where weight rounds would wait for it until broker.client_timeout_s)."""
         self.left = True
         return await self.request(
             lambda r: m.Leave(req_id=r, client_id=self.client_id, reason=reason, done=done),
