@@ -20,12 +20,28 @@ class _ProcessName(logging.Filter):
         return True
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to the ``sys.stderr`` of the moment a record is emitted, not the one set up with: a process that
+    swaps its stderr later (a test's capture, a redirect) keeps its logs and gets no closed-stream errors."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def setup_logging(process_name: str, level: str = "INFO", log_file: str | Path | None = None) -> None:
     """Log to stderr (and ``log_file`` when given) with the process name in every line."""
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    handlers: list[logging.Handler] = [_Stderr()]
     if log_file:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
