@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -50,7 +51,8 @@ class Leased:
     screened_ids: list[str] = field(default_factory=list)  # left out by the fleet screen (acked, not trained)
     servers: dict[str, dict[str, float]] = field(default_factory=dict)  # server -> {"groups", "screened"}
     screen_reasons: list[str] = field(default_factory=list)  # why, for the first few screened groups
-    wait_s: float = 0.0
+    wait_s: float = 0.0  # how long the step waited for this batch
+    lease_s: float = 0.0  # how long leasing it took (longer than wait_s when it was leased during the step before)
     pairs: list[tuple[list[int], list[int], list[int]]] | None = None  # offline DPO: (prompt, chosen, rejected) ids
     pair_ids: list[str] = field(default_factory=list)
 
@@ -147,7 +149,7 @@ class BrokerBatchSource:
         return min(math.ceil(need / max(self.keep_rate, 1.0 / OVERLEASE)), OVERLEASE * need)
 
     def _lease(
-        self, n: int, deadline: float, should_stop: Callable[[], bool], least: int | None = None
+        self, n: int, deadline: float, should_stop: Callable[[], bool], least: int | None = None, for_version: int = 0
     ) -> m.BatchLease:
         wait = self.cfg.learner.batch_wait_s
         refusals = RefusalWatch(
@@ -163,21 +165,23 @@ class BrokerBatchSource:
                     f"{refusals.summary()}; check that rollout servers run (`fleetrl status --broker ADDR`) "
                     "or raise that setting"
                 )
-            reply = self.client.lease_batch(n, wait_s=min(2.0, left), min_groups=least or n)
+            ahead = {"for_version": for_version} if for_version else {}
+            reply = self.client.lease_batch(n, wait_s=min(2.0, left), min_groups=least or n, **ahead)
             if isinstance(reply, m.BatchLease):
                 return reply
             refusals.check()
             time.sleep(min(reply.retry_after_s, max(0.0, deadline - time.monotonic())))
 
-    def next(self, step: int, should_stop: Callable[[], bool] = lambda: False) -> Leased:
-        """This rank's groups for training step ``step`` (1-based)."""
+    def next(self, step: int, should_stop: Callable[[], bool] = lambda: False, for_version: int = 0) -> Leased:
+        """This rank's groups for training step ``step`` (1-based); ``for_version``: the policy version the step
+        will train at when that is newer than the broker's (a lease ahead of the publish: ``Prefetch``)."""
         t0 = time.monotonic()
         deadline = t0 + self.cfg.learner.batch_wait_s
         out = Leased(groups=[])
         rounds, last = 0, []
         while rounds < (self.cfg.learner.max_lease_rounds if self.dynamic else 1):
             need = self.want - len(out.groups)
-            lease = self._lease(self._ask(need), deadline, should_stop, least=need)
+            lease = self._lease(self._ask(need), deadline, should_stop, least=need, for_version=for_version)
             out.dropped_stale += lease.dropped_stale
             plausible = self._screen(lease.groups, out)
             kept = self._filter(plausible) if self.dynamic and plausible else plausible
@@ -208,7 +212,7 @@ class BrokerBatchSource:
             )
             out.groups = list(last)
         self.filtered_total += out.filtered
-        out.wait_s = time.monotonic() - t0
+        out.wait_s = out.lease_s = time.monotonic() - t0
         return out
 
     def _screen(self, groups: list[m.SampleGroup], out: Leased) -> list[m.SampleGroup]:
@@ -250,9 +254,87 @@ class BrokerBatchSource:
         for lease_id, group_ids in leased.leases:
             self.client.ack_batch(lease_id, group_ids, step)
 
+    def give_back(self, leased: Leased, step: int) -> None:
+        """Untrained: every group still held by ``leased``'s leases goes back to the front of the broker's queue
+        (the broker checks its staleness again when it is leased next)."""
+        for lease_id, _ in leased.leases:
+            self.client.ack_batch(lease_id, [], step, give_back=True)
+
     def state_dict(self) -> dict[str, int]:
         """Nothing to save: the broker keeps the data cursor (see broker.commit_on_checkpoint)."""
         return {}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         pass
+
+
+class Prefetch:
+    """The next step's batch, leased on a thread while this step trains (``learner.prefetch``).
+
+    ``start`` leases for step ``step`` at ``for_version``, the policy version that step will train at (one newer
+    than the broker's when this step publishes), so the broker's staleness bound already holds for it. ``take``
+    hands it over if it was leased for that step and nothing it was judged against changed: the learner's version
+    is not newer than ``for_version`` (a rollback or resume publishes one) and no server was quarantined since.
+    Otherwise it goes back to the queue and the step leases as without a prefetch. Errors of the lease (the fleet
+    idle, a stop) are raised by ``take``.
+    """
+
+    def __init__(self, source: BrokerBatchSource):
+        self.source = source
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="fleetrl-prefetch")
+        self.pending: tuple[Future[Leased], int, int, frozenset[str]] | None = None
+        self.cancelled = False
+        self.given_back = 0  # prefetched batches that could not be used
+
+    def start(self, step: int, for_version: int, should_stop: Callable[[], bool]) -> None:
+        stop = lambda: self.cancelled or should_stop()  # noqa: E731
+        future = self.pool.submit(self.source.next, step, stop, for_version)
+        self.pending = (future, step, for_version, frozenset(self.source.quarantined))
+
+    def take(self, step: int, version: int, should_stop: Callable[[], bool]) -> Leased:
+        """The batch for ``step`` while the learner holds policy ``version``."""
+        if self.pending is None:
+            return self.source.next(step, should_stop)
+        future, leased_for, for_version, quarantined = self.pending
+        self.pending = None
+        t0 = time.monotonic()
+        leased = future.result()
+        waited = time.monotonic() - t0
+        if leased_for == step and version <= for_version and self.source.quarantined <= quarantined:
+            leased.wait_s = waited
+            return leased
+        log.info(
+            "the batch leased ahead for step %d goes back to the queue (leased for step %d at version %d; the "
+            "learner holds version %d%s)",
+            step,
+            leased_for,
+            for_version,
+            version,
+            "; a server was quarantined since" if not self.source.quarantined <= quarantined else "",
+        )
+        self.source.give_back(leased, step)
+        self.given_back += 1
+        fresh = self.source.next(step, should_stop)
+        fresh.wait_s += waited
+        return fresh
+
+    def cancel(self, step: int) -> None:
+        """Stop a lease in flight and give back what it holds (before a rollback, or at the end of training)."""
+        if self.pending is None:
+            return
+        future = self.pending[0]
+        self.pending, self.cancelled = None, True
+        try:
+            leased = future.result()
+        except (Interrupted, FleetIdle):
+            return
+        finally:
+            self.cancelled = False
+        self.source.give_back(leased, step)
+
+    def close(self, step: int) -> None:
+        try:
+            self.cancel(step)
+        except Exception as e:  # noqa: BLE001 - the broker may be gone at the end: its lease expiry takes them back
+            log.debug("giving back the prefetched batch at close failed: %s", e)
+        self.pool.shutdown(wait=True)

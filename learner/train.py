@@ -53,7 +53,7 @@ from fleetrl.learner.runtime import (
     train_dtype,
     trainable_module,
 )
-from fleetrl.learner.source import Interrupted
+from fleetrl.learner.source import BrokerBatchSource, Interrupted, Prefetch
 from fleetrl.learner.tracing import StepTraces
 
 log = logging.getLogger("fleetrl.learner")
@@ -130,6 +130,10 @@ class Learner:
         )
         self.traces = StepTraces()
         self.completions = CompletionLog(cfg) if dist.is_main else None
+        # with max_staleness 0 nothing can be leased before the publish it waits for: no prefetch
+        leases = self.fleet and cfg.learner.prefetch and cfg.broker.max_staleness > 0
+        leases = leases and isinstance(self.source, BrokerBatchSource)
+        self.prefetch = Prefetch(self.source) if leases else None
 
     @property
     def module(self) -> torch.nn.Module:
@@ -138,12 +142,19 @@ class Learner:
     # ------------------------------------------------------------------ step
     def train_step(self) -> dict[str, float]:
         t0, start_ns = time.perf_counter(), time.time_ns()
-        leased = self.source.next(self.step + 1, self.stop_requested)
+        if self.prefetch is not None:
+            leased = self.prefetch.take(self.step + 1, self.version, self.stop_requested)
+        else:
+            leased = self.source.next(self.step + 1, self.stop_requested)
         fleet = self.guard.judge(self.step + 1, leased)  # per-server health: a poisoning server is quarantined
         with tracing.span(
             "learner.step", tracing.ROOT, {"fleetrl.step": self.step + 1}, tracing.group_links(leased.groups), start_ns
         ) as step_span:  # linked to every group
             batch = self.actor.plan(leased)
+            if self.prefetch is not None and self.step + 2 <= self.cfg.learner.total_steps:
+                # the next step's batch is leased while this one trains, at the version it will train at
+                publishes = (self.step + 1) % self.cfg.sync.interval == 0
+                self.prefetch.start(self.step + 2, self.version + int(publishes), self.stop_requested)
             with faults.around("learner.update", learner=self, step=self.step + 1):
                 stats = self.actor.step(batch, self.version, self.pristine)
             self.pristine = False
@@ -177,6 +188,7 @@ class Learner:
             stats.update(
                 {
                     "timing/wait_batch_s": leased.wait_s,
+                    "timing/lease_s": leased.lease_s,
                     "timing/step_total_s": wall,
                     "throughput/samples_per_s": samples / max(wall, 1e-9),
                     "throughput/tokens_per_s": stats["batch/tokens"] / max(wall, 1e-9),
@@ -308,6 +320,8 @@ class Learner:
     def rollback(self, reason: str) -> bool:
         """Restore the newest healthy checkpoint with a lower LR; False if there is none (then alert or stop).
         The steps, in order, are in ``learner/rollback.py``."""
+        if self.prefetch is not None:  # leased for a step that will not follow this one
+            self.prefetch.cancel(self.step)
         parts = RollbackParts(
             self.cfg,
             self.ckpt,
@@ -355,6 +369,8 @@ class Learner:
         return self.health.decide(events)
 
     def close(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.close(self.step)
         self.monitor.close()
         if self.publisher is not None:
             self.publisher.close()

@@ -41,11 +41,15 @@ class AsyncInprocBrokerClient:
     async def leave(self, reason: str = "", done: bool = False, timeout_s: float = 5.0) -> m.Ack:
         return await asyncio.to_thread(self.sync.leave, reason, done)  # in-process: no reply to wait for
 
-    async def lease_batch(self, n: int, wait_s: float = 0.0, min_groups: int = 1) -> m.BatchLease | m.Throttle:
-        return await asyncio.to_thread(self.sync.lease_batch, n, wait_s, min_groups)
+    async def lease_batch(
+        self, n: int, wait_s: float = 0.0, min_groups: int = 1, for_version: int = 0
+    ) -> m.BatchLease | m.Throttle:
+        return await asyncio.to_thread(self.sync.lease_batch, n, wait_s, min_groups, for_version)
 
-    async def ack_batch(self, lease_id: str, group_ids: list[str], step: int, keep_rest: bool = False) -> m.Ack:
-        return await asyncio.to_thread(self.sync.ack_batch, lease_id, group_ids, step, keep_rest)
+    async def ack_batch(
+        self, lease_id: str, group_ids: list[str], step: int, keep_rest: bool = False, give_back: bool = False
+    ) -> m.Ack:
+        return await asyncio.to_thread(self.sync.ack_batch, lease_id, group_ids, step, keep_rest, give_back)
 
     async def commit(self, step: int) -> m.Ack:
         return await asyncio.to_thread(self.sync.commit, step)

@@ -330,13 +330,19 @@ class AsyncBrokerClient:
             retries=0,
         )
 
-    async def lease_batch(self, n: int, wait_s: float = 0.0, min_groups: int = 1) -> m.BatchLease | m.Throttle:
+    async def lease_batch(
+        self, n: int, wait_s: float = 0.0, min_groups: int = 1, for_version: int = 0
+    ) -> m.BatchLease | m.Throttle:
         return await self.request(
-            lambda r: m.LeaseBatch(req_id=r, client_id=self.client_id, n=n, wait_s=wait_s, min_groups=min_groups),
+            lambda r: m.LeaseBatch(
+                req_id=r, client_id=self.client_id, n=n, wait_s=wait_s, min_groups=min_groups, for_version=for_version
+            ),
             timeout_s=self.timeout_s + wait_s,
         )
 
-    async def ack_batch(self, lease_id: str, group_ids: list[str], step: int, keep_rest: bool = False) -> m.Ack:
+    async def ack_batch(
+        self, lease_id: str, group_ids: list[str], step: int, keep_rest: bool = False, give_back: bool = False
+    ) -> m.Ack:
         return await self.request(
             lambda r: m.AckBatch(
                 req_id=r,
@@ -345,6 +351,7 @@ class AsyncBrokerClient:
                 step=step,
                 group_ids=list(group_ids),
                 keep_rest=keep_rest,
+                give_back=give_back,
             )
         )
 

@@ -145,13 +145,19 @@ class InprocBrokerClient:
     def leave(self, reason: str = "", done: bool = False) -> m.Ack:
         return self._call(lambda r: m.Leave(req_id=r, client_id=self.client_id, reason=reason, done=done))
 
-    def lease_batch(self, n: int, wait_s: float = 0.0, min_groups: int = 1) -> m.BatchLease | m.Throttle:
+    def lease_batch(
+        self, n: int, wait_s: float = 0.0, min_groups: int = 1, for_version: int = 0
+    ) -> m.BatchLease | m.Throttle:
         return self._call(
-            lambda r: m.LeaseBatch(req_id=r, client_id=self.client_id, n=n, wait_s=wait_s, min_groups=min_groups),
+            lambda r: m.LeaseBatch(
+                req_id=r, client_id=self.client_id, n=n, wait_s=wait_s, min_groups=min_groups, for_version=for_version
+            ),
             wait_s,
         )
 
-    def ack_batch(self, lease_id: str, group_ids: list[str], step: int, keep_rest: bool = False) -> m.Ack:
+    def ack_batch(
+        self, lease_id: str, group_ids: list[str], step: int, keep_rest: bool = False, give_back: bool = False
+    ) -> m.Ack:
         return self._call(
             lambda r: m.AckBatch(
                 req_id=r,
@@ -160,6 +166,7 @@ class InprocBrokerClient:
                 step=step,
                 group_ids=list(group_ids),
                 keep_rest=keep_rest,
+                give_back=give_back,
             )
         )
 

@@ -110,11 +110,15 @@ class ZmqBrokerClient:
             self._heartbeat.cancel()
         return self._run(self.client.leave(reason, done))
 
-    def lease_batch(self, n: int, wait_s: float = 0.0, min_groups: int = 1) -> m.BatchLease | m.Throttle:
-        return self._run(self.client.lease_batch(n, wait_s, min_groups))
+    def lease_batch(
+        self, n: int, wait_s: float = 0.0, min_groups: int = 1, for_version: int = 0
+    ) -> m.BatchLease | m.Throttle:
+        return self._run(self.client.lease_batch(n, wait_s, min_groups, for_version))
 
-    def ack_batch(self, lease_id: str, group_ids: list[str], step: int, keep_rest: bool = False) -> m.Ack:
-        return self._run(self.client.ack_batch(lease_id, group_ids, step, keep_rest))
+    def ack_batch(
+        self, lease_id: str, group_ids: list[str], step: int, keep_rest: bool = False, give_back: bool = False
+    ) -> m.Ack:
+        return self._run(self.client.ack_batch(lease_id, group_ids, step, keep_rest, give_back))
 
     def commit(self, step: int) -> m.Ack:
         return self._run(self.client.commit(step))

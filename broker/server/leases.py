@@ -96,10 +96,13 @@ class BatchLeases:
         if lease.client_id != req.client_id:
             raise Unauthorized(f"lease {req.lease_id} is held by {lease.client_id}, not {req.client_id}")
         acked = set(req.group_ids)
-        trained = [g for g in lease.group_ids if g in acked] if acked else list(lease.group_ids)
-        untrained = [g for g in lease.group_ids if g not in acked] if acked else []
+        if req.give_back:  # none trained (a learner's prefetched batch it cannot use): all go back
+            trained, untrained = [], list(lease.group_ids)
+        else:
+            trained = [g for g in lease.group_ids if g in acked] if acked else list(lease.group_ids)
+            untrained = [g for g in lease.group_ids if g not in acked] if acked else []
         self._consume(req.client_id, req.step, trained)  # may raise SpoolUnavailable: nothing changed yet
-        if req.keep_rest and acked:  # done with some groups now (e.g. filtered ones); the lease keeps the rest
+        if req.keep_rest and acked and not req.give_back:  # done with some (e.g. filtered ones); it keeps the rest
             lease.group_ids = untrained
             if not untrained:
                 del self.leases[req.lease_id]
@@ -112,6 +115,8 @@ class BatchLeases:
         """A lease the broker no longer holds (expired, or lost in a restart): take back the groups it held that
         were not re-leased since. An unknown or someone else's lease id takes back nothing."""
         client, held = self.history.get(req.lease_id, ("", []))
+        if req.give_back:  # the groups went back when the lease expired: nothing to take
+            return m.Ack(req_id=req.req_id, ref=req.lease_id, count=0)
         if client != req.client_id:
             self.counters["late_acks_refused"] += 1
             return m.Ack(req_id=req.req_id, ref=req.lease_id, count=0)

@@ -108,6 +108,7 @@ class BrokerState:
         )
         self.recovery: dict[str, int] = {}
         self.learner_done = ""  # why the learner finished ("" = training goes on); a learner registering clears it
+        self.leases_ahead = 0  # 1 once a learner leases ahead of its publish (trains_at); a learner registering: 0
         if spool is not None:
             self._recover(spool.recover())
 
@@ -118,6 +119,15 @@ class BrokerState:
     uncommitted = property(lambda self: self.batches.uncommitted)
     in_flight = property(lambda self: self.batches.in_flight)
     version = property(lambda self: self.controls.version)
+
+    @property
+    def trains_at(self) -> int:
+        """The version groups leased from now on are trained at: the newest published one, or the one after it
+        once a learner leases ahead of its publish (learner.prefetch: ``LeaseBatch.for_version``; it then does
+        so every step, so this holds also between a publish and the next lease ahead, when rollouts load the new
+        weights and ask for work). Admission counts a rollout's lag from it, so the window holds only work that
+        is still fresh where it is trained."""
+        return self.version + self.leases_ahead
     paused = property(lambda self: self.controls.paused)
     discarded_versions = property(lambda self: self.controls.discarded.ranges())
 
@@ -320,6 +330,8 @@ class BrokerState:
         if full:
             self.rejected["too_many_clients"] += 1
             return m.Error(req_id=req.req_id, code="unavailable", reason=full)
+        if shown == "learner":
+            self.leases_ahead = 0  # until it leases ahead (a restarted learner may not prefetch)
         if shown == "learner" and self.learner_done:
             log.info("learner %s registered: training goes on after `done` (%s)", req.client_id, self.learner_done)
             self.learner_done = ""
@@ -361,7 +373,7 @@ class BrokerState:
         c.admit_from = 0
         mark = self.prompts.mark()
         room = self._share_room(now)
-        free = self.admission.room(staleness(self.version, req.policy_version))
+        free = self.admission.room(staleness(self.trains_at, req.policy_version))
         prompts = self.prompts.take(min(req.n, free, req.n if room is None else room))
         if not prompts:
             if self.prompts.exhausted and not self.prompts.leases:
@@ -415,7 +427,7 @@ class BrokerState:
             )
         if not rollout_is_fresh(self.version, req.policy_version, self.bcfg.max_staleness):
             return 0.2, f"policy version {req.policy_version} is too stale (current {self.version}); load new weights"
-        lag = staleness(self.version, req.policy_version)
+        lag = staleness(self.trains_at, req.policy_version)
         if self.admission.room(lag) <= 0:
             if self.key:
                 self.shares.starved(self.key, now)
@@ -512,10 +524,19 @@ class BrokerState:
         self._touch(req.client_id, now, "learner")
         if req.n <= 0:
             return m.Error(req_id=req.req_id, code="bad_request", reason=f"LeaseBatch.n must be positive, got {req.n}")
+        if req.for_version < 0:
+            return m.Error(
+                req_id=req.req_id,
+                code="bad_request",
+                reason=f"LeaseBatch.for_version must be >= 0 (0: the newest published version), got {req.for_version}",
+            )
         if len(self.q) < min(req.min_groups, req.n) and not final and req.wait_s > 0:
             return None
+        trained_at = max(self.version, req.for_version)  # a learner leasing ahead of its publish trains at it
+        if req.for_version > self.version:
+            self.leases_ahead = min(1, req.for_version - self.version)
         ids, stale = self.batches.take(
-            req.n, min_fresh_version(self.version, self.bcfg.max_staleness), self.max_lease_bytes
+            req.n, min_fresh_version(trained_at, self.bcfg.max_staleness), self.max_lease_bytes
         )
         if stale:
             try:
@@ -527,7 +548,7 @@ class BrokerState:
                 return None
             return m.Throttle(req_id=req.req_id, retry_after_s=0.2, reason="no fresh groups queued yet")
         for gid in ids:
-            self.staleness_hist[staleness(self.version, self.q.groups[gid].policy_version)] += 1
+            self.staleness_hist[staleness(trained_at, self.q.groups[gid].policy_version)] += 1
         lease = self.batches.open(req.client_id, ids, now)
         self.rate_out.add(now, len(ids))
         if self.measured is not None:

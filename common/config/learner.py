@@ -79,6 +79,14 @@ class LearnerConfig(Section):
             ge=0,
         ),
     ] = 60.0
+    prefetch: Annotated[
+        bool,
+        doc(
+            "Lease the next step's batch on a thread while this step trains (the staleness bound counts from the "
+            "version that step will train at); a batch whose version or quarantine changed meanwhile goes back to "
+            "the queue and the step leases again.",
+        ),
+    ] = True
     max_lease_rounds: Annotated[
         int, doc("Leases per step when dynamic sampling filters groups out (bounds the wait).", ge=1)
     ] = 8

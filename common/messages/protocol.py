@@ -79,6 +79,9 @@ class LeaseBatch(Message, tag=6):  # Learner -> Broker
     n: int  # groups wanted
     wait_s: float = 0.0  # hold the request up to this long for groups to arrive
     min_groups: int = 1  # reply once this many are ready (or at wait_s with what is there)
+    # the policy version the batch will be trained at, when the learner leases ahead of its next publish
+    # (learner.prefetch): the staleness bound counts from max(this, the newest published version)
+    for_version: int = 0
 
 
 class AckBatch(Message, tag=7):  # Learner -> Broker (trained on the lease)
@@ -88,6 +91,7 @@ class AckBatch(Message, tag=7):  # Learner -> Broker (trained on the lease)
     step: int = 0
     group_ids: list[Id] = []  # the groups done with; empty = all
     keep_rest: bool = False  # False: the lease closes and groups not listed are requeued; True: they stay leased
+    give_back: bool = False  # none trained: the lease closes and all its groups go back to the queue's front
 
 
 class Commit(Message, tag=8):  # Learner -> Broker (a checkpoint covers every ack up to `step`)

@@ -108,10 +108,13 @@ def simulate(
     admission: str = "measured",
     ticks: int = 120,
     load_p: float = 0.7,
+    prefetch: bool = False,
 ) -> dict:
     """A seeded run. Each tick every live rollout may die, load the announced weights, lease prompts and
     finish its oldest lease (by its speed); the learner leases, filters `filter_rate` of what comes (acking
-    those at once), trains once it holds its 4 groups and publishes. Checks every invariant as it goes."""
+    those at once), trains once it holds its 4 groups and publishes. Checks every invariant as it goes.
+    ``prefetch`` (learner.prefetch): the learner leases ahead of its publish (``for_version`` = the next
+    version), so the version moves on between the lease and the training; the bound is checked at training."""
     rng = random.Random(seed)
     state = make_state(
         f"broker.max_staleness={max_staleness}",
@@ -126,6 +129,7 @@ def simulate(
     leases: list[list] = [[] for _ in range(rollouts)]
     pushed, trained, filtered, stale_on_arrival = set(), [], [], 0
     kept: list = []
+    held_groups: set = set()  # (group id, its policy version) of every group leased
     step, waits, now = 0, 0, 0.0
     for _tick in range(ticks):
         now += 1.0
@@ -154,11 +158,13 @@ def simulate(
                     elif isinstance(ack, m.Ack) and not ack.duplicate:
                         stale_on_arrival += 1  # acknowledged as stale, counted in dropped_stale
         for _round in range(4):  # like learner.max_lease_rounds: lease again while the step is not full
-            batch = lease_batch(state, 4 - len(kept), now=now)
+            ahead = state.version + 1 if prefetch else 0
+            batch = state.handle(m.LeaseBatch(req_id=3, client_id="l0", n=4 - len(kept), for_version=ahead), now)
             if not isinstance(batch, m.BatchLease):
                 break
             for g in batch.groups:  # the invariant: no trained group is older than max_staleness versions
-                assert state.version - g.policy_version <= max_staleness
+                assert max(ahead, state.version) - g.policy_version <= max_staleness
+            held_groups.update((g.group_id, g.policy_version) for g in batch.groups)
             flat = [g.group_id for g in batch.groups if rng.random() < filter_rate]
             if flat:
                 state.handle(
@@ -175,6 +181,10 @@ def simulate(
             waits += 1
             continue
         step += 1
+        if prefetch:  # leased while the step before trained: that step's version is published first
+            publish(state, state.version + 1, now=now)
+        for _, gid in kept:  # the invariant where it counts: at the version the group is trained at
+            assert state.version - dict(held_groups)[gid] <= max_staleness
         for lease_id in {lid for lid, _ in kept}:
             state.handle(
                 m.AckBatch(
@@ -188,7 +198,8 @@ def simulate(
             )
         trained.extend(gid for _, gid in kept)
         kept = []
-        publish(state, state.version + 1, now=now)
+        if not prefetch:
+            publish(state, state.version + 1, now=now)
     consumed = trained + filtered
     assert set(consumed) <= pushed and len(consumed) == len(set(consumed))
     held_now = len(state.groups) - len(kept)
@@ -206,11 +217,12 @@ def simulate(
     rollouts=st.integers(1, 4),
     kill_rate=st.sampled_from([0.0, 0.005, 0.03]),
     load_p=st.sampled_from([0.2, 0.7, 1.0]),
+    prefetch=st.booleans(),
 )
 def test_staleness_invariant_under_random_filter_rates_speeds_and_kills(
-    seed, filter_rate, max_staleness, rollouts, kill_rate, load_p
+    seed, filter_rate, max_staleness, rollouts, kill_rate, load_p, prefetch
 ):
-    simulate(seed, filter_rate, max_staleness, rollouts, kill_rate, load_p=load_p)
+    simulate(seed, filter_rate, max_staleness, rollouts, kill_rate, load_p=load_p, prefetch=prefetch)
 
 
 def test_a_measured_window_keeps_a_filtering_learner_fed():

@@ -120,6 +120,60 @@ def test_stale_groups_are_dropped_counted_and_their_prompts_reissued():
     assert push(state, late).count == 0 and state.counters["dropped_stale"] == 4
 
 
+def test_a_lease_ahead_of_the_publish_counts_staleness_from_the_version_it_will_be_trained_at():
+    """LeaseBatch.for_version (learner.prefetch): the bound counts from max(for_version, the published version)."""
+    state = make_state("broker.max_staleness=1", "broker.requeue_stale=false")
+    fill(state, 2, version=0)
+    publish(state, 1)  # version 0 is 1 behind: trainable now, but not at version 2
+    ahead = state.handle(m.LeaseBatch(req_id=3, client_id="l0", n=2, for_version=2), 0.0)
+    assert isinstance(ahead, m.Throttle) and state.counters["dropped_stale"] == 2
+    fill(state, 2, version=1)
+    ahead = state.handle(m.LeaseBatch(req_id=3, client_id="l0", n=2, for_version=2), 0.0)
+    assert isinstance(ahead, m.BatchLease) and [g.policy_version for g in ahead.groups] == [1, 1]
+    assert state.status(0, 1.0).staleness_hist == {"1": 2}  # counted at the version they will be trained at
+    behind = state.handle(m.LeaseBatch(req_id=3, client_id="l0", n=2, for_version=0), 0.0)  # 0: the published one
+    assert isinstance(behind, m.Throttle)
+    bad = state.handle(m.LeaseBatch(req_id=3, client_id="l0", n=2, for_version=-1), 0.0)
+    assert isinstance(bad, m.Error) and "for_version must be >= 0" in bad.reason
+
+
+def test_once_a_learner_leases_ahead_admission_counts_a_rollouts_lag_from_the_version_it_trains_at():
+    """A rollout on the published weights is one version behind where its groups will be trained: measured
+    admission grants it the window less one version (capacity_at(1)), as it would a lagging rollout."""
+    state = make_state("broker.max_staleness=2", "broker.admission=measured", n_prompts=400)
+    publish(state, 1)
+    first = lease_prompts(state, 400, version=1)
+    assert state.trains_at == 1 and len(first.prompts) == state.measured.capacity_at(0)
+    state.handle(m.ReturnPrompts(req_id=6, client_id="r0", lease_id=first.lease_id), 0.0)
+    state.handle(m.LeaseBatch(req_id=3, client_id="l0", n=1, for_version=2), 0.0)  # nothing queued: a throttle
+    assert state.trains_at == 2 and state.version == 1
+    ahead = lease_prompts(state, 400, version=1)
+    assert len(ahead.prompts) == state.measured.capacity_at(1) < state.measured.capacity_at(0)
+    publish(state, 2)  # a learner that leases ahead does so every step: the offset holds across its publish
+    assert state.trains_at == 3
+    state.handle(m.Register(req_id=7, client_id="l1", role="learner"), 0.0)
+    assert state.trains_at == 2  # a learner (re)starting may not lease ahead
+
+
+def test_a_batch_given_back_goes_to_the_front_untrained_and_a_late_give_back_takes_nothing():
+    state = make_state()
+    groups = fill(state, 3)
+    lease = lease_batch(state, 2)
+    back = state.handle(
+        m.AckBatch(req_id=4, client_id="l0", lease_id=lease.lease_id, step=1, group_ids=[], give_back=True), 0.0
+    )
+    assert back.count == 0 and state.counters["groups_trained"] == 0 and not state.batches.leases
+    again = lease_batch(state, 3)  # the given-back groups first, in their order, then the one never leased
+    assert [g.group_id for g in again.groups] == [g.group_id for g in lease.groups] + [
+        g.group_id for g in groups if g.group_id not in {x.group_id for x in lease.groups}
+    ]
+    state.expire(10_000.0)  # the lease expires: its groups go back by themselves
+    late = state.handle(
+        m.AckBatch(req_id=4, client_id="l0", lease_id=again.lease_id, step=1, group_ids=[], give_back=True), 10_000.0
+    )
+    assert late.count == 0 and state.counters["groups_trained"] == 0 and len(state.queued) == 3
+
+
 def test_synchronous_job_only_trains_current_version():
     state = make_state("broker.max_staleness=0", "algorithm.off_policy.mode=none")
     assert state.capacity == 4

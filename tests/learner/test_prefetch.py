@@ -1,0 +1,130 @@
+"""learner.prefetch: the next step's batch is leased on a thread while this step trains. It is handed over only
+when nothing it was judged against changed; otherwise it goes back to the front of the broker's queue untrained
+and the step leases again: nothing lost, nothing trained twice, the staleness bound kept."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from fleetrl.common.config import load_config
+from fleetrl.learner.source import BrokerBatchSource, FleetIdle, Interrupted, Prefetch
+from tests.learner.conftest import inproc_client, synthetic_groups
+
+WANT = 4
+
+
+class Counting:
+    """The learner client, counting lease round trips and the threads they ran on."""
+
+    def __init__(self, client):
+        self.client, self.leases, self.threads = client, 0, set()
+
+    def lease_batch(self, *a, **kw):
+        self.leases += 1
+        self.threads.add(threading.current_thread().name)
+        return self.client.lease_batch(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+def source(groups, *overrides):
+    client, broker = inproc_client(groups)
+    counting = Counting(client)
+    cfg = load_config(None, [f"learner.groups_per_step={WANT}", *overrides])
+    return BrokerBatchSource(counting, cfg, 0, 1), counting, broker.state
+
+
+def ids(leased):
+    return [g.group_id for g in leased.groups]
+
+
+def test_a_batch_leased_ahead_is_handed_over_without_another_lease():
+    groups = synthetic_groups(12)
+    src, counting, state = source(groups)
+    prefetch = Prefetch(src)
+    try:
+        first = prefetch.take(1, 0, lambda: False)  # nothing prefetched yet: an ordinary lease
+        prefetch.start(2, 1, lambda: False)  # step 1 publishes version 1: step 2 trains at it
+        src.ack(first, 1)
+        before = counting.leases
+        second = prefetch.take(2, 1, lambda: False)
+        assert counting.leases == before and ids(second) == [g.group_id for g in groups[WANT : 2 * WANT]]
+        assert any(name.startswith("fleetrl-prefetch") for name in counting.threads)
+        assert second.lease_s >= second.wait_s >= 0.0 and prefetch.given_back == 0
+        src.ack(second, 2)
+        assert state.counters["groups_trained"] == 2 * WANT and len(state.queued) == 12 - 2 * WANT
+    finally:
+        prefetch.close(2)
+
+
+@pytest.mark.parametrize("change", ["version", "quarantine", "step"])
+def test_a_batch_judged_against_what_changed_goes_back_and_the_step_leases_again(change):
+    groups = synthetic_groups(8)
+    src, counting, state = source(groups)
+    prefetch = Prefetch(src)
+    try:
+        prefetch.start(1, 0, lambda: False)
+        prefetch.pending[0].result(10)  # leased
+        version, step = 0, 1
+        if change == "version":
+            version = 1  # a rollback or a resume published a version the lease was not judged against
+        elif change == "quarantine":
+            src.quarantine("r9")
+        else:
+            step = 2
+        before = counting.leases
+        leased = prefetch.take(step, version, lambda: False)
+        assert prefetch.given_back == 1 and counting.leases == before + 1
+        # the given-back groups went to the front of the queue: the fresh lease holds the same ones
+        assert ids(leased) == [g.group_id for g in groups[:WANT]]
+        src.ack(leased, step)
+        assert state.counters["groups_trained"] == WANT and len(state.queued) == 8 - WANT
+        assert not state.batches.leases  # the given-back lease is closed
+    finally:
+        prefetch.close(1)
+
+
+def test_cancel_ends_a_lease_waiting_for_groups_and_gives_back_a_held_one():
+    src, counting, state = source([])
+    prefetch = Prefetch(src)
+    try:
+        prefetch.start(1, 0, lambda: False)  # no groups queued: the lease waits
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        prefetch.cancel(0)
+        assert time.monotonic() - t0 < 10 and prefetch.pending is None and not state.batches.leases
+    finally:
+        prefetch.close(0)
+
+    groups = synthetic_groups(6)
+    src, counting, state = source(groups)
+    prefetch = Prefetch(src)
+    prefetch.start(1, 0, lambda: False)
+    prefetch.pending[0].result(10)
+    prefetch.close(0)  # training ended with a batch held: it goes back
+    assert state.counters["groups_trained"] == 0 and len(state.queued) == 6 and not state.batches.leases
+
+
+def test_a_lease_error_or_a_stop_on_the_thread_is_raised_by_take():
+    src, _, _ = source([], "learner.batch_wait_s=0.3")
+    prefetch = Prefetch(src)
+    try:
+        prefetch.start(1, 0, lambda: False)
+        with pytest.raises(FleetIdle, match="learner.batch_wait_s=0.3"):
+            prefetch.take(1, 0, lambda: False)
+        stop = threading.Event()
+        prefetch.start(1, 0, stop.is_set)
+        stop.set()
+        with pytest.raises(Interrupted):
+            prefetch.take(1, 0, stop.is_set)
+    finally:
+        prefetch.close(1)
+
+
+def test_prefetch_from_config():
+    assert load_config(None, []).learner.prefetch is True
+    assert load_config(None, ["learner.prefetch=false"]).learner.prefetch is False
