@@ -39,7 +39,7 @@ class Admission:
         """Most groups queued + generating + training (broker.queue_capacity, else measured or static)."""
         return self.measured.capacity if self.measured is not None else self.fixed_capacity
 
-    def room(self, lag: int = 0) -> int:
+    def room(self, lag: int = 0, ahead: int = 0) -> int:
         """Groups a rollout whose weights are ``lag`` versions behind may still be granted (issue 24).
 
         Measured, the window holds only work that can still be trained. It shrinks with the lag
@@ -48,11 +48,17 @@ class Admission:
         acknowledged at once, a step trained whose next version is not published yet; at most a version's
         share) has used its part, and groups queued now are trained after it. Counted as the kept groups in
         flight only, the window's tail was generated to be dropped as stale (quiet demo, main 9dad667: 18%
-        of the groups made, in bursts of ~20 when a version was published)."""
+        of the groups made, in bursts of ~20 when a version was published).
+
+        ``ahead`` (1 while learners lease ahead of their publish, learner.prefetch): what is made now is trained
+        a version later, so the window is one version shorter; for weights on the newest version it keeps two
+        (the version the lease ahead takes its share of, and one more), or a learner whose lease ahead took its
+        whole share in filtered groups would wait for groups no rollout may make."""
         if self.measured is None:
             return self.fixed_capacity - self.load()
         this_version = max(self.batches.in_flight, min(self.measured.taken, math.ceil(round(self.measured.per, 6))))
-        return self.measured.capacity_at(lag) - (len(self.q) + self.prompts.leased + this_version)
+        least = 1 + ahead if lag == 0 else 1
+        return self.measured.capacity_at(lag + ahead, least) - (len(self.q) + self.prompts.leased + this_version)
 
     def load(self) -> int:
         """Groups queued, being generated, or being trained: what admission control bounds."""

@@ -125,8 +125,7 @@ class BrokerState:
         """The version groups leased from now on are trained at: the newest published one, or the one after it
         once a learner leases ahead of its publish (learner.prefetch: ``LeaseBatch.for_version``; it then does
         so every step, so this holds also between a publish and the next lease ahead, when rollouts load the new
-        weights and ask for work). Admission counts a rollout's lag from it, so the window holds only work that
-        is still fresh where it is trained."""
+        weights and ask for work). Admission shortens its window by the difference (``Admission.room``)."""
         return self.version + self.leases_ahead
     paused = property(lambda self: self.controls.paused)
     discarded_versions = property(lambda self: self.controls.discarded.ranges())
@@ -373,7 +372,7 @@ class BrokerState:
         c.admit_from = 0
         mark = self.prompts.mark()
         room = self._share_room(now)
-        free = self.admission.room(staleness(self.trains_at, req.policy_version))
+        free = self.admission.room(staleness(self.version, req.policy_version), self.leases_ahead)
         prompts = self.prompts.take(min(req.n, free, req.n if room is None else room))
         if not prompts:
             if self.prompts.exhausted and not self.prompts.leases:
@@ -427,11 +426,11 @@ class BrokerState:
             )
         if not rollout_is_fresh(self.version, req.policy_version, self.bcfg.max_staleness):
             return 0.2, f"policy version {req.policy_version} is too stale (current {self.version}); load new weights"
-        lag = staleness(self.trains_at, req.policy_version)
-        if self.admission.room(lag) <= 0:
+        lag = staleness(self.version, req.policy_version)
+        if self.admission.room(lag, self.leases_ahead) <= 0:
             if self.key:
                 self.shares.starved(self.key, now)
-            if lag and self.admission.room() > 0:  # room for fresher weights: the announcement is on its way
+            if lag and self.admission.room(0, self.leases_ahead) > 0:  # room for fresher weights: they are on the way
                 return 0.05, f"at capacity for weights {lag} version(s) behind ({self.version}); load new weights"
             return 0.1, f"at capacity ({self.capacity} groups)"
         if self._share_room(now) == 0:

@@ -116,6 +116,7 @@ def simulate(
     ``prefetch`` (learner.prefetch): the learner leases ahead of its publish (``for_version`` = the next
     version), so the version moves on between the lease and the training; the bound is checked at training."""
     rng = random.Random(seed)
+    prefetch = prefetch and max_staleness > 0  # as the learner: nothing to lease ahead of a synchronous publish
     state = make_state(
         f"broker.max_staleness={max_staleness}",
         "broker.client_timeout_s=3",
@@ -145,8 +146,9 @@ def simulate(
             reply = lease_prompts(state, rng.randint(2, 8), client=f"r{r}", version=held[r], now=now)
             if isinstance(reply, m.PromptLease):  # admission never grants beyond the window, less the lag's share
                 assert state.load() <= state.capacity
-                lag = state.version - held[r]
-                assert state.measured is None or state.load() <= state.measured.capacity_at(lag)
+                lag, ahead = state.version - held[r], state.leases_ahead
+                least = 1 + ahead if lag == 0 else 1
+                assert state.measured is None or state.load() <= state.measured.capacity_at(lag + ahead, least)
                 leases[r].append((reply, held[r]))
             if leases[r] and rng.random() < speed[r]:
                 lease, version = leases[r].pop(0)
@@ -257,9 +259,9 @@ def test_admission_for_trainable_work_drops_less_as_stale_and_trains_more(monkey
     steps with fewer groups dropped per step."""
     kw = dict(seed=3, filter_rate=0.5, max_staleness=2, rollouts=3, kill_rate=0.0, load_p=0.3, ticks=200)
     aware = simulate(**kw)
-    monkeypatch.setattr(Admission, "room", lambda self, lag=0: self.capacity - self.load())  # the window before
+    monkeypatch.setattr(Admission, "room", lambda self, lag=0, ahead=0: self.capacity - self.load())  # the window before
     capacity_at = MeasuredCapacity.capacity_at
-    monkeypatch.setattr(MeasuredCapacity, "capacity_at", lambda self, lag: capacity_at(self, 0))  # and its check
+    monkeypatch.setattr(MeasuredCapacity, "capacity_at", lambda self, lag, least=1: capacity_at(self, 0))  # and its check
     blind = simulate(**kw)
     assert aware["steps"] > 1.5 * blind["steps"], (aware, blind)
     assert aware["stale"] / aware["steps"] < 0.6 * blind["stale"] / blind["steps"], (aware, blind)

@@ -155,6 +155,19 @@ def test_once_a_learner_leases_ahead_admission_counts_a_rollouts_lag_from_the_ve
     assert state.trains_at == 2  # a learner (re)starting may not lease ahead
 
 
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_a_lease_ahead_that_took_its_whole_share_in_filtered_groups_still_leaves_room_to_make_more(max_staleness):
+    """Dynamic sampling filtered every group the lease ahead took (a version's whole share): a rollout on the newest
+    weights still gets prompts, or the learner would wait for groups no rollout may make (an e2e DAPO run with
+    max_staleness 1 hung at step 2 so before the window kept two versions for the newest weights)."""
+    state = make_state(f"broker.max_staleness={max_staleness}", "broker.admission=measured", n_prompts=400)
+    publish(state, 1)
+    state.handle(m.LeaseBatch(req_id=3, client_id="l0", n=1, for_version=2), 0.0)
+    state.measured.taken_by_learner(state.measured.capacity_at(max_staleness))  # all taken, all filtered
+    reply = lease_prompts(state, 400, version=1)
+    assert isinstance(reply, m.PromptLease) and len(reply.prompts) >= state.measured.capacity_at(max_staleness)
+
+
 def test_a_batch_given_back_goes_to_the_front_untrained_and_a_late_give_back_takes_nothing():
     state = make_state()
     groups = fill(state, 3)
