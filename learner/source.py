@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -277,6 +278,12 @@ class Prefetch:
     is not newer than ``for_version`` (a rollback or resume publishes one) and no server was quarantined since.
     Otherwise it goes back to the queue and the step leases as without a prefetch. Errors of the lease (the fleet
     idle, a stop) are raised by ``take``.
+
+    A broker that restarts forgets its open leases and queues their groups again, the batch being trained
+    included, whose acknowledgement then arrives late (it takes back only groups still queued). So a lease ahead
+    that returns a group the step is training gives its lease back and leases again once the step has
+    acknowledged (``step_acked``): the late acknowledgement finds those groups queued and consumes them, and
+    none is trained twice.
     """
 
     def __init__(self, source: BrokerBatchSource):
@@ -285,11 +292,45 @@ class Prefetch:
         self.pending: tuple[Future[Leased], int, int, frozenset[str]] | None = None
         self.cancelled = False
         self.given_back = 0  # prefetched batches that could not be used
+        self.released = 0  # leases ahead given back for holding a group being trained
+        self.training: frozenset[str] = frozenset()
+        self.acked = threading.Event()
 
-    def start(self, step: int, for_version: int, should_stop: Callable[[], bool]) -> None:
+    def start(
+        self, step: int, for_version: int, should_stop: Callable[[], bool], training: list[m.SampleGroup] = ()
+    ) -> None:
+        """Lease step ``step``'s batch on the thread, while the groups ``training`` are trained."""
         stop = lambda: self.cancelled or should_stop()  # noqa: E731
-        future = self.pool.submit(self.source.next, step, stop, for_version)
+        self.training = frozenset(g.group_id for g in training)
+        self.acked.clear()
+        future = self.pool.submit(self._lease, step, stop, for_version)
         self.pending = (future, step, for_version, frozenset(self.source.quarantined))
+
+    def step_acked(self) -> None:
+        """The step being trained was acknowledged."""
+        self.acked.set()
+
+    def _lease(self, step: int, stop: Callable[[], bool], for_version: int) -> Leased:
+        leased = self.source.next(step, stop, for_version)
+        again = {g.group_id for g in leased.groups} & self.training
+        if not again:
+            return leased
+        log.warning(
+            "the broker leased again %d group(s) this step is training (it restarted and forgot their lease): "
+            "the lease goes back, and the next batch is leased once this step is acknowledged",
+            len(again),
+        )
+        self.source.give_back(leased, step)
+        self.released += 1
+        while not self.acked.wait(0.05):
+            if stop():
+                raise Interrupted()
+        fresh = self.source.next(step, stop, for_version)
+        fresh.filtered += leased.filtered  # consumed by the first lease: still this step's record
+        fresh.filtered_ids[:0] = leased.filtered_ids
+        fresh.screened_ids[:0] = leased.screened_ids
+        fresh.dropped_stale += leased.dropped_stale
+        return fresh
 
     def take(self, step: int, version: int, should_stop: Callable[[], bool]) -> Leased:
         """The batch for ``step`` while the learner holds policy ``version``."""

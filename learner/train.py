@@ -154,12 +154,14 @@ class Learner:
             if self.prefetch is not None and self.step + 2 <= self.cfg.learner.total_steps:
                 # the next step's batch is leased while this one trains, at the version it will train at
                 publishes = (self.step + 1) % self.cfg.sync.interval == 0
-                self.prefetch.start(self.step + 2, self.version + int(publishes), self.stop_requested)
+                self.prefetch.start(self.step + 2, self.version + int(publishes), self.stop_requested, leased.groups)
             with faults.around("learner.update", learner=self, step=self.step + 1):
                 stats = self.actor.step(batch, self.version, self.pristine)
             self.pristine = False
             self.step += 1
             self.source.ack(leased, self.step)
+            if self.prefetch is not None:
+                self.prefetch.step_acked()
             self.traces.trained(step_span, leased.groups, self.step, self.version, start_ns)  # learner/tracing.py
             self.trained_log.write(
                 {

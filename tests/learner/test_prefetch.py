@@ -128,3 +128,35 @@ def test_a_lease_error_or_a_stop_on_the_thread_is_raised_by_take():
 def test_prefetch_from_config():
     assert load_config(None, []).learner.prefetch is True
     assert load_config(None, ["learner.prefetch=false"]).learner.prefetch is False
+
+
+def test_a_lease_ahead_holding_a_group_being_trained_waits_for_the_step_ack_and_none_is_trained_twice():
+    """A broker restart forgets the open lease of the batch being trained and queues its groups again; the lease
+    ahead gets them. It gives them back, waits for the step's (late) acknowledgement, which consumes them from
+    the queue, and leases the next groups: the chaos run that killed the broker mid-spool-write trained 4 groups
+    twice before."""
+    groups = synthetic_groups(12)
+    src, counting, state = source(groups)
+    prefetch = Prefetch(src)
+    try:
+        training = src.next(1)
+        (lease_id, trained_ids), = training.leases
+        # the broker restarted: the lease is only in its history (from the spool), its groups are queued again
+        lease = state.batches.leases.pop(lease_id)
+        state.batches.history[lease_id] = (lease.client_id, list(lease.group_ids))
+        state.q.requeue_front(list(lease.group_ids))
+        prefetch.start(2, 1, lambda: False, training.groups)
+        wait_s = 0.0
+        while prefetch.released == 0 and wait_s < 10:
+            time.sleep(0.01)
+            wait_s += 0.01
+        assert prefetch.released == 1 and not prefetch.pending[0].done()  # waits for the step's acknowledgement
+        src.ack(training, 1)  # late: takes back the groups queued again
+        prefetch.step_acked()
+        second = prefetch.take(2, 1, lambda: False)
+        assert not set(ids(second)) & set(trained_ids)
+        assert ids(second) == [g.group_id for g in groups[WANT : 2 * WANT]]
+        src.ack(second, 2)
+        assert state.counters["groups_trained"] == 2 * WANT and len(state.queued) == 12 - 2 * WANT
+    finally:
+        prefetch.close(2)
