@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -297,7 +297,7 @@ class Prefetch:
         self.acked = threading.Event()
 
     def start(
-        self, step: int, for_version: int, should_stop: Callable[[], bool], training: list[m.SampleGroup] = ()
+        self, step: int, for_version: int, should_stop: Callable[[], bool], training: Sequence[m.SampleGroup] = ()
     ) -> None:
         """Lease step ``step``'s batch on the thread, while the groups ``training`` are trained."""
         stop = lambda: self.cancelled or should_stop()  # noqa: E731

@@ -127,6 +127,7 @@ class BrokerState:
         so every step, so this holds also between a publish and the next lease ahead, when rollouts load the new
         weights and ask for work). Admission shortens its window by the difference (``Admission.room``)."""
         return self.version + self.leases_ahead
+
     paused = property(lambda self: self.controls.paused)
     discarded_versions = property(lambda self: self.controls.discarded.ranges())
 

@@ -140,7 +140,7 @@ def test_a_lease_ahead_holding_a_group_being_trained_waits_for_the_step_ack_and_
     prefetch = Prefetch(src)
     try:
         training = src.next(1)
-        (lease_id, trained_ids), = training.leases
+        ((lease_id, trained_ids),) = training.leases
         # the broker restarted: the lease is only in its history (from the spool), its groups are queued again
         lease = state.batches.leases.pop(lease_id)
         state.batches.history[lease_id] = (lease.client_id, list(lease.group_ids))

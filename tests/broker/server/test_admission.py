@@ -259,9 +259,10 @@ def test_admission_for_trainable_work_drops_less_as_stale_and_trains_more(monkey
     steps with fewer groups dropped per step."""
     kw = dict(seed=3, filter_rate=0.5, max_staleness=2, rollouts=3, kill_rate=0.0, load_p=0.3, ticks=200)
     aware = simulate(**kw)
-    monkeypatch.setattr(Admission, "room", lambda self, lag=0, ahead=0: self.capacity - self.load())  # the window before
+    # the window before, and its check
+    monkeypatch.setattr(Admission, "room", lambda self, lag=0, ahead=0: self.capacity - self.load())
     capacity_at = MeasuredCapacity.capacity_at
-    monkeypatch.setattr(MeasuredCapacity, "capacity_at", lambda self, lag, least=1: capacity_at(self, 0))  # and its check
+    monkeypatch.setattr(MeasuredCapacity, "capacity_at", lambda self, lag, least=1: capacity_at(self, 0))
     blind = simulate(**kw)
     assert aware["steps"] > 1.5 * blind["steps"], (aware, blind)
     assert aware["stale"] / aware["steps"] < 0.6 * blind["stale"] / blind["steps"], (aware, blind)
