@@ -30,8 +30,10 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,6 +75,9 @@ WAIT_SLICE_S = 0.25  # longest sleep without looking at announcements and the st
 POLL_SLICE_S = 0.05  # while samples are generating: how often announcements are looked at
 PAUSED_POLL_S = 0.5  # while paused: how often the loop looks again (announcements wake it earlier)
 THROTTLE_S = (0.05, 5.0)  # bounds on a Throttle's retry_after_s
+# the main loop not polling for this long (it polls at least every WAIT_SLICE_S) is logged once, with every
+# thread's stack: a stalled loop takes no weights and no prompts while its heartbeat says it is alive
+STALL_S = 120.0
 
 
 class Abort(BaseException):
@@ -129,6 +134,7 @@ class RolloutServer:
         self.announced = 0  # version announcements seen: a throttled lease asks again after one (`lease`)
         self._next_id = 0
         self._next_catchup = 0.0
+        self._polled, self._stall_logged = time.monotonic(), False
         self._told_done = False
         self.resources = ProcessResources("resource/rollout")
 
@@ -396,6 +402,7 @@ class RolloutServer:
 
     def poll(self, timeout_s: float) -> None:
         """Announcements (waiting up to ``timeout_s`` for one), the catch-up poll, new weights."""
+        self._polled = time.monotonic()
         if self.finisher is not None and self.finisher.error is not None:
             raise self.finisher.error
         if self.pipeline_error is not None:
@@ -472,6 +479,7 @@ class RolloutServer:
 
     def heartbeat_stats(self) -> tuple[int, dict[str, float]]:
         """(policy version, stats) for the broker's status: called from the client's thread."""
+        self._check_stall()
         stats = {
             **self.stats.heartbeat(),
             **self.weight_stats(),
@@ -481,8 +489,33 @@ class RolloutServer:
         }
         return self.version, stats
 
+    def _check_stall(self) -> None:
+        """(heartbeat thread) Log once, with every thread's stack, when the main loop stopped polling."""
+        stalled = time.monotonic() - self._polled
+        if stalled < STALL_S:
+            self._stall_logged = False
+            return
+        if self._stall_logged:
+            return
+        self._stall_logged = True
+        log.error(
+            "the main loop has not polled for %.0f s: this server takes no new weights and no prompts until it "
+            "does (its heartbeat goes on); every thread's stack:\n%s",
+            stalled,
+            thread_stacks(),
+        )
+
 
 # ------------------------------------------------------------------------------------- helpers
+
+
+def thread_stacks() -> str:
+    """Every thread's current stack, innermost call last (what `py-spy dump` would show of the Python side)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(
+        f"--- thread {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame))
+        for ident, frame in sys._current_frames().items()
+    )
 
 
 def broker_address(cfg: JobConfig, cli_address: str | None, run_dir: str | Path | None) -> str:

@@ -280,8 +280,11 @@ class HFEngine(Engine):
             mode = self._pause_mode
             if mode is None or mode == "finish":
                 return None
-            self._parked.set()
             while self._pause_mode is not None and not self._closed:
+                # set again after every wake: a resume and the next pause can both come before this thread
+                # wakes, and that pause (which cleared the event) is waiting to hear that nothing runs
+                mode = self._pause_mode
+                self._parked.set()
                 self._cv.wait()
         return mode
 

@@ -168,7 +168,8 @@ def wait_for(predicate, timeout: float, what: str, dump: Path | None = None):
             tail = ""
             if dump is not None:
                 tail = "\n".join(
-                    f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(dump.rglob("*.out"))
+                    f"--- {p}\n{p.read_text(errors='replace')[-3000:]}"
+                    for p in sorted([*dump.rglob("*.out"), *dump.rglob("output.log")])
                 )
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{tail}")
         time.sleep(0.5)

@@ -8,6 +8,7 @@ round-off (a row's padding changes the shapes of the matmuls, not what is attend
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 
@@ -232,6 +233,32 @@ def test_pause_with_rows_at_different_steps(tiny_model_dir, flipped, mode):  # n
             if mode == "recompute":
                 new = teacher_forced(flipped, prompt, out.token_ids)[k:]
                 assert torch.allclose(new, torch.tensor(out.logprobs[k:]), atol=1e-4)
+    finally:
+        engine.close()
+
+
+def test_a_pause_right_after_a_resume_is_acknowledged_by_the_parked_rows(tiny_model_dir):
+    """Two weight updates back to back (CI, issue 24's cluster lane): the resume of the first and the pause of
+    the next both come before the parked decode thread wakes. It must still tell the second pause that
+    nothing runs; it used to wait with its rows for a resume that waited for it (the rollout stopped)."""
+    engine = make_engine(tiny_model_dir)
+    try:
+        long = engine.submit(Request(ids(engine, "12+34="), SamplingParams(temperature=0, max_new_tokens=LONG)))
+        wait_for(lambda: started(engine), what="the long request to start")
+        engine.loop.call(engine.pause("keep"), timeout=30)  # parked with its row
+
+        async def resume_then_pause():
+            with engine._cv:  # (reentrant) the decode thread wakes only after both
+                await engine.resume(None, "keep")
+                second = asyncio.ensure_future(engine.pause("keep"))
+                await asyncio.sleep(0)  # the pause is set and its event cleared, under the lock
+            await second
+
+        engine.loop.call(resume_then_pause(), timeout=30)
+        assert not long.done()
+        engine.loop.call(engine.resume(None, "keep"))
+        out = long.result(60)
+        assert len(out.token_ids) > 0 and out.versions == [0] * len(out.token_ids)
     finally:
         engine.close()
 

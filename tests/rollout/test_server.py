@@ -323,6 +323,37 @@ def test_throttle_is_obeyed_without_busy_loop(engine, tiny_model_dir):
         assert fleet.stop() == 0
 
 
+def test_a_stalled_main_loop_is_logged_once_with_its_stack(engine, tiny_model_dir, monkeypatch, caplog):
+    """Its heartbeat goes on while the main loop is stuck (CI: a weight update that never ended), so the
+    broker and the learner still count the server; the log says so, with where each thread is."""
+    monkeypatch.setattr("fleetrl.rollout.server.STALL_S", 0.5)
+    release = threading.Event()
+    fleet = Fleet(engine, tiny_model_dir, "broker.queue_capacity=1000").start_thread()
+    try:
+        wait_for(lambda: fleet.client.calls["lease_prompts"] > 0, what="the first lease")
+        inner = fleet.client.inner.lease_prompts
+
+        def stuck_lease(*args, **kwargs):
+            release.wait(30)
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(fleet.client.inner, "lease_prompts", stuck_lease)
+        wait_for(lambda: time.monotonic() - fleet.server._polled > 1.0, what="the loop to stall")
+        with caplog.at_level("ERROR", logger="fleetrl.rollout"):
+            fleet.server.heartbeat_stats()
+            fleet.server.heartbeat_stats()
+        stalls = [r.getMessage() for r in caplog.records if "has not polled" in r.getMessage()]
+        assert len(stalls) == 1, stalls  # once per stall, not once per heartbeat
+        assert "stuck_lease" in stalls[0] and "release.wait" in stalls[0]  # the main thread's stack
+    finally:
+        release.set()
+    caplog.clear()
+    wait_for(lambda: time.monotonic() - fleet.server._polled < 0.2, what="the loop to poll again")
+    fleet.server.heartbeat_stats()
+    assert not [r for r in caplog.records if "has not polled" in r.getMessage()]
+    assert fleet.stop() == 0
+
+
 @pytest.mark.parametrize(
     ("reason", "wakes"),
     [
