@@ -30,6 +30,8 @@ from fleetrl.learner.screen import FleetScreen
 log = logging.getLogger(__name__)
 OVERLEASE = 4  # a dynamic-sampling lease asks for at most this many times the groups the step still needs
 KEEP_ALPHA = 0.2  # weight of the newest lease in the running keep rate
+LEASE_SLICE_S = 2.0  # longest broker long-poll of one lease request: a stop is looked at between them
+CANCEL_SLICE_S = 0.2  # the same for a lease ahead (Prefetch): a rollback or the end cancels it at once
 
 
 class FleetIdle(RuntimeError):
@@ -150,7 +152,13 @@ class BrokerBatchSource:
         return min(math.ceil(need / max(self.keep_rate, 1.0 / OVERLEASE)), OVERLEASE * need)
 
     def _lease(
-        self, n: int, deadline: float, should_stop: Callable[[], bool], least: int | None = None, for_version: int = 0
+        self,
+        n: int,
+        deadline: float,
+        should_stop: Callable[[], bool],
+        least: int | None = None,
+        for_version: int = 0,
+        slice_s: float = LEASE_SLICE_S,
     ) -> m.BatchLease:
         wait = self.cfg.learner.batch_wait_s
         refusals = RefusalWatch(
@@ -167,22 +175,29 @@ class BrokerBatchSource:
                     "or raise that setting"
                 )
             ahead = {"for_version": for_version} if for_version else {}
-            reply = self.client.lease_batch(n, wait_s=min(2.0, left), min_groups=least or n, **ahead)
+            reply = self.client.lease_batch(n, wait_s=min(slice_s, left), min_groups=least or n, **ahead)
             if isinstance(reply, m.BatchLease):
                 return reply
             refusals.check()
             time.sleep(min(reply.retry_after_s, max(0.0, deadline - time.monotonic())))
 
-    def next(self, step: int, should_stop: Callable[[], bool] = lambda: False, for_version: int = 0) -> Leased:
+    def next(
+        self,
+        step: int,
+        should_stop: Callable[[], bool] = lambda: False,
+        for_version: int = 0,
+        slice_s: float = LEASE_SLICE_S,
+    ) -> Leased:
         """This rank's groups for training step ``step`` (1-based); ``for_version``: the policy version the step
-        will train at when that is newer than the broker's (a lease ahead of the publish: ``Prefetch``)."""
+        will train at when that is newer than the broker's (a lease ahead of the publish: ``Prefetch``);
+        ``should_stop`` is looked at every ``slice_s`` while the broker has too few groups."""
         t0 = time.monotonic()
         deadline = t0 + self.cfg.learner.batch_wait_s
         out = Leased(groups=[])
         rounds, last = 0, []
         while rounds < (self.cfg.learner.max_lease_rounds if self.dynamic else 1):
             need = self.want - len(out.groups)
-            lease = self._lease(self._ask(need), deadline, should_stop, least=need, for_version=for_version)
+            lease = self._lease(self._ask(need), deadline, should_stop, need, for_version, slice_s)
             out.dropped_stale += lease.dropped_stale
             plausible = self._screen(lease.groups, out)
             kept = self._filter(plausible) if self.dynamic and plausible else plausible
@@ -311,7 +326,7 @@ class Prefetch:
         self.acked.set()
 
     def _lease(self, step: int, stop: Callable[[], bool], for_version: int) -> Leased:
-        leased = self.source.next(step, stop, for_version)
+        leased = self.source.next(step, stop, for_version, CANCEL_SLICE_S)
         again = {g.group_id for g in leased.groups} & self.training
         if not again:
             return leased
@@ -325,7 +340,7 @@ class Prefetch:
         while not self.acked.wait(0.05):
             if stop():
                 raise Interrupted()
-        fresh = self.source.next(step, stop, for_version)
+        fresh = self.source.next(step, stop, for_version, CANCEL_SLICE_S)
         fresh.filtered += leased.filtered  # consumed by the first lease: still this step's record
         fresh.filtered_ids[:0] = leased.filtered_ids
         fresh.screened_ids[:0] = leased.screened_ids
