@@ -175,11 +175,14 @@ class BrokerBatchSource:
                     "or raise that setting"
                 )
             ahead = {"for_version": for_version} if for_version else {}
+            asked = time.monotonic()
             reply = self.client.lease_batch(n, wait_s=min(slice_s, left), min_groups=least or n, **ahead)
             if isinstance(reply, m.BatchLease):
                 return reply
             refusals.check()
-            time.sleep(min(reply.retry_after_s, max(0.0, deadline - time.monotonic())))
+            # the retry delay counts from the request: a long poll that held it that long asks again at once
+            pause = reply.retry_after_s - (time.monotonic() - asked)
+            time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
 
     def next(
         self,
