@@ -345,13 +345,14 @@ def test_a_stalled_main_loop_is_logged_once_with_its_stack(engine, tiny_model_di
         stalls = [r.getMessage() for r in caplog.records if "has not polled" in r.getMessage()]
         assert len(stalls) == 1, stalls  # once per stall, not once per heartbeat
         assert "stuck_lease" in stalls[0] and "release.wait" in stalls[0]  # the main thread's stack
-    finally:
         release.set()
-    caplog.clear()
-    wait_for(lambda: time.monotonic() - fleet.server._polled < 0.2, what="the loop to poll again")
-    fleet.server.heartbeat_stats()
-    assert not [r for r in caplog.records if "has not polled" in r.getMessage()]
-    assert fleet.stop() == 0
+        caplog.clear()
+        wait_for(lambda: time.monotonic() - fleet.server._polled < 0.2, what="the loop to poll again")
+        fleet.server.heartbeat_stats()
+        assert not [r for r in caplog.records if "has not polled" in r.getMessage()]
+    finally:
+        release.set()  # a failed assertion above must not leave the server's thread stuck for the next tests
+        assert fleet.stop() == 0
 
 
 @pytest.mark.parametrize(
