@@ -47,6 +47,7 @@ log = logging.getLogger("fleetrl.common.weightsync.sender.publisher")
 Announce = Callable[[messages.WeightsInfo], None]
 Tensors = Iterator[tuple[messages.ParamSpec, "torch.Tensor"]]
 CATCHUP_POLL_S = 0.5
+SETTLE_S = 1.0  # after a round that closed short: how long the next waits once as many have joined as then
 
 
 @dataclass
@@ -137,6 +138,9 @@ class BroadcastSender:
         self._digests: dict[int, str] = {}  # bucket -> SHA-256 of the last packed version's bytes
         self._live: list[str] = []  # store key prefixes of recent rounds; the sweep deletes every other key
         self._publishing = threading.Event()  # a publish waits: a catch-up round stops waiting for joins
+        # receivers the last publish round closed with, when it closed short of the expected count (None: it
+        # filled): the next round waits only SETTLE_S more once as many have joined
+        self._short_of: int | None = None
 
     @property
     def port(self) -> int:
@@ -175,7 +179,8 @@ class BroadcastSender:
                 first = self._pack(self.layouts[0], [next(tensors)[1] for _ in self.layouts[0].slots], 0)
             members: list[messages.JoinRecord] = []  # stays empty when closing the round raises
             try:
-                members = self._close_round(store, keys, expected, deadline, rnd.sent)
+                members = self._close_round(store, keys, expected, deadline, rnd.sent, settle_at=self._short_of)
+                self._short_of = len(members) if len(members) < expected else None
                 if members:
                     rnd.group = self._group_for(store, keys, members, rnd)
             except Exception as e:  # noqa: BLE001 - a receiver must never crash the learner
@@ -260,16 +265,24 @@ class BroadcastSender:
         deadline: float,
         sent: Sent,
         window_s: float = ws.JOIN_WINDOW_S,
+        settle_at: int | None = None,
     ) -> list[messages.JoinRecord]:
-        """Wait for ``expected`` joins (at most ``window_s``), close the round, read who joined and proved it."""
+        """Wait for ``expected`` joins (at most ``window_s``), close the round, read who joined and proved it.
+
+        ``settle_at``: once that many joined, wait at most SETTLE_S more. A registered receiver that did not
+        join the last round (its server stuck, or busy in a catch-up) would otherwise cost every round the whole
+        window; if it joins late it asks for a catch-up round, and a round that fills ends the shortcut."""
         window_end = min(time.monotonic() + window_s, deadline)
         expected = min(expected, ws.MAX_JOINS)
+        settling = settle_at is None
         while (
             expected > 0
-            and 0 <= store.add(keys.count, 0) < expected
+            and 0 <= (count := store.add(keys.count, 0)) < expected
             and time.monotonic() < window_end
             and not self._publishing.is_set()
         ):  # a catch-up round does not hold back a publish
+            if not settling and count >= settle_at:
+                settling, window_end = True, min(window_end, time.monotonic() + SETTLE_S)
             time.sleep(0.001)
         joined = store.add(keys.count, ws.CLOSED) - ws.CLOSED
         if 0 <= joined <= ws.MAX_JOINS:

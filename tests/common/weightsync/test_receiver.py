@@ -197,6 +197,44 @@ def test_a_stalled_receiver_holds_the_learner_about_one_bucket_timeout(learner_m
         pub.close()
 
 
+def test_after_a_round_that_closed_short_the_next_waits_a_moment_not_the_window(learner_model, tmp_path):
+    """A registered server that stopped joining (its main loop stuck, CI of 2026-12-07) cost every round the
+    whole join window. After a round closed short, the next closes SETTLE_S after as many joined as then; a
+    round that fills ends the shortcut."""
+    from fleetrl.common.weightsync.sender.broadcast import SETTLE_S
+
+    cfg = JobConfig(sync=SyncConfig(transport="gloo", timeout_s=TIMEOUT_S, bucket_mb=0.1))
+    pub = WeightPublisher(cfg, tmp_path, 0, specs_of(learner_model))
+    specs = [(n, tuple(p.shape), p.dtype) for n, p in learner_model.named_parameters()]
+    receiver = WeightReceiver(cfg, specs, "cpu", "rollout-0")  # the one that joins; a second is "registered"
+    try:
+
+        def publish(version: int, expected: int) -> tuple[dict, float]:
+            t0 = time.monotonic()
+            metrics = pub.publish(
+                version,
+                version,
+                perturb(learner_model, version).named_parameters(),
+                lambda info: receiver.on_version(version, info),
+                expected,
+            )
+            wait_pending(receiver, version)
+            receiver.apply(CaptureEngine(specs))
+            return metrics, time.monotonic() - t0
+
+        short, took = publish(1, 2)
+        assert short["sync/receivers"] == 1 and took >= ws.JOIN_WINDOW_S - 0.5, took  # the whole window
+        again, took = publish(2, 2)
+        assert again["sync/receivers"] == 1 and SETTLE_S - 0.1 <= took < ws.JOIN_WINDOW_S - 1.5, took
+        full, took = publish(3, 1)
+        assert full["sync/receivers"] == 1 and took < SETTLE_S, took  # filled: no wait
+        short, took = publish(4, 2)
+        assert short["sync/receivers"] == 1 and took >= ws.JOIN_WINDOW_S - 0.5, took  # the window again
+    finally:
+        receiver.close()
+        pub.close()
+
+
 def test_an_overlapped_round_returns_once_announced_and_sends_the_weights_as_they_were(learner_model, tmp_path):
     """sync.overlap: `start` returns as soon as the version is announced, before any receiver joined (a
     synchronous publish waits for the join, up to its window); the round goes on beside the caller, which
