@@ -23,7 +23,7 @@ demo: $(STAMP)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/demo.sh
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not gpu and not cluster and not quiet" --ignore=tests/vllm --ignore=tests/verifiers $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not gpu and not cluster and not quiet" --ignore=tests/vllm --ignore=tests/verifiers --durations=30 $(PYTEST_ARGS)
 
 # healthy runs stay quiet (issue 23): the demo at max_staleness 0/2/4/8, 300 steps each, no health event (~17 min;
 # not in .ci/run, which it would push past an hour)
@@ -51,10 +51,10 @@ test-verifiers:
 
 # the slow lane of .ci/run: the 100k-frame fuzz, unbounded long polls, chaos in pinned states (~7 min on 2 cores)
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m "slow and not gpu and not cluster and not quiet" --ignore=tests/vllm --ignore=tests/verifiers $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "slow and not gpu and not cluster and not quiet" --ignore=tests/vllm --ignore=tests/verifiers --durations=30 $(PYTEST_ARGS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m "not cluster and not quiet" --ignore=tests/vllm --ignore=tests/verifiers $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not cluster and not quiet" --ignore=tests/vllm --ignore=tests/verifiers --durations=30 $(PYTEST_ARGS)
 
 # ruff (lint + format check, line length 120) over the code; mypy over the typed floors: common/, broker/ and
 # learner/algorithms/. mypy reads the fleetrl.* names through a tree of links in .lint/ (the editable install's

@@ -281,7 +281,7 @@ class BroadcastSender:
             and time.monotonic() < window_end
             and not self._publishing.is_set()
         ):  # a catch-up round does not hold back a publish
-            if not settling and count >= settle_at:
+            if settle_at is not None and not settling and count >= settle_at:
                 settling, window_end = True, min(window_end, time.monotonic() + SETTLE_S)
             time.sleep(0.001)
         joined = store.add(keys.count, ws.CLOSED) - ws.CLOSED
