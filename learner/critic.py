@@ -110,10 +110,10 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 
 class Critic:
-    def __init__(self, cfg: JobConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: JobConfig, dtype: torch.dtype, device: torch.device, clock=None):
         self.cfg, self.cc, self.device = cfg, cfg.algorithm.critic, device
         model = load_value_model(self.cc.path or cfg.model.path, cfg, dtype)
-        self.engine, self.optimizer, self.scheduler = build_engine(model, cfg, dtype, lr=self.cc.lr)
+        self.engine, self.optimizer, self.scheduler = build_engine(model, cfg, dtype, lr=self.cc.lr, clock=clock)
         self.steps = 0  # learner steps this critic has trained on (for critic.warmup_steps)
 
     @property

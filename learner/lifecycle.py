@@ -23,7 +23,7 @@ from fleetrl.broker.client.roles import LearnerClient
 from fleetrl.broker.client.sync import ZmqBrokerClient
 from fleetrl.common.config.schema import JobConfig
 from fleetrl.common.telemetry.startup import STARTUP
-from fleetrl.learner.runtime import Dist
+from fleetrl.learner.runtime import BudgetClock, Dist
 
 log = logging.getLogger("fleetrl.learner")
 
@@ -43,14 +43,20 @@ class GracefulStop:
             log.info("received %s: finishing this step, then checkpointing", self.signal_name)
         self.requested = True
 
-    def agreed(self, device: torch.device, also: bool = False) -> bool:
-        """Stop only when every rank stops at the same step (collectives must match)."""
-        local = self.requested or also
-        if not tdist.is_initialized() or tdist.get_world_size() == 1:
-            return local
-        flag = torch.tensor([int(local)], device=device)
-        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
-        return bool(flag.item())
+    def agreed(self, device: torch.device, clock: BudgetClock | None = None) -> bool:
+        """Stop only when every rank stops at the same step (collectives must match): a signal, or ``clock``'s
+        budget spent. The ranks agree on the clock's fraction too (the largest), so the LR it sets is the same
+        on every rank."""
+        spent = clock.local_fraction() if clock is not None else 0.0
+        if tdist.is_initialized() and tdist.get_world_size() > 1:
+            both = torch.tensor([float(self.requested), spent], dtype=torch.float64, device=device)
+            tdist.all_reduce(both, op=tdist.ReduceOp.MAX)
+            requested, spent = bool(both[0].item()), float(both[1].item())
+        else:
+            requested = self.requested
+        if clock is not None:
+            clock.fraction = min(1.0, spent)
+        return requested or spent >= 1.0
 
 
 def connect_broker(cfg: JobConfig, run_dir: Path, rank: int) -> LearnerClient:

@@ -37,6 +37,7 @@ class Setup:
     generator: torch.Generator
     load_reference: Callable[[], Any]  # the frozen reference model (LoRA: the base with adapters off)
     evaluate_model: Any = None  # learner/evaluate.py's EvaluateModel, handed in by the application (None: no evaluator)
+    clock: Any = None  # learner/runtime.py's BudgetClock (the critic's LR follows it too)
 
 
 @dataclass
@@ -65,7 +66,7 @@ def rl(s: Setup) -> Objective:
 
     cfg = s.cfg
     ref = s.load_reference() if cfg.algorithm.needs_reference else None
-    critic = Critic(cfg, s.dtype, s.dist.device) if cfg.algorithm.adv_estimator == "gae" else None
+    critic = Critic(cfg, s.dtype, s.dist.device, s.clock) if cfg.algorithm.adv_estimator == "gae" else None
     actor = PolicyActor(s.engine, ref, cfg, s.dist.device, s.generator, critic)
     evaluator = Evaluator(cfg, s.dist.device, s.evaluate_model) if _eval_due(cfg, s.dist) and cfg.data.eval else None
     return Objective(actor, BrokerBatchSource(s.client, cfg, s.dist.rank, s.dist.world), evaluator, critic)

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,16 +84,41 @@ def load_causal_lm(path: str, cfg: JobConfig, dtype: torch.dtype) -> torch.nn.Mo
     return model
 
 
-def lr_lambda(cfg: JobConfig):
+class BudgetClock:
+    """Training wall time against ``learner.max_minutes``: the run's deadline, and the fraction of the budget
+    used that ``learner.lr_decay_by: time`` decays over.
+
+    It starts when training starts (after a resume too, like the deadline: a resumed run trains
+    ``max_minutes`` more). ``fraction`` is what the ranks agreed at the top of the step (``GracefulStop.agreed``
+    takes the largest rank's), so every rank steps with the same LR."""
+
+    def __init__(self, max_minutes: float | None):
+        self.budget_s = 60.0 * max_minutes if max_minutes else math.inf
+        self.started: float | None = None
+        self.fraction = 0.0
+
+    def start(self) -> None:
+        self.started = time.monotonic()
+
+    def local_fraction(self) -> float:
+        """This rank's fraction of the budget used (0 before the start or without a budget)."""
+        if self.started is None or math.isinf(self.budget_s):
+            return 0.0
+        return (time.monotonic() - self.started) / self.budget_s
+
+
+def lr_lambda(cfg: JobConfig, clock: BudgetClock | None = None):
     """Multiplier of the peak LR at each learner step: linear warmup, then constant / linear / cosine decay.
 
     The scheduler counts optimizer steps; a learner step takes ``algorithm.optimizer_steps`` of them
     (``ppo_epochs x mini_batches`` for RL, one for DPO), so warmup and decay are measured in learner
-    steps, as `learner.total_steps` is.
+    steps, as `learner.total_steps` is. With ``learner.lr_decay_by: time`` the decay's progress is the
+    larger of the steps' and ``clock.fraction`` (the share of ``max_minutes`` used).
     """
     lc = cfg.learner
     total, warm, floor = lc.total_steps, lc.warmup_steps, lc.min_lr_ratio
     per_step = cfg.algorithm.optimizer_steps(lc)
+    by_time = clock if lc.lr_decay_by == "time" else None
 
     def factor(optimizer_step: int) -> float:
         step = optimizer_step // per_step
@@ -100,7 +126,7 @@ def lr_lambda(cfg: JobConfig):
             return (step + 1) / warm
         if lc.lr_schedule == "constant":
             return 1.0
-        progress = min(1.0, (step - warm) / max(1, total - warm))
+        progress = min(1.0, max((step - warm) / max(1, total - warm), by_time.fraction if by_time else 0.0))
         decay = 1.0 - progress if lc.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
         return floor + (1.0 - floor) * decay
 
@@ -132,15 +158,17 @@ def build_engine(
     dtype: torch.dtype,
     lr: float | None = None,
     params: list[torch.nn.Parameter] | None = None,
+    clock: BudgetClock | None = None,
 ):
-    """Wrap a trainable model in a DeepSpeed engine with torch AdamW and the LR schedule."""
+    """Wrap a trainable model in a DeepSpeed engine with torch AdamW and the LR schedule (``clock``: the
+    training budget, for ``learner.lr_decay_by: time``)."""
     import deepspeed
 
     trainable = params if params is not None else [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         trainable, lr=lr or cfg.learner.lr, betas=tuple(cfg.learner.betas), weight_decay=cfg.learner.weight_decay
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, clock))
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model,
         optimizer=optimizer,

@@ -43,6 +43,7 @@ from fleetrl.learner.objectives import OBJECTIVES, Setup
 from fleetrl.learner.peers import watch_peers
 from fleetrl.learner.rollback import RollbackParts, roll_back
 from fleetrl.learner.runtime import (
+    BudgetClock,
     Dist,
     build_engine,
     build_frozen,
@@ -71,7 +72,8 @@ class Learner:
         policy = load_causal_lm(cfg.model.path, cfg, dtype)
         if self.lora:  # only the adapters train (and sit in the optimizer)
             policy = apply_lora(policy, cfg.model.lora, cfg.model.gradient_checkpointing)
-        self.engine, self.optimizer, self.scheduler = build_engine(policy, cfg, dtype)
+        self.clock = BudgetClock(cfg.learner.max_minutes)  # the training budget: deadline and lr_decay_by: time
+        self.engine, self.optimizer, self.scheduler = build_engine(policy, cfg, dtype, clock=self.clock)
         self.generator = torch.Generator().manual_seed(seed)
 
         def load_reference():  # LoRA: the base with adapters off is the reference
@@ -80,7 +82,18 @@ class Learner:
             return build_frozen(load_causal_lm(cfg.model.path, cfg, dtype), cfg, dtype, dist.device)
 
         objective = OBJECTIVES[cfg.algorithm.type](
-            Setup(cfg, self.run_dir, client, dist, self.engine, dtype, self.generator, load_reference, evaluate_model)
+            Setup(
+                cfg,
+                self.run_dir,
+                client,
+                dist,
+                self.engine,
+                dtype,
+                self.generator,
+                load_reference,
+                evaluate_model,
+                self.clock,
+            )
         )
         self.actor, self.source, self.critic = objective.actor, objective.source, objective.critic
         self.evaluator = objective.evaluator
@@ -422,9 +435,9 @@ def train(cfg: JobConfig, run_dir: Path, client=None, resume: str | None = None,
         write_ready(run_dir, dist, learner.step)
         if learner.evaluator is not None and learner.step == 0:
             learner.monitor.log(0, learner.evaluator(learner.module))  # the starting point of the curve
-        deadline = time.monotonic() + 60 * cfg.learner.max_minutes if cfg.learner.max_minutes else float("inf")
+        learner.clock.start()  # learner.max_minutes counts from here (after a resume too)
         learner.stop_requested = lambda: stop.requested and dist.world == 1  # several ranks stop together, below
-        while learner.step < cfg.learner.total_steps and not stop.agreed(dist.device, time.monotonic() > deadline):
+        while learner.step < cfg.learner.total_steps and not stop.agreed(dist.device, learner.clock):
             try:
                 stats = learner.train_step()
             except Interrupted:

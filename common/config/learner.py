@@ -65,6 +65,14 @@ class LearnerConfig(Section):
         "constant"
     )
     warmup_steps: Annotated[int, doc("Linear warmup steps.", ge=0)] = 0
+    lr_decay_by: Annotated[
+        Literal["steps", "time"],
+        doc(
+            "What the linear/cosine decay after warmup runs over: steps (it ends at total_steps) or time (it ends "
+            "when max_minutes of training are up, or at total_steps if that comes first: a time-budgeted run ends "
+            "at the floor of its schedule, not in the middle of it; needs max_minutes)."
+        ),
+    ] = "steps"
     min_lr_ratio: Annotated[float, doc("Floor of linear/cosine decay as a fraction of `lr`.", ge=0, le=1)] = 0.0
     grad_clip: Annotated[float, doc("Clip the global grad norm to this (0 = off).", ge=0)] = 1.0
     batch_wait_s: Annotated[float, doc("Longest wait for a batch before the learner reports the fleet idle.", gt=0)] = (
@@ -91,6 +99,13 @@ class LearnerConfig(Section):
         int, doc("Leases per step when dynamic sampling filters groups out (bounds the wait).", ge=1)
     ] = 8
     seed: Annotated[int, doc("Seed of the learner's RNGs.")] = 0
+
+    def __post_init__(self) -> None:
+        if self.lr_decay_by == "time" and not self.max_minutes:
+            raise ValueError(
+                "learner.lr_decay_by=time decays the learning rate over learner.max_minutes, which is not set: "
+                "set learner.max_minutes, or learner.lr_decay_by=steps"
+            )
 
 
 # -------------------------------------------------------------------------------------- health

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
+import torch
+import torch.multiprocessing as mp
 
 from fleetrl.common.config import load_config
-from fleetrl.learner.runtime import lr_lambda
+from fleetrl.common.config.base import ConfigError
+from fleetrl.common.net import free_port
+from fleetrl.learner.lifecycle import GracefulStop
+from fleetrl.learner.runtime import BudgetClock, lr_lambda
 
 
 def schedule(*overrides: str) -> list[float]:
@@ -61,3 +69,112 @@ def test_optimizer_steps_per_learner_step():
     )
     dpo = load_config(None, ["algorithm.type=dpo", "learner.ppo_epochs=3"])
     assert dpo.algorithm.optimizer_steps(dpo.learner) == 1
+
+
+# ------------------------------------------------------------------ learner.lr_decay_by: time (a time budget)
+
+
+def timed(*overrides: str):
+    cfg = load_config(
+        None,
+        [
+            "learner.total_steps=1000",
+            "learner.max_minutes=5",
+            "learner.lr_decay_by=time",
+            "learner.lr_schedule=linear",
+            *overrides,
+        ],
+    )
+    clock = BudgetClock(cfg.learner.max_minutes)
+    return lr_lambda(cfg, clock), clock
+
+
+def test_decay_by_time_follows_the_share_of_max_minutes_used():
+    factor, clock = timed()
+    assert factor(10) == pytest.approx(0.99)  # before the clock moves: the steps' progress
+    clock.fraction = 0.5
+    assert factor(10) == pytest.approx(0.5)
+    clock.fraction = 1.0
+    assert factor(10) == pytest.approx(0.0)
+
+
+def test_decay_by_time_ends_at_total_steps_if_that_comes_first():
+    factor, clock = timed()
+    clock.fraction = 0.1
+    assert factor(800) == pytest.approx(0.2)
+
+
+def test_decay_by_time_keeps_warmup_in_steps_and_the_floor_and_cosine():
+    factor, clock = timed("learner.warmup_steps=4", "learner.lr_schedule=cosine", "learner.min_lr_ratio=0.1")
+    clock.fraction = 0.5
+    assert factor(1) == pytest.approx(0.5)  # warming up: the clock does not count yet
+    assert factor(4) == pytest.approx(0.1 + 0.9 * 0.5)  # cos(pi/2): half way between the peak and the floor
+
+
+def test_decay_by_steps_ignores_the_clock():
+    cfg = load_config(None, ["learner.total_steps=100", "learner.max_minutes=5", "learner.lr_schedule=linear"])
+    clock = BudgetClock(5)
+    clock.fraction = 0.9
+    assert lr_lambda(cfg, clock)(50) == pytest.approx(0.5)
+
+
+def test_decay_by_time_without_max_minutes_is_refused_naming_the_keys():
+    with pytest.raises(ConfigError, match=r"learner.lr_decay_by=time.*learner.max_minutes"):
+        load_config(None, ["learner.lr_decay_by=time"])
+
+
+@pytest.fixture
+def keep_signal_handlers():
+    """GracefulStop installs SIGTERM/SIGINT handlers: give pytest its own back."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def test_the_clock_counts_from_its_start_and_the_stop_agrees_when_it_is_spent(monkeypatch, keep_signal_handlers):
+    clock = BudgetClock(1.0)  # 60 s
+    assert clock.local_fraction() == 0.0  # not started
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    clock.start()
+    stop = GracefulStop()
+    now[0] += 30
+    assert not stop.agreed(torch.device("cpu"), clock) and clock.fraction == pytest.approx(0.5)
+    now[0] += 31
+    assert stop.agreed(torch.device("cpu"), clock) and clock.fraction == 1.0
+    assert not GracefulStop().agreed(torch.device("cpu"))  # no clock, no signal: go on
+    assert BudgetClock(None).local_fraction() == 0.0
+
+
+def _agree_rank(rank: int, port: int, started_ago: float, out) -> None:
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    clock = BudgetClock(1.0)
+    clock.start()
+    clock.started -= started_ago  # this rank started earlier: it has used more of the budget
+    stop = GracefulStop()
+    stop.requested = rank == 1
+    spent = stop.agreed(torch.device("cpu"), clock)
+    out.put((rank, spent, clock.fraction))
+    tdist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_largest_share_of_the_budget_and_on_a_signal():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_agree_rank, args=(r, port, 30.0 * (1 - r), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(out.get(timeout=60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert [spent for _, spent, _ in got] == [True, True]  # rank 1's signal stops both
+    fractions = [f for _, _, f in got]
+    assert fractions[0] == fractions[1] and fractions[0] >= 0.5  # both take rank 0's (30 s of 60 used)
