@@ -83,6 +83,8 @@ def run_trl_child(work: dict, args) -> dict:
         str(out),
         "--trl-threads",
         str(args.trl_threads),
+        "--lr-decay",
+        args.lr_decay,
     ]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     log = out.with_suffix(".log")
@@ -117,13 +119,24 @@ def trl_config(out: Path, seed: int):
     )
 
 
-def make_budget_callback(seconds: float, eval_every: int, samples_per_step: int, tokenizer, rows: list, log_path: Path):
-    """A TrainerCallback: held-out greedy accuracy every ``eval_every`` steps, stop after ``seconds``."""
+def make_budget_callback(
+    seconds: float,
+    eval_every: int,
+    samples_per_step: int,
+    tokenizer,
+    rows: list,
+    log_path: Path,
+    decay_by_time: bool = False,
+):
+    """A TrainerCallback: held-out greedy accuracy every ``eval_every`` steps, stop after ``seconds``;
+    ``decay_by_time``: before each step, lr = LR x (1 - the share of ``seconds`` used), fleetrl's
+    ``learner.lr_decay_by: time`` with a linear schedule to 0 (TRL's own schedulers count steps)."""
     from transformers import TrainerCallback
 
     class WallTimeBudget(TrainerCallback):
         def __init__(self):
             self.t0, self.rows, self.eval_s, self.reward, self.progress = 0.0, [], 0.0, [], []
+            self.lr = LR
             self.last = {"step": 0, "time_s": 0.0, "samples": 0}
             self.file = log_path.open("a", buffering=1)
 
@@ -139,6 +152,13 @@ def make_budget_callback(seconds: float, eval_every: int, samples_per_step: int,
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             self._eval(model, 0)  # the warm start, before the clock (fleetrl does the same)
             self.t0 = time.monotonic()
+
+        def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+            if decay_by_time and optimizer is not None and self.t0:
+                factor = max(0.0, 1.0 - (time.monotonic() - self.t0) / seconds)
+                for group in optimizer.param_groups:  # the constant scheduler put LR back after the last step
+                    group["lr"] = LR * factor
+                self.lr = LR * factor
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
@@ -216,6 +236,7 @@ def trl_train(workdir: Path, out: Path, args) -> dict:
         eval_tokenizer,
         eval_rows[:EVAL_N],
         out / "curve.jsonl",
+        decay_by_time=args.lr_decay == "time",
     )
     trainer = GRPOTrainer(
         model=model,
@@ -238,5 +259,7 @@ def trl_train(workdir: Path, out: Path, args) -> dict:
         "reward_mean": thin(budget.reward),
         "progress": thin([{"time_s": p["time_s"], "samples": p["samples"]} for p in budget.progress]),
         "final_weights_accuracy": demo_accuracy(trainer.model, eval_tokenizer, eval_rows[:EVAL_N]),
+        "lr_decay": args.lr_decay,
+        "last_lr": budget.lr,
         "command": "GRPOTrainer(GRPOConfig(" + ", ".join(f"{k}={v!r}" for k, v in TRL_MATCHED.items()) + "))",
     }

@@ -8,7 +8,8 @@ on this machine:
 - ``fleetrl-async``: ``fleetrl run --config configs/demo.yaml`` (max_staleness 2, truncated IS);
 - ``fleetrl-sync``:  the same with ``broker.max_staleness=0 algorithm.off_policy.mode=none``;
 - ``trl``:           ``trl.GRPOTrainer`` on the same prompts (raw text, no chat template) with matched
-  settings: 16 prompts x 8 completions per optimizer step, lr 2e-4 constant, AdamW, grad clip 1.0,
+  settings: 16 prompts x 8 completions per optimizer step, lr 2e-4 constant (``--lr-decay time``: linear to 0
+  over the budget, for both), AdamW, grad clip 1.0,
   max 5 new tokens, temperature 1.0, no KL (beta 0), one pass per batch, token-mean loss ("dapo"),
   group-std advantages, fp32 on CPU, no vLLM.
 
@@ -70,6 +71,17 @@ from trl_system import TRL_MATCHED, run_trl_child, trl_main  # noqa: E402
 
 SYSTEMS = ("fleetrl-async", "fleetrl-sync", "trl")
 SYNC_OVERRIDES = ["broker.max_staleness=0", "algorithm.off_policy.mode=none"]
+# --lr-decay: constant (the shared lr all along), or linear to 0 over the wall-time budget for every system
+# (fleetrl: learner.lr_decay_by=time; TRL: the budget callback sets the same factor before each step)
+LR_DECAY_OVERRIDES = {
+    "constant": ["learner.lr_schedule=constant", "learner.warmup_steps=0"],
+    "time": [
+        "learner.lr_schedule=linear",
+        "learner.lr_decay_by=time",
+        "learner.min_lr_ratio=0",
+        "learner.warmup_steps=0",
+    ],
+}
 
 
 # ------------------------------------------------------------------------------- fleetrl
@@ -87,6 +99,7 @@ def run_fleetrl(system: str, work: dict, args) -> dict:
             f"run.eval_n={EVAL_N}",
             "checkpoint.interval=0",  # TRL saves nothing either; the final checkpoint is written after the clock stops
             f"learner.seed={args.seed}",
+            *LR_DECAY_OVERRIDES[args.lr_decay],  # the same schedule as TRL's, whatever configs/demo.yaml says
         ]
         + (SYNC_OVERRIDES if system == "fleetrl-sync" else [])
         + list(args.fleetrl_set)
@@ -173,6 +186,12 @@ def main() -> int:
         default=0,
         help="torch threads of the TRL process (0 = torch's default: every core, as a user would run it)",
     )
+    ap.add_argument(
+        "--lr-decay",
+        choices=sorted(LR_DECAY_OVERRIDES),
+        default="constant",
+        help="every system's schedule: constant lr, or linear decay to 0 over the --minutes budget (both systems)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "vs_trl.json"), help="JSON results; the PNG goes next to it")
     ap.add_argument(
         "--combine",
@@ -217,6 +236,8 @@ def main() -> int:
             "group_size": GROUP_SIZE,
             "prompts_per_step": PROMPTS_PER_STEP,
             "lr": LR,
+            "lr_decay": args.lr_decay,
+            "fleetrl_lr_overrides": LR_DECAY_OVERRIDES[args.lr_decay],
             "max_new_tokens": MAX_NEW_TOKENS,
             "temperature": TEMPERATURE,
             "kl": "none",

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from curves import combine, smoothed, time_to, time_to_trl_accuracy  # noqa: E402
 
@@ -77,3 +79,27 @@ def test_combine_prints_the_median_over_seeds(tmp_path, capsys):
     assert combine(paths) == 0
     out = capsys.readouterr().out
     assert "median over 3 seeds: samples/s 1.20x TRL's; time to TRL's accuracy 7.50x sooner" in out
+
+
+def test_trl_budget_callback_decays_lr_over_the_budget_like_lr_decay_by_time(tmp_path, monkeypatch):
+    """--lr-decay time: before each TRL step the lr is LR x (1 - share of the budget used), as fleetrl's
+    learner.lr_decay_by: time with a linear schedule; without it the callback leaves the lr alone."""
+    import time
+
+    import torch
+    from harness import LR
+    from trl_system import make_budget_callback
+
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=LR)
+    for decay, expected in ((True, [LR, 0.75 * LR, 0.0]), (False, [LR, LR, LR])):
+        cb = make_budget_callback(60.0, 10**6, 128, None, [], tmp_path / "curve.jsonl", decay_by_time=decay)
+        cb.t0 = now[0] = 100.0  # what on_train_begin does after scoring the warm start
+        seen = []
+        for elapsed in (0.0, 15.0, 75.0):
+            now[0] = 100.0 + elapsed
+            opt.param_groups[0]["lr"] = LR  # TRL's constant scheduler, after the previous step
+            cb.on_step_begin(None, None, None, optimizer=opt)
+            seen.append(opt.param_groups[0]["lr"])
+        assert seen == [pytest.approx(x) for x in expected]
