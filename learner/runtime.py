@@ -112,13 +112,18 @@ def lr_lambda(cfg: JobConfig, clock: BudgetClock | None = None):
 
     The scheduler counts optimizer steps; a learner step takes ``algorithm.optimizer_steps`` of them
     (``ppo_epochs x mini_batches`` for RL, one for DPO), so warmup and decay are measured in learner
-    steps, as `learner.total_steps` is. With ``learner.lr_decay_by: time`` the decay's progress is the
-    larger of the steps' and ``clock.fraction`` (the share of ``max_minutes`` used).
+    steps, as `learner.total_steps` is. With ``learner.lr_decay_by: time`` the decay's progress is
+    ``clock.fraction``, the share of ``max_minutes`` used (0 all along without ``max_minutes``).
     """
     lc = cfg.learner
     total, warm, floor = lc.total_steps, lc.warmup_steps, lc.min_lr_ratio
     per_step = cfg.algorithm.optimizer_steps(lc)
     by_time = clock if lc.lr_decay_by == "time" else None
+    if by_time is not None and lc.lr_schedule != "constant" and not lc.max_minutes:
+        log.warning(
+            "learner.lr_decay_by=time decays the learning rate over learner.max_minutes, which is not set: the "
+            "learning rate stays at its peak; set learner.max_minutes, or learner.lr_decay_by=steps"
+        )
 
     def factor(optimizer_step: int) -> float:
         step = optimizer_step // per_step
@@ -126,7 +131,10 @@ def lr_lambda(cfg: JobConfig, clock: BudgetClock | None = None):
             return (step + 1) / warm
         if lc.lr_schedule == "constant":
             return 1.0
-        progress = min(1.0, max((step - warm) / max(1, total - warm), by_time.fraction if by_time else 0.0))
+        if lc.lr_decay_by == "time":
+            progress = by_time.fraction if by_time is not None else 0.0
+        else:
+            progress = min(1.0, (step - warm) / max(1, total - warm))
         decay = 1.0 - progress if lc.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
         return floor + (1.0 - floor) * decay
 

@@ -69,8 +69,9 @@ class LearnerConfig(Section):
         Literal["steps", "time"],
         doc(
             "What the linear/cosine decay after warmup runs over: steps (it ends at total_steps) or time (it ends "
-            "when max_minutes of training are up, or at total_steps if that comes first: a time-budgeted run ends "
-            "at the floor of its schedule, not in the middle of it; needs max_minutes)."
+            "when max_minutes of training are up, so a time-budgeted run ends at the floor of its schedule; a run "
+            "that reaches total_steps first stops mid-schedule, as a step schedule does when max_minutes comes "
+            "first; without max_minutes the LR stays at its peak, and the learner says so at start)."
         ),
     ] = "steps"
     min_lr_ratio: Annotated[float, doc("Floor of linear/cosine decay as a fraction of `lr`.", ge=0, le=1)] = 0.0
@@ -99,13 +100,6 @@ class LearnerConfig(Section):
         int, doc("Leases per step when dynamic sampling filters groups out (bounds the wait).", ge=1)
     ] = 8
     seed: Annotated[int, doc("Seed of the learner's RNGs.")] = 0
-
-    def __post_init__(self) -> None:
-        if self.lr_decay_by == "time" and not self.max_minutes:
-            raise ValueError(
-                "learner.lr_decay_by=time decays the learning rate over learner.max_minutes, which is not set: "
-                "set learner.max_minutes, or learner.lr_decay_by=steps"
-            )
 
 
 # -------------------------------------------------------------------------------------- health

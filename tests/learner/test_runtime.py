@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 
@@ -10,7 +11,6 @@ import torch
 import torch.multiprocessing as mp
 
 from fleetrl.common.config import load_config
-from fleetrl.common.config.base import ConfigError
 from fleetrl.common.net import free_port
 from fleetrl.learner.lifecycle import GracefulStop
 from fleetrl.learner.runtime import BudgetClock, lr_lambda
@@ -91,17 +91,17 @@ def timed(*overrides: str):
 
 def test_decay_by_time_follows_the_share_of_max_minutes_used():
     factor, clock = timed()
-    assert factor(10) == pytest.approx(0.99)  # before the clock moves: the steps' progress
+    assert factor(10) == 1.0  # before the clock moves: the peak, whatever the steps
     clock.fraction = 0.5
     assert factor(10) == pytest.approx(0.5)
     clock.fraction = 1.0
     assert factor(10) == pytest.approx(0.0)
 
 
-def test_decay_by_time_ends_at_total_steps_if_that_comes_first():
+def test_decay_by_time_ignores_the_steps_a_run_that_reaches_total_steps_first_stops_mid_schedule():
     factor, clock = timed()
     clock.fraction = 0.1
-    assert factor(800) == pytest.approx(0.2)
+    assert factor(999) == pytest.approx(0.9)
 
 
 def test_decay_by_time_keeps_warmup_in_steps_and_the_floor_and_cosine():
@@ -118,9 +118,14 @@ def test_decay_by_steps_ignores_the_clock():
     assert lr_lambda(cfg, clock)(50) == pytest.approx(0.5)
 
 
-def test_decay_by_time_without_max_minutes_is_refused_naming_the_keys():
-    with pytest.raises(ConfigError, match=r"learner.lr_decay_by=time.*learner.max_minutes"):
-        load_config(None, ["learner.lr_decay_by=time"])
+def test_decay_by_time_without_max_minutes_stays_at_the_peak_and_says_so(caplog):
+    cfg = load_config(None, ["learner.lr_decay_by=time", "learner.lr_schedule=linear", "learner.total_steps=10"])
+    clock = BudgetClock(cfg.learner.max_minutes)
+    clock.start()
+    with caplog.at_level(logging.WARNING, logger="fleetrl.learner.runtime"):
+        factor = lr_lambda(cfg, clock)
+    assert clock.local_fraction() == 0.0 and factor(9) == 1.0
+    assert "learner.lr_decay_by=time" in caplog.text and "learner.max_minutes" in caplog.text
 
 
 @pytest.fixture
