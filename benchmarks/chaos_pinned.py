@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import random
+import re
 import resource
 import signal
 import subprocess
@@ -248,8 +249,15 @@ def broadcast_checks(run_dir: Path, killed_at_step: int | None) -> dict:
     short = [r for r in after if r.get("sync/reforms", 0) == 0 and 0 < r.get("sync/receivers", fleet) < fleet]
     affected = sorted(reformed + short, key=lambda r: r.get("step", 0))
     killed = {e["child"] for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "restart"}
-    other = read_jsonl(run_dir / f"rollout-{1 if 'rollout-0' in killed else 0}.metrics.jsonl")
+    survivor = f"rollout-{1 if 'rollout-0' in killed else 0}"
+    other = read_jsonl(run_dir / f"{survivor}.metrics.jsonl")
     versions = [int(r.get("policy/version", 0)) for r in affected]
+    # what the survivor loaded: its metrics rows, and its log's "policy version A -> B" lines (a round right
+    # before the end lands after the survivor's last metrics row, and short rounds no longer wait out the join
+    # window for the restarting receiver, so the last affected round is often the run's last)
+    log = run_dir / "logs" / f"{survivor}.log"
+    loaded = [int(v) for v in re.findall(r"policy version \d+ -> (\d+)", log.read_text())] if log.exists() else []
+    got = max([int(r.get("rollout/policy_version", -1)) for r in other] + loaded, default=-1)
     sync_s = lambda r: r.get("timing/sync_s", 0.0)  # noqa: E731
     return {
         "reformed_rounds": len(reformed),
@@ -258,10 +266,9 @@ def broadcast_checks(run_dir: Path, killed_at_step: int | None) -> dict:
         "learner_delay_ok": bool(affected)
         and all(sync_s(r) <= 2 * BUCKET_S + 1.0 for r in reformed)
         and all(sync_s(r) <= JOIN_WINDOW_S + BUCKET_S + 1.0 for r in short),
-        "survivor_got_reformed_versions": bool(versions)
-        and all(any(r.get("rollout/policy_version", -1) >= v for r in other) for v in versions),
+        "survivor_got_reformed_versions": bool(versions) and all(got >= v for v in versions),
         "survivor_missed_rounds": other[-1].get("weights/rounds_missed") if other else None,
-        "survivor_final_version": other[-1].get("rollout/policy_version") if other else None,
+        "survivor_final_version": got,
         "learner_final_version": rows[-1].get("policy/version") if rows else None,
     }
 
