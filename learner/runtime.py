@@ -85,8 +85,8 @@ def load_causal_lm(path: str, cfg: JobConfig, dtype: torch.dtype) -> torch.nn.Mo
 
 
 class BudgetClock:
-    """Training wall time against ``learner.max_minutes``: the run's deadline, and the fraction of the budget
-    used that ``learner.lr_decay_by: time`` decays over.
+    """Training wall time against ``learner.max_minutes``: the share of the budget used, which ends the run
+    when it reaches 1 (``GracefulStop.agreed``) and which ``learner.lr_decay_by: time`` decays over.
 
     It starts when training starts (after a resume too, like the deadline: a resumed run trains
     ``max_minutes`` more). ``fraction`` is what the ranks agreed at the top of the step (``GracefulStop.agreed``
