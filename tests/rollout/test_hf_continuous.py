@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -209,12 +210,24 @@ def test_pause_with_rows_at_different_steps(tiny_model_dir, flipped, mode):  # n
     engine = make_engine(tiny_model_dir)
     old = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     prompts = [ids(engine, "12+34="), ids(engine, "what is 12*13? " * 4)]
+    sampled = [0, 0]  # tokens each row has sampled, counted by the decode thread as it streams them
+    going = [threading.Event(), threading.Event()]  # set once the row has sampled 3
+
+    def counter(i: int):
+        def on_token(tokens: list[int]) -> None:
+            sampled[i] += len(tokens)
+            if sampled[i] >= 3:
+                going[i].set()
+
+        return on_token
+
     try:
         futures = []
-        for prompt in prompts:
-            futures.append(engine.submit(Request(prompt, SamplingParams(temperature=0, max_new_tokens=LONG))))
-            wait_for(lambda: started(engine), what="the request to join")
-            time.sleep(0.05)
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=0, max_new_tokens=LONG)
+            futures.append(engine.submit(Request(prompt, params, on_token=counter(i))))
+            # by progress, not by time: a fast box finished the first row within two fixed 50-ms sleeps
+            assert going[i].wait(30), f"request {i} sampled {sampled[i]} tokens in 30 s"
 
         def load():
             engine.update_weights(flipped.state_dict().items())
