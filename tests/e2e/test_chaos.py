@@ -6,9 +6,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # ~32 s here, ~45 s on the CI box
 def test_short_chaos_run_loses_and_duplicates_nothing(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
