@@ -49,6 +49,18 @@ def started(engine) -> bool:
     return engine._thread is not None and not engine._pending
 
 
+def decoding(engine, text: str = "12+34="):
+    """A LONG greedy request, returned once it has sampled its first token: waiting by progress, not by polling
+    or sleeping, leaves a fast box no time to finish it before the test acts (200 steps take ~0.1 s here)."""
+    first = threading.Event()
+    request = Request(
+        ids(engine, text), SamplingParams(temperature=0, max_new_tokens=LONG), on_token=lambda _: first.set()
+    )
+    future = engine.submit(request)
+    assert first.wait(30), "the long request sampled nothing in 30 s"
+    return future
+
+
 def staggered(engine, requests: list[Request], gap_s: float = 0.01):
     """Submit the requests one after another, each once the one before has joined the rows, so that
     each merges into a running cache at another step; returns the generations."""
@@ -107,10 +119,9 @@ def test_merged_rows_step_like_each_alone(engine):
 def test_a_request_joins_the_running_decode(tiny_model_dir, continuous):
     engine = make_engine(tiny_model_dir, continuous=continuous)
     try:
-        long = engine.submit(Request(ids(engine, "12+34="), SamplingParams(temperature=0, max_new_tokens=LONG)))
-        wait_for(lambda: started(engine), what="the long request to start")
+        long = decoding(engine)
         short = engine.submit(Request(ids(engine, "5+5="), SamplingParams(temperature=0, max_new_tokens=3)))
-        wait_for(short.done, what="the short request")
+        short.result(60)
         if continuous:  # it joined the running rows: 3 steps, while the long one has hundreds left
             assert not long.done()
             assert len(long.result(60).token_ids) == LONG
@@ -256,8 +267,7 @@ def test_a_pause_right_after_a_resume_is_acknowledged_by_the_parked_rows(tiny_mo
     nothing runs; it used to wait with its rows for a resume that waited for it (the rollout stopped)."""
     engine = make_engine(tiny_model_dir)
     try:
-        long = engine.submit(Request(ids(engine, "12+34="), SamplingParams(temperature=0, max_new_tokens=LONG)))
-        wait_for(lambda: started(engine), what="the long request to start")
+        long = decoding(engine)
         engine.loop.call(engine.pause("keep"), timeout=30)  # parked with its row
 
         async def resume_then_pause():
@@ -279,8 +289,7 @@ def test_a_pause_right_after_a_resume_is_acknowledged_by_the_parked_rows(tiny_mo
 def test_finish_pause_admits_nobody_until_the_rows_end(tiny_model_dir):
     engine = make_engine(tiny_model_dir)
     try:
-        long = engine.submit(Request(ids(engine, "12+34="), SamplingParams(temperature=0, max_new_tokens=LONG)))
-        wait_for(lambda: started(engine), what="the long request to start")
+        long = decoding(engine)
         paused = engine.loop.submit(engine.pause("finish"))
         wait_for(lambda: engine._pause_mode == "finish", what="the pause")
         late = engine.submit(Request(ids(engine, "5+5="), SamplingParams(temperature=0, max_new_tokens=3)))
