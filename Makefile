@@ -34,7 +34,7 @@ test-health: $(STAMP)
 # tests) and a local Ray (the `ray` extra). Needs root; installs what it needs and fails loudly.
 test-cluster: $(STAMP)
 	bash scripts/cluster_deps.sh $(PY)
-	$(PY) -m pytest -q -m cluster tests/cluster -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m cluster tests/cluster -p no:cacheprovider --durations=10 $(PYTEST_ARGS)
 
 # The vLLM lane (opt-in; .ci/run runs it): vLLM's CPU backend in its own .venv-vllm (~3 min and ~3.4 GB
 # the first time), then tests/vllm: engine, weights received in the worker, and `fleetrl run` with it.
@@ -49,7 +49,8 @@ test-verifiers:
 	VENV=$(VENV_VERIFIERS) bash scripts/verifiers_env.sh
 	$(VENV_VERIFIERS)/bin/python -m pytest -q -m verifiers tests/verifiers -p no:cacheprovider $(PYTEST_ARGS)
 
-# the slow lane of .ci/run: the 100k-frame fuzz, unbounded long polls, chaos in pinned states (~7 min on 2 cores)
+# the slow lane of .ci/run: the 100k-frame fuzz, unbounded long polls, chaos (short and pinned), the smoke configs that
+# repeat grpo's path, ZeRO-2 on two ranks (~8 min on 2 cores here)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "slow and not gpu and not cluster and not quiet" --ignore=tests/vllm --ignore=tests/verifiers --durations=30 $(PYTEST_ARGS)
 
