@@ -49,15 +49,20 @@ def started(engine) -> bool:
     return engine._thread is not None and not engine._pending
 
 
-def decoding(engine, text: str = "12+34="):
-    """A LONG greedy request, returned once it has sampled its first token: waiting by progress, not by polling
-    or sleeping, leaves a fast box no time to finish it before the test acts (200 steps take ~0.1 s here)."""
-    first = threading.Event()
-    request = Request(
-        ids(engine, text), SamplingParams(temperature=0, max_new_tokens=LONG), on_token=lambda _: first.set()
-    )
-    future = engine.submit(request)
-    assert first.wait(30), "the long request sampled nothing in 30 s"
+def decoding(engine, prompt: list[int] | None = None, sampled: int = 1):
+    """A LONG greedy request (default prompt "12+34="), returned once it has sampled ``sampled`` tokens: waiting
+    by progress, not by polling or sleeping, leaves a fast box no time to finish it before the test acts (200
+    steps take ~0.1 s here)."""
+    count, going = [0], threading.Event()
+
+    def on_token(tokens: list[int]) -> None:  # the decode thread, as it streams the row's tokens
+        count[0] += len(tokens)
+        if count[0] >= sampled:
+            going.set()
+
+    prompt = ids(engine, "12+34=") if prompt is None else prompt
+    future = engine.submit(Request(prompt, SamplingParams(temperature=0, max_new_tokens=LONG), on_token=on_token))
+    assert going.wait(30), f"the long request sampled {count[0]} of {sampled} tokens in 30 s"
     return future
 
 
@@ -221,24 +226,10 @@ def test_pause_with_rows_at_different_steps(tiny_model_dir, flipped, mode):  # n
     engine = make_engine(tiny_model_dir)
     old = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     prompts = [ids(engine, "12+34="), ids(engine, "what is 12*13? " * 4)]
-    sampled = [0, 0]  # tokens each row has sampled, counted by the decode thread as it streams them
-    going = [threading.Event(), threading.Event()]  # set once the row has sampled 3
-
-    def counter(i: int):
-        def on_token(tokens: list[int]) -> None:
-            sampled[i] += len(tokens)
-            if sampled[i] >= 3:
-                going[i].set()
-
-        return on_token
-
     try:
-        futures = []
-        for i, prompt in enumerate(prompts):
-            params = SamplingParams(temperature=0, max_new_tokens=LONG)
-            futures.append(engine.submit(Request(prompt, params, on_token=counter(i))))
-            # by progress, not by time: a fast box finished the first row within two fixed 50-ms sleeps
-            assert going[i].wait(30), f"request {i} sampled {sampled[i]} tokens in 30 s"
+        # each row joins once the one before has sampled 3 tokens: by progress, not by time (a fast box finished
+        # the first row within two fixed 50-ms sleeps)
+        futures = [decoding(engine, prompt, sampled=3) for prompt in prompts]
 
         def load():
             engine.update_weights(flipped.state_dict().items())
